@@ -44,15 +44,12 @@ import functools
 
 import torch
 
-from .types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType
+from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, QuantizedWeight, WeightType
 
 ATOM_N = 16
 ATOM_K = 64
 LANES = 32
 VALUES_PER_LANE = ATOM_N * ATOM_K // LANES  # 32
-
-_SUPPORTED_ARCHS = ("sm90a",)
-
 
 def atom_bytes(bits: int) -> int:
     """Bytes in one 16x64 atom of ``bits``-bit codes (32 lanes x 32 values)."""
@@ -94,8 +91,8 @@ def _byte_gather_index(bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_arch(arch: str) -> None:
-    if arch not in _SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported arch {arch!r}; mixgemm prepacks for {_SUPPORTED_ARCHS}")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported arch {arch!r}; mixgemm prepacks for {SUPPORTED_ARCHS}")
 
 
 def check_packable(n: int, k: int) -> None:
@@ -130,6 +127,15 @@ def prepack(qw: QuantizedWeight, arch: str = "sm90a") -> PackedWeight:
         raise TypeError(f"prepack expects a QuantizedWeight, got {type(qw).__name__}")
     n, k, bits = qw.n, qw.k, qw.bits
     check_packable(n, k)
+    wt = qw.weight_type
+    if qw.qweight.numel():
+        lo, hi = int(qw.qweight.min()), int(qw.qweight.max())
+        if lo < wt.qmin or hi > wt.qmax:
+            raise ValueError(f"codes must lie in [{wt.qmin}, {wt.qmax}] for {wt.value} weights, "
+                             f"got values in [{lo}, {hi}]")
+    for name, t in (("scales", qw.scales), ("zeros", qw.zeros)):
+        if t is not None and not torch.isfinite(t).all():
+            raise ValueError(f"{name} must be finite")
     index, shift = _byte_gather_index(bits)
     index, shift = index.to(qw.device), shift.to(qw.device)
     na_total, ka = n // ATOM_N, k // ATOM_K

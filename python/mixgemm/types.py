@@ -99,7 +99,7 @@ class WeightType(enum.Enum):
 
     @classmethod
     def of(cls, bits: int, symmetric: bool) -> "WeightType":
-        if bits not in (8, 4, 2):
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (8, 4, 2):
             raise ValueError(f"bits must be 8, 4 or 2, got {bits!r}")
         return cls(("s" if symmetric else "u") + str(bits))
 
@@ -247,8 +247,10 @@ class PackedWeight:
             raise ValueError(f"PackedWeight is for arch {self.arch!r}; this mixgemm supports "
                              f"{SUPPORTED_ARCHS}")
         if self.layout_version != LAYOUT_VERSION:
+            hint = ("upgrade mixgemm to read it" if self.layout_version > LAYOUT_VERSION
+                    else "prepack the weight again")
             raise ValueError(f"PackedWeight has layout version {self.layout_version}; this mixgemm "
-                             f"reads version {LAYOUT_VERSION} (prepack the weight again)")
+                             f"reads version {LAYOUT_VERSION} ({hint})")
         if self.n % ATOM_N or self.k % ATOM_K:
             raise ValueError(f"N must be a multiple of {ATOM_N} and K of {ATOM_K}, got N={self.n} K={self.k}")
         check_group_size(self.group_size, self.k)

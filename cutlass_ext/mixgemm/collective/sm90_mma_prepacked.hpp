@@ -1,0 +1,508 @@
+// mixgemm: sm90 warp-specialized mainloop for prepacked low-bit weights x bf16/fp16 activations.
+//
+//   D[N_w, M_tok] = A[N_w, K] * B[M_tok, K]^T      (A: the weight, B: the activations x)
+//
+// A is operand A of a register-sourced wgmma: TMA brings whole 16x64 atoms of the prepacked
+// weight (python/mixgemm/layout.py) into shared memory, each consumer lane reads its 32-value
+// share of an atom with one or two 16-byte loads (8 bytes for int2), and the mixgemm converters
+// (converters/mixgemm/dequant.hpp) turn it into the bf16/fp16 A fragment with the group's scale
+// and zero point folded in -- lop3 + sub + mul per register, no float32 detour, no byte permutes.
+// B goes through TMA + swizzled shared memory straight into wgmma, as in any sm90 GEMM; with the
+// tokens on the MMA's N mode, a small batch costs a narrow N, not wasted M rows.
+//
+// Scales and zeros ([G, N_w], N_w contiguous) are loaded per k-tile by TMA, one row per group the
+// k-tile touches (group_size is a runtime value: 32..256 or K); their transaction bytes are part
+// of the stage's barrier, which is a runtime value in Params.
+//
+// The collective implements the interface that CUTLASS's sm90 GemmUniversal kernels
+// (warp-specialized cooperative and ping-pong, any tile scheduler incl. stream-K) expect.
+#pragma once
+
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/layout.hpp"
+#include "cutlass/gemm/gemm.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/numeric_types.h"
+#include "cutlass/pipeline/pipeline.hpp"
+#include "cutlass/trace.h"
+
+#include "cute/algorithm/functional.hpp"
+#include "cute/algorithm/gemm.hpp"
+#include "cute/arch/cluster_sm90.hpp"
+#include "cute/arch/copy_sm90.hpp"
+#include "cute/atom/copy_traits_sm90_tma.hpp"
+#include "cute/atom/mma_atom.hpp"
+#include "cute/tensor.hpp"
+
+#include "mixgemm/numeric_conversion.hpp"
+#include "mixgemm/tags.hpp"
+
+namespace mixgemm::collective {
+
+using namespace cute;
+
+// Geometry of the prepacked layout (must match python/mixgemm/layout.py).
+constexpr int kAtomRows = 16;   // weight rows (n) per atom
+constexpr int kAtomCols = 64;   // k per atom
+constexpr int kLanes = 32;
+constexpr int kMinGroup = 32;   // smallest supported group size
+
+template <class ElementCode_, class ElementAct_, bool HasZero_, class TileShape_, class ClusterShape_,
+          int Stages_, class KernelSchedule_, class SmemLayoutAtomB_>
+struct CollectiveMmaPrepacked {
+  //
+  // Types the kernel layer reads
+  //
+  using DispatchPolicy = MainloopSm90Prepacked<Stages_, ClusterShape_, KernelSchedule_>;
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+  using KernelSchedule = KernelSchedule_;
+  using ArchTag = cutlass::arch::Sm90;
+  using ElementA = ElementCode_;                 // the integer code type (int2b_t .. uint8_t)
+  using ElementB = ElementAct_;
+  using ElementAct = ElementAct_;
+  using ElementScale = ElementAct_;
+  using ElementZero = ElementAct_;
+  static constexpr bool HasZero = HasZero_;
+  // A is prepacked, not strided; this nominal K-major stride only satisfies the kernel layer.
+  using StrideA = cute::Stride<int64_t, cute::Int<1>, int64_t>;
+  using StrideB = cute::Stride<int64_t, cute::Int<1>, int64_t>;  // x[M_tok, K] row-major: K-major B
+
+  static constexpr bool kCooperative =
+      cute::is_base_of_v<cutlass::gemm::KernelTmaWarpSpecializedCooperative, KernelSchedule>;
+  using AtomLayoutMNK = cute::conditional_t<kCooperative, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _1, _1>>>;
+  using TiledMma = decltype(cute::make_tiled_mma(
+      GMMA::rs_op_selector<ElementAct, ElementAct, float, TileShape, GMMA::Major::K, GMMA::Major::K>(),
+      AtomLayoutMNK{}));
+  using ElementAccumulator = float;
+
+  using Dequant = mixgemm::PrepackedDequantFor<ElementCode_, ElementAct_>;
+  static constexpr int kBits = Dequant::kBits;
+
+  static constexpr int BLK_M = size<0>(TileShape{});
+  static constexpr int BLK_N = size<1>(TileShape{});
+  static constexpr int BLK_K = size<2>(TileShape{});
+  static constexpr int Stages = Stages_;
+  static_assert(BLK_K % kAtomCols == 0, "the k-tile must hold whole 64-wide atoms");
+  static_assert(BLK_M % 64 == 0, "the weight tile must hold whole 64-row wgmma blocks");
+  static_assert(size(ClusterShape{}) == 1, "mixgemm's prepacked mainloop runs without clusters");
+  static_assert(Stages >= 2, "at least two pipeline stages");
+
+  static constexpr int kAtomsK = BLK_K / kAtomCols;           // atoms per tile along K
+  static constexpr int kAtomsM = BLK_M / kAtomRows;           // atoms per tile along N_w
+  static constexpr int kAtomBytes = kAtomRows * kAtomCols * kBits / 8;
+  static constexpr int kChunkBytes = kAtomBytes / kLanes;     // one lane's share: 4 * bits bytes
+  static constexpr int kAtomWords = kAtomBytes / 8;           // TMA element: uint64
+  static constexpr int kKBlocks = BLK_K / 16;                 // wgmma k16 blocks per tile
+  static constexpr int kGroupRowsMax = BLK_K / kMinGroup;     // scale rows a k-tile may need
+
+  //
+  // Shared memory
+  //
+  using SmemLayoutA = Layout<Shape<Int<kAtomWords>, Int<kAtomsK>, Int<kAtomsM>>>;  // one stage
+  using SmemLayoutAtomB = SmemLayoutAtomB_;
+  using SmemLayoutB = decltype(tile_to_shape(SmemLayoutAtomB{},
+                                             make_shape(Int<BLK_N>{}, Int<BLK_K>{}, Int<Stages>{}),
+                                             Step<_1, _2, _3>{}));
+  using SmemLayoutScaleRow = Layout<Shape<Int<BLK_M>, _1>>;   // TMA box: one group row of a tile
+  static constexpr int kScaleStageElems = BLK_M * kGroupRowsMax;
+
+  static constexpr size_t SmemAlignmentB = cutlass::detail::alignment_for_swizzle(SmemLayoutB{});
+  static_assert(SmemAlignmentB >= 128);
+
+  using MainloopPipeline = cutlass::PipelineTmaAsync<Stages>;
+  using PipelineState = cutlass::PipelineState<Stages>;
+  using PipelineParams = typename MainloopPipeline::Params;
+  static constexpr int NumProducerThreadEvents = 1;
+
+  struct SharedStorage {
+    struct TensorStorage : cute::aligned_struct<128, _0> {
+      alignas(SmemAlignmentB) cute::array_aligned<ElementAct, cute::cosize_v<SmemLayoutB>> smem_B;
+      alignas(128) cute::array_aligned<uint64_t, kAtomWords * kAtomsK * kAtomsM * Stages> smem_A;
+      alignas(128) cute::array_aligned<ElementAct, kScaleStageElems * Stages> smem_scale;
+      alignas(128) cute::array_aligned<ElementAct, HasZero ? kScaleStageElems * Stages : 8> smem_zero;
+    } tensors;
+    using PipelineStorage = typename MainloopPipeline::SharedStorage;
+    PipelineStorage pipeline;
+  };
+  using TensorStorage = typename SharedStorage::TensorStorage;
+  using PipelineStorage = typename SharedStorage::PipelineStorage;
+
+  static constexpr uint32_t kStageBytesA = kAtomBytes * kAtomsK * kAtomsM;
+  static constexpr uint32_t kStageBytesB = BLK_N * BLK_K * sizeof(ElementAct);
+  static constexpr uint32_t kBytesPerScaleRow = BLK_M * sizeof(ElementAct);
+  // Shared memory one stage costs (for the builder's stage count).
+  static constexpr int kStageSmemBytes =
+      int(kStageBytesA + kStageBytesB + (HasZero ? 2 : 1) * kScaleStageElems * sizeof(ElementAct) +
+          sizeof(typename cutlass::PipelineTmaAsync<1>::SharedStorage));
+
+  //
+  // Host-side arguments and device-side params
+  //
+  struct Arguments {
+    uint8_t const* ptr_A = nullptr;       // prepacked weight, uint8 [N_w/16, K/64, 128*bits]
+    ElementAct const* ptr_B = nullptr;    // activations, [M_tok, K] with row stride dB
+    StrideB dB{};
+    ElementAct const* ptr_S = nullptr;    // scales [G, N_w], N_w contiguous
+    ElementAct const* ptr_Z = nullptr;    // zero points [G, N_w] (HasZero only)
+    int group_size = 0;
+  };
+
+  // TMA over the packed weight viewed as uint64 [atom words, K/64 atoms, N_w/16 atoms].
+  using GmemLayoutA = Layout<Shape<Int<kAtomWords>, int32_t, int32_t>, Stride<_1, int64_t, int64_t>>;
+  using GmemLayoutScale = Layout<Shape<int32_t, int32_t>, Stride<_1, int64_t>>;   // [N_w, G]
+  using GmemLayoutB = Layout<Shape<int32_t, int32_t, int32_t>, StrideB>;
+
+  struct Params {
+    using TMA_A = decltype(make_tma_copy(SM90_TMA_LOAD{},
+        make_tensor(make_gmem_ptr(static_cast<uint64_t const*>(nullptr)), GmemLayoutA{}),
+        SmemLayoutA{}));
+    using TMA_B = decltype(make_tma_copy_B_sm90(SM90_TMA_LOAD{},
+        make_tensor(make_gmem_ptr(static_cast<ElementAct const*>(nullptr)), GmemLayoutB{}),
+        SmemLayoutB{}(_, _, Int<0>{}), TileShape{}, ClusterShape{}));
+    using TMA_S = decltype(make_tma_copy(SM90_TMA_LOAD{},
+        make_tensor(make_gmem_ptr(static_cast<ElementAct const*>(nullptr)), GmemLayoutScale{}),
+        SmemLayoutScaleRow{}));
+    TMA_A tma_load_a;
+    TMA_B tma_load_b;
+    TMA_S tma_load_scale;
+    TMA_S tma_load_zero;
+    uint32_t tma_transaction_bytes = 0;
+    int32_t group_size = 0;
+    int32_t group_rows_per_tile = 1;    // scale rows loaded per k-tile (power of two)
+    int32_t k_atoms = 0;                // K / 64
+    int32_t m_atoms = 0;                // N_w / 16
+    int32_t groups = 0;                 // K / group_size
+  };
+
+  // Scale rows a k-tile needs: BLK_K / group_size when the group is smaller than the tile, else 1.
+  CUTLASS_HOST_DEVICE static int group_rows_per_tile(int group_size) {
+    return group_size < BLK_K ? BLK_K / group_size : 1;
+  }
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
+    (void)workspace;
+    auto [M, N, K, L] = append<4>(problem_shape, 1);    // M = N_w (weight rows), N = M_tok
+    int32_t k_atoms = int32_t(K) / kAtomCols;
+    int32_t m_atoms = int32_t(M) / kAtomRows;
+    int32_t groups = int32_t(K) / args.group_size;
+
+    auto gA = make_tensor(make_gmem_ptr(reinterpret_cast<uint64_t const*>(args.ptr_A)),
+                          GmemLayoutA{make_shape(Int<kAtomWords>{}, k_atoms, m_atoms),
+                                      make_stride(_1{}, int64_t(kAtomWords), int64_t(kAtomWords) * k_atoms)});
+    auto gB = make_tensor(make_gmem_ptr(args.ptr_B), make_layout(make_shape(int32_t(N), int32_t(K), int32_t(L)), args.dB));
+    auto gS = make_tensor(make_gmem_ptr(args.ptr_S),
+                          GmemLayoutScale{make_shape(int32_t(M), groups), make_stride(_1{}, int64_t(M))});
+    // With no zero points the zero TMA is a copy of the scale one and is never issued.
+    auto gZ = make_tensor(make_gmem_ptr(HasZero ? args.ptr_Z : args.ptr_S),
+                          GmemLayoutScale{make_shape(int32_t(M), groups), make_stride(_1{}, int64_t(M))});
+
+    int gpt = group_rows_per_tile(args.group_size);
+    uint32_t tx = kStageBytesA + kStageBytesB + uint32_t(gpt) * kBytesPerScaleRow * (HasZero ? 2u : 1u);
+    return {
+      make_tma_copy(SM90_TMA_LOAD{}, gA, SmemLayoutA{}),
+      make_tma_copy_B_sm90(SM90_TMA_LOAD{}, gB, SmemLayoutB{}(_, _, Int<0>{}), TileShape{}, ClusterShape{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gS, SmemLayoutScaleRow{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gZ, SmemLayoutScaleRow{}),
+      tx, int32_t(args.group_size), int32_t(gpt), k_atoms, m_atoms, groups};
+  }
+
+  // Why an argument set cannot run, or nullptr if it can. (can_implement's reason, for the
+  // host helper's error message.)
+  template <class ProblemShape>
+  static char const* why_not(ProblemShape const& problem_shape, Arguments const& args) {
+    auto [M, N, K, L] = append<4>(problem_shape, 1);
+    auto aligned16 = [](void const* p) { return (reinterpret_cast<uintptr_t>(p) % 16) == 0; };
+    if (L != 1) return "batched (L > 1) problems are not supported";
+    if (M <= 0 || N <= 0 || K <= 0) return "empty problem";
+    if (M % kAtomRows) return "N (weight rows) must be a multiple of 16";
+    if (K % kAtomCols) return "K must be a multiple of 64";
+    if (args.group_size <= 0 || K % args.group_size) return "group_size must divide K";
+    if (args.group_size % 16) return "group_size must be a multiple of 16";
+    if (!(args.group_size == K || BLK_K % args.group_size == 0 || args.group_size % BLK_K == 0))
+      return "group_size must divide the k-tile, be a multiple of it, or equal K";
+    if (!args.ptr_A || !args.ptr_B || !args.ptr_S) return "null weight, activation or scale pointer";
+    if (HasZero && !args.ptr_Z) return "this kernel needs zero points";
+    if (!aligned16(args.ptr_A) || !aligned16(args.ptr_B) || !aligned16(args.ptr_S) ||
+        (HasZero && !aligned16(args.ptr_Z)))
+      return "weight, activation, scale and zero pointers must be 16-byte aligned";
+    if ((get<0>(args.dB) * int64_t(sizeof(ElementAct))) % 16) return "the activations' row stride must be a multiple of 16 bytes";
+    if ((int64_t(M) * int64_t(sizeof(ElementAct))) % 16) return "N must be a multiple of 8";
+    return nullptr;
+  }
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
+    char const* why = why_not(problem_shape, args);
+    if (why) { CUTLASS_TRACE_HOST("  CAN IMPLEMENT: " << why << "\n"); }
+    return why == nullptr;
+  }
+
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_load_a.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_load_b.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_load_scale.get_tma_descriptor());
+    if constexpr (HasZero) {
+      cute::prefetch_tma_descriptor(params.tma_load_zero.get_tma_descriptor());
+    }
+  }
+
+  // The kernel layer reads the tile counts off gA_mkl/gB_nkl. A's tiles are addressed in atom
+  // coordinates inside load(), so gA_mkl is only a coordinate tensor of the logical shape.
+  template <class ProblemShape_MNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& params) const {
+    using X = Underscore;
+    auto [M, N, K, L] = problem_shape_MNKL;
+    Tensor cA_mkl = make_identity_tensor(make_shape(M, K, L));
+    Tensor mB_nkl = params.tma_load_b.get_tma_tensor(make_shape(N, K, L));
+    Tensor gA_mkl = local_tile(cA_mkl, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});  // (BLK_M,BLK_K,m,k,l)
+    Tensor gB_nkl = local_tile(mB_nkl, TileShape{}, make_coord(_, _, _), Step<X, _1, _1>{});  // (BLK_N,BLK_K,n,k,l)
+    return cute::make_tuple(gA_mkl, gB_nkl);
+  }
+
+  //
+  // Producer: one elected thread of the load warp issues the TMA copies of a k-tile.
+  //
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
+                           KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
+                           uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+    (void)thread_idx;
+    (void)block_rank_in_cluster;
+    if (!cute::elect_one_sync()) {
+      return;
+    }
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+
+    // A: uint64 [atom words, k atoms, m atoms]; one tile = (all words, kAtomsK, kAtomsM).
+    Tensor mA = params.tma_load_a.get_tma_tensor(make_shape(Int<kAtomWords>{}, params.k_atoms, params.m_atoms));
+    Tensor gA = local_tile(mA, shape(SmemLayoutA{}), make_coord(_0{}, _, m_coord));       // (W,KA,MA,k)
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()),
+                            append(SmemLayoutA{}, Layout<Int<Stages>, Int<cosize_v<SmemLayoutA>>>{}));  // (W,KA,MA,PIPE)
+    auto tma_a = params.tma_load_a.get_slice(0);
+    Tensor tAgA = tma_a.partition_S(gA);
+    Tensor tAsA = tma_a.partition_D(sA);
+
+    // B: the activation tile of this CTA's tokens.
+    Tensor gB_nkl = get<1>(load_inputs);
+    Tensor gB = gB_nkl(_, _, n_coord, _, l_coord);                                           // (BLK_N,BLK_K,k)
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});    // (BLK_N,BLK_K,PIPE)
+    auto tma_b = params.tma_load_b.get_slice(0);
+    Tensor tBgB = tma_b.partition_S(gB);
+    Tensor tBsB = tma_b.partition_D(sB);
+
+    // Scales (and zeros): rows of [G, N_w]; a tile's rows land at [stage][row][BLK_M].
+    Tensor mS = params.tma_load_scale.get_tma_tensor(make_shape(params.m_atoms * kAtomRows, params.groups));
+    Tensor gS = local_tile(mS, shape(SmemLayoutScaleRow{}), make_coord(m_coord, _));        // (BLK_M,1,g)
+    Tensor sS = make_tensor(make_smem_ptr(shared_tensors.smem_scale.data()),
+                            make_layout(make_shape(Int<BLK_M>{}, _1{}, Int<kGroupRowsMax * Stages>{})));
+    auto tma_s = params.tma_load_scale.get_slice(0);
+    Tensor tSgS = tma_s.partition_S(gS);
+    Tensor tSsS = tma_s.partition_D(sS);
+    Tensor mZ = params.tma_load_zero.get_tma_tensor(shape(mS));
+    Tensor gZ = local_tile(mZ, shape(SmemLayoutScaleRow{}), make_coord(m_coord, _));
+    Tensor sZ = make_tensor(make_smem_ptr(shared_tensors.smem_zero.data()),
+                            make_layout(make_shape(Int<BLK_M>{}, _1{}, Int<kGroupRowsMax * Stages>{})));
+    auto tma_z = params.tma_load_zero.get_slice(0);
+    Tensor tZgZ = tma_z.partition_S(gZ);
+    Tensor tZsZ = tma_z.partition_D(sZ);
+
+    int const gpt = params.group_rows_per_tile;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      using BarrierType = typename MainloopPipeline::ProducerBarrierType;
+      BarrierType* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      int stage = smem_pipe_write.index();
+      int k_tile = *k_tile_iter;
+
+      copy(params.tma_load_a.with(*tma_barrier), tAgA(_, _, _, _, k_tile), tAsA(_, _, _, _, stage));
+      copy(params.tma_load_b.with(*tma_barrier), tBgB(_, _, _, k_tile), tBsB(_, _, _, stage));
+      int row0 = (k_tile * BLK_K) / params.group_size;
+      for (int r = 0; r < gpt; ++r) {
+        copy(params.tma_load_scale.with(*tma_barrier), tSgS(_, _, _, row0 + r), tSsS(_, _, _, stage * kGroupRowsMax + r));
+        if constexpr (HasZero) {
+          copy(params.tma_load_zero.with(*tma_barrier), tZgZ(_, _, _, row0 + r), tZsZ(_, _, _, stage * kGroupRowsMax + r));
+        }
+      }
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+
+  CUTLASS_DEVICE void load_tail(MainloopPipeline pipeline, PipelineState smem_pipe_write) {
+    if (cute::elect_one_sync()) {
+      pipeline.producer_tail(smem_pipe_write);
+    }
+  }
+
+  //
+  // Consumer: dequantize A into the wgmma fragment, one k16 block ahead of the tensor core.
+  //
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const& params) {
+    static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
+    int const mma_thread = thread_idx % size(TiledMma{});
+    int const lane = thread_idx % kLanes;
+
+    TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_slice(mma_thread);
+
+    // Which tile rows/cols this thread's A fragment values sit at: read off the MMA's own
+    // thread-value layout, so the code follows whatever tiling TiledMma has.
+    Tensor cA = make_identity_tensor(make_shape(Int<BLK_M>{}, Int<BLK_K>{}));
+    Tensor tCcA = thr_mma.partition_A(cA);                                   // (MMA,MMA_M,MMA_K) -> (m,k)
+    Tensor tileA = make_tensor(make_smem_ptr(static_cast<ElementAct*>(nullptr)),
+                               make_layout(make_shape(Int<BLK_M>{}, Int<BLK_K>{})));  // shape only
+    Tensor tCrA = thr_mma.partition_fragment_A(tileA);                       // (MMA,MMA_M,MMA_K) bf16/fp16
+    Tensor tCrA_u32 = recast<uint32_t>(tCrA);                                // (4,MMA_M,MMA_K)
+    constexpr int MMA_M = size<1>(tCrA);
+    constexpr int MMA_K = size<2>(tCrA);
+    static_assert(MMA_K == kKBlocks, "one wgmma per k16 block");
+    static_assert(size<0>(tCrA_u32) == 4, "a k16 A fragment is four 32-bit registers");
+
+    // wgmma B descriptors over the swizzled activation tile.
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    Tensor tCsB = thr_mma.partition_B(sB);
+    Tensor tCrB = thr_mma.make_fragment_B(tCsB);                             // (MMA,MMA_N,MMA_K,PIPE)
+
+    // Per 64-row block: the thread's atom row and the two tile rows (g, g + 8) it holds.
+    int atom_row[MMA_M];
+    int tile_row[MMA_M];
+    CUTLASS_PRAGMA_UNROLL
+    for (int mm = 0; mm < MMA_M; ++mm) {
+      tile_row[mm] = get<0>(tCcA(0, mm, 0));
+      atom_row[mm] = tile_row[mm] / kAtomRows;
+    }
+    uint8_t const* smem_A = reinterpret_cast<uint8_t const*>(shared_tensors.smem_A.data());
+    ElementAct const* smem_S = shared_tensors.smem_scale.data();
+    ElementAct const* smem_Z = shared_tensors.smem_zero.data();
+    int const gpt = params.group_rows_per_tile;
+
+    PipelineState smem_pipe_release = smem_pipe_read;
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(accum);
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int t = 0; k_tile_count > 0; --k_tile_count, ++t) {
+      auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+      pipeline.consumer_wait(smem_pipe_read, barrier_token);
+      int const stage = smem_pipe_read.index();
+
+      // The lane's chunks of this stage's atoms: kBits 32-bit words per (row block, k atom).
+      uint32_t chunk[MMA_M][kAtomsK][kBits];
+      CUTLASS_PRAGMA_UNROLL
+      for (int mm = 0; mm < MMA_M; ++mm) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int ka = 0; ka < kAtomsK; ++ka) {
+          uint8_t const* src = smem_A + size_t(stage) * kStageBytesA +
+                               size_t((atom_row[mm] * kAtomsK + ka) * kAtomBytes + lane * kChunkBytes);
+          if constexpr (kChunkBytes == 8) {
+            uint2 v = *reinterpret_cast<uint2 const*>(src);
+            chunk[mm][ka][0] = v.x; chunk[mm][ka][1] = v.y;
+          } else {
+            CUTLASS_PRAGMA_UNROLL
+            for (int q = 0; q < kChunkBytes / 16; ++q) {
+              uint4 v = reinterpret_cast<uint4 const*>(src)[q];
+              chunk[mm][ka][4 * q + 0] = v.x; chunk[mm][ka][4 * q + 1] = v.y;
+              chunk[mm][ka][4 * q + 2] = v.z; chunk[mm][ka][4 * q + 3] = v.w;
+            }
+          }
+        }
+      }
+
+      // Scale and bias registers of the group rows this tile touches (gpt <= kGroupRowsMax).
+      uint32_t scale2[kGroupRowsMax][MMA_M][2];
+      uint32_t bias2[kGroupRowsMax][MMA_M][2];
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kGroupRowsMax; ++r) {
+        if (r < gpt) {
+          ElementAct const* srow = smem_S + (stage * kGroupRowsMax + r) * BLK_M;
+          ElementAct const* zrow = smem_Z + (stage * kGroupRowsMax + r) * BLK_M;
+          CUTLASS_PRAGMA_UNROLL
+          for (int mm = 0; mm < MMA_M; ++mm) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int h = 0; h < 2; ++h) {
+              int row = tile_row[mm] + 8 * h;
+              scale2[r][mm][h] = arith::splat(reinterpret_cast<uint16_t const&>(srow[row]));
+              uint32_t z2 = HasZero ? arith::splat(reinterpret_cast<uint16_t const&>(zrow[row])) : 0u;
+              bias2[r][mm][h] = Dequant::bias(z2);
+            }
+          }
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int mm = 0; mm < MMA_M; ++mm) {
+            scale2[r][mm][0] = scale2[r][mm][1] = 0u;
+            bias2[r][mm][0] = bias2[r][mm][1] = 0u;
+          }
+        }
+      }
+
+      warpgroup_fence_operand(accum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < kKBlocks; ++kb) {
+        // The wgmma that last read this k-block's registers (previous tile) must be done.
+        warpgroup_wait<kKBlocks - 1>();
+        if (kb == kKBlocks - 1 && t > 0) {
+          pipeline.consumer_release(smem_pipe_release);   // all of the previous tile's wgmmas are done
+          ++smem_pipe_release;
+        }
+        // Group row of this k16 block: kb * 16 / group_size, i.e. kb * gpt / kKBlocks.
+        int const grow = (kb * gpt) / kKBlocks;
+        CUTLASS_PRAGMA_UNROLL
+        for (int mm = 0; mm < MMA_M; ++mm) {
+          uint32_t s2[2] = {scale2[0][mm][0], scale2[0][mm][1]};
+          uint32_t b2[2] = {bias2[0][mm][0], bias2[0][mm][1]};
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 1; r < kGroupRowsMax; ++r) {
+            if (grow == r) {
+              s2[0] = scale2[r][mm][0]; s2[1] = scale2[r][mm][1];
+              b2[0] = bias2[r][mm][0]; b2[1] = bias2[r][mm][1];
+            }
+          }
+          uint32_t out[4];
+          uint32_t const* ch = chunk[mm][kb / 4];
+          switch (kb % 4) {
+            case 0: Dequant::template kblock<0>(ch, b2, s2, out); break;
+            case 1: Dequant::template kblock<1>(ch, b2, s2, out); break;
+            case 2: Dequant::template kblock<2>(ch, b2, s2, out); break;
+            default: Dequant::template kblock<3>(ch, b2, s2, out); break;
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < 4; ++i) {
+            tCrA_u32(i, mm, kb) = out[i];
+          }
+        }
+        warpgroup_fence_operand(tCrA_u32);
+        warpgroup_arrive();
+        cute::gemm(tiled_mma, tCrA(_, _, kb), tCrB(_, _, kb, stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        warpgroup_commit_batch();
+      }
+      warpgroup_fence_operand(accum);
+      ++smem_pipe_read;
+    }
+    warpgroup_fence_operand(accum);
+  }
+
+  // Wait for the last tile's wgmmas and release its stage (all earlier ones were released in mma).
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState smem_pipe_release, int k_tile_count) {
+    smem_pipe_release.advance(k_tile_count - 1);
+    warpgroup_wait<0>();
+    pipeline.consumer_release(smem_pipe_release);
+  }
+};
+
+}  // namespace mixgemm::collective

@@ -1,0 +1,151 @@
+// mixgemm: the two faces of one generated GEMM kernel.
+//
+//   MIXGEMM_GEMM_ENTRY(Name, Kernel)
+//
+// * device build (the cubin): an extern "C" __global__ `Name` taking the kernel's Params by
+//   value -- the symbol the Python runtime launches with cuLaunchKernelEx;
+// * host build (-DMIXGEMM_HOST_HELPER, a shared library): C functions that turn
+//   mixgemm::abi::GemmArgs into those Params bytes (to_underlying_arguments encodes the TMA
+//   descriptors on the host) and report grid, block, cluster, shared memory, workspace size and
+//   can_implement, all from the same Kernel type the cubin was built from.
+#pragma once
+
+#include <cstdio>
+#include <cstring>
+#include <type_traits>
+
+#include "cutlass/cutlass.h"
+#include "cutlass/kernel_hardware_info.hpp"
+
+#include "mixgemm/abi.hpp"
+
+namespace mixgemm::host {
+
+template <class T, class = void> struct has_bias_ptr : std::false_type {};
+template <class T> struct has_bias_ptr<T, std::void_t<decltype(std::declval<T&>().bias_ptr)>> : std::true_type {};
+template <class T, class = void> struct has_splits : std::false_type {};
+template <class T> struct has_splits<T, std::void_t<decltype(std::declval<T&>().splits)>> : std::true_type {};
+
+inline int fail(char* err, int errlen, char const* msg) {
+  if (err && errlen > 0) { std::snprintf(err, size_t(errlen), "%s", msg); }
+  return 1;
+}
+
+template <class Kernel>
+typename Kernel::Arguments make_arguments(abi::GemmArgs const& a) {
+  using Mainloop = typename Kernel::CollectiveMainloop;
+  using Epilogue = typename Kernel::CollectiveEpilogue;
+  using ElementAct = typename Mainloop::ElementAct;
+  using ElementD = typename Epilogue::ElementD;
+
+  typename Kernel::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  // The weight is the MMA's M (its rows are the output features), the tokens its N.
+  args.problem_shape = typename Kernel::ProblemShape{a.n, a.m, a.k, 1};
+
+  args.mainloop.ptr_A = reinterpret_cast<uint8_t const*>(a.weight);
+  args.mainloop.ptr_B = reinterpret_cast<ElementAct const*>(a.x);
+  args.mainloop.dB = cute::make_stride(int64_t(a.ldx), cute::Int<1>{}, int64_t(0));
+  args.mainloop.ptr_S = reinterpret_cast<ElementAct const*>(a.scales);
+  args.mainloop.ptr_Z = reinterpret_cast<ElementAct const*>(a.zeros);
+  args.mainloop.group_size = a.group_size;
+
+  auto& fusion = args.epilogue.thread;
+  fusion.alpha = 1.0f;
+  fusion.beta = 0.0f;
+  if constexpr (has_bias_ptr<std::remove_reference_t<decltype(fusion)>>::value) {
+    fusion.bias_ptr = reinterpret_cast<decltype(fusion.bias_ptr)>(a.bias);
+  }
+  args.epilogue.ptr_C = nullptr;
+  // y[m, n] is D[n, m] column-major: the weight rows are contiguous.
+  args.epilogue.ptr_D = reinterpret_cast<ElementD*>(a.y);
+  args.epilogue.dD = cute::make_stride(cute::Int<1>{}, int64_t(a.ldy), int64_t(0));
+  args.epilogue.dC = args.epilogue.dD;
+
+  args.hw_info.device_id = 0;
+  args.hw_info.sm_count = a.sm_count;
+  args.hw_info.max_active_clusters = 0;
+  using SchedulerArgs = typename Kernel::TileSchedulerArguments;
+  using RasterOrder = decltype(std::declval<SchedulerArgs&>().raster_order);
+  args.scheduler.raster_order = a.raster == 1 ? RasterOrder::AlongM : a.raster == 2 ? RasterOrder::AlongN : RasterOrder::Heuristic;
+  if constexpr (has_splits<SchedulerArgs>::value) {
+    args.scheduler.splits = a.splits > 1 ? a.splits : 1;
+  }
+  return args;
+}
+
+// Why the kernel cannot run these arguments (nullptr if it can). Pure host logic: no driver call.
+template <class Kernel>
+char const* check(abi::GemmArgs const* a) {
+  if (a == nullptr) return "null argument";
+  if (a->abi_version != abi::kAbiVersion) return "ABI version mismatch between the runtime and the kernel's host helper";
+  auto args = make_arguments<Kernel>(*a);
+  using Mainloop = typename Kernel::CollectiveMainloop;
+  if (char const* why = Mainloop::why_not(args.problem_shape, args.mainloop)) return why;
+  if ((a->ldy * int64_t(sizeof(typename Kernel::CollectiveEpilogue::ElementD))) % 16 || a->y % 16)
+    return "the output must be 16-byte aligned with a row stride that is a multiple of 16 bytes";
+  if (a->bias % 16) return "the bias must be 16-byte aligned";
+  if (!Kernel::can_implement(args)) return "the kernel cannot implement this problem (epilogue or scheduler constraint)";
+  return nullptr;
+}
+
+template <class Kernel>
+uint64_t workspace_size(abi::GemmArgs const* a) {
+  return a ? uint64_t(Kernel::get_workspace_size(make_arguments<Kernel>(*a))) : 0;
+}
+
+// Params bytes and launch geometry. Encodes the TMA descriptors (a driver call).
+template <class Kernel>
+int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* out, char* err, int errlen) {
+  if (char const* why = check<Kernel>(a)) return fail(err, errlen, why);
+  if (dst == nullptr || out == nullptr) return fail(err, errlen, "null output buffer");
+  if (capacity < sizeof(typename Kernel::Params)) return fail(err, errlen, "params buffer too small");
+  auto args = make_arguments<Kernel>(*a);
+  std::memset(out, 0, sizeof(*out));
+  out->workspace_bytes = Kernel::get_workspace_size(args);
+  if (out->workspace_bytes && a->workspace == 0) return fail(err, errlen, "this launch needs a workspace");
+  auto params = Kernel::to_underlying_arguments(args, reinterpret_cast<void*>(a->workspace));
+  std::memcpy(dst, &params, sizeof(params));
+  dim3 grid = Kernel::get_grid_shape(params);
+  dim3 block = Kernel::get_block_shape();
+  using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
+  out->grid[0] = grid.x; out->grid[1] = grid.y; out->grid[2] = grid.z;
+  out->block[0] = block.x; out->block[1] = block.y; out->block[2] = block.z;
+  out->cluster[0] = cute::size<0>(Cluster{}); out->cluster[1] = cute::size<1>(Cluster{}); out->cluster[2] = cute::size<2>(Cluster{});
+  out->smem_bytes = uint32_t(Kernel::SharedStorageSize);
+  out->params_bytes = uint32_t(sizeof(typename Kernel::Params));
+  return 0;
+}
+
+}  // namespace mixgemm::host
+
+#define MIXGEMM_STR2(x) #x
+#define MIXGEMM_STR(x) MIXGEMM_STR2(x)
+
+#if defined(MIXGEMM_HOST_HELPER)
+#define MIXGEMM_GEMM_ENTRY(NAME, KERNEL)                                                          \
+  extern "C" int32_t mixgemm_abi_version() { return mixgemm::abi::kAbiVersion; }                  \
+  extern "C" char const* mixgemm_kernel_name() { return MIXGEMM_STR(NAME); }                       \
+  extern "C" uint32_t mixgemm_params_size() { return uint32_t(sizeof(KERNEL::Params)); }          \
+  extern "C" uint32_t mixgemm_smem_size() { return uint32_t(KERNEL::SharedStorageSize); }        \
+  extern "C" int mixgemm_gemm_check(mixgemm::abi::GemmArgs const* a, char* err, int errlen) {     \
+    char const* why = mixgemm::host::check<KERNEL>(a);                                            \
+    return why ? mixgemm::host::fail(err, errlen, why) : 0;                                       \
+  }                                                                                               \
+  extern "C" uint64_t mixgemm_gemm_workspace_size(mixgemm::abi::GemmArgs const* a) {              \
+    return mixgemm::host::workspace_size<KERNEL>(a);                                              \
+  }                                                                                               \
+  extern "C" int mixgemm_gemm_prepare(mixgemm::abi::GemmArgs const* a, void* dst, uint32_t cap,    \
+                                      mixgemm::abi::Launch* out, char* err, int errlen) {         \
+    return mixgemm::host::prepare<KERNEL>(a, dst, cap, out, err, errlen);                         \
+  }
+#else
+#define MIXGEMM_GEMM_ENTRY(NAME, KERNEL)                                                          \
+  extern "C" __global__ void __launch_bounds__(KERNEL::MaxThreadsPerBlock,                        \
+                                               KERNEL::MinBlocksPerMultiprocessor)                \
+  NAME(CUTLASS_GRID_CONSTANT KERNEL::Params const params) {                                       \
+    extern __shared__ char smem[];                                                                \
+    KERNEL op;                                                                                    \
+    op(params, smem);                                                                             \
+  }
+#endif

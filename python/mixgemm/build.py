@@ -1,0 +1,343 @@
+"""Building kernels with nvcc into a content-addressed, atomic, locked disk cache.
+
+A kernel spec (:mod:`mixgemm.codegen`) builds into
+
+* ``kernel.cubin``: the device code, ``-gencode=arch=compute_90a,code=sm_90a -DNDEBUG``;
+* ``helper.so`` (GEMM kernels): the host helper compiled from the same source with
+  ``-DMIXGEMM_HOST_HELPER``; it turns arguments into the kernel's ``Params`` bytes.
+
+Cache layout: ``$MIXGEMM_CACHE_DIR`` (default ``~/.cache/mixgemm``) ``/kernels/<name>-<key>/``
+holding the artifacts, the source and ``meta.json`` (key, sha256 of every artifact, the nvcc
+command lines). The key is a sha256 over everything that can change the output: the mixgemm
+version, the rendered source, the contents of mixgemm's headers (cutlass_ext/, converters/),
+the CUTLASS version, the nvcc version, the flags, the arch and the environment variables
+nvcc reads. An entry is built in a temporary directory and moved into place with
+``os.replace``; one file lock per entry covers building and loading, so concurrent processes
+never see half-written files. An entry whose files do not match ``meta.json`` is rebuilt.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from . import paths
+from ._version import __version__
+from .codegen import GemmSpec, KernelSpec, render
+
+log = logging.getLogger("mixgemm")
+
+ARCH = "sm_90a"
+GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
+#: Flags common to the device and host builds. -DNDEBUG matters: without it ptxas serializes
+#: wgmma (warning C7510).
+BASE_FLAGS = ("-std=c++17", "-DNDEBUG", "--expt-relaxed-constexpr", GENCODE,
+              "-Xcompiler=-Wno-deprecated-declarations", "-diag-suppress=177,550")
+CUBIN_FLAGS = ("-O3", "-cubin")
+HELPER_FLAGS = ("-O2", "-shared", "-Xcompiler=-fPIC", "-Xlinker=--strip-all", "-DMIXGEMM_HOST_HELPER")
+#: Environment variables that change what nvcc produces, hence part of the key.
+#: (Which nvcc runs is covered by its version text; its install path is not part of the key, so
+#: a cache built with one install of CUDA 13.0 serves another.)
+KEY_ENV_VARS = ("MIXGEMM_NVCC_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
+
+
+class BuildError(RuntimeError):
+    """nvcc failed, or no usable nvcc was found."""
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MIXGEMM_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "mixgemm"
+
+
+@dataclasses.dataclass(frozen=True)
+class Toolchain:
+    nvcc: str
+    version: str       # the full `nvcc --version` text
+
+    @property
+    def release(self) -> tuple[int, int]:
+        for token in self.version.replace(",", " ").split():
+            if token[:1] == "V" and token[1:2].isdigit():
+                major, minor = token[1:].split(".")[:2]
+                return int(major), int(minor)
+        return (0, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _toolchain_at(nvcc: str) -> Toolchain:
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"cannot run {nvcc} --version: {e}") from e
+    return Toolchain(nvcc, out.strip())
+
+
+def toolchain() -> Toolchain:
+    """The nvcc mixgemm builds with (CUDA >= 12.4 for sm_90a mixed-input kernels)."""
+    nvcc = paths.find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found: set CUDA_HOME, put nvcc on PATH, or install the CUDA "
+                         "toolkit (CUDA >= 12.4)")
+    tc = _toolchain_at(nvcc)
+    if tc.release < (12, 4):
+        raise BuildError(f"{nvcc} is CUDA {tc.release}; mixgemm needs CUDA >= 12.4 for sm_90a")
+    return tc
+
+
+@functools.lru_cache(maxsize=None)
+def _tree_digest(root: str, mtime_key: tuple) -> str:
+    """sha256 over every file under ``root`` (path and contents). ``mtime_key`` makes the cache
+    of this function follow edits."""
+    h = hashlib.sha256()
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_file() and p.suffix in (".h", ".hpp", ".cuh", ".inl", ".cu", ".cpp"):
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def headers_digest() -> str:
+    """Digest of mixgemm's own C++ headers (cutlass_ext/ and converters/)."""
+    parts = []
+    for d in (paths.cutlass_ext_dir(), paths.converters_dir()):
+        files = sorted(p for p in d.rglob("*") if p.is_file())
+        mtimes = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+        parts.append(_tree_digest(str(d), mtimes))
+    return hashlib.sha256("".join(parts).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def cutlass_version() -> str:
+    from importlib import metadata
+    try:
+        return metadata.version("nvidia-cutlass")
+    except metadata.PackageNotFoundError:
+        return "unknown:" + str(paths.cutlass_include_dir())
+
+
+def include_flags() -> list[str]:
+    return [f"-I{paths.cutlass_ext_dir()}", f"-I{paths.converters_dir()}", f"-I{paths.cutlass_include_dir()}"]
+
+
+def _extra_flags() -> list[str]:
+    return os.environ.get("MIXGEMM_NVCC_FLAGS", "").split()
+
+
+def _steps(spec: KernelSpec) -> dict[str, tuple[str, ...]]:
+    """Artifact file name -> the flags that produce it."""
+    steps = {"kernel.cubin": BASE_FLAGS + CUBIN_FLAGS}
+    if isinstance(spec, GemmSpec):
+        steps["helper.so"] = BASE_FLAGS + HELPER_FLAGS
+    return steps
+
+
+def cache_key(spec: KernelSpec, source: str, tc: Toolchain) -> str:
+    """sha256 of everything that determines the artifacts."""
+    env = {v: os.environ.get(v, "") for v in KEY_ENV_VARS}
+    material = {
+        "mixgemm": __version__,
+        "name": spec.name,
+        "source": source,
+        "headers": headers_digest(),
+        "cutlass": cutlass_version(),
+        "nvcc_version": tc.version,
+        "arch": ARCH,
+        "steps": {k: list(v) for k, v in _steps(spec).items()},
+        "extra_flags": _extra_flags(),
+        "env": env,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifacts:
+    """A built kernel in the cache."""
+
+    spec: KernelSpec
+    key: str
+    directory: Path
+
+    @property
+    def cubin_path(self) -> Path:
+        return self.directory / "kernel.cubin"
+
+    @property
+    def helper_path(self) -> Optional[Path]:
+        p = self.directory / "helper.so"
+        return p if isinstance(self.spec, GemmSpec) else None
+
+    def read_cubin(self) -> bytes:
+        return self.cubin_path.read_bytes()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _entry_dir(spec: KernelSpec, key: str) -> Path:
+    return cache_dir() / "kernels" / f"{spec.name}-{key[:20]}"
+
+
+@contextmanager
+def _locked(spec: KernelSpec, key: str):
+    lock_dir = cache_dir() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{spec.name}-{key[:20]}.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _valid(entry: Path, spec: KernelSpec, key: str) -> bool:
+    """True if the entry's meta.json matches the key and every artifact matches its sha256."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        if meta.get("key") != key or meta.get("name") != spec.name:
+            return False
+        for fname, digest in meta["sha256"].items():
+            if _sha256(entry / fname) != digest:
+                return False
+        return set(meta["sha256"]) == set(_steps(spec))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _run_nvcc(tc: Toolchain, flags: Sequence[str], src: Path, out: Path) -> list[str]:
+    cmd = [tc.nvcc, *flags, *include_flags(), *_extra_flags(), str(src), "-o", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = "\n".join(res.stderr.strip().splitlines()[-40:])
+        raise BuildError(f"nvcc failed ({res.returncode}) building {out.name} for {src.parent.name}:\n"
+                         f"{' '.join(cmd)}\n{tail}")
+    return cmd
+
+
+def _build_entry(spec: KernelSpec, key: str, source: str, tc: Toolchain, parallel_steps: bool) -> None:
+    final = _entry_dir(spec, key)
+    tmp_root = cache_dir() / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=tmp_root))
+    try:
+        src = tmp / f"{spec.name}.cu"
+        src.write_text(source)
+        steps = _steps(spec)
+        t0 = time.time()
+        if parallel_steps and len(steps) > 1:
+            with concurrent.futures.ThreadPoolExecutor(len(steps)) as pool:
+                futs = {name: pool.submit(_run_nvcc, tc, flags, src, tmp / name) for name, flags in steps.items()}
+                commands = {name: f.result() for name, f in futs.items()}
+        else:
+            commands = {name: _run_nvcc(tc, flags, src, tmp / name) for name, flags in steps.items()}
+        meta = {
+            "name": spec.name,
+            "key": key,
+            "spec": repr(spec),
+            "mixgemm": __version__,
+            "nvcc_version": tc.version.splitlines()[-1] if tc.version else "",
+            "commands": commands,
+            "build_seconds": round(time.time() - t0, 1),
+            "sha256": {name: _sha256(tmp / name) for name in steps},
+        }
+        meta_tmp = tmp / "meta.json.tmp"
+        meta_tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(meta_tmp, tmp / "meta.json")          # meta last: its presence marks completeness
+        if final.exists():
+            shutil.rmtree(final)                          # a corrupt or stale entry (we hold its lock)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build(spec: KernelSpec, *, force: bool = False, parallel_steps: bool = True,
+          announce: bool = False) -> Artifacts:
+    """Build ``spec`` into the cache unless a valid entry exists; return its artifacts.
+
+    With ``announce`` a log line says that a kernel is being built (the JIT path)."""
+    tc = toolchain()
+    source = render(spec)
+    key = cache_key(spec, source, tc)
+    entry = _entry_dir(spec, key)
+    with _locked(spec, key):
+        if force or not _valid(entry, spec, key):
+            if announce:
+                log.warning("mixgemm: building kernel %s (not in the cache %s); this takes about a minute",
+                            spec.name, cache_dir())
+            _build_entry(spec, key, source, tc, parallel_steps)
+    return Artifacts(spec, key, entry)
+
+
+def load_artifacts(spec: KernelSpec, *, build_if_missing: bool = True) -> tuple[Artifacts, bytes]:
+    """The cubin bytes of ``spec`` (validated against meta.json), building it first if it is not
+    in the cache (or its entry is corrupt). Build and read happen under the entry's lock."""
+    tc = toolchain()
+    source = render(spec)
+    key = cache_key(spec, source, tc)
+    entry = _entry_dir(spec, key)
+    with _locked(spec, key):
+        if not _valid(entry, spec, key):
+            if not build_if_missing:
+                raise BuildError(f"kernel {spec.name} is not in the cache {cache_dir()}")
+            log.warning("mixgemm: building kernel %s (first use, not in the cache %s); this takes about "
+                        "a minute", spec.name, cache_dir())
+            _build_entry(spec, key, source, tc, parallel_steps=True)
+        art = Artifacts(spec, key, entry)
+        return art, art.read_cubin()
+
+
+def is_cached(spec: KernelSpec) -> bool:
+    tc = toolchain()
+    source = render(spec)
+    key = cache_key(spec, source, tc)
+    with _locked(spec, key):
+        return _valid(_entry_dir(spec, key), spec, key)
+
+
+def build_many(specs: Iterable[KernelSpec], jobs: Optional[int] = None, *, force: bool = False,
+               progress: bool = True) -> list[Artifacts]:
+    """Build several kernels in parallel (``jobs`` nvcc builds at a time), with a progress bar.
+    Raises BuildError listing every failure after the others have finished."""
+    specs = list(specs)
+    jobs = jobs or max(1, (os.cpu_count() or 2) // 2)
+    results: dict[str, Artifacts] = {}
+    errors: list[str] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(specs), desc="mixgemm build", unit="kernel")
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        futs = {pool.submit(build, s, force=force, parallel_steps=False): s for s in specs}
+        for fut in concurrent.futures.as_completed(futs):
+            spec = futs[fut]
+            try:
+                results[spec.name] = fut.result()
+            except BuildError as e:
+                errors.append(str(e))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(spec.name[-40:])
+    if bar is not None:
+        bar.close()
+    if errors:
+        raise BuildError(f"{len(errors)} of {len(specs)} kernels failed to build:\n\n" + "\n\n".join(errors))
+    return [results[s.name] for s in specs]

@@ -1,0 +1,293 @@
+"""Kernel generation: frozen kernel specs and their CUTLASS C++ instantiations.
+
+Every kernel mixgemm can run is described by a frozen spec dataclass whose ``name`` encodes
+every field. That name is the cubin's kernel symbol, the generated file's name, the cache-key
+prefix and the test id. ``render(spec)`` returns the C++ source of exactly one instantiation;
+building and loading are separate steps (:mod:`mixgemm.build`, :mod:`mixgemm.runtime`).
+
+GEMM kernels are emitted by ``cutlass_library`` (nvidia-cutlass 4.2): its 3.x emitter writes the
+CollectiveBuilder instantiations, with mixgemm's own tags registered in its tag tables:
+
+* ``LayoutTag``: the prepacked weight layout ``mixgemm::layout::PrepackedSm90``;
+* ``KernelScheduleTag``: ``mixgemm::KernelPrepacked{Cooperative,Pingpong}``, which route the
+  builder to mixgemm's mainloop (``cutlass_ext/mixgemm/collective``);
+* ``EpilogueFunctor3xTag``: the per-row-bias fusion ``mixgemm::epilogue::PerRowBias``.
+
+The generated files only name types and tile shapes; all logic lives in ``cutlass_ext/`` and
+``converters/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from typing import Iterable, Union
+
+from ._version import __version__
+from .types import ActType, WeightType
+
+
+class Schedule(enum.Enum):
+    """sm90 warp-specialized kernel schedule."""
+
+    COOPERATIVE = "coop"   # two consumer warpgroups share one 128-row (or larger) tile
+    PINGPONG = "pp"        # two consumer warpgroups alternate whole tiles
+
+
+class Scheduler(enum.Enum):
+    """Tile scheduler: how output tiles (and K) are spread over the SMs."""
+
+    PERSISTENT = "persistent"  # one persistent CTA per SM walks the output tiles
+    STREAMK = "streamk"        # stream-K: K is split across CTAs so every SM has work (needs a workspace)
+
+
+class Epilogue(enum.Enum):
+    """Epilogue fusion. BIAS reads an optional per-output-feature bias (null pointer = none)."""
+
+    BIAS = "bias"
+
+
+class KernelKind(enum.Enum):
+    GEMM = "gemm"
+    DEQUANT = "dequant"
+
+
+_DATATYPE = {
+    WeightType.S8: "s8", WeightType.U8: "u8", WeightType.S4: "s4",
+    WeightType.U4: "u4", WeightType.S2: "s2", WeightType.U2: "u2",
+}
+_ACT_DATATYPE = {ActType.BF16: "bf16", ActType.FP16: "f16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSpec:
+    """One GEMM kernel: ``y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias)``.
+
+    ``tile_m`` tiles the weight rows N (the MMA's M mode), ``tile_n`` the tokens M (the MMA's
+    N mode), ``tile_k`` the reduction. ``stages = 0`` lets the builder fill shared memory.
+    """
+
+    act: ActType
+    weight: WeightType
+    tile_m: int
+    tile_n: int
+    tile_k: int
+    schedule: Schedule = Schedule.COOPERATIVE
+    scheduler: Scheduler = Scheduler.PERSISTENT
+    epilogue: Epilogue = Epilogue.BIAS
+    stages: int = 0
+
+    kind = KernelKind.GEMM
+
+    def __post_init__(self) -> None:
+        if self.tile_m % 64 or self.tile_m not in (64, 128, 256):
+            raise ValueError(f"tile_m must be 64, 128 or 256, got {self.tile_m}")
+        if self.schedule is Schedule.COOPERATIVE and self.tile_m < 128:
+            raise ValueError("the cooperative schedule needs tile_m >= 128")
+        if self.tile_n % 8 or not 8 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 8 in [8, 256], got {self.tile_n}")
+        if self.tile_k not in (64, 128):
+            raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
+        if self.stages < 0 or self.stages == 1:
+            raise ValueError("stages must be 0 (auto) or >= 2")
+
+    @property
+    def name(self) -> str:
+        return (f"mixgemm_gemm_{self.act.value}_{self.weight.value}_"
+                f"t{self.tile_m}x{self.tile_n}x{self.tile_k}_{self.schedule.value}_"
+                f"{self.scheduler.value}_{self.epilogue.value}_s{self.stages}")
+
+    @property
+    def needs_workspace(self) -> bool:
+        return self.scheduler is Scheduler.STREAMK
+
+
+@dataclasses.dataclass(frozen=True)
+class DequantSpec:
+    """The GPU dequantizer of one (activation type, weight type) pair."""
+
+    act: ActType
+    weight: WeightType
+
+    kind = KernelKind.DEQUANT
+
+    @property
+    def name(self) -> str:
+        return f"mixgemm_dequant_{self.act.value}_{self.weight.value}"
+
+
+KernelSpec = Union[GemmSpec, DequantSpec]
+
+_GEMM_NAME = re.compile(
+    r"^mixgemm_gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)_"
+    r"(?P<schedule>\w+?)_(?P<scheduler>persistent|streamk)_(?P<epilogue>\w+)_s(?P<stages>\d+)$")
+_DEQUANT_NAME = re.compile(r"^mixgemm_dequant_(?P<act>bf16|fp16)_(?P<weight>[su][248])$")
+
+
+def parse_name(name: str) -> KernelSpec:
+    """Inverse of ``spec.name``."""
+    m = _GEMM_NAME.match(name)
+    if m:
+        return GemmSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["m"]), int(m["n"]), int(m["k"]),
+                        Schedule(m["schedule"]), Scheduler(m["scheduler"]), Epilogue(m["epilogue"]),
+                        int(m["stages"]))
+    m = _DEQUANT_NAME.match(name)
+    if m:
+        return DequantSpec(ActType(m["act"]), WeightType(m["weight"]))
+    raise ValueError(f"not a mixgemm kernel name: {name!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel matrix
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """A tile/schedule choice shared by all type configs; the heuristic picks among these."""
+
+    label: str
+    tile_m: int
+    tile_n: int
+    tile_k: int
+    schedule: Schedule
+    scheduler: Scheduler
+
+    def spec(self, act: ActType, weight: WeightType) -> GemmSpec:
+        return GemmSpec(act, weight, self.tile_m, self.tile_n, self.tile_k, self.schedule, self.scheduler)
+
+
+#: The tile configs the heuristic (mixgemm.ops.select_tile) chooses from, by token count M:
+#:   M <= 16  : "decode"  128x16x128, stream-K  (all SMs stream weights even for few tiles)
+#:   M <= 128 : "mid"     128x64x64,  stream-K
+#:   M >  128 : "large"   128x128x64, persistent
+TILE_CONFIGS = (
+    TileConfig("decode", 128, 16, 128, Schedule.COOPERATIVE, Scheduler.STREAMK),
+    TileConfig("mid", 128, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
+    TileConfig("large", 128, 128, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT),
+)
+
+ALL_ACTS = (ActType.BF16, ActType.FP16)
+ALL_WEIGHTS = (WeightType.S8, WeightType.U8, WeightType.S4, WeightType.U4, WeightType.S2, WeightType.U2)
+
+
+def default_specs(acts: Iterable[ActType] = ALL_ACTS,
+                  weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[KernelSpec]:
+    """Every kernel the runtime may pick: each tile config for each type, plus the dequantizers.
+    Every type has its kernel on every path."""
+    acts, weights = list(acts), list(weights)
+    specs: list[KernelSpec] = [tc.spec(a, w) for a in acts for w in weights for tc in TILE_CONFIGS]
+    specs += [DequantSpec(a, w) for a in acts for w in weights]
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# cutlass_library integration
+# ---------------------------------------------------------------------------------------------
+class _MixgemmLayout(enum.Enum):
+    PrepackedSm90 = enum.auto()
+
+
+class _MixgemmKernelSchedule(enum.Enum):
+    PrepackedCooperative = enum.auto()
+    PrepackedPingpong = enum.auto()
+
+
+class _MixgemmEpilogueFunctor(enum.Enum):
+    PerRowBias = enum.auto()
+
+
+_TAGS = {
+    "LayoutTag": {_MixgemmLayout.PrepackedSm90: "mixgemm::layout::PrepackedSm90"},
+    "KernelScheduleTag": {
+        _MixgemmKernelSchedule.PrepackedCooperative: "mixgemm::KernelPrepackedCooperative",
+        _MixgemmKernelSchedule.PrepackedPingpong: "mixgemm::KernelPrepackedPingpong",
+    },
+    "EpilogueFunctor3xTag": {_MixgemmEpilogueFunctor.PerRowBias: "mixgemm::epilogue::PerRowBias"},
+}
+
+
+def _cutlass_library():
+    """Import cutlass_library and extend its tag tables with mixgemm's tags (idempotent: the
+    entries are keyed by mixgemm's own enums, so registering twice changes nothing)."""
+    from cutlass_library import library
+    from cutlass_library import gemm_operation
+
+    for table, entries in _TAGS.items():
+        getattr(library, table).update(entries)
+    return library, gemm_operation
+
+
+def _gemm_operation(spec: GemmSpec):
+    L, G = _cutlass_library()
+
+    class _NamedGemmOperation(G.GemmOperation):
+        """cutlass_library's GemmOperation, named after the spec instead of its procedural name."""
+
+        def __init__(self, name: str, **kw):
+            super().__init__(**kw)
+            self._mixgemm_name = name
+
+        def procedural_name(self) -> str:
+            return self._mixgemm_name
+
+    act = getattr(L.DataType, _ACT_DATATYPE[spec.act])
+    code = getattr(L.DataType, _DATATYPE[spec.weight])
+    math = L.MathInstruction([64, spec.tile_n, 16], act, act, L.DataType.f32,
+                             L.OpcodeClass.TensorOp, L.MathOperation.multiply_add)
+    tile = L.TileDescription([spec.tile_m, spec.tile_n, spec.tile_k], spec.stages, [4, 1, 1], math, 90, 90,
+                             [1, 1, 1])
+    if spec.schedule is Schedule.COOPERATIVE:
+        kernel_schedule = _MixgemmKernelSchedule.PrepackedCooperative
+        epilogue_schedule = L.EpilogueScheduleType.TmaWarpSpecializedCooperative
+    else:
+        kernel_schedule = _MixgemmKernelSchedule.PrepackedPingpong
+        epilogue_schedule = L.EpilogueScheduleType.TmaWarpSpecialized
+    scheduler = {Scheduler.PERSISTENT: L.TileSchedulerType.Persistent,
+                 Scheduler.STREAMK: L.TileSchedulerType.StreamK}[spec.scheduler]
+    mode = L.MixedInputMode.ScaleOnly if spec.weight.signed else L.MixedInputMode.ScaleWithZeroPoint
+    align_a = 128 // spec.weight.bits
+    return _NamedGemmOperation(
+        f"{spec.name}_op",
+        gemm_kind=L.GemmKind.Universal3x, arch=90, tile_description=tile,
+        A=L.TensorDescription(code, _MixgemmLayout.PrepackedSm90, align_a),
+        B=L.TensorDescription(act, L.LayoutType.ColumnMajor, 8),
+        C=L.TensorDescription(L.DataType.void, L.LayoutType.ColumnMajor, 8),
+        D=L.TensorDescription(act, L.LayoutType.ColumnMajor, 8),
+        element_epilogue=L.DataType.f32, epilogue_functor=_MixgemmEpilogueFunctor.PerRowBias,
+        kernel_schedule=kernel_schedule, epilogue_schedule=epilogue_schedule,
+        tile_scheduler=scheduler, mixed_input_mode=mode)
+
+
+_HEADER = """\
+// Generated by mixgemm {version} (python/mixgemm/codegen.py). Do not edit.
+// Kernel: {name}
+// Spec:   {spec!r}
+"""
+
+
+def render(spec: KernelSpec) -> str:
+    """C++ source of exactly one kernel instantiation (types and tiles only)."""
+    head = _HEADER.format(version=__version__, name=spec.name, spec=spec)
+    if isinstance(spec, DequantSpec):
+        L, _ = _cutlass_library()
+        code = L.DataTypeTag[getattr(L.DataType, _DATATYPE[spec.weight])]
+        act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
+        return (head + '#include "mixgemm/dequant_kernel.hpp"\n\n'
+                f"MIXGEMM_DEQUANT_ENTRY({spec.name}, {code}, {act}, {str(spec.weight.has_zero).lower()})\n")
+    if not isinstance(spec, GemmSpec):
+        raise TypeError(f"not a kernel spec: {spec!r}")
+    _, G = _cutlass_library()
+    op = _gemm_operation(spec)
+    body = G.EmitGemmUniversal3xInstance().emit(op)
+    op_name = op.procedural_name()
+    return (head + '#include "mixgemm/gemm_prelude.hpp"\n' + body +
+            f"\nstatic_assert(mixgemm::uses_prepacked_mainloop_v<{op_name}>,\n"
+            f'              "{spec.name}: the builder did not select mixgemm\'s prepacked mainloop");\n\n'
+            f"MIXGEMM_GEMM_ENTRY({spec.name}, {op_name})\n")
+
+
+if __name__ == "__main__":  # python -m mixgemm.codegen  ==  mixgemm generate
+    import sys
+
+    from .cli import main
+
+    sys.exit(main(["generate", *sys.argv[1:]]))

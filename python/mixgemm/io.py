@@ -1,0 +1,385 @@
+"""Saving and loading tensors and prepacked weights as safetensors files.
+
+File format (version :data:`FORMAT_VERSION`)
+--------------------------------------------
+A mixgemm file is an ordinary safetensors file:
+
+* a plain tensor ``name`` is stored as the safetensors tensor ``name``;
+* a :class:`~mixgemm.types.PackedWeight` ``name`` is stored as the tensors ``name.qdata``
+  (uint8 ``[N/16, K/64, 128*bits]``), ``name.scales`` (``[G, N]``, bf16/fp16) and, for
+  asymmetric weights, ``name.zeros`` (``[G, N]``), plus the header metadata entry
+  ``mixgemm:name`` holding the JSON of :meth:`PackedWeight.metadata` (weight type, group
+  size, N, K, arch, layout version, ...);
+* the header metadata entry ``mixgemm:format_version`` is ``"1"``.
+
+User metadata (``str -> str``) is stored alongside; keys starting with ``mixgemm:`` are
+reserved. Files written by a newer mixgemm (a larger format or layout version) are refused
+with a message asking to upgrade, never misread.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Dict, Optional, Union
+
+import torch
+
+from ._version import __version__
+from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight, WeightType
+
+__all__ = ["FORMAT_VERSION", "MixgemmFormatError", "save", "load", "read_metadata",
+           "check_metadata", "is_mixgemm_metadata"]
+
+#: Version of the file format written by :func:`save`.
+FORMAT_VERSION = 1
+
+_PREFIX = "mixgemm:"
+_VERSION_KEY = "mixgemm:format_version"
+_PACKED_FORMAT = "mixgemm.packed"
+
+TensorOrPacked = Union[torch.Tensor, PackedWeight]
+
+
+class MixgemmFormatError(ValueError):
+    """A file cannot be read as a (mixgemm) safetensors file: missing, corrupt, truncated,
+    inconsistent, or written by a newer mixgemm."""
+
+
+def _upgrade_hint() -> str:
+    return f"this is mixgemm {__version__}; upgrade mixgemm (pip install -U mixgemm) to read it"
+
+
+# ----------------------------------------------------------------------------------- saving
+
+
+def _current_umask() -> int:
+    try:  # Linux: read it without touching it
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _flatten(tensors: Mapping, metadata: Optional[Mapping]) -> tuple[dict, dict]:
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a dict of name -> torch.Tensor | PackedWeight, got "
+                        f"{type(tensors).__name__}")
+    header: Dict[str, str] = {}
+    if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise TypeError(f"metadata must be a dict of str -> str, got {type(metadata).__name__}")
+        for key, value in metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"metadata must map str to str, got {key!r}: {value!r}")
+            if key.startswith(_PREFIX):
+                raise ValueError(f"metadata key {key!r}: keys starting with {_PREFIX!r} are "
+                                 f"reserved for mixgemm")
+            header[key] = value
+    header[_VERSION_KEY] = str(FORMAT_VERSION)
+
+    flat: Dict[str, torch.Tensor] = {}
+    owner: Dict[str, str] = {}  # safetensors name -> the dict entry that produced it
+    storages: set = set()
+
+    def add(key: str, tensor: torch.Tensor, entry: str) -> None:
+        if key in flat:
+            raise ValueError(f"tensor name {key!r} (from entry {entry!r}) clashes with the one "
+                             f"from entry {owner[key]!r}")
+        t = tensor.detach().to("cpu").contiguous()
+        if t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in storages:  # safetensors refuses tensors that share memory
+                t = t.clone()
+            storages.add(ptr)
+        flat[key] = t
+        owner[key] = entry
+
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"tensor names must be non-empty str, got {name!r}")
+        if isinstance(value, PackedWeight):
+            add(f"{name}.qdata", value.qdata, name)
+            add(f"{name}.scales", value.scales, name)
+            if value.zeros is not None:
+                add(f"{name}.zeros", value.zeros, name)
+            header[_PREFIX + name] = json.dumps(value.metadata(), sort_keys=True)
+        elif isinstance(value, torch.Tensor):
+            add(name, value, name)
+        else:
+            raise TypeError(f"{name!r}: values must be torch.Tensor or PackedWeight, got "
+                            f"{type(value).__name__}")
+    return flat, header
+
+
+def save(path: Union[str, os.PathLike], tensors: Mapping[str, TensorOrPacked],
+         metadata: Optional[Mapping[str, str]] = None) -> None:
+    """Write tensors and prepacked weights to one safetensors file, atomically.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        Destination file. Its directory must exist. An existing file is replaced.
+    tensors : dict of str -> torch.Tensor or PackedWeight
+        Plain tensors (any dtype safetensors supports, any device, any strides; saved
+        contiguous, from CPU) and prepacked weights (stored as ``name.qdata``,
+        ``name.scales`` and, if asymmetric, ``name.zeros``, see the module docstring).
+    metadata : dict of str -> str, optional
+        Extra header metadata. Keys starting with ``mixgemm:`` are reserved.
+
+    Notes
+    -----
+    The file is written to a temporary file in the destination directory, flushed to disk,
+    then renamed over ``path`` (``os.replace``): readers see either the old file or the
+    complete new one, never a half-written file, and a failure leaves no temporary behind.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad argument types, clashing tensor names, reserved metadata keys. Nothing is
+        written in that case.
+    OSError
+        The directory does not exist or is not writable, the disk is full, ...
+    """
+    flat, header = _flatten(tensors, metadata)
+    from safetensors.torch import save_file  # noqa: PLC0415 (keep `import mixgemm` cheap)
+
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot write {path}: directory {directory} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        save_file(flat, tmp, metadata=header)
+        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp (and safetensors) make it 0600
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename itself durable (best effort)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def _open(path: str):
+    from safetensors import safe_open  # noqa: PLC0415
+
+    if not os.path.exists(path):
+        raise MixgemmFormatError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise MixgemmFormatError(f"{path} is a directory, not a safetensors file")
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError, OSError, ...
+        raise MixgemmFormatError(f"{path}: not a valid safetensors file (corrupt or truncated?): "
+                                 f"{e}") from e
+
+
+def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, str]:
+    """Header metadata of a safetensors file, without reading any tensor data.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+
+    Returns
+    -------
+    dict of str -> str
+        The header's ``__metadata__`` (empty if it has none).
+
+    Raises
+    ------
+    MixgemmFormatError
+        Missing file, or not a valid safetensors file.
+    """
+    path = os.fspath(path)
+    with _open(path) as f:
+        return dict(f.metadata() or {})
+
+
+def is_mixgemm_metadata(metadata: Mapping[str, str]) -> bool:
+    """True if safetensors header metadata has any mixgemm entry (``mixgemm:*``)."""
+    return any(key.startswith(_PREFIX) for key in metadata)
+
+
+def _as_int(spec: Mapping, field: str, where: str) -> int:
+    value = spec.get(field)
+    if isinstance(value, bool):
+        value = None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise MixgemmFormatError(f"{where}: field {field!r} must be an integer, got "
+                                 f"{value!r}") from None
+
+
+def _parse_spec(name: str, text: str, path: str) -> dict:
+    """Validate the JSON metadata of packed weight ``name``; return the constructor kwargs
+    (less the tensors) plus ``dtype``."""
+    where = f"{path}: packed weight {name!r}"
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise MixgemmFormatError(f"{where}: metadata is not valid JSON ({e})") from None
+    if not isinstance(spec, dict):
+        raise MixgemmFormatError(f"{where}: metadata must be a JSON object, got {text[:80]!r}")
+    if spec.get("format") != _PACKED_FORMAT:
+        raise MixgemmFormatError(f"{where}: metadata 'format' must be {_PACKED_FORMAT!r}, got "
+                                 f"{spec.get('format')!r}")
+    version = _as_int(spec, "layout_version", where)
+    if version > LAYOUT_VERSION:
+        raise MixgemmFormatError(f"{where} uses layout version {version}, from the future: this "
+                                 f"mixgemm reads layout version {LAYOUT_VERSION}; {_upgrade_hint()}")
+    if version != LAYOUT_VERSION:
+        raise MixgemmFormatError(f"{where} uses the old layout version {version}; this mixgemm "
+                                 f"reads version {LAYOUT_VERSION}: prepack the weight again")
+    arch = spec.get("arch")
+    if arch not in SUPPORTED_ARCHS:
+        raise MixgemmFormatError(f"{where} is packed for unknown arch {arch!r}; this mixgemm "
+                                 f"supports {list(SUPPORTED_ARCHS)} ({_upgrade_hint()} if it "
+                                 f"should)")
+    try:
+        weight_type = WeightType(spec.get("weight_type"))
+    except ValueError:
+        raise MixgemmFormatError(f"{where}: unknown weight_type {spec.get('weight_type')!r}; "
+                                 f"expected one of {[t.value for t in WeightType]}") from None
+    if "bits" in spec and _as_int(spec, "bits", where) != weight_type.bits:
+        raise MixgemmFormatError(f"{where}: bits={spec['bits']!r} contradicts weight_type "
+                                 f"{weight_type.value!r}")
+    if "symmetric" in spec and str(spec["symmetric"]).lower() != str(weight_type.signed).lower():
+        raise MixgemmFormatError(f"{where}: symmetric={spec['symmetric']!r} contradicts "
+                                 f"weight_type {weight_type.value!r}")
+    try:
+        act = ActType(spec.get("dtype"))
+    except ValueError:
+        raise MixgemmFormatError(f"{where}: unknown dtype {spec.get('dtype')!r}; expected "
+                                 f"bf16 or fp16") from None
+    return dict(weight_type=weight_type, group_size=_as_int(spec, "group_size", where),
+                n=_as_int(spec, "n", where), k=_as_int(spec, "k", where), arch=arch,
+                layout_version=version, dtype=act.torch_dtype)
+
+
+def check_metadata(metadata: Mapping[str, str], path: Union[str, os.PathLike] = "<file>"
+                   ) -> Dict[str, dict]:
+    """Validate the mixgemm entries of safetensors header metadata.
+
+    Parameters
+    ----------
+    metadata : dict of str -> str
+        A safetensors header's metadata (see :func:`read_metadata`).
+    path : str or os.PathLike
+        Only used in error messages.
+
+    Returns
+    -------
+    dict of str -> dict
+        For each packed weight name, its parsed description (weight_type, group_size, n, k,
+        arch, layout_version, dtype). Empty for a plain safetensors file.
+
+    Raises
+    ------
+    MixgemmFormatError
+        Missing or bad format version, a format or layout version from the future (the
+        message says to upgrade mixgemm), unknown arch, malformed entries.
+    """
+    path = os.fspath(path)
+    version_text = metadata.get(_VERSION_KEY)
+    others = [key for key in metadata if key.startswith(_PREFIX) and key != _VERSION_KEY]
+    if version_text is None:
+        if others:
+            raise MixgemmFormatError(f"{path}: has mixgemm entries ({others[0]!r}, ...) but no "
+                                     f"{_VERSION_KEY!r}")
+        return {}
+    try:
+        version = int(version_text)
+    except ValueError:
+        raise MixgemmFormatError(f"{path}: bad {_VERSION_KEY} {version_text!r}") from None
+    if version > FORMAT_VERSION:
+        raise MixgemmFormatError(f"{path} uses mixgemm file format version {version}, from the "
+                                 f"future: this mixgemm reads version {FORMAT_VERSION}; "
+                                 f"{_upgrade_hint()}")
+    if version < 1:
+        raise MixgemmFormatError(f"{path}: bad {_VERSION_KEY} {version_text!r}")
+    return {key[len(_PREFIX):]: _parse_spec(key[len(_PREFIX):], metadata[key], path)
+            for key in others}
+
+
+def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
+         ) -> Dict[str, TensorOrPacked]:
+    """Read a file written by :func:`save` (or any safetensors file).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A safetensors file.
+    device : str or torch.device, default "cpu"
+        Where to put the tensors (e.g. ``"cuda"``).
+
+    Returns
+    -------
+    dict of str -> torch.Tensor or PackedWeight
+        Plain tensors as stored; each packed weight rebuilt from its companion tensors and
+        metadata into a :class:`PackedWeight` (validated by its constructor). The header's
+        user metadata is not returned: see :func:`read_metadata`.
+
+    Raises
+    ------
+    MixgemmFormatError
+        Missing file; corrupt or truncated file; missing or unexpected companion tensors;
+        bad metadata; a format or layout version from the future (upgrade mixgemm); an
+        unknown arch.
+    """
+    path = os.fspath(path)
+    device = torch.device(device)
+    with _open(path) as f:
+        specs = check_metadata(f.metadata() or {}, path)
+        try:
+            raw = {key: f.get_tensor(key) for key in f.keys()}
+        except Exception as e:
+            raise MixgemmFormatError(f"{path}: cannot read tensor data (corrupt file?): {e}") from e
+
+    out: Dict[str, TensorOrPacked] = {}
+    for name, spec in specs.items():
+        where = f"{path}: packed weight {name!r}"
+        parts = {}
+        for part in ("qdata", "scales", "zeros"):
+            parts[part] = raw.pop(f"{name}.{part}", None)
+        for part in ("qdata", "scales") + (("zeros",) if spec["weight_type"].has_zero else ()):
+            if parts[part] is None:
+                raise MixgemmFormatError(f"{where}: companion tensor {name + '.' + part!r} is "
+                                         f"missing")
+        if parts["zeros"] is not None and not spec["weight_type"].has_zero:
+            raise MixgemmFormatError(f"{where}: unexpected tensor {name + '.zeros'!r} for "
+                                     f"symmetric weight type {spec['weight_type'].value!r}")
+        if parts["scales"].dtype != spec["dtype"]:
+            raise MixgemmFormatError(f"{where}: scales are {parts['scales'].dtype} but the "
+                                     f"metadata says {spec['dtype']}")
+        kwargs = {key: value for key, value in spec.items() if key != "dtype"}
+        try:
+            packed = PackedWeight(qdata=parts["qdata"], scales=parts["scales"],
+                                  zeros=parts["zeros"], **kwargs)
+        except (TypeError, ValueError) as e:
+            raise MixgemmFormatError(f"{where}: inconsistent with its metadata: {e}") from None
+        out[name] = packed.to(device)
+    for key, tensor in raw.items():
+        if key in out:
+            raise MixgemmFormatError(f"{path}: tensor {key!r} has the same name as a packed weight")
+        out[key] = tensor.to(device)
+    return out

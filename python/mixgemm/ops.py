@@ -1,0 +1,252 @@
+"""The GEMM and dequantize calls: validation, kernel choice, launch.
+
+Every check here runs before anything is launched: a bad input raises a Python error naming the
+problem, never a CUDA fault or a silently wrong result.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:  # codegen is imported lazily: `import mixgemm` stays cheap
+    from .codegen import GemmSpec, TileConfig
+
+from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight
+
+#: Tile config labels by token count: see select_tile.
+_DECODE_MAX_M = 16
+_MID_MAX_M = 128
+
+
+def select_tile(m: int, n: int, k: int) -> "TileConfig":
+    """The heuristic: which tile config runs a problem of ``m`` tokens, ``n`` output features
+    and ``k`` input features.
+
+    * ``m <= 16``  -> "decode": 128x16x128 tiles, stream-K, so that even a layer with few
+      128-row tiles keeps every SM streaming weights;
+    * ``m <= 128`` -> "mid": 128x64x64, stream-K;
+    * else         -> "large": 128x128x64, persistent (enough tiles to fill the GPU).
+
+    ``n`` and ``k`` do not change the choice yet.
+    """
+    from .codegen import TILE_CONFIGS
+
+    del n, k
+    label = "decode" if m <= _DECODE_MAX_M else "mid" if m <= _MID_MAX_M else "large"
+    return next(tc for tc in TILE_CONFIGS if tc.label == label)
+
+
+def select_spec(m: int, w: PackedWeight) -> "GemmSpec":
+    return select_tile(m, w.n, w.k).spec(w.act_type, w.weight_type)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_ok(device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return f"mixgemm kernels run on CUDA tensors, got a tensor on {device}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"mixgemm's kernels need an sm_90 (Hopper) GPU; {device} is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def _weight_problem(w) -> Optional[str]:
+    if not isinstance(w, PackedWeight):
+        return f"w must be a mixgemm.PackedWeight (see mixgemm.prepack), got {type(w).__name__}"
+    if w.arch not in SUPPORTED_ARCHS:
+        return f"w is packed for {w.arch}, this mixgemm runs {SUPPORTED_ARCHS}"
+    if w.layout_version != LAYOUT_VERSION:
+        return f"w has layout version {w.layout_version}, this mixgemm reads {LAYOUT_VERSION}"
+    for name, t in (("qdata", w.qdata), ("scales", w.scales), ("zeros", w.zeros)):
+        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
+            return f"w.{name} must be contiguous and 16-byte aligned"
+    if w.n % 8:
+        return f"N={w.n} must be a multiple of 8"
+    return None
+
+
+def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtype] = None) -> tuple[bool, str]:
+    """Whether ``gemm(x, w)`` can run for an ``x`` of shape ``x_shape``; the reason if not.
+
+    Parameters
+    ----------
+    x_shape : sequence of int
+        Shape of the activations ``[..., K]``.
+    w : PackedWeight
+        The prepacked weight.
+    dtype : torch.dtype, optional
+        dtype of x; defaults to w's activation dtype.
+
+    Returns
+    -------
+    (bool, str)
+        ``(True, "")`` or ``(False, reason)``.
+    """
+    why = _weight_problem(w)
+    if why:
+        return False, why
+    if len(x_shape) < 1:
+        return False, "x must have at least one dimension [..., K]"
+    if x_shape[-1] != w.k:
+        return False, f"x has K={x_shape[-1]} but w has K={w.k}"
+    if dtype is not None and dtype != w.dtype:
+        return False, f"x is {dtype} but w was packed for {w.dtype}"
+    m = math.prod(x_shape[:-1])
+    if m >= 2 ** 31:
+        return False, f"M={m} tokens is too many for one call"
+    why = _device_ok(w.device)
+    if why:
+        return False, why
+    return True, ""
+
+
+def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    ok, why = supports(tuple(x.shape), w, x.dtype)
+    if not ok:
+        raise (TypeError if "dtype" in why or "mixgemm.PackedWeight" in why else ValueError)(why)
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if x.device != w.device:
+        raise ValueError(f"x is on {x.device} but w is on {w.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (w.n,) or bias.dtype != x.dtype:
+            raise ValueError(f"bias must be a {x.dtype} tensor of shape [{w.n}]")
+        if bias.device != x.device:
+            raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
+    if out is not None:
+        want = (*x.shape[:-1], w.n)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype:
+            raise ValueError(f"out must be a {x.dtype} tensor of shape {list(want)}")
+        if out.device != x.device:
+            raise ValueError(f"out is on {out.device} but x is on {x.device}")
+        if not out.is_contiguous() or out.data_ptr() % 16:
+            raise ValueError("out must be contiguous and 16-byte aligned")
+
+
+def _aligned_2d(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """t as a contiguous, 16-byte aligned [rows, cols] matrix (a copy when it is not already)."""
+    t2 = t.reshape(-1, cols)
+    if not t2.is_contiguous() or t2.data_ptr() % 16:
+        t2 = t2.contiguous()
+        if t2.data_ptr() % 16:
+            t2 = t2.clone()
+    return t2
+
+
+def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
+         out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y = x @ dequant(w).T (+ bias)`` with the dequantization fused into a CUTLASS sm90a GEMM.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Activations, bfloat16 or float16, shape ``[..., K]``, on an sm_90 CUDA device. A
+        non-contiguous or non-16-byte-aligned x is copied first (``x.contiguous()``).
+    w : PackedWeight
+        Weight ``[N, K]`` prepacked by :func:`mixgemm.prepack` for the same dtype and device.
+        ``dequant(w)`` is ``q*s`` (symmetric) or ``(q - z)*s`` (asymmetric), group-wise along K.
+    bias : torch.Tensor, optional
+        Shape ``[N]``, x's dtype.
+    out : torch.Tensor, optional
+        Preallocated output ``[..., N]``, x's dtype, contiguous and 16-byte aligned.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., N]`` in x's dtype, contiguous.
+
+    Notes
+    -----
+    The kernel is chosen by :func:`select_tile` from the number of tokens ``M = prod(x.shape[:-1])``.
+    Accumulation is in float32; the result is rounded once to x's dtype.
+    """
+    _check_gemm_inputs(x, w, bias, out)
+    spec = select_spec(math.prod(x.shape[:-1]), w)
+    return gemm_with_spec(x, w, spec, bias=bias, out=out, _checked=True)
+
+
+def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec", bias: Optional[torch.Tensor] = None,
+                   out: Optional[torch.Tensor] = None, *, splits: int = 1, _checked: bool = False) -> torch.Tensor:
+    """:func:`gemm` with an explicit kernel (tests and benchmarks use it to run every kernel)."""
+    from . import runtime
+
+    if not _checked:
+        _check_gemm_inputs(x, w, bias, out)
+    if spec.act is not w.act_type or spec.weight is not w.weight_type:
+        raise ValueError(f"kernel {spec.name} is for {spec.act.value} x {spec.weight.value}, "
+                         f"w is {w.act_type.value} x {w.weight_type.value}")
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    y = out if out is not None else torch.empty((*lead, w.n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    x2 = _aligned_2d(x, w.k)
+    y2 = y.view(-1, w.n)
+    args = runtime.GemmArgs()
+    args.abi_version = runtime.ABI_VERSION
+    args.m, args.n, args.k = m, w.n, w.k
+    args.group_size = w.group_size
+    args.sm_count = _sm_count(x.device.index)
+    args.splits = max(1, int(splits))
+    args.raster = 0
+    args.weight = w.qdata.data_ptr()
+    args.scales = w.scales.data_ptr()
+    args.zeros = 0 if w.zeros is None else w.zeros.data_ptr()
+    args.x = x2.data_ptr()
+    args.bias = 0 if bias is None else bias.data_ptr()
+    args.y = y2.data_ptr()
+    args.workspace = 0
+    args.ldx = x2.stride(0)
+    args.ldy = y2.stride(0)
+    kernel = runtime.KERNELS.get(spec, x.device)
+    why = kernel.helper.check(args)
+    if why:
+        raise ValueError(f"{spec.name} cannot run this problem: {why}")
+    runtime.launch_gemm(kernel, args)
+    return y
+
+
+def dequantize(w: PackedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Dequantize a prepacked weight on the GPU with the kernels' own converters.
+
+    Parameters
+    ----------
+    w : PackedWeight
+        On an sm_90 CUDA device.
+    dtype : torch.dtype, optional
+        Must equal w's activation dtype (the converters produce it directly, no float32 round
+        trip); defaults to it.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[N, K]`` in w's dtype: exactly :func:`mixgemm.dequantize_reference` of ``w``.
+    """
+    from . import runtime
+    from .codegen import DequantSpec
+
+    why = _weight_problem(w) or _device_ok(w.device)
+    if why:
+        raise ValueError(why)
+    if dtype is not None and dtype != w.dtype:
+        raise TypeError(f"w dequantizes to {w.dtype} (its scales' dtype), not {dtype}")
+    out = torch.empty((w.n, w.k), dtype=w.dtype, device=w.device)
+    kernel = runtime.KERNELS.get(DequantSpec(w.act_type, w.weight_type), w.device)
+    runtime.launch_dequant(kernel, w.qdata.data_ptr(), w.scales.data_ptr(),
+                           0 if w.zeros is None else w.zeros.data_ptr(), out.data_ptr(),
+                           w.n, w.k, w.group_size)
+    return out
+
+
+__all__ = ["gemm", "gemm_with_spec", "dequantize", "supports", "select_tile", "select_spec"]

@@ -1,0 +1,258 @@
+"""Loading cubins and launching kernels with cuda-python (``cuda.bindings.driver``).
+
+* Every driver call's ``(err, value...)`` result goes through :func:`check`, which raises
+  :class:`CudaError` naming the operation, the kernel and the CUDA error.
+* A GEMM kernel's ``Params`` come from its host helper library (``helper.so``, built from the
+  same source): the TMA descriptors are encoded on the host. The bytes are passed by value with
+  ``cuLaunchKernelEx`` through a ``void**`` (``cuda.core.launch`` cannot pass such a struct).
+* Launches go to torch's current stream; workspaces come from torch's caching allocator.
+* Nothing is loaded at import time. Loaded kernels are kept in one :class:`KernelCache`, keyed
+  by (kernel name, device); a kernel that is not loaded yet cannot be loaded during CUDA graph
+  capture (warm up first).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+from typing import Any, Optional
+
+import torch
+
+from .build import Artifacts, load_artifacts
+from .codegen import DequantSpec, GemmSpec, KernelSpec
+
+ABI_VERSION = 1  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed."""
+
+
+class KernelError(RuntimeError):
+    """A kernel refused its arguments (the host helper's can_implement said no)."""
+
+
+def _driver():
+    from cuda.bindings import driver
+    return driver
+
+
+def check(result: Any, what: str):
+    """Unwrap a cuda.bindings result ``(err, *values)``; raise CudaError if err is not success."""
+    drv = _driver()
+    if isinstance(result, tuple):
+        err, values = result[0], result[1:]
+    else:
+        err, values = result, ()
+    if err != drv.CUresult.CUDA_SUCCESS:
+        _, name = drv.cuGetErrorName(err)
+        _, desc = drv.cuGetErrorString(err)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        desc = desc.decode() if isinstance(desc, bytes) else str(desc)
+        raise CudaError(f"{what}: {name} ({desc})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+# ---------------------------------------------------------------------------------------------
+# The C ABI of the host helpers (mirrors cutlass_ext/mixgemm/abi.hpp)
+# ---------------------------------------------------------------------------------------------
+class GemmArgs(ctypes.Structure):
+    _fields_ = [
+        ("abi_version", ctypes.c_int32),
+        ("m", ctypes.c_int32),
+        ("n", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("group_size", ctypes.c_int32),
+        ("sm_count", ctypes.c_int32),
+        ("splits", ctypes.c_int32),
+        ("raster", ctypes.c_int32),
+        ("weight", ctypes.c_uint64),
+        ("scales", ctypes.c_uint64),
+        ("zeros", ctypes.c_uint64),
+        ("x", ctypes.c_uint64),
+        ("bias", ctypes.c_uint64),
+        ("y", ctypes.c_uint64),
+        ("workspace", ctypes.c_uint64),
+        ("ldx", ctypes.c_int64),
+        ("ldy", ctypes.c_int64),
+    ]
+
+
+class Launch(ctypes.Structure):
+    _fields_ = [
+        ("grid", ctypes.c_uint32 * 3),
+        ("block", ctypes.c_uint32 * 3),
+        ("cluster", ctypes.c_uint32 * 3),
+        ("smem_bytes", ctypes.c_uint32),
+        ("params_bytes", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("workspace_bytes", ctypes.c_uint64),
+    ]
+
+
+class HostHelper:
+    """ctypes wrapper of a GEMM kernel's helper.so."""
+
+    def __init__(self, path: str, kernel_name: str):
+        self.lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+        lib = self.lib
+        lib.mixgemm_abi_version.restype = ctypes.c_int32
+        lib.mixgemm_kernel_name.restype = ctypes.c_char_p
+        lib.mixgemm_params_size.restype = ctypes.c_uint32
+        lib.mixgemm_smem_size.restype = ctypes.c_uint32
+        lib.mixgemm_gemm_check.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_char_p, ctypes.c_int]
+        lib.mixgemm_gemm_check.restype = ctypes.c_int
+        lib.mixgemm_gemm_workspace_size.argtypes = [ctypes.POINTER(GemmArgs)]
+        lib.mixgemm_gemm_workspace_size.restype = ctypes.c_uint64
+        lib.mixgemm_gemm_prepare.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_void_p, ctypes.c_uint32,
+                                             ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
+        lib.mixgemm_gemm_prepare.restype = ctypes.c_int
+        if lib.mixgemm_abi_version() != ABI_VERSION:
+            raise KernelError(f"{path}: helper ABI {lib.mixgemm_abi_version()} != runtime ABI {ABI_VERSION}")
+        name = lib.mixgemm_kernel_name().decode()
+        if name != kernel_name:
+            raise KernelError(f"{path}: helper is for {name}, expected {kernel_name}")
+        self.name = kernel_name
+        self.params_size = int(lib.mixgemm_params_size())
+        self.smem_size = int(lib.mixgemm_smem_size())
+
+    def check(self, args: GemmArgs) -> Optional[str]:
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.mixgemm_gemm_check(ctypes.byref(args), err, len(err))
+        return None if rc == 0 else err.value.decode()
+
+    def workspace_size(self, args: GemmArgs) -> int:
+        return int(self.lib.mixgemm_gemm_workspace_size(ctypes.byref(args)))
+
+    def prepare(self, args: GemmArgs) -> tuple[ctypes.Array, Launch]:
+        buf = ctypes.create_string_buffer(self.params_size)
+        launch = Launch()
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.mixgemm_gemm_prepare(ctypes.byref(args), buf, self.params_size, ctypes.byref(launch),
+                                          err, len(err))
+        if rc != 0:
+            raise KernelError(f"{self.name}: {err.value.decode()}")
+        return buf, launch
+
+
+# ---------------------------------------------------------------------------------------------
+# Loaded kernels
+# ---------------------------------------------------------------------------------------------
+def _ensure_context(device: torch.device) -> None:
+    """Make torch's (primary) context of ``device`` current on this thread for driver calls."""
+    drv = _driver()
+    torch.cuda.init()
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device)  # forces torch to make the device's context current
+        ctx = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if ctx is None or int(ctx) == 0:
+            dev = check(drv.cuDeviceGet(device.index), "cuDeviceGet")
+            ctx = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+            check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+@dataclasses.dataclass
+class LoadedKernel:
+    spec: KernelSpec
+    device: torch.device
+    module: Any
+    function: Any
+    helper: Optional[HostHelper]
+    artifacts: Artifacts
+
+
+class KernelCache:
+    """The process's loaded kernels, keyed by (kernel name, device index). Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._kernels: dict[tuple[str, int], LoadedKernel] = {}
+
+    def get(self, spec: KernelSpec, device: torch.device) -> LoadedKernel:
+        key = (spec.name, device.index)
+        with self._lock:
+            k = self._kernels.get(key)
+            if k is not None:
+                return k
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"mixgemm kernel {spec.name} is not loaded yet and CUDA graph capture is in progress; "
+                    "run the operation once with the same shapes (a warm-up) before capturing")
+            k = self._load(spec, device)
+            self._kernels[key] = k
+            return k
+
+    def loaded(self) -> list[str]:
+        with self._lock:
+            return sorted({name for name, _ in self._kernels})
+
+    @staticmethod
+    def _load(spec: KernelSpec, device: torch.device) -> LoadedKernel:
+        drv = _driver()
+        art, cubin = load_artifacts(spec)  # builds on first use (JIT), under the entry's lock
+        helper = HostHelper(str(art.helper_path), spec.name) if isinstance(spec, GemmSpec) else None
+        _ensure_context(device)
+        with torch.cuda.device(device):
+            module = check(drv.cuModuleLoadData(cubin), f"cuModuleLoadData({spec.name})")
+            function = check(drv.cuModuleGetFunction(module, spec.name.encode()),
+                             f"cuModuleGetFunction({spec.name})")
+            if helper is not None and helper.smem_size > 48 * 1024:
+                check(drv.cuFuncSetAttribute(
+                    function, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    helper.smem_size), f"cuFuncSetAttribute(max dynamic smem, {spec.name})")
+        return LoadedKernel(spec, device, module, function, helper, art)
+
+
+KERNELS = KernelCache()
+
+
+def _stream_handle(device: torch.device):
+    drv = _driver()
+    return drv.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
+    """Prepare params through the helper and launch on torch's current stream. A stream-K
+    workspace is taken from torch's caching allocator (zeroed on the same stream)."""
+    drv = _driver()
+    helper = kernel.helper
+    assert helper is not None
+    workspace = None
+    ws_bytes = helper.workspace_size(args)
+    if ws_bytes:
+        workspace = torch.zeros(ws_bytes, dtype=torch.uint8, device=kernel.device)
+        args.workspace = workspace.data_ptr()
+    params, launch = helper.prepare(args)
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = (int(v) for v in launch.grid)
+    config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in launch.block)
+    config.sharedMemBytes = int(launch.smem_bytes)
+    config.hStream = _stream_handle(kernel.device)
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = (int(v) for v in launch.cluster)
+    config.attrs = [attr]
+    config.numAttrs = 1
+    check(drv.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(argv), 0),
+          f"cuLaunchKernelEx({kernel.spec.name})")
+    # `workspace` may be freed now: torch's allocator reuses it only in stream order.
+    del workspace
+
+
+def launch_dequant(kernel: LoadedKernel, qdata: int, scales: int, zeros: int, out: int,
+                   n: int, k: int, group_size: int) -> None:
+    drv = _driver()
+    threads = 128
+    atoms = (n // 16) * (k // 64)
+    blocks = (atoms * 32 + threads - 1) // threads
+    args = ((qdata, scales, zeros, out, n, k, group_size),
+            (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_int, ctypes.c_int, ctypes.c_int))
+    check(drv.cuLaunchKernel(kernel.function, blocks, 1, 1, threads, 1, 1, 0, _stream_handle(kernel.device),
+                             args, 0), f"cuLaunchKernel({kernel.spec.name})")
+

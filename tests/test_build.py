@@ -1,0 +1,221 @@
+"""The build cache: content addressing, atomicity, locking, corruption, JIT logging.
+
+Most tests use a fake nvcc (a script that writes its command line into the output file), so the
+cache logic is exercised in seconds. One test builds a real kernel and its host helper with the
+real nvcc (marker ``nvcc``) and calls the helper: CI proves that the generated code compiles.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import stat
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from mixgemm import build, codegen, paths
+from mixgemm.codegen import DequantSpec, GemmSpec, Scheduler
+from mixgemm.types import ActType, WeightType
+
+GEMM = GemmSpec(ActType.BF16, WeightType.U4, 128, 16, 128, scheduler=Scheduler.STREAMK)
+DEQ = DequantSpec(ActType.FP16, WeightType.S2)
+
+FAKE_NVCC = textwrap.dedent("""\
+    #!/usr/bin/env python3
+    import os, sys, time
+    args = sys.argv[1:]
+    if args == ["--version"]:
+        print("nvcc: NVIDIA (R) Cuda compiler driver\\nCuda compilation tools, release 13.0, V13.0.88")
+        sys.exit(0)
+    out = args[args.index("-o") + 1]
+    src = [a for a in args if a.endswith(".cu")][0]
+    log = os.environ.get("FAKE_NVCC_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(os.path.basename(out) + "\\n")
+    if os.environ.get("FAKE_NVCC_FAIL"):
+        print("error: fake failure", file=sys.stderr)
+        sys.exit(2)
+    time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP", "0")))
+    with open(out, "w") as f:
+        f.write(" ".join(args) + "\\n" + open(src).read())
+    """)
+
+
+@pytest.fixture
+def fake_env(tmp_path, monkeypatch):
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text(FAKE_NVCC)
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FAKE_NVCC_LOG", str(tmp_path / "calls.log"))
+    for var in build.KEY_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def _calls(tmp: Path) -> list[str]:
+    log = tmp / "calls.log"
+    return log.read_text().split() if log.exists() else []
+
+
+def test_build_then_hit(fake_env):
+    art = build.build(GEMM)
+    assert art.cubin_path.is_file() and art.helper_path.is_file()
+    assert art.directory.name.startswith(GEMM.name + "-")
+    meta = json.loads((art.directory / "meta.json").read_text())
+    assert meta["name"] == GEMM.name and set(meta["sha256"]) == {"kernel.cubin", "helper.so"}
+    assert "-DNDEBUG" in meta["commands"]["kernel.cubin"]
+    assert "-gencode=arch=compute_90a,code=sm_90a" in meta["commands"]["kernel.cubin"]
+    assert "-DMIXGEMM_HOST_HELPER" in meta["commands"]["helper.so"]
+    assert sorted(_calls(fake_env)) == ["helper.so", "kernel.cubin"]
+    again = build.build(GEMM)
+    assert again.directory == art.directory
+    assert len(_calls(fake_env)) == 2, "a cached kernel must not be rebuilt"
+    assert build.is_cached(GEMM)
+
+
+def test_dequant_has_no_helper(fake_env):
+    art = build.build(DEQ)
+    assert art.helper_path is None and art.cubin_path.is_file()
+    assert _calls(fake_env) == ["kernel.cubin"]
+
+
+def test_key_covers_source_flags_env_and_headers(fake_env, monkeypatch, tmp_path):
+    tc = build.toolchain()
+    src = codegen.render(GEMM)
+    base = build.cache_key(GEMM, src, tc)
+    assert build.cache_key(GEMM, src + "// x", tc) != base, "rendered source"
+    monkeypatch.setenv("MIXGEMM_NVCC_FLAGS", "-lineinfo")
+    assert build.cache_key(GEMM, src, tc) != base, "extra flags"
+    monkeypatch.delenv("MIXGEMM_NVCC_FLAGS")
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-G")
+    assert build.cache_key(GEMM, src, tc) != base, "nvcc's own environment"
+    monkeypatch.delenv("NVCC_APPEND_FLAGS")
+    other = build.Toolchain(tc.nvcc, tc.version.replace("V13.0.88", "V13.1.0"))
+    assert build.cache_key(GEMM, src, other) != base, "nvcc version"
+    version = build.__version__
+    monkeypatch.setattr(build, "__version__", "999.0")
+    assert build.cache_key(GEMM, src, tc) != base, "package version"
+    monkeypatch.setattr(build, "__version__", version)
+    assert build.cache_key(GEMM, src, tc) == base
+    # headers: a copy of the source tree with one header changed gives another key
+    import shutil
+    root = tmp_path / "src"
+    for d in ("cutlass_ext", "converters"):
+        shutil.copytree(paths.source_root() / d, root / d)
+    monkeypatch.setenv("MIXGEMM_SOURCE_DIR", str(root))
+    paths.source_root.cache_clear()
+    try:
+        k1 = build.cache_key(GEMM, src, tc)
+        with open(root / "converters" / "mixgemm" / "dequant.hpp", "a") as f:
+            f.write("\n// changed\n")
+        assert build.cache_key(GEMM, src, tc) != k1, "header contents"
+    finally:
+        paths.source_root.cache_clear()
+
+
+def test_corrupt_entry_is_rebuilt(fake_env):
+    art = build.build(GEMM)
+    art.cubin_path.write_bytes(b"garbage")
+    art2, cubin = build.load_artifacts(GEMM)
+    assert cubin != b"garbage" and cubin.startswith(b"-std=c++17")
+    assert len(_calls(fake_env)) == 4
+    (art2.directory / "meta.json").unlink()                 # a half-built entry
+    build.load_artifacts(GEMM)
+    assert len(_calls(fake_env)) == 6
+
+
+def test_failed_build_leaves_nothing(fake_env, monkeypatch):
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "1")
+    with pytest.raises(build.BuildError, match="fake failure"):
+        build.build(DEQ)
+    cache = Path(os.environ["MIXGEMM_CACHE_DIR"])
+    assert not list(cache.glob("kernels/*")), "no entry for a failed build"
+    assert not list(cache.glob("tmp/*")), "no leftover temporary directory"
+
+
+def test_jit_load_logs_a_build(fake_env, caplog):
+    with caplog.at_level(logging.WARNING, logger="mixgemm"):
+        build.load_artifacts(DEQ)
+    assert any("building kernel mixgemm_dequant_fp16_s2" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mixgemm"):
+        build.load_artifacts(DEQ)
+    assert not caplog.records, "a cache hit builds nothing and says nothing"
+
+
+def test_no_build_when_not_allowed(fake_env):
+    with pytest.raises(build.BuildError, match="not in the cache"):
+        build.load_artifacts(DEQ, build_if_missing=False)
+
+
+def test_concurrent_builders_build_once(fake_env, monkeypatch):
+    """Threads (like processes) racing for one kernel: the lock makes exactly one build it."""
+    monkeypatch.setenv("FAKE_NVCC_SLEEP", "0.3")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(build.load_artifacts(DEQ)[1])) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4 and len(set(results)) == 1
+    assert _calls(fake_env) == ["kernel.cubin"]
+
+
+def test_build_many_progress_and_errors(fake_env, monkeypatch):
+    specs = [DEQ, DequantSpec(ActType.BF16, WeightType.U8)]
+    arts = build.build_many(specs, jobs=2, progress=True)
+    assert [a.spec for a in arts] == specs
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "1")
+    with pytest.raises(build.BuildError, match="1 of 1 kernels failed"):
+        build.build_many([DequantSpec(ActType.BF16, WeightType.S8)], jobs=1, progress=False)
+
+
+def test_missing_nvcc_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "nowhere"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(paths, "find_nvcc", lambda: None)
+    with pytest.raises(build.BuildError, match="nvcc not found"):
+        build.toolchain()
+
+
+# ---------------------------------------------------------------------------------------------
+# The real thing: one GEMM kernel and its host helper, built by nvcc, and the helper exercised.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
+    if paths.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    spec = GemmSpec(ActType.FP16, WeightType.S2, 128, 64, 64, scheduler=Scheduler.STREAMK)
+    art = build.build(spec)
+    cubin = art.read_cubin()
+    assert cubin[:4] == b"\x7fELF", "a cubin is an ELF image"
+    assert spec.name.encode() in cubin, "the kernel symbol is the spec name"
+
+    from mixgemm import runtime
+    helper = runtime.HostHelper(str(art.helper_path), spec.name)    # loads without a GPU
+    assert helper.params_size > 0 and helper.smem_size > 48 * 1024
+    args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=8, n=4096, k=4096, group_size=128,
+                            sm_count=132, splits=1, raster=0, weight=1 << 20, scales=2 << 20, zeros=0,
+                            x=3 << 20, bias=0, y=4 << 20, workspace=0, ldx=4096, ldy=4096)
+    assert helper.check(args) is None
+    assert helper.workspace_size(args) > 0, "a stream-K kernel needs a workspace"
+    for field, value, msg in (("k", 4000, "multiple of 64"), ("n", 4104, "multiple of 16"),
+                              ("group_size", 96, "group_size"), ("x", (3 << 20) + 2, "16-byte aligned"),
+                              ("ldx", 4100, "row stride"), ("abi_version", 99, "ABI")):
+        bad = runtime.GemmArgs.from_buffer_copy(args)
+        setattr(bad, field, value)
+        why = helper.check(bad)
+        assert why is not None and msg in why, (field, why)
+    with pytest.raises(runtime.KernelError):
+        runtime.HostHelper(str(art.helper_path), "some_other_kernel")

@@ -1,0 +1,115 @@
+"""Kernel specs and rendering (no compiler needed)."""
+from __future__ import annotations
+
+import pytest
+
+from mixgemm import codegen
+from mixgemm.codegen import (ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS, DequantSpec, Epilogue, GemmSpec, Schedule,
+                             Scheduler, default_specs, parse_name, render)
+from mixgemm.types import ActType, WeightType
+
+SPECS = default_specs()
+
+
+def test_every_type_has_every_kernel():
+    """Every (activation, weight) pair has a kernel for every tile config and a dequantizer."""
+    names = {s.name for s in SPECS}
+    for act in ALL_ACTS:
+        for wt in ALL_WEIGHTS:
+            for tc in TILE_CONFIGS:
+                assert tc.spec(act, wt).name in names
+            assert DequantSpec(act, wt).name in names
+    assert len(names) == len(SPECS), "kernel names must be unique"
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_name_encodes_every_field(spec):
+    assert parse_name(spec.name) == spec
+
+
+def test_name_distinguishes_fields():
+    base = GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64)
+    variants = [
+        GemmSpec(ActType.FP16, WeightType.U4, 128, 64, 64),
+        GemmSpec(ActType.BF16, WeightType.S4, 128, 64, 64),
+        GemmSpec(ActType.BF16, WeightType.U4, 256, 64, 64),
+        GemmSpec(ActType.BF16, WeightType.U4, 128, 128, 64),
+        GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 128),
+        GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, Schedule.PINGPONG),
+        GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, scheduler=Scheduler.STREAMK),
+        GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, stages=4),
+    ]
+    assert len({base.name, *(v.name for v in variants)}) == len(variants) + 1
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tile_m=96), "tile_m"),
+    (dict(tile_m=64), "cooperative"),
+    (dict(tile_n=12), "tile_n"),
+    (dict(tile_k=32), "tile_k"),
+    (dict(stages=1), "stages"),
+])
+def test_invalid_specs_rejected(kw, match):
+    args = dict(act=ActType.BF16, weight=WeightType.U4, tile_m=128, tile_n=64, tile_k=64)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        GemmSpec(**args)
+
+
+def test_parse_name_rejects_garbage():
+    with pytest.raises(ValueError):
+        parse_name("cutlass3x_sm90_tensorop_gemm")
+
+
+@pytest.mark.parametrize("wt", ALL_WEIGHTS, ids=lambda w: w.value)
+def test_render_uses_mixgemm_mainloop_layout_and_converters(wt):
+    spec = GemmSpec(ActType.BF16, wt, 128, 64, 64, scheduler=Scheduler.STREAMK)
+    src = render(spec)
+    code = {WeightType.S8: "int8_t", WeightType.U8: "uint8_t", WeightType.S4: "cutlass::int4b_t",
+            WeightType.U4: "cutlass::uint4b_t", WeightType.S2: "cutlass::int2b_t", WeightType.U2: "cutlass::uint2b_t"}[wt]
+    # cutlass_library's mixed-input element tuple: (code, scale[, zero])
+    if wt.signed:
+        assert f"cute::tuple<{code}, cutlass::bfloat16_t>" in src
+    else:
+        assert f"cute::tuple<{code}, cutlass::bfloat16_t, cutlass::bfloat16_t>" in src
+    assert "mixgemm::layout::PrepackedSm90" in src           # our layout tag for operand A
+    assert "mixgemm::KernelPrepackedCooperative" in src      # routes the builder to our mainloop
+    assert "mixgemm::epilogue::PerRowBias" in src
+    assert "cutlass::gemm::StreamKScheduler" in src
+    assert '#include "mixgemm/gemm_prelude.hpp"' in src        # our collective + converters
+    assert f"static_assert(mixgemm::uses_prepacked_mainloop_v<{spec.name}_op>" in src
+    assert f"MIXGEMM_GEMM_ENTRY({spec.name}, {spec.name}_op)" in src
+    assert src.count("CollectiveBuilder<") == 2                # one instantiation per file
+
+
+def test_render_is_deterministic_and_distinct():
+    a = GemmSpec(ActType.FP16, WeightType.S2, 128, 16, 128, scheduler=Scheduler.STREAMK)
+    b = GemmSpec(ActType.FP16, WeightType.S2, 128, 16, 64, scheduler=Scheduler.STREAMK)
+    assert render(a) == render(a)
+    assert render(a) != render(b)
+    assert "cute::Shape<cute::_128, cute::_16, cute::_128>" in render(a)
+    assert "cutlass::half_t" in render(a)
+
+
+def test_render_pingpong_uses_pingpong_epilogue():
+    src = render(GemmSpec(ActType.BF16, WeightType.U4, 64, 64, 64, Schedule.PINGPONG))
+    assert "mixgemm::KernelPrepackedPingpong" in src
+    assert "cutlass::epilogue::TmaWarpSpecialized," in src
+
+
+def test_render_dequant():
+    src = render(DequantSpec(ActType.FP16, WeightType.U2))
+    assert "MIXGEMM_DEQUANT_ENTRY(mixgemm_dequant_fp16_u2, cutlass::uint2b_t, cutlass::half_t, true)" in src
+    assert '#include "mixgemm/dequant_kernel.hpp"' in src
+
+
+def test_cutlass_library_tag_tables_extended_not_forked():
+    from cutlass_library import library as L
+    codegen.render(GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64))
+    # our entries live in cutlass_library's own tables, next to the stock ones
+    assert "mixgemm::layout::PrepackedSm90" in L.LayoutTag.values()
+    assert "mixgemm::KernelPrepackedCooperative" in L.KernelScheduleTag.values()
+    assert L.LayoutTag[L.LayoutType.RowMajor] == "cutlass::layout::RowMajor"
+    n = len(L.KernelScheduleTag)
+    codegen.render(GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64))
+    assert len(L.KernelScheduleTag) == n, "registering twice must not add entries"
