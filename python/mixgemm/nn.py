@@ -1,0 +1,272 @@
+"""PyTorch integration: the ``mixgemm::gemm`` custom op, :class:`QuantLinear` and
+:func:`quantize_model`.
+
+``torch.ops.mixgemm.gemm`` is registered with ``torch.library`` together with a fake (meta)
+implementation, so ``torch.compile(model, fullgraph=True)`` traces a model that uses
+:class:`QuantLinear` without graph breaks, and CUDA graphs capture it (after a warm-up call has
+loaded the kernel: loading never happens during capture).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from .layout import ATOM_K, ATOM_N, prepack
+from .quantize import quantize
+from .types import LAYOUT_VERSION, PackedWeight, WeightType, check_group_size
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom op
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("mixgemm::gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor], weight_type: str, group_size: int, n: int, k: int) -> torch.Tensor:
+    from .ops import gemm
+
+    packed = PackedWeight(qdata, scales, zeros, WeightType(weight_type), group_size, n, k)
+    return gemm(x, packed, bias=bias)
+
+
+@_gemm_op.register_fake
+def _gemm_fake(x, qdata, scales, zeros, bias, weight_type, group_size, n, k):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def gemm_op(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`mixgemm.gemm` through the registered custom op (traceable by torch.compile)."""
+    return torch.ops.mixgemm.gemm(x, w.qdata, w.scales, w.zeros, bias, w.weight_type.value, w.group_size,
+                                  w.n, w.k)
+
+
+# ---------------------------------------------------------------------------------------------
+# QuantLinear
+# ---------------------------------------------------------------------------------------------
+def _packed_shapes(in_features: int, out_features: int, bits: int, group_size: int):
+    g = in_features // group_size
+    return ((out_features // ATOM_N, in_features // ATOM_K, ATOM_N * ATOM_K * bits // 8), (g, out_features))
+
+
+class QuantLinear(nn.Module):
+    """A linear layer with a prepacked low-bit weight: ``y = x @ dequant(W).T + b``.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        K and N; need ``out_features % 16 == 0`` and ``in_features % 64 == 0``.
+    bits : int
+        8, 4 or 2.
+    group_size : int
+        32, 64, 128, 256 or ``in_features`` (per-channel).
+    symmetric : bool
+        Signed codes without zero points (True) or unsigned codes with zero points (False).
+    bias : bool
+        Whether the layer has a bias (shape ``[out_features]``, in ``dtype``).
+    dtype : torch.dtype
+        Activation dtype, bf16 or fp16 (scales, zeros, bias and output use it too).
+    device : torch.device, optional
+
+    Notes
+    -----
+    The weight lives in three buffers in the sm90a prepacked layout (see
+    :mod:`mixgemm.layout`): ``qdata`` uint8 ``[N/16, K/64, 128*bits]``, ``scales`` ``[G, N]`` and,
+    when asymmetric, ``zeros`` ``[G, N]``. An optional ``perm`` buffer (int64 ``[K]``) permutes the
+    input features first (GPTQ act-order checkpoints). The state dict carries the metadata
+    (bits, group size, symmetry, layout version) as extra state and refuses a mismatch.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bits: int = 4, group_size: int = 128,
+                 symmetric: bool = False, bias: bool = True, dtype: torch.dtype = torch.bfloat16,
+                 device=None):
+        super().__init__()
+        if out_features % ATOM_N or in_features % ATOM_K:
+            raise ValueError(f"QuantLinear needs out_features % {ATOM_N} == 0 and in_features % {ATOM_K} == 0, "
+                             f"got {out_features} x {in_features}")
+        check_group_size(group_size, in_features)
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_type = WeightType.of(bits, symmetric)
+        self.group_size = group_size
+        qshape, sshape = _packed_shapes(in_features, out_features, bits, group_size)
+        self.register_buffer("qdata", torch.zeros(qshape, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(sshape, dtype=dtype, device=device))
+        self.register_buffer("zeros", None if symmetric else torch.zeros(sshape, dtype=dtype, device=device))
+        self.register_buffer("perm", None)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
+
+    @property
+    def bits(self) -> int:
+        return self.weight_type.bits
+
+    @property
+    def symmetric(self) -> bool:
+        return self.weight_type.signed
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.qdata, self.scales, self.zeros, self.weight_type, self.group_size,
+                            self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return torch.ops.mixgemm.gemm(x, self.qdata, self.scales, self.zeros, self.bias,
+                                      self.weight_type.value, self.group_size, self.out_features,
+                                      self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, symmetric={self.symmetric}, bias={self.bias is not None}, "
+                f"dtype={self.scales.dtype}, layout=sm90a/v{LAYOUT_VERSION}")
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_packed(cls, packed: PackedWeight, bias: Optional[torch.Tensor] = None,
+                    perm: Optional[torch.Tensor] = None) -> "QuantLinear":
+        """Wrap an existing PackedWeight (no copy of its tensors)."""
+        if not isinstance(packed, PackedWeight):
+            raise TypeError(f"expected a PackedWeight, got {type(packed).__name__}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = packed.k, packed.n
+        layer.weight_type, layer.group_size = packed.weight_type, packed.group_size
+        layer.register_buffer("qdata", packed.qdata)
+        layer.register_buffer("scales", packed.scales)
+        layer.register_buffer("zeros", packed.zeros)
+        if perm is not None and (perm.shape != (packed.k,) or perm.dtype != torch.int64):
+            raise ValueError(f"perm must be int64 of shape [{packed.k}]")
+        layer.register_buffer("perm", perm)
+        if bias is not None:
+            if bias.shape != (packed.n,):
+                raise ValueError(f"bias must have shape [{packed.n}], got {list(bias.shape)}")
+            bias = nn.Parameter(bias.to(packed.dtype), requires_grad=False)
+        layer.bias = bias
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int = 128, symmetric: bool = False,
+                    dtype: Optional[torch.dtype] = None) -> "QuantLinear":
+        """Quantize (round-to-nearest, :func:`mixgemm.quantize`) and prepack an ``nn.Linear``.
+        ``dtype`` defaults to the linear's dtype if it is bf16/fp16, else bf16."""
+        w = linear.weight.detach()
+        if dtype is None:
+            dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        qw = quantize(w, bits, group_size, symmetric=symmetric, dtype=dtype)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        return cls.from_packed(prepack(qw), bias=bias)
+
+    # -- state dict metadata ----------------------------------------------------------------
+    def get_extra_state(self):
+        return {"format": "mixgemm.QuantLinear", "weight_type": self.weight_type.value,
+                "group_size": self.group_size, "in_features": self.in_features,
+                "out_features": self.out_features, "layout_version": LAYOUT_VERSION, "arch": "sm90a"}
+
+    def set_extra_state(self, state) -> None:
+        mine = self.get_extra_state()
+        if not isinstance(state, dict) or state.get("format") != mine["format"]:
+            raise ValueError("not a mixgemm QuantLinear state")
+        if state.get("layout_version", 0) > LAYOUT_VERSION:
+            raise ValueError(f"state has layout version {state['layout_version']}; upgrade mixgemm to read it")
+        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if diff:
+            raise ValueError(f"QuantLinear metadata mismatch (state, module): {diff}")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # The act-order permutation is optional: create or drop the buffer to match the state.
+        key = prefix + "perm"
+        if key in state_dict and self.perm is None:
+            self.register_buffer("perm", torch.empty_like(state_dict[key]))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize_model
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class QuantizeSummary:
+    replaced: list[str]
+    skipped: dict[str, str]
+    bytes_before: int
+    bytes_after: int
+
+    def __str__(self) -> str:
+        ratio = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
+        return (f"replaced {len(self.replaced)} Linear layers, skipped {len(self.skipped)}; weight bytes "
+                f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB ({ratio:.2f}x)")
+
+
+def unsupported_reason(linear: nn.Linear, group_size: int) -> Optional[str]:
+    """Why mixgemm's kernels cannot take this layer's shape, or None."""
+    n, k = linear.out_features, linear.in_features
+    if n % ATOM_N:
+        return f"out_features={n} is not a multiple of {ATOM_N}"
+    if k % ATOM_K:
+        return f"in_features={k} is not a multiple of {ATOM_K}"
+    try:
+        check_group_size(group_size, k)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symmetric: bool = False,
+                   skip: Iterable[str] = ("lm_head",), device=None, dtype: Optional[torch.dtype] = None,
+                   progress: bool = True) -> QuantizeSummary:
+    """Replace the model's ``nn.Linear`` layers by :class:`QuantLinear`, in place.
+
+    Parameters
+    ----------
+    model : nn.Module
+    bits, group_size, symmetric :
+        As for :func:`mixgemm.quantize`.
+    skip : iterable of str
+        Regular expressions; a layer whose qualified name matches one (``re.search``) is kept.
+    device : torch.device, optional
+        Where the quantized layers live (default: where each linear's weight is).
+    dtype : torch.dtype, optional
+        Activation dtype (default: each linear's dtype if bf16/fp16, else bf16).
+    progress : bool
+        Show a progress bar over layers.
+
+    Returns
+    -------
+    QuantizeSummary
+        Replaced layer names, skipped layers with the reason, weight bytes before and after.
+        A layer whose shape the kernels cannot take stays an ``nn.Linear``, with a warning that
+        says why; it is never silently wrong.
+    """
+    from tqdm import tqdm
+
+    patterns = [re.compile(p) for p in skip]
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    replaced, skipped = [], {}
+    before = after = 0
+    for name, linear in tqdm(targets, desc="mixgemm quantize", unit="layer", disable=not progress or None):
+        if any(p.search(name) for p in patterns):
+            skipped[name] = "matches skip"
+            continue
+        why = unsupported_reason(linear, group_size)
+        if why:
+            warnings.warn(f"mixgemm.quantize_model: keeping {name} as nn.Linear: {why}", stacklevel=2)
+            skipped[name] = why
+            continue
+        q = QuantLinear.from_linear(linear, bits, group_size, symmetric, dtype)
+        if device is not None:
+            q = q.to(device)
+        before += linear.weight.numel() * linear.weight.element_size()
+        after += q.packed.nbytes
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, q)
+        replaced.append(name)
+    return QuantizeSummary(replaced, skipped, before, after)
+
+
+__all__ = ["QuantLinear", "quantize_model", "QuantizeSummary", "gemm_op", "unsupported_reason"]

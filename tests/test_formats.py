@@ -1,0 +1,766 @@
+"""Checkpoint importers (mixgemm.formats).
+
+Each format's layers are built here with that format's own published packing rules, by
+reference packers written for this test from the formats' documentation and sources
+(AutoAWQ ``WQLinear_GEMM.from_linear`` / ``dequantize_gemm``, AutoGPTQ ``QuantLinear.pack``
+and GPTQModel's v1 <-> v2 zero conversion, compressed-tensors ``pack_to_int32`` /
+``_dequantize``, HQQ ``BitPack`` / ``Quantizer.dequantize`` / ``encode_safetensor_type``), and
+dequantized with the format's own formula, also written here. mixgemm's dequantization of the
+imported layer must equal it bit for bit. None of those packages is imported.
+"""
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from mixgemm.formats import (Format, FormatError, GPTQCheckpointFormat, ImportedLayer,
+                             UnsupportedLayerError, detect_format, from_awq,
+                             from_compressed_tensors, from_gptq, from_hqq, import_checkpoint,
+                             import_layer)
+from mixgemm.layout import prepack, unpack
+from mixgemm.quantize import dequantize_reference
+from mixgemm.types import PackedWeight, QuantizedWeight
+
+FP16, BF16 = torch.float16, torch.bfloat16
+N = 48  # three 16-row atoms: odd but legal
+GROUPS = (32, 64, 128, 256, "K")
+#: K per group size: odd multiples of 64 where the group size allows it (small for speed).
+K_FOR = {32: 192, 64: 192, 128: 384, 256: 512, "K": 320}
+
+
+def shape_for(group):
+    k = K_FOR[group]
+    return k, (k if group == "K" else group)
+
+
+def gen_for(*key):
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def rand_codes(shape, bits, gen, lo=0):
+    return torch.randint(lo, 1 << bits, shape, generator=gen, dtype=torch.int64)
+
+
+def rand_scales(shape, dtype, gen):
+    """Positive, normal in fp16 and bf16: 2^[-10, -3)."""
+    return (2.0 ** torch.empty(shape).uniform_(-10, -3, generator=gen)).to(dtype)
+
+
+def u32_to_i32(a):
+    return torch.from_numpy((np.asarray(a, dtype=np.uint64) & 0xFFFFFFFF)
+                            .astype(np.uint32).view(np.int32).copy())
+
+
+def i32_to_u64(t):
+    return t.numpy().view(np.uint32).astype(np.uint64)
+
+
+def assert_bitwise(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+        f"{int((a.view(torch.int16) != b.view(torch.int16)).sum())} elements differ"
+
+
+def assert_same_qw(a: QuantizedWeight, b: QuantizedWeight):
+    assert (a.bits, a.group_size, a.symmetric) == (b.bits, b.group_size, b.symmetric)
+    assert a.qweight.dtype == b.qweight.dtype and torch.equal(a.qweight, b.qweight)
+    assert_bitwise(a.scales, b.scales)
+    assert (a.zeros is None) == (b.zeros is None)
+    if a.zeros is not None:
+        assert_bitwise(a.zeros, b.zeros)
+
+
+def check_round_trip(qw: QuantizedWeight):
+    packed = prepack(qw)
+    assert isinstance(packed, PackedWeight)
+    assert_same_qw(unpack(packed), qw)
+    assert_bitwise(dequantize_reference(packed), dequantize_reference(qw))
+
+
+# ===================================================================================== AWQ
+# AutoAWQ WQLinear_GEMM.from_linear: qweight[:, c] |= intweight[:, 8c + order_map[i]] << 4i,
+# order_map = [0, 2, 4, 6, 1, 3, 5, 7]; qzeros the same over zeros[K/g, N]; scales fp16.
+AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def awq_pack(int_rc):
+    """[R, 8C] ints in [0, 15] -> int32 [R, C], AutoAWQ's GEMM packing."""
+    v = np.asarray(int_rc, dtype=np.uint64)
+    out = np.zeros((v.shape[0], v.shape[1] // 8), dtype=np.uint64)
+    for i, col in enumerate(AWQ_ORDER_MAP):
+        out |= v[:, col::8] << np.uint64(4 * i)
+    return u32_to_i32(out)
+
+
+def awq_reference_dequant(qweight, qzeros, scales, group_size):
+    """AutoAWQ's dequantize_gemm: shift out nibbles, undo the order, (iw - iz) * s; -> [N, K]."""
+    def unpack_cols(t):
+        nib = torch.stack([(t >> (4 * i)) & 15 for i in range(8)], dim=-1)  # storage order
+        natural = torch.empty_like(nib)
+        natural[..., AWQ_ORDER_MAP] = nib  # nibble i holds column order_map[i]
+        return natural.reshape(t.shape[0], -1).to(torch.int8)
+    iw, iz = unpack_cols(qweight), unpack_cols(qzeros)
+    s = scales.repeat_interleave(group_size, dim=0)
+    return ((iw - iz.repeat_interleave(group_size, dim=0)) * s).t()
+
+
+def make_awq(k, gs, gen, zeros="random", dtype=FP16):
+    g = k // gs
+    q_kn = rand_codes((k, N), 4, gen)
+    z_gn = torch.full((g, N), 8) if zeros == "mid" else rand_codes((g, N), 4, gen)
+    return awq_pack(q_kn), awq_pack(z_gn), rand_scales((g, N), dtype, gen)
+
+
+@pytest.mark.parametrize("zeros", ["random", "mid"])
+@pytest.mark.parametrize("group", GROUPS)
+def test_awq_bit_exact(group, zeros):
+    k, gs = shape_for(group)
+    qweight, qzeros, scales = make_awq(k, gs, gen_for("awq", group, zeros), zeros)
+    layer = from_awq(qweight, qzeros, scales)
+    qw = layer.qweight
+    assert layer.perm is None and layer.bias is None
+    assert (qw.n, qw.k, qw.bits, qw.group_size) == (N, k, 4, gs)
+    assert qw.symmetric == (zeros == "mid") and qw.dtype == FP16
+    ref = awq_reference_dequant(qweight, qzeros, scales, gs)
+    assert_bitwise(dequantize_reference(qw), ref)
+    check_round_trip(qw)
+    # the same layer kept asymmetric (zeros carried over) is exact too
+    asym = from_awq(qweight, qzeros, scales, symmetric=False, group_size=-1 if group == "K" else gs)
+    assert not asym.qweight.symmetric
+    assert_bitwise(dequantize_reference(asym.qweight), ref)
+
+
+def test_awq_other_activation_dtype_is_within_the_documented_bound():
+    k, gs = shape_for(128)
+    qweight, qzeros, scales = make_awq(k, gs, gen_for("awq-bf16"))
+    qw = from_awq(qweight, qzeros, scales, dtype=BF16).qweight
+    assert qw.dtype == BF16 and torch.equal(qw.scales, scales.t().to(BF16))
+    ref = awq_reference_dequant(qweight, qzeros, scales, gs).double()  # fp16, the source
+    got = dequantize_reference(qw).double()
+    bound = (2 ** -7 + 2 ** -16 + 2 ** -11) * (ref.abs() / (1 - 2 ** -11))
+    assert bool(((got - ref).abs() <= bound).all())
+    assert not torch.equal(got, ref)  # bf16 is not bit-exact with the fp16 source
+
+
+# ==================================================================================== GPTQ
+# AutoGPTQ QuantLinear.pack: qweight[row] |= intweight[i + j] << bits*j (K packed along rows),
+# qzeros[:, col] |= (zeros - 1)[:, i + j] << bits*j (v1: stored minus one), g_idx int32 [K].
+# GPTQModel: v2 stores zeros as they are; v1 <-> v2 by adding/subtracting 0x11111111 (4-bit),
+# 0x01010101 (8-bit), 0x55555555 (2-bit) to each int32 word.
+GPTQ_ONES = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
+
+
+def gptq_pack(ints, bits, axis):
+    """Pack ints in [0, 2^bits) into int32 words along ``axis`` (0: K rows, 1: N columns)."""
+    v = np.asarray(ints, dtype=np.uint64)
+    if axis == 1:
+        v = v.T
+    per = 32 // bits
+    out = np.zeros((v.shape[0] // per, v.shape[1]), dtype=np.uint64)
+    for j in range(per):
+        out |= v[j::per] << np.uint64(bits * j)
+    return u32_to_i32(out.T if axis == 1 else out)
+
+
+def gptq_pack_zeros(z_gn, bits, fmt):
+    """v2: the zeros; v1: AutoGPTQ's ``zeros - 1`` (needs zeros >= 1, else its packer ORs the
+    sign-extended -1 over the other zero points)."""
+    if fmt == "gptq_v2":
+        return gptq_pack(z_gn, bits, 1)
+    assert int(z_gn.min()) >= 1
+    return gptq_pack(z_gn - 1, bits, 1)
+
+
+def gptq_v2_to_v1(qzeros_v2, bits):
+    """GPTQModel's v2 -> v1 export: subtract 1 per zero point as an int32 word subtraction."""
+    return u32_to_i32(i32_to_u64(qzeros_v2) + 2 ** 32 - GPTQ_ONES[bits])
+
+
+def gptq_unpack(t, bits, axis):
+    per = 32 // bits
+    v = torch.from_numpy(i32_to_u64(t).astype(np.int64))
+    if axis == 1:
+        v = v.t()
+    parts = torch.stack([(v >> (bits * j)) & ((1 << bits) - 1) for j in range(per)], dim=1)
+    out = parts.reshape(-1, v.shape[1])
+    return out.t() if axis == 1 else out
+
+
+def gptq_reference_dequant(qweight, qzeros, scales, g_idx, bits, fmt):
+    """GPTQModel's dequantize_weight on v2 zeros (v1 converted as GPTQModel does): [N, K]."""
+    if fmt == "gptq":
+        qzeros = u32_to_i32(i32_to_u64(qzeros) + GPTQ_ONES[bits])
+    weight = gptq_unpack(qweight, bits, 0).to(torch.int16)     # [K, N]
+    zeros = gptq_unpack(qzeros, bits, 1).to(torch.int16)       # [G, N]
+    g = g_idx.long()
+    return (scales[g] * (weight - zeros[g])).t()
+
+
+def make_gptq(k, gs, bits, sym, fmt, dtype, gen, g_idx=None):
+    g = k // gs
+    q_kn = rand_codes((k, N), bits, gen)
+    if sym:
+        z = torch.full((g, N), 1 << (bits - 1))
+    else:  # v1 (AutoGPTQ's packer) cannot store a zero point of 0
+        z = rand_codes((g, N), bits, gen, lo=1 if fmt == "gptq" else 0)
+    if g_idx is None:
+        g_idx = torch.arange(k, dtype=torch.int32) // gs
+    return dict(qweight=gptq_pack(q_kn, bits, 0), qzeros=gptq_pack_zeros(z, bits, fmt),
+                scales=rand_scales((g, N), dtype, gen), g_idx=g_idx)
+
+
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("group", [32, 128, "K"])   # 64 and 256: AWQ, compressed-tensors, HQQ
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_gptq_bit_exact(bits, group, sym, fmt, dtype):
+    k, gs = shape_for(group)
+    t = make_gptq(k, gs, bits, sym, fmt, dtype, gen_for("gptq", bits, group, sym, fmt, dtype))
+    layer = from_gptq(**t, checkpoint_format=fmt, bits=bits)
+    qw = layer.qweight
+    assert layer.perm is None
+    assert (qw.n, qw.k, qw.bits, qw.group_size, qw.dtype) == (N, k, bits, gs, dtype)
+    assert qw.symmetric == sym
+    ref = gptq_reference_dequant(**t, bits=bits, fmt=fmt)
+    assert_bitwise(dequantize_reference(qw), ref)
+    check_round_trip(qw)
+    if sym:  # the symmetric layer, kept with its zero points, is the same weight
+        asym = from_gptq(**t, checkpoint_format=fmt, symmetric=False).qweight
+        assert not asym.symmetric and bool((asym.zeros == (1 << (bits - 1))).all())
+        assert_bitwise(dequantize_reference(asym), ref)
+    else:
+        with pytest.raises(FormatError, match="symmetric=True"):
+            from_gptq(**t, checkpoint_format=fmt, symmetric=True)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_gptq_v1_and_v2_zero_conventions(bits):
+    k, gs = shape_for(64)
+    gen = gen_for("v1v2", bits)
+    q = rand_codes((k, N), bits, gen)
+    z = rand_codes((k // gs, N), bits, gen)            # includes zero points of 0
+    s = rand_scales((k // gs, N), FP16, gen)
+    common = dict(qweight=gptq_pack(q, bits, 0), scales=s)
+    v2 = gptq_pack(z, bits, 1)
+    v1 = gptq_v2_to_v1(v2, bits)                        # GPTQModel's export, borrows included
+    a = from_gptq(qzeros=v2, checkpoint_format="gptq_v2", **common).qweight
+    b = from_gptq(qzeros=v1, checkpoint_format=GPTQCheckpointFormat.V1, **common).qweight
+    assert_same_qw(a, b)
+    assert torch.equal(a.zeros, z.t().to(FP16))
+    # AutoGPTQ's own v1 packing (zeros - 1, for zero points >= 1) reads the same as GPTQModel's
+    z1 = z.clamp(min=1)
+    c = from_gptq(qzeros=gptq_pack(z1 - 1, bits, 1), checkpoint_format="gptq", **common)
+    assert torch.equal(c.qweight.zeros, z1.t().to(FP16))
+    # ... and per zero point, AutoGPTQ's torch path ((stored & mask) + 1) agrees with it
+    stored = gptq_unpack(gptq_pack(z1 - 1, bits, 1), bits, 1)
+    assert torch.equal(c.qweight.zeros, (stored + 1).t().to(FP16))
+    # reading v1 data as v2 shifts every zero point by one: the parameter matters
+    wrong = from_gptq(qzeros=gptq_pack(z1 - 1, bits, 1), checkpoint_format="gptq_v2",
+                      symmetric=False, **common).qweight
+    assert torch.equal(wrong.zeros + 1, c.qweight.zeros)
+
+
+def random_act_order_g_idx(k, gs, gen):
+    """GPTQ desc_act: g_idx[perm[i]] = i // gs for an activation-order permutation perm."""
+    perm = torch.randperm(k, generator=gen)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(k) // gs).to(torch.int32)
+    return g_idx
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_gptq_act_order(bits, group, fmt):
+    k, gs = shape_for(group)
+    gen = gen_for("actorder", bits, group, fmt)
+    g_idx = random_act_order_g_idx(k, gs, gen)
+    t = make_gptq(k, gs, bits, False, fmt, FP16, gen, g_idx=g_idx)
+    layer = from_gptq(**t, checkpoint_format=fmt, bits=bits, group_size=gs)
+    perm = layer.perm
+    assert perm is not None and perm.dtype == torch.int64 and perm.shape == (k,)
+    assert torch.equal(torch.sort(perm).values, torch.arange(k))
+    # after the permutation the groups are contiguous
+    assert torch.equal(g_idx.long()[perm], torch.arange(k) // gs)
+    w_src = gptq_reference_dequant(**t, bits=bits, fmt=fmt)       # [N, K], source order
+    w_mix = dequantize_reference(layer.qweight)
+    assert_bitwise(w_mix, w_src[:, perm])
+    # x[..., perm] @ W_mix^T == x @ W_src^T, exactly in float64: the weights are multiples of
+    # 2^-20 below 2^5 and x small integers, so every partial sum is exact in any order.
+    x = torch.randint(-4, 5, (3, 5, k), generator=gen).double()
+    y_src = x @ w_src.double().t()
+    assert torch.equal(x[..., perm] @ w_mix.double().t(), y_src)
+    assert torch.equal(layer.permute_input(x) @ w_mix.double().t(), y_src)
+    check_round_trip(layer.qweight)
+
+
+def test_gptq_contiguous_groups_with_shuffled_labels_need_no_perm():
+    k, gs = shape_for(64)
+    gen = gen_for("relabel")
+    labels = torch.tensor([2, 0, 1])
+    g_idx = labels.repeat_interleave(gs).to(torch.int32)       # contiguous, labels shuffled
+    t = make_gptq(k, gs, 4, False, "gptq_v2", BF16, gen, g_idx=g_idx)
+    layer = from_gptq(**t, checkpoint_format="gptq_v2")
+    assert layer.perm is None
+    assert_bitwise(dequantize_reference(layer.qweight),
+                   gptq_reference_dequant(**t, bits=4, fmt="gptq_v2"))
+
+
+def test_gptq_act_order_with_unequal_groups_is_refused():
+    k, gs = shape_for(64)
+    t = make_gptq(k, gs, 4, False, "gptq_v2", FP16, gen_for("unequal"))
+    g_idx = torch.arange(k, dtype=torch.int32) // gs
+    g_idx[0], g_idx[-1] = 1, 1                              # group 0 shrinks, group 1 grows
+    t["g_idx"] = g_idx[torch.randperm(k, generator=gen_for("unequal-perm"))]
+    with pytest.raises(UnsupportedLayerError, match="unequal sizes"):
+        from_gptq(**t, checkpoint_format="gptq_v2")
+    t["g_idx"] = torch.full((k,), 5, dtype=torch.int32)     # out of range
+    with pytest.raises(FormatError, match=r"g_idx values must lie in \[0, 3\)"):
+        from_gptq(**t, checkpoint_format="gptq_v2")
+    t["g_idx"] = torch.zeros(k - 1, dtype=torch.int32)
+    with pytest.raises(FormatError, match="g_idx has 191 entries"):
+        from_gptq(**t, checkpoint_format="gptq_v2")
+
+
+# ====================================================================== compressed-tensors
+# pack_to_int32(value, num_bits, packed_dim): value + 2^(b-1) (unsigned), element i of a row
+# at bit i*b of the row's little-endian int32 bit stream (ceil(E*b/32) words); zero points
+# packed along dim 0 (N). _dequantize: (x_q.to(s.dtype) - zp.to(s.dtype)) * s.
+
+
+def ct_pack(values, bits, packed_dim=1):
+    """Signed int codes -> int32, compressed-tensors' dense bit stream along packed_dim."""
+    v = np.asarray(values, dtype=np.int64) + (1 << (bits - 1))
+    if packed_dim == 0:
+        v = v.T
+    rows, cols = v.shape
+    words = -(-cols * bits // 32)
+    out = np.zeros((words + 1, rows), dtype=np.uint64)          # one spare word for carries
+    start = np.arange(cols) * bits
+    word, offset = start // 32, (start % 32).astype(np.uint64)
+    u = v.T.astype(np.uint64)                                   # [cols, rows]
+    np.add.at(out, word, (u << offset[:, None]) & 0xFFFFFFFF)
+    spill = offset + bits > 32                                  # straddles two words
+    np.add.at(out, word[spill] + 1, u[spill] >> (np.uint64(32) - offset[spill, None]))
+    out = out[:words].T
+    return u32_to_i32(out.T if packed_dim == 0 else out)
+
+
+def ct_unpack(packed, bits, count, packed_dim=1):
+    v = i32_to_u64(packed)
+    if packed_dim == 0:
+        v = v.T
+    start = np.arange(count) * bits
+    word, offset = start // 32, (start % 32).astype(np.uint64)
+    codes = (v[:, word] >> offset) & np.uint64((1 << bits) - 1)
+    out = torch.from_numpy(codes.astype(np.int64) - (1 << (bits - 1))).to(torch.int8)
+    return out.t() if packed_dim == 0 else out
+
+
+def ct_reference_dequant(weight_packed, weight_scale, weight_shape, bits, weight_zero_point=None,
+                         weight_g_idx=None):
+    n, k = [int(v) for v in weight_shape]
+    x_q = ct_unpack(weight_packed, bits, k)
+    gs = k // weight_scale.shape[1]
+    g = torch.arange(k) // gs if weight_g_idx is None else weight_g_idx.long()
+    deq = x_q.to(weight_scale.dtype)
+    if weight_zero_point is not None:
+        zp = weight_zero_point
+        if zp.dtype == torch.int32 and zp.shape[0] != n:
+            zp = ct_unpack(zp, bits, n, packed_dim=0)
+        deq = deq - zp.to(weight_scale.dtype)[:, g]
+    return deq * weight_scale[:, g]
+
+
+def make_ct(k, gs, bits, sym, dtype, gen, zp_packed=True, g_idx=None):
+    g = k // gs
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1))
+    q = torch.randint(lo, hi, (N, k), generator=gen)
+    t = dict(weight_packed=ct_pack(q, bits), weight_scale=rand_scales((N, g), dtype, gen),
+             weight_shape=torch.tensor([N, k]))
+    if not sym:
+        z = torch.randint(lo, hi, (N, g), generator=gen)
+        t["weight_zero_point"] = ct_pack(z, bits, 0) if zp_packed else z.to(torch.int8)
+    if g_idx is not None:
+        t["weight_g_idx"] = g_idx
+    return t
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("zp", ["sym", "packed-zp", "int8-zp"])
+@pytest.mark.parametrize("group", [32, 128, 256, "K"])   # "K": the channel strategy, [N, 1]
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_compressed_tensors_bit_exact(bits, group, zp, dtype):
+    k, gs = shape_for(group)
+    sym = zp == "sym"
+    t = make_ct(k, gs, bits, sym, dtype, gen_for("ct", bits, group, zp, dtype),
+                zp_packed=zp == "packed-zp")
+    assert t["weight_packed"].shape == (N, k * bits // 32)
+    layer = from_compressed_tensors(**t)
+    qw = layer.qweight
+    assert layer.perm is None and qw.symmetric == sym
+    assert (qw.n, qw.k, qw.bits, qw.group_size, qw.dtype) == (N, k, bits, gs, dtype)
+    if sym:
+        assert qw.qweight.dtype == torch.int8 and torch.equal(
+            qw.qweight, ct_unpack(t["weight_packed"], bits, k))
+    ref = ct_reference_dequant(**t, bits=bits)
+    assert_bitwise(dequantize_reference(qw), ref)
+    check_round_trip(qw)
+    # bits and group_size from the config are checked, not needed
+    again = from_compressed_tensors(**t, bits=bits, group_size=-1 if group == "K" else gs)
+    assert_same_qw(again.qweight, qw)
+
+
+def test_compressed_tensors_packer_matches_published_little_endian_layout():
+    # 4-bit, symmetric: codes -8..7 stored as code + 8, element j of a word in bits 4j..4j+3
+    q = torch.tensor([[-8, -7, 0, 1, 2, 3, 6, 7] * 8])
+    packed = ct_pack(q, 4)
+    assert packed.shape == (1, 8)
+    assert int(packed[0, 0]) == int(np.array(0xFEBA9810, dtype=np.uint32).view(np.int32))
+
+
+def test_compressed_tensors_act_order_and_placeholder_g_idx():
+    k, gs = shape_for(64)
+    gen = gen_for("ct-actorder")
+    g_idx = random_act_order_g_idx(k, gs, gen)
+    t = make_ct(k, gs, 4, False, BF16, gen, g_idx=g_idx)
+    layer = from_compressed_tensors(**t)
+    assert layer.perm is not None
+    w_src = ct_reference_dequant(**t, bits=4)
+    assert_bitwise(dequantize_reference(layer.qweight), w_src[:, layer.perm])
+    x = torch.randint(-4, 5, (7, k), generator=gen).double()
+    assert torch.equal(layer.permute_input(x) @ dequantize_reference(layer.qweight).double().t(),
+                       x @ w_src.double().t())
+    # older compressed-tensors store g_idx = -1 everywhere for "no act-order"
+    t["weight_g_idx"] = torch.full((k,), -1, dtype=torch.int32)
+    plain = from_compressed_tensors(**t)
+    assert plain.perm is None
+    assert_bitwise(dequantize_reference(plain.qweight), ct_reference_dequant(
+        **{**t, "weight_g_idx": None}, bits=4))
+
+
+# ===================================================================================== HQQ
+# Quantizer.quantize (axis=1): W.reshape(-1, g), W_q = BitPack.pack_<b>bit_u8(W_q): the row
+# blocks of the [N*K/g, g] codes go to bits 8-b*(i+1) of each byte; scale/zero [N*K/g, 1];
+# HQQLinear.state_dict encodes meta with encode_safetensor_type. Dequantize:
+# ((unpack(W_q).to(compute_dtype) - zero) * scale).reshape(shape).
+
+
+def hqq_pack(codes, bits):
+    if bits == 8:
+        return codes.to(torch.uint8)
+    per, step = 8 // bits, codes.shape[0] // (8 // bits)
+    out = torch.zeros((step, codes.shape[1]), dtype=torch.uint8)
+    for i in range(per):
+        out |= codes[i * step:(i + 1) * step].to(torch.uint8) << (8 - bits * (i + 1))
+    return out
+
+
+def hqq_unpack(W_q, bits, dtype):
+    if bits == 8:
+        return W_q.to(dtype)
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    return torch.cat([(W_q >> (8 - bits * (i + 1))) & mask for i in range(per)]).to(dtype)
+
+
+def hqq_encode(v):
+    """HQQ's encode_safetensor_type."""
+    if isinstance(v, torch.dtype):
+        v = str(v)
+    if isinstance(v, torch.Size):
+        return torch.tensor(v)
+    if isinstance(v, bool):
+        return torch.tensor(int(v), dtype=torch.uint8)
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int32)
+    if isinstance(v, float):
+        return torch.tensor(v, dtype=torch.float32)
+    if isinstance(v, str):
+        return torch.tensor([ord(c) for c in v], dtype=torch.uint8)
+    return v
+
+
+def make_hqq(n, k, gs, bits, dtype, gen, zeros="integer", encoded=True, axis=1):
+    rows = n * k // gs
+    codes = rand_codes((rows, gs), bits, gen)
+    scale = rand_scales((rows, 1), dtype, gen)
+    if zeros == "mid":
+        zero = torch.full((rows, 1), float(1 << (bits - 1)), dtype=dtype)
+    else:
+        zero = rand_codes((rows, 1), bits, gen).to(dtype)
+        if zeros == "fractional":
+            zero = (zero.float() * 0.9 + 0.3).to(dtype)
+    meta = {"nbits": bits, "group_size": gs, "shape": torch.Size([n, k]), "axis": axis,
+            "packing": {8: "8bit_u8", 4: "4bit_u8", 2: "2bit_u8"}[bits],
+            "unpack_view_dtype": torch.uint8, "view_as_float": False, "compute_dtype": dtype,
+            "channel_wise": True, "optimize": False, "round_zero": True}
+    if encoded:
+        meta = {key: hqq_encode(v) for key, v in meta.items()}
+        meta.update(offload_meta=hqq_encode(False), encoded_state_dict=hqq_encode(True),
+                    stores_quant_config=hqq_encode(True))
+    return dict(W_q=hqq_pack(codes, bits), scale=scale, zero=zero), meta
+
+
+def hqq_reference_dequant(W_q, scale, zero, bits, shape, dtype):
+    return ((hqq_unpack(W_q, bits, dtype) - zero) * scale).reshape(shape)
+
+
+@pytest.mark.parametrize("encoded", [True, False], ids=["encoded-meta", "plain-meta"])
+@pytest.mark.parametrize("dtype", [FP16, BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("group", [32, 64, 256, "K"])
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_hqq_integer_zeros_bit_exact(bits, group, dtype, encoded):
+    k, gs = shape_for(group)
+    t, meta = make_hqq(N, k, gs, bits, dtype, gen_for("hqq", bits, group, dtype, encoded),
+                       encoded=encoded)
+    layer = from_hqq(**t, meta=meta)
+    qw = layer.qweight
+    assert (qw.n, qw.k, qw.bits, qw.group_size, qw.dtype, qw.symmetric) == \
+        (N, k, bits, gs, dtype, False)
+    ref = hqq_reference_dequant(**t, bits=bits, shape=(N, k), dtype=dtype)
+    assert_bitwise(dequantize_reference(qw), ref)
+    check_round_trip(qw)
+
+
+def test_hqq_view_as_float_and_symmetric_zeros():
+    k, gs = shape_for(64)
+    t, meta = make_hqq(N, k, gs, 4, BF16, gen_for("hqq-view"), zeros="mid")
+    ref = hqq_reference_dequant(**t, bits=4, shape=(N, k), dtype=BF16)
+    viewed = dict(t, W_q=t["W_q"].view(BF16))       # view_as_float=True storage
+    layer = from_hqq(**viewed, meta={**meta, "view_as_float": hqq_encode(True)})
+    assert layer.qweight.symmetric                   # every zero point is 8
+    assert_bitwise(dequantize_reference(layer.qweight), ref)
+
+
+def test_hqq_fractional_zeros_are_not_implemented():
+    k, gs = shape_for(64)
+    t, meta = make_hqq(N, k, gs, 4, FP16, gen_for("hqq-frac"), zeros="fractional")
+    with pytest.raises(NotImplementedError, match="float zero points are not supported yet"):
+        from_hqq(**t, meta=meta, name="model.layers.0.mlp.up_proj")
+    with pytest.raises(NotImplementedError, match="model.layers.0.mlp.up_proj"):
+        from_hqq(**t, meta=meta, name="model.layers.0.mlp.up_proj")
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"axis": 0}, UnsupportedLayerError, "axis=0 is not supported"),
+    ({"nbits": 3}, UnsupportedLayerError, "3-bit HQQ"),
+    ({"nbits": 1.58}, UnsupportedLayerError, "1.58-bit HQQ"),
+    ({"packing": "2bit_u8"}, FormatError, "packing '2bit_u8' does not match nbits=4"),
+    ({"shape": torch.Size([N, 256])}, FormatError, "W_q must be"),
+    ({"quant_zero": True}, UnsupportedLayerError, "quant_zero=True"),
+    ({"channel_wise": False}, UnsupportedLayerError, "channel_wise=False"),
+])
+def test_hqq_refusals(change, error, match):
+    k, gs = shape_for(64)
+    t, meta = make_hqq(N, k, gs, 4, FP16, gen_for("hqq-err"))
+    meta = {**meta, **{key: hqq_encode(v) for key, v in change.items()}}
+    with pytest.raises(error, match=match):
+        from_hqq(**t, meta=meta, name="blk")
+
+
+def test_hqq_out_of_range_integer_zero_is_refused():
+    k, gs = shape_for(64)
+    t, meta = make_hqq(N, k, gs, 2, FP16, gen_for("hqq-range"))
+    t["zero"][5] = 4.0                                   # 2-bit codes: zeros in [0, 3]
+    with pytest.raises(UnsupportedLayerError, match=r"must lie in \[0, 3\]"):
+        from_hqq(**t, meta=meta)
+
+
+# ========================================================= state dicts: detect/import layers
+
+
+def awq_state(prefix, k, gs, gen):
+    qweight, qzeros, scales = make_awq(k, gs, gen)
+    return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales}
+
+
+def gptq_state(prefix, k, gs, gen, act_order=False, bits=4, fmt="gptq"):
+    g_idx = random_act_order_g_idx(k, gs, gen) if act_order else None
+    t = make_gptq(k, gs, bits, False, fmt, FP16, gen, g_idx=g_idx)
+    return {f"{prefix}.{key}": v for key, v in t.items()}
+
+
+def ct_state(prefix, k, gs, gen, sym=False):
+    return {f"{prefix}.{key}": v for key, v in make_ct(k, gs, 4, sym, BF16, gen).items()}
+
+
+def hqq_state(prefix, k, gs, gen):
+    t, meta = make_hqq(N, k, gs, 4, FP16, gen)
+    return {f"{prefix}.{key}": v for key, v in {**t, **meta}.items()}
+
+
+STATE_BUILDERS = {Format.AWQ: awq_state, Format.GPTQ: gptq_state,
+                  Format.COMPRESSED_TENSORS: ct_state, Format.HQQ: hqq_state}
+
+
+@pytest.mark.parametrize("fmt", list(Format), ids=str)
+def test_detect_and_import_layer(fmt):
+    gen = gen_for("detect", fmt)
+    tensors = STATE_BUILDERS[fmt]("model.layers.3.self_attn.o_proj", 192, 64, gen)
+    bias = torch.randn(N, dtype=FP16)
+    tensors["model.layers.3.self_attn.o_proj.bias"] = bias
+    assert detect_format(tensors, "model.layers.3.self_attn.o_proj") is fmt
+    assert detect_format(tensors, "model.layers.3.self_attn.o_proj") == fmt.value  # a str
+    opts = {"checkpoint_format": "gptq"} if fmt is Format.GPTQ else {}
+    layer = import_layer(fmt.value, tensors, "model.layers.3.self_attn.o_proj", **opts)
+    auto = import_layer(None, tensors, "model.layers.3.self_attn.o_proj", **opts)
+    assert isinstance(layer, ImportedLayer) and layer.bias is bias
+    assert_same_qw(layer.qweight, auto.qweight)
+    with pytest.raises(FormatError, match="'model.layers.9'.*no quantized weight"):
+        detect_format(tensors, "model.layers.9")
+
+
+def test_import_checkpoint_converts_layers_and_passes_the_rest_through():
+    gen = gen_for("ckpt")
+    tensors = {"model.embed_tokens.weight": torch.randn(10, 192, dtype=FP16)}
+    tensors.update(gptq_state("model.layers.0.mlp.up_proj", 192, 64, gen, act_order=True))
+    tensors["model.layers.0.mlp.up_proj.bias"] = torch.randn(N, dtype=FP16)
+    tensors.update(gptq_state("model.layers.0.mlp.down_proj", 384, 128, gen, bits=8))
+    tensors["model.norm.weight"] = torch.ones(192, dtype=FP16)
+    out = import_checkpoint("gptq", tensors, checkpoint_format="gptq")
+    assert list(out) == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                         "model.layers.0.mlp.up_proj.perm", "model.layers.0.mlp.up_proj.bias",
+                         "model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.bias",
+                 "model.norm.weight"):
+        assert out[name] is tensors[name]
+    for p in ("model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"):
+        layer = import_layer("gptq", tensors, p, checkpoint_format="gptq")
+        packed = out[f"{p}.weight"]
+        assert isinstance(packed, PackedWeight)
+        assert_same_qw(unpack(packed), layer.qweight)
+        if layer.perm is not None:
+            assert torch.equal(out[f"{p}.perm"], layer.perm)
+    assert out["model.layers.0.mlp.down_proj.weight"].bits == 8
+
+
+@pytest.mark.parametrize("fmt", list(Format), ids=str)
+def test_import_checkpoint_every_format_and_auto(fmt):
+    gen = gen_for("ckpt-all", fmt)
+    tensors = STATE_BUILDERS[fmt]("a.q_proj", 192, 32, gen)
+    tensors.update(STATE_BUILDERS[fmt]("a.k_proj", 320, 320, gen))
+    tensors["a.k_proj.bias"] = torch.zeros(N)
+    tensors["lm_head.weight"] = torch.randn(N, 64)
+    opts = {"checkpoint_format": "gptq"} if fmt is Format.GPTQ else {}
+    for spec in (fmt, None, "auto"):
+        out = import_checkpoint(spec, tensors, **opts)
+        assert sorted(out) == ["a.k_proj.bias", "a.k_proj.weight", "a.q_proj.weight",
+                               "lm_head.weight"]
+        for p in ("a.q_proj", "a.k_proj"):
+            want = import_layer(fmt, tensors, p, **opts).qweight
+            assert_same_qw(unpack(out[f"{p}.weight"]), want)
+        assert out["a.k_proj.weight"].group_size == 320
+
+
+# ============================================================================ error paths
+
+
+def test_awq_errors_name_the_layer():
+    k, gs = shape_for(64)
+    qweight, qzeros, scales = make_awq(k, gs, gen_for("awq-err"))
+    with pytest.raises(FormatError, match=r"'L0'.*qzeros must be \[K/g, N/8\]"):
+        from_awq(qweight, qzeros[:-1], scales, name="L0")
+    with pytest.raises(FormatError, match=r"'L0'.*qweight must be \[K, N/8\]"):
+        from_awq(qweight[:, :-1], qzeros, scales, name="L0")
+    with pytest.raises(UnsupportedLayerError, match="'L0'.*8-bit AWQ GEMM"):
+        from_awq(qweight, qzeros, scales, bits=8, name="L0")
+    with pytest.raises(FormatError, match="'L0'.*group_size=128 means 2 groups"):
+        from_awq(qweight, qzeros, scales, group_size=128, name="L0")
+    with pytest.raises(FormatError, match="'L0'.*qweight must be torch.int32"):
+        from_awq(qweight.to(torch.int64), qzeros, scales, name="L0")
+    # N = 40 is not a multiple of 16; K = 96 is not a multiple of 64
+    q40, z40, s40 = awq_pack(torch.zeros(192, 40, dtype=torch.int64)), \
+        awq_pack(torch.zeros(3, 40, dtype=torch.int64)), torch.ones(3, 40, dtype=FP16)
+    with pytest.raises(FormatError, match=r"'L1'.*N \(out_features\) % 16 == 0.*N=40"):
+        from_awq(q40, z40, s40, name="L1")
+    q96 = awq_pack(torch.zeros(96, N, dtype=torch.int64))
+    with pytest.raises(FormatError, match=r"'L2'.*K=96"):
+        from_awq(q96, qzeros[:3], scales[:3], name="L2")
+
+
+def test_gptq_errors_name_the_layer():
+    k, gs = shape_for(64)
+    t = make_gptq(k, gs, 4, False, "gptq", FP16, gen_for("gptq-err"))
+    with pytest.raises(FormatError, match="'L'.*bits=8 does not match qzeros"):
+        from_gptq(**t, checkpoint_format="gptq", bits=8, name="L")
+    with pytest.raises(FormatError, match="'L'.*qzeros has 2 groups, scales 3"):
+        from_gptq(**{**t, "qzeros": t["qzeros"][:2]}, checkpoint_format="gptq", name="L")
+    with pytest.raises(FormatError, match=r"'L'.*qweight must be \[K\*bits/32, N\]"):
+        from_gptq(**{**t, "qweight": t["qweight"][:, :32]}, checkpoint_format="gptq", name="L")
+    with pytest.raises(ValueError, match="unknown GPTQ checkpoint_format 'marlin'"):
+        from_gptq(**t, checkpoint_format="marlin", name="L")
+    three_bit = dict(qweight=torch.zeros(k * 3 // 32, 64, dtype=torch.int32),
+                     qzeros=torch.zeros(3, 64 * 3 // 32, dtype=torch.int32),
+                     scales=torch.ones(3, 64, dtype=FP16))          # N = 64: 3-bit packs
+    with pytest.raises(UnsupportedLayerError, match="'L'.*3-bit GPTQ"):
+        from_gptq(**three_bit, checkpoint_format="gptq", name="L")
+    tensors = {f"x.{key}": v for key, v in t.items()}
+    with pytest.raises(FormatError, match="'x'.*checkpoint_format='gptq'"):
+        import_layer("gptq", tensors, "x")
+    del tensors["x.qzeros"]
+    with pytest.raises(FormatError, match="'x'.*missing its companion tensor 'x.qzeros'"):
+        import_layer("gptq", tensors, "x", checkpoint_format="gptq")
+
+
+def test_compressed_tensors_errors_name_the_layer():
+    k, gs = shape_for(64)
+    t = make_ct(k, gs, 4, False, BF16, gen_for("ct-err"))
+    with pytest.raises(FormatError, match="'c'.*bits=8 does not match weight_packed"):
+        from_compressed_tensors(**t, bits=8, name="c")
+    with pytest.raises(FormatError, match=r"'c'.*weight_shape \[32, 192\] does not match"):
+        from_compressed_tensors(**{**t, "weight_shape": torch.tensor([32, k])}, name="c")
+    with pytest.raises(UnsupportedLayerError, match="'c'.*'tensor' strategy"):
+        from_compressed_tensors(**{**t, "weight_scale": torch.ones(1, dtype=BF16),
+                                   "weight_zero_point": None}, name="c")
+    with pytest.raises(FormatError, match="'c'.*weight_zero_point must be int32"):
+        from_compressed_tensors(**{**t, "weight_zero_point": torch.zeros(5, 3)}, name="c")
+    with pytest.raises(FormatError, match=r"'c'.*integers in \[-8, 7\]"):
+        from_compressed_tensors(**{**t, "weight_zero_point": torch.full((N, 3), 9)}, name="c")
+    with pytest.raises(FormatError, match="'c'.*pass weight_shape"):
+        from_compressed_tensors(**{**t, "weight_shape": None}, name="c")
+    with pytest.raises(FormatError, match="'c'.*K=160"):
+        from_compressed_tensors(**{**t, "weight_shape": torch.tensor([N, 160])}, name="c")
+    fp32 = {**t, "weight_scale": t["weight_scale"].float()}
+    with pytest.raises(FormatError, match="'c'.*scales are torch.float32; pass dtype"):
+        from_compressed_tensors(**fp32, name="c")
+    exact = from_compressed_tensors(**fp32, dtype="bf16", name="c")   # bf16 values: exact
+    assert_bitwise(dequantize_reference(exact.qweight), ct_reference_dequant(**t, bits=4))
+
+
+def test_import_checkpoint_errors():
+    gen = gen_for("ckpt-err")
+    tensors = gptq_state("m.l0", 192, 64, gen)
+    with pytest.raises(FormatError, match="'m.l1'.*'m.l1.qzeros' belongs to a gptq layer"):
+        import_checkpoint("gptq", {**tensors, "m.l1.qzeros": tensors["m.l0.qzeros"]},
+                          checkpoint_format="gptq")
+    with pytest.raises(FormatError, match="'m.l0'.*plain tensor 'm.l0.weight'"):
+        import_checkpoint("gptq", {**tensors, "m.l0.weight": torch.zeros(N, 192)},
+                          checkpoint_format="gptq")
+    with pytest.raises(FormatError, match="'m.l0'.*qweight must be"):  # AWQ read as GPTQ
+        import_checkpoint("gptq", awq_state("m.l0", 192, 64, gen), checkpoint_format="gptq")
+    with pytest.raises(FormatError, match="'x.w'.*'x.w.weight_scale' belongs to a "
+                                          "compressed-tensors layer"):
+        import_checkpoint(None, {"x.w.weight_scale": torch.ones(N, 1), "x.w.weight": torch.ones(
+            N, 64)})
+    with pytest.raises(ValueError, match="unknown checkpoint format 'gguf'"):
+        import_checkpoint("gguf", tensors)
+    odd = awq_state("m.odd", 192, 64, gen)
+    odd["m.odd.qweight"] = odd["m.odd.qweight"][:, :5]  # N = 40 from qweight vs 48 in scales
+    with pytest.raises(FormatError, match="'m.odd'.*neither GPTQ"):
+        import_checkpoint("auto", odd)
+
+
+def test_symmetric_flag_is_validated():
+    k, gs = shape_for(64)
+    qweight, qzeros, scales = make_awq(k, gs, gen_for("sym-flag"))
+    with pytest.raises(TypeError, match="symmetric must be True, False or None"):
+        from_awq(qweight, qzeros, scales, symmetric="yes")
+    with pytest.raises(FormatError, match="symmetric=True, but .* zero points differ from"):
+        from_awq(qweight, qzeros, scales, symmetric=True)
+    t = make_ct(k, gs, 4, True, BF16, gen_for("sym-flag-ct"))
+    asym = from_compressed_tensors(**t, symmetric=False).qweight   # adds zero points of 8
+    assert not asym.symmetric and bool((asym.zeros == 8).all())
+    assert_bitwise(dequantize_reference(asym), ct_reference_dequant(**t, bits=4))

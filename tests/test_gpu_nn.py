@@ -1,0 +1,74 @@
+"""QuantLinear on the GPU: eager, torch.compile(fullgraph=True), CUDA graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixgemm
+from mixgemm.nn import QuantLinear, quantize_model
+
+pytestmark = pytest.mark.gpu
+
+
+class _MLP(nn.Module):
+    def __init__(self, h=1024, i=2816):
+        super().__init__()
+        self.gate = nn.Linear(h, i, bias=False)
+        self.up = nn.Linear(h, i, bias=False)
+        self.down = nn.Linear(i, h, bias=True)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _model(dev):
+    torch.manual_seed(0)
+    m = _MLP().to(device=dev, dtype=torch.bfloat16)
+    ref = _MLP().to(device=dev, dtype=torch.bfloat16)
+    ref.load_state_dict(m.state_dict())
+    summary = quantize_model(m, bits=4, group_size=128, progress=False)
+    assert len(summary.replaced) == 3
+    # the reference uses the same (dequantized) weights in plain bf16 linears
+    for name in ("gate", "up", "down"):
+        getattr(ref, name).weight.data.copy_(mixgemm.dequantize_reference(getattr(m, name).packed))
+    return m, ref
+
+
+def test_quantlinear_eager_compile_and_graph(requires_gpu):
+    dev = requires_gpu
+    m, ref = _model(dev)
+    x = torch.randn(4, 7, 1024, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y_ref = ref(x.double().to(torch.bfloat16)).double()
+        y = m(x)
+        assert ((y.double() - y_ref).norm() / y_ref.norm()).item() < 2e-2   # bf16 intermediates in both
+
+        compiled = torch.compile(m, fullgraph=True)                           # no graph breaks allowed
+        y_c = compiled(x)
+        assert torch.equal(y_c, y), "the custom op runs the same kernel under torch.compile"
+
+        xs = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
+        out = m(xs)                                                           # warm-up loads the kernels
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = m(xs)
+        for _ in range(3):
+            xs.copy_(torch.randn_like(xs))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, m(xs))
+
+
+def test_capture_without_warmup_says_so(requires_gpu, monkeypatch):
+    dev = requires_gpu
+    w = torch.randn(272, 576, device=dev) * 0.02
+    packed = mixgemm.prepack(mixgemm.quantize(w, 2, 64, dtype=torch.float16))
+    x = torch.randn(5, 576, device=dev, dtype=torch.float16)
+    from mixgemm import runtime
+    monkeypatch.setattr(runtime, "KERNELS", runtime.KernelCache())   # nothing loaded yet
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="warm-up"):
+        with torch.cuda.graph(g):
+            mixgemm.gemm(x, packed)

@@ -1,0 +1,106 @@
+"""QuantLinear, quantize_model and the custom op's fake implementation (CPU)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixgemm
+from mixgemm.nn import QuantLinear, quantize_model
+
+
+def _linear(n=64, k=128, bias=True, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n, bias=bias)
+    return lin.to(dtype)
+
+
+def test_from_linear_matches_quantize_and_prepack():
+    lin = _linear()
+    q = QuantLinear.from_linear(lin, bits=4, group_size=64)
+    ref = mixgemm.prepack(mixgemm.quantize(lin.weight.detach(), 4, 64))
+    assert torch.equal(q.qdata, ref.qdata) and torch.equal(q.scales, ref.scales)
+    assert torch.equal(q.zeros, ref.zeros) and torch.equal(q.bias, lin.bias.detach())
+    assert q.packed.weight_type is mixgemm.WeightType.U4
+    r = repr(q)
+    for part in ("in_features=128", "out_features=64", "bits=4", "group_size=64", "symmetric=False",
+                 "layout=sm90a/v1"):
+        assert part in r
+
+
+@pytest.mark.parametrize("bits,sym", [(8, True), (4, False), (2, True), (2, False)])
+def test_state_dict_round_trip_exact(bits, sym):
+    src = QuantLinear.from_linear(_linear(bias=not sym), bits=bits, group_size=128, symmetric=sym)
+    sd = src.state_dict()
+    assert "_extra_state" in sd and sd["_extra_state"]["weight_type"] == src.weight_type.value
+    dst = QuantLinear(128, 64, bits=bits, group_size=128, symmetric=sym, bias=not sym)
+    dst.load_state_dict(sd)
+    for name, t in src.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(t, dst.state_dict()[name]), name
+    assert dst.packed.weight_type is src.packed.weight_type
+
+
+def test_state_dict_metadata_mismatch_refused():
+    sd = QuantLinear.from_linear(_linear(), bits=4, group_size=64).state_dict()
+    with pytest.raises((ValueError, RuntimeError), match="mismatch|size"):
+        QuantLinear(128, 64, bits=4, group_size=128).load_state_dict(sd)
+    sd["_extra_state"] = dict(sd["_extra_state"], layout_version=99)
+    with pytest.raises((ValueError, RuntimeError), match="upgrade"):
+        QuantLinear(128, 64, bits=4, group_size=64).load_state_dict(sd)
+
+
+def test_act_order_perm_round_trips_through_state_dict():
+    lin = _linear()
+    base = QuantLinear.from_linear(lin, bits=4, group_size=64)
+    perm = torch.randperm(128)
+    q = QuantLinear.from_packed(base.packed, bias=lin.bias.detach(), perm=perm)
+    dst = QuantLinear(128, 64, bits=4, group_size=64)
+    dst.load_state_dict(q.state_dict())
+    assert torch.equal(dst.perm, perm)
+
+
+def test_bad_constructions():
+    with pytest.raises(ValueError, match="in_features % 64"):
+        QuantLinear(100, 64)
+    with pytest.raises(ValueError, match="group_size"):
+        QuantLinear(128, 64, group_size=48)
+    with pytest.raises(TypeError, match="dtype"):
+        QuantLinear(128, 64, dtype=torch.float32)
+    with pytest.raises(TypeError, match="PackedWeight"):
+        QuantLinear.from_packed(torch.zeros(3))
+
+
+def test_fake_impl_gives_shapes_without_running():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q = QuantLinear.from_linear(_linear(n=80, k=192), bits=2, group_size=64)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(3, 5, 192, dtype=torch.bfloat16)
+        y = q(x)
+        assert y.shape == (3, 5, 80) and y.dtype == torch.bfloat16
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(128, 256)
+        self.down = nn.Linear(256, 128, bias=False)
+        self.odd = nn.Linear(100, 64)              # K % 64 != 0: stays nn.Linear
+        self.lm_head = nn.Linear(128, 512)         # skipped by name
+
+
+def test_quantize_model_replaces_skips_and_warns():
+    m = _Block().to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = quantize_model(m, bits=4, group_size=64, progress=False)
+    assert isinstance(m.up, QuantLinear) and isinstance(m.down, QuantLinear)
+    assert type(m.odd) is nn.Linear and type(m.lm_head) is nn.Linear
+    assert sorted(summary.replaced) == ["down", "up"]
+    assert "in_features=100" in summary.skipped["odd"] and summary.skipped["lm_head"] == "matches skip"
+    assert any("keeping odd as nn.Linear" in str(w.message) for w in caught)
+    assert summary.bytes_before == 2 * 2 * 128 * 256
+    assert summary.bytes_after == m.up.packed.nbytes + m.down.packed.nbytes < summary.bytes_before
+    assert "replaced 2 Linear layers" in str(summary)
