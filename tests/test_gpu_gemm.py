@@ -9,6 +9,7 @@ Set ``MIXGEMM_GPU_TESTS=quick`` to skip the two largest layer shapes.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 
@@ -30,6 +31,19 @@ GROUPS = (32, 64, 128, 256, "K")
 SHAPES = ((256, 512), (4096, 4096), (1552, 2304)) if QUICK else \
     ((256, 512), (4096, 4096), (28672, 8192), (8192, 28672), (1552, 2304))
 MS = (1, 3, 16, 100, 1024, 4096)
+
+# With MIXGEMM_GPU_REPORT=path, every checked (kernel, group, shape, M) and its error is written
+# there as JSON: the figures for the closing note.
+_REPORT: list = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_report():
+    yield
+    path = os.environ.get("MIXGEMM_GPU_REPORT")
+    if path and _REPORT:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "checks": _REPORT}, f)
 
 
 def tolerance(k: int, dtype: torch.dtype) -> float:
@@ -91,6 +105,7 @@ def test_every_kernel(spec: GemmSpec, group, shape):
         ops.gemm_with_spec(x, packed, spec, out=y)
         assert not torch.isnan(y).any(), f"M={m}: unwritten (or NaN) outputs"
         err = ((y.double() - ref).norm() / ref.norm()).item()
+        _REPORT.append({"kernel": spec.name, "group": str(group), "n": n, "k": k, "m": m, "rel_err": err})
         assert err <= tol, f"M={m}: relative error {err:.3e} > {tol:.1e}"
 
 

@@ -430,6 +430,23 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------- bench
+
+def _add_bench(subparsers) -> None:
+    from . import bench
+
+    p = subparsers.add_parser(
+        "bench",
+        help="time mixgemm against cuBLAS and the peers (torch int4, gemlite) on the GPU",
+        description=("Time, in one process on one GPU and the same inputs, cuBLAS bf16, torch's int4 "
+                     "kernel, gemlite (if installed) and mixgemm for every weight type, over LLaMA-3 "
+                     "layer shapes and token counts: CUDA events, median of >= 100 runs, L2 flushed. "
+                     "See benchmarks/README.md."),
+    )
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run_cli)
+
+
 # ------------------------------------------------------------------------------------- main
 
 #: name -> builder(subparsers): adds the subcommand's parser and sets ``func``.
@@ -438,6 +455,7 @@ SUBCOMMANDS: "MappingProxyType[str, Callable]" = MappingProxyType({
     "prepack": _add_prepack,
     "demo": _add_demo,
     "generate": _add_generate,
+    "bench": _add_bench,
 })
 
 
