@@ -46,7 +46,11 @@ def test_quantlinear_eager_compile_and_graph(requires_gpu):
 
         compiled = torch.compile(m, fullgraph=True)                           # no graph breaks allowed
         y_c = compiled(x)
-        assert torch.equal(y_c, y), "the custom op runs the same kernel under torch.compile"
+        # inductor fuses silu(gate) * up in float32 where eager rounds silu to bf16 first, so the
+        # block differs in the last bits; one layer alone must match eager exactly (same kernel)
+        assert ((y_c.double() - y.double()).norm() / y.double().norm()).item() < 1e-2
+        up_c = torch.compile(m.up, fullgraph=True)
+        assert torch.equal(up_c(x), m.up(x)), "the custom op runs the same kernel under torch.compile"
 
         xs = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
         out = m(xs)                                                           # warm-up loads the kernels

@@ -25,8 +25,22 @@ for step in "$@"; do
         -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -45 | tee "$OUT/gpu-tests.log" || rc=1 ;;
     quick-tests)
       MIXGEMM_GPU_TESTS=quick timeout 400 python3 -m pytest -q -x -m gpu tests/ -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log" || rc=1 ;;
-    sanitize)
-      timeout 100 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu/sanitize.py 2>&1 | tail -30 | tee "$OUT/sanitize.log" || rc=1 ;;
+    sanitize)   # memory errors only: cuda-bindings' symbol lookups return expected API errors
+      timeout 120 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
+        python3 tests/gpu/sanitize.py > "$OUT/sanitize.log" 2>&1 || rc=1; head -40 "$OUT/sanitize.log"; tail -5 "$OUT/sanitize.log" ;;
+    retest)
+      timeout 120 python3 -m pytest -q -m gpu tests/test_gpu_nn.py "tests/test_gpu_gemm.py::test_bad_inputs_raise_before_launch" \
+        -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/retest.log" || rc=1 ;;
+    profile)   # profiler sections and SASS of the decode (M=1) and large (M=4096) kernels
+      for m in 1 4096; do
+        timeout 120 ncu --clock-control none --kernel-name regex:mixgemm_gemm --launch-skip 3 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+          --section Occupancy --section LaunchStats python3 tools/profile_kernels.py $m > "$OUT/ncu_m$m.txt" 2>&1 || rc=1
+        grep -E "Duration|Throughput|DRAM|Registers|Stall|Issued|Eligible|Warp Cycles|Shared Memory Config|Achieved" "$OUT/ncu_m$m.txt" | head -40
+      done
+      for c in "$MIXGEMM_CACHE_DIR"/kernels/mixgemm_gemm_bf16_u4_t128x16x128*/kernel.cubin "$MIXGEMM_CACHE_DIR"/kernels/mixgemm_gemm_bf16_u4_t128x128x64*/kernel.cubin; do
+        { echo "== $c"; cuobjdump -res-usage "$c"; cuobjdump -sass "$c" | grep -oE "^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+" | awk '{print $2}' | sort | uniq -c | sort -rn | head -45; } >> "$OUT/sass.txt" 2>&1
+      done; grep -E "REG|STACK|LDL|STL|HGMMA|LDS" "$OUT/sass.txt" | head -30 ;;
     bench)
       timeout 540 python3 -m mixgemm bench --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tail -120 | tee "$OUT/bench.log" || rc=1 ;;
     bench-quick)

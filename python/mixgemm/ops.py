@@ -112,11 +112,15 @@ def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtyp
 def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    ok, why = supports(tuple(x.shape), w, x.dtype)
-    if not ok:
-        raise (TypeError if "dtype" in why or "mixgemm.PackedWeight" in why else ValueError)(why)
+    if not isinstance(w, PackedWeight):
+        raise TypeError(f"w must be a mixgemm.PackedWeight (see mixgemm.prepack), got {type(w).__name__}")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if x.dtype != w.dtype:
+        raise TypeError(f"x is {x.dtype} but w was packed for {w.dtype}")
+    ok, why = supports(tuple(x.shape), w, x.dtype)
+    if not ok:
+        raise ValueError(why)
     if x.device != w.device:
         raise ValueError(f"x is on {x.device} but w is on {w.device}")
     if bias is not None:
