@@ -220,3 +220,21 @@ def test_bad_inputs_raise_before_launch():
     xt = torch.randn(512, 4, device=dev, dtype=torch.bfloat16).t()
     y = mixgemm.gemm(xt, packed)
     assert torch.equal(y, mixgemm.gemm(xt.contiguous(), packed))
+
+
+@pytest.mark.parametrize("wt", ALL_WEIGHTS, ids=lambda w: w.value)
+@pytest.mark.parametrize("act", ALL_ACTS, ids=lambda a: a.value)
+def test_very_large_m(act, wt):
+    """M = 16384 tokens (a long prefill) through the heuristic's kernel."""
+    dev = _dev()
+    dtype = act.torch_dtype
+    packed, deq = _weights(act, wt, 128, 4096, 4096)
+    x = torch.randn(16384, 4096, device=dev, dtype=dtype)
+    y = torch.full((16384, 4096), float("nan"), device=dev, dtype=dtype)
+    mixgemm.gemm(x, packed, out=y)
+    assert not torch.isnan(y).any()
+    ref = x.double() @ deq.T
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    _REPORT.append({"kernel": ops.select_spec(16384, packed).name, "group": "128", "n": 4096, "k": 4096,
+                    "m": 16384, "rel_err": err})
+    assert err <= tolerance(4096, dtype), err

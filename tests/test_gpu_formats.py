@@ -1,0 +1,67 @@
+"""The GEMM on imported checkpoint layers (AWQ, GPTQ incl. act-order, compressed-tensors, HQQ)
+matches each source format's own dequantization, on the GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixgemm
+from mixgemm import formats
+
+import test_formats as tf   # the formats' independent reference packers (tests/test_formats.py)
+
+pytestmark = pytest.mark.gpu
+
+
+def _check(layer: formats.ImportedLayer, w_ref: torch.Tensor, dev, k: int):
+    packed = mixgemm.prepack(layer.qweight).to(dev)
+    dtype = packed.dtype
+    x = torch.randn(37, k, device=dev, dtype=dtype)
+    y = mixgemm.gemm(layer.permute_input(x), packed)
+    ref = x.double() @ w_ref.to(dev).double().T          # the source format's own formula
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    # only the fp32 accumulation and the final rounding of y differ (see test_gpu_gemm.tolerance)
+    assert err < (6e-3 if dtype == torch.bfloat16 else 1e-3), err
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_awq(requires_gpu, group):
+    k, gs = tf.shape_for(group)
+    qweight, qzeros, scales = tf.make_awq(k, gs, tf.gen_for("gpu-awq", group))
+    w_ref = tf.awq_reference_dequant(qweight, qzeros, scales, gs)
+    _check(formats.from_awq(qweight, qzeros, scales), w_ref, requires_gpu, k)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq(requires_gpu, bits, sym, act_order):
+    k, gs = tf.shape_for(128)
+    gen = tf.gen_for("gpu-gptq", bits, sym, act_order)
+    g_idx = tf.random_act_order_g_idx(k, gs, gen) if act_order else None
+    t = tf.make_gptq(k, gs, bits, sym, "gptq", torch.float16, gen, g_idx=g_idx)
+    w_ref = tf.gptq_reference_dequant(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, "gptq")
+    layer = formats.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits=bits,
+                              checkpoint_format="gptq")
+    assert (layer.perm is not None) == act_order
+    _check(layer, w_ref, requires_gpu, k)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compressed_tensors(requires_gpu, bits, sym):
+    k, gs = tf.shape_for(128)
+    t = tf.make_ct(k, gs, bits, sym, torch.bfloat16, tf.gen_for("gpu-ct", bits, sym))
+    w_ref = tf.ct_reference_dequant(t["weight_packed"], t["weight_scale"], t["weight_shape"], bits,
+                                    t.get("weight_zero_point"))
+    layer = formats.from_compressed_tensors(t["weight_packed"], t["weight_scale"], t["weight_shape"],
+                                            t.get("weight_zero_point"), bits=bits)
+    _check(layer, w_ref, requires_gpu, k)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_hqq_integer_zeros(requires_gpu, bits):
+    k, gs = tf.shape_for(64)
+    t, meta = tf.make_hqq(tf.N, k, gs, bits, torch.float16, tf.gen_for("gpu-hqq", bits), encoded=False)
+    w_ref = tf.hqq_reference_dequant(t["W_q"], t["scale"], t["zero"], bits, (tf.N, k), torch.float16)
+    _check(formats.from_hqq(t["W_q"], t["scale"], t["zero"], meta), w_ref, requires_gpu, k)
