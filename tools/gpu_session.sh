@@ -31,6 +31,9 @@ for step in "$@"; do
     retest)
       timeout 120 python3 -m pytest -q -m gpu tests/test_gpu_nn.py "tests/test_gpu_gemm.py::test_bad_inputs_raise_before_launch" \
         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/retest.log" || rc=1 ;;
+    pytest)    # the tests named by $MIXGEMM_PYTEST_ARGS
+      MIXGEMM_GPU_REPORT="$OUT/gpu-report.json" timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        --junitxml="$OUT/pytest.xml" $MIXGEMM_PYTEST_ARGS 2>&1 | tail -20 | tee "$OUT/pytest.log" || rc=1 ;;
     profile)   # profiler sections and SASS of the decode (M=1) and large (M=4096) kernels
       for m in 1 4096; do
         timeout 120 ncu --clock-control none --kernel-name regex:mixgemm_gemm --launch-skip 3 --launch-count 1 \
