@@ -73,13 +73,24 @@ def _add_prepack(subparsers) -> None:
             "Selected weights [N, K] need N % 16 == 0, K % 64 == 0 and K divisible by the\n"
             "group size; prepack checks every tensor before writing anything."),
     )
-    p.add_argument("input", metavar="IN.safetensors", help="unquantized checkpoint")
+    p.add_argument("input", metavar="IN.safetensors",
+                   help="unquantized checkpoint; with --from, a quantized checkpoint file or a "
+                        "directory of *.safetensors shards")
     p.add_argument("-o", "--output", metavar="OUT.safetensors", required=True,
                    help="where to write the packed checkpoint (replaced atomically)")
-    p.add_argument("--bits", type=int, choices=(8, 4, 2), required=True,
-                   help="bits per weight code")
-    p.add_argument("--group-size", type=_group_size_arg, required=True, metavar="N",
-                   help="K elements per scale: 32, 64, 128, 256, or 'channel' (one per row)")
+    p.add_argument("--from", dest="from_format", metavar="FORMAT", default=None,
+                   choices=("awq", "gptq", "compressed-tensors", "hqq", "auto"),
+                   help="convert an already quantized checkpoint (awq, gptq, compressed-tensors, "
+                        "hqq, or auto-detect per layer) without re-quantizing; --bits/--group-size "
+                        "then come from the checkpoint")
+    p.add_argument("--gptq-format", choices=("gptq", "gptq_v2"), default=None,
+                   help="GPTQ zero-point convention (v1 'gptq' stores z-1); default: the "
+                        "checkpoint_format of a quantize_config.json/config.json next to IN")
+    p.add_argument("--bits", type=int, choices=(8, 4, 2), default=None,
+                   help="bits per weight code (required unless --from)")
+    p.add_argument("--group-size", type=_group_size_arg, default=None, metavar="N",
+                   help="K elements per scale: 32, 64, 128, 256, or 'channel' (one per row); "
+                        "required unless --from")
     p.add_argument("--symmetric", action="store_true",
                    help="signed codes without zero points (default: asymmetric, with zeros)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
@@ -105,7 +116,96 @@ def _compile(patterns: Sequence[str], option: str) -> List["re.Pattern[str]"]:
     return out
 
 
+def _gptq_checkpoint_format(src) -> Optional[str]:
+    """checkpoint_format from a quantize_config.json / config.json beside (or in) the input."""
+    import json
+    from pathlib import Path
+
+    root = Path(src) if Path(src).is_dir() else Path(src).parent
+    for name in ("quantize_config.json", "quant_config.json", "config.json"):
+        cfg = root / name
+        if cfg.is_file():
+            try:
+                data = json.loads(cfg.read_text())
+            except (OSError, ValueError):
+                continue
+            qc = data.get("quantization_config", data) if isinstance(data, dict) else {}
+            if isinstance(qc, dict) and qc.get("checkpoint_format"):
+                return str(qc["checkpoint_format"])
+            if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "gptq":
+                return "gptq"   # configs without the field are GPTQ v1
+    return None
+
+
+def _run_prepack_from(args: argparse.Namespace) -> int:
+    """`prepack --from FORMAT`: convert a quantized checkpoint (file or shard directory)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from tqdm import tqdm
+
+    from . import formats
+    from . import io as mio
+    from ._version import __version__
+
+    src, dst = Path(args.input), args.output
+    if args.bits is not None or args.group_size is not None or args.symmetric:
+        raise CliError("--bits, --group-size and --symmetric come from the checkpoint with --from")
+    if src.is_dir():
+        files = sorted(src.glob("*.safetensors"))
+        if not files:
+            raise CliError(f"{src} holds no *.safetensors shard")
+    elif src.is_file():
+        files = [src]
+    else:
+        raise CliError(f"{src}: no such file or directory")
+    if any(Path(dst).resolve() == f.resolve() for f in files):
+        raise CliError("the output would overwrite the input")
+    tensors: dict = {}
+    for f in tqdm(files, desc="read shards", unit="file", disable=None):
+        try:
+            if mio.is_mixgemm_metadata(mio.read_metadata(str(f))):
+                raise CliError(f"{f} is already a mixgemm packed file")
+            part = load_file(str(f))
+        except mio.MixgemmFormatError as e:
+            raise CliError(str(e)) from None
+        except CliError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise CliError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+        clash = set(part) & set(tensors)
+        if clash:
+            raise CliError(f"tensor {sorted(clash)[0]!r} appears in more than one shard")
+        tensors.update(part)
+    gptq_format = args.gptq_format or _gptq_checkpoint_format(src)
+    dtype = {"bf16": "bfloat16", "fp16": "float16", None: None}[args.dtype]
+    try:
+        out = formats.import_checkpoint(args.from_format, tensors, dtype=dtype,
+                                        checkpoint_format=gptq_format, progress=True)
+    except (formats.FormatError, ValueError, TypeError) as e:
+        raise CliError(str(e)) from None
+    packed = [k for k, v in out.items() if hasattr(v, "qdata")]
+    if not packed:
+        raise CliError(f"no {args.from_format} quantized layer found in {src}")
+    before = sum(t.numel() * t.element_size() for t in tensors.values())
+    after = sum(v.nbytes if hasattr(v, "qdata") else v.numel() * v.element_size() for v in out.values())
+    try:
+        mio.save(dst, out, metadata={"source": str(src), "source_format": str(args.from_format),
+                                     "mixgemm_version": __version__})
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot write {dst}: {e}") from None
+    perms = sum(1 for k in out if k.endswith(".perm"))
+    print(f"converted {len(packed)} {args.from_format} layers ({perms} with an act-order permutation), "
+          f"copied {len(out) - len(packed) - perms} tensors; {_fmt_bytes(before)} -> {_fmt_bytes(after)}; "
+          f"wrote {dst}")
+    return 0
+
+
 def _run_prepack(args: argparse.Namespace) -> int:
+    if args.from_format is not None:
+        return _run_prepack_from(args)
+    if args.bits is None or args.group_size is None:
+        raise CliError("--bits and --group-size are required (unless --from converts a quantized checkpoint)")
     from safetensors import safe_open
     from tqdm import tqdm
 

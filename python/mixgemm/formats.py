@@ -1055,8 +1055,8 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
                       dtype: DTypeLike = None, *, bits: Optional[int] = None,
                       group_size: Optional[int] = None,
                       checkpoint_format: Union[GPTQCheckpointFormat, str, None] = None,
-                      symmetric: Optional[bool] = None, arch: str = "sm90a"
-                      ) -> Dict[str, Union[torch.Tensor, PackedWeight]]:
+                      symmetric: Optional[bool] = None, arch: str = "sm90a",
+                      progress: bool = False) -> Dict[str, Union[torch.Tensor, PackedWeight]]:
     """Convert every quantized layer of a loaded state dict and prepack it.
 
     Parameters
@@ -1069,6 +1069,8 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
         Passed to :func:`import_layer` for every layer.
     arch : str
         Target of :func:`mixgemm.prepack` (``"sm90a"``).
+    progress : bool
+        Show a progress bar over the quantized layers.
 
     Returns
     -------
@@ -1118,17 +1120,21 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
             raise _err(prefix, f"{key!r} belongs to a {'/'.join(f.value for f in owners)} "
                                f"layer, but there is no {wanted} (unrecognised or incomplete "
                                f"quantized layer)")
+    from tqdm import tqdm
+
     out: Dict[str, Union[torch.Tensor, PackedWeight]] = {}
-    for key, value in tensors.items():
-        prefix, last = _split(key)
-        if key in consumed:
-            if prefix in layers and last == _PRIMARY[layers[prefix]]:
-                layer = import_layer(layers[prefix], tensors, prefix, dtype, bits=bits,
-                                     group_size=group_size,
-                                     checkpoint_format=checkpoint_format, symmetric=symmetric)
-                out[_key(prefix, "weight")] = prepack(layer.qweight, arch=arch)
-                if layer.perm is not None:
-                    out[_key(prefix, "perm")] = layer.perm
-            continue
-        out[key] = value
+    with tqdm(total=len(layers), desc="mixgemm import", unit="layer", disable=not progress or None) as bar:
+        for key, value in tensors.items():
+            prefix, last = _split(key)
+            if key in consumed:
+                if prefix in layers and last == _PRIMARY[layers[prefix]]:
+                    layer = import_layer(layers[prefix], tensors, prefix, dtype, bits=bits,
+                                         group_size=group_size,
+                                         checkpoint_format=checkpoint_format, symmetric=symmetric)
+                    out[_key(prefix, "weight")] = prepack(layer.qweight, arch=arch)
+                    if layer.perm is not None:
+                        out[_key(prefix, "perm")] = layer.perm
+                    bar.update(1)
+                continue
+            out[key] = value
     return out
