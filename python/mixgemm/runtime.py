@@ -29,8 +29,8 @@ class CudaError(RuntimeError):
     """A CUDA driver call failed."""
 
 
-class KernelError(RuntimeError):
-    """A kernel refused its arguments (the host helper's can_implement said no)."""
+class KernelError(ValueError):
+    """A kernel refused its arguments (the host helper's check / can_implement said no)."""
 
 
 def _driver():
