@@ -402,12 +402,8 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
 
     in the scales' dtype (fp16), transposed here to nn.Linear's ``[N, K]``.
 
-    Bit-exactness: with ``dtype`` equal to the scales' dtype (the default),
-    ``mixgemm.dequantize_reference(result.qweight)`` equals this formula evaluated in that
-    dtype bit for bit: ``q - z`` is the same exact integer on both sides (``|q - z| <= 255``
-    is exact in bf16 and fp16) and its product with the scale is rounded to nearest-even
-    once. With another ``dtype`` the scales are rounded to it first; then the result is
-    ``fl((q - z) * fl(s))``, not bit-exact, within the bound in the module docstring.
+    Bit-exact with this formula when ``dtype`` is the scales' dtype (the default); with
+    another ``dtype``, within the bound given under "Bit-exactness" in the module docstring.
 
     Parameters
     ----------
@@ -488,12 +484,8 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     ``checkpoint_format="gptq_v2"`` and the stored value plus one for ``"gptq"`` (v1).
     Symmetric GPTQ (``sym=True``) stores ``z = 2^(b-1)`` and imports as a symmetric layer.
 
-    Bit-exactness: with ``dtype`` equal to the scales' dtype (the default),
-    ``mixgemm.dequantize_reference(result.qweight)`` equals this formula evaluated in that
-    dtype bit for bit: ``q - z`` is the same exact integer on both sides (``|q - z| <= 255``
-    is exact in bf16 and fp16) and its product with the scale is rounded to nearest-even
-    once. With another ``dtype`` the scales are rounded to it first; then the result is
-    ``fl((q - z) * fl(s))``, not bit-exact, within the bound in the module docstring.
+    Bit-exact with this formula when ``dtype`` is the scales' dtype (the default); with
+    another ``dtype``, within the bound given under "Bit-exactness" in the module docstring.
 
     The v1 "+1" is applied as GPTQModel applies it (adding ``0x11111111`` (4-bit),
     ``0x01010101`` (8-bit) or ``0x55555555`` (2-bit) to each int32 word, which is the exact
@@ -598,12 +590,8 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
     stores ``q + 2^(b-1)`` and ``z + 2^(b-1)`` (the same difference) when asymmetric, ``q``
     when symmetric.
 
-    Bit-exactness: with ``dtype`` equal to the scales' dtype (the default),
-    ``mixgemm.dequantize_reference(result.qweight)`` equals this formula evaluated in that
-    dtype bit for bit: ``q - z`` is the same exact integer on both sides (``|q - z| <= 255``
-    is exact in bf16 and fp16) and its product with the scale is rounded to nearest-even
-    once. With another ``dtype`` the scales are rounded to it first; then the result is
-    ``fl((q - z) * fl(s))``, not bit-exact, within the bound in the module docstring.
+    Bit-exact with this formula when ``dtype`` is the scales' dtype (the default); with
+    another ``dtype``, within the bound given under "Bit-exactness" in the module docstring.
 
     Parameters
     ----------
@@ -770,12 +758,8 @@ def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: M
     every ``z`` has at most ``8 - b`` fraction bits, and the zero points HQQ's optimizer
     produces have about 10 (fp16) or 7 (bf16).
 
-    Bit-exactness: with ``dtype`` equal to the scales' dtype (the default),
-    ``mixgemm.dequantize_reference(result.qweight)`` equals this formula evaluated in that
-    dtype bit for bit: ``q - z`` is the same exact integer on both sides (``|q - z| <= 255``
-    is exact in bf16 and fp16) and its product with the scale is rounded to nearest-even
-    once. With another ``dtype`` the scales are rounded to it first; then the result is
-    ``fl((q - z) * fl(s))``, not bit-exact, within the bound in the module docstring.
+    Bit-exact with this formula when ``dtype`` is the scales' dtype (the default); with
+    another ``dtype``, within the bound given under "Bit-exactness" in the module docstring.
 
     Parameters
     ----------
