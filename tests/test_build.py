@@ -118,6 +118,14 @@ def test_key_covers_source_flags_env_and_headers(fake_env, monkeypatch, tmp_path
         with open(root / "converters" / "mixgemm" / "dequant.hpp", "a") as f:
             f.write("\n// changed\n")
         assert build.cache_key(GEMM, src, tc) != k1, "header contents"
+        # only the headers a kernel includes count: the decode kernel's header is not the GEMM's
+        dec = codegen.DecodeSpec(ActType.BF16, WeightType.U4)
+        dsrc = codegen.render(dec)
+        k_gemm, k_dec = build.cache_key(GEMM, src, tc), build.cache_key(dec, dsrc, tc)
+        with open(root / "cutlass_ext" / "mixgemm" / "decode_kernel.hpp", "a") as f:
+            f.write("\n// changed\n")
+        assert build.cache_key(GEMM, src, tc) == k_gemm
+        assert build.cache_key(dec, dsrc, tc) != k_dec
     finally:
         paths.source_root.cache_clear()
 
@@ -219,3 +227,54 @@ def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
         assert why is not None and msg in why, (field, why)
     with pytest.raises(runtime.KernelError):
         runtime.HostHelper(str(art.helper_path), "some_other_kernel")
+
+
+@pytest.mark.nvcc
+def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
+    """A decode kernel and its helper, built by nvcc; the helper's launch plan and checks."""
+    if paths.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    spec = codegen.DecodeSpec(ActType.BF16, WeightType.U4, tokens=16)
+    art = build.build(spec)
+    assert spec.name.encode() in art.read_cubin()
+
+    from mixgemm import runtime
+    helper = runtime.HostHelper(str(art.helper_path), spec.name)
+    args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=16, n=4096, k=4096, group_size=128,
+                            sm_count=132, splits=1, raster=0, weight=1 << 20, scales=2 << 20, zeros=5 << 20,
+                            x=3 << 20, bias=0, y=4 << 20, workspace=6 << 20, ldx=4096, ldy=4096)
+    assert helper.check(args) is None
+    _, launch = helper.prepare(args)
+    rows_per_cta = 16 * spec.warps
+    assert tuple(launch.block) == (32 * spec.warps, 1, 1) and tuple(launch.cluster) == (1, 1, 1)
+    assert launch.grid[0] == 4096 // rows_per_cta
+    splits = launch.grid[1]
+    # 32 row blocks cannot fill 132 SMs: K is split, and the workspace holds the counters (zeroed)
+    # and the float32 partials
+    assert splits > 1
+    assert launch.workspace_zero_bytes >= 4 * launch.grid[0]
+    assert launch.workspace_bytes == launch.workspace_zero_bytes + splits * 4096 * 16 * 4
+    assert launch.smem_bytes <= 227 * 1024
+    # a big layer needs far fewer splits; partials are kept for the real tokens only
+    big = runtime.GemmArgs.from_buffer_copy(args)
+    big.n, big.k, big.m, big.ldx, big.ldy = 57344, 8192, 1, 8192, 57344
+    _, launch = helper.prepare(big)
+    assert launch.grid[1] < splits
+    if launch.grid[1] == 1:
+        assert launch.workspace_bytes == 0
+    else:
+        assert launch.workspace_bytes == launch.workspace_zero_bytes + launch.grid[1] * 57344 * 4
+    # an explicit split factor wins
+    forced = runtime.GemmArgs.from_buffer_copy(args)
+    forced.splits = 3
+    _, launch = helper.prepare(forced)
+    assert launch.grid[1] == 3
+    for field, value, msg in (("m", 17, "too many tokens"), ("k", 4000, "multiple of 64"),
+                              ("n", 4104, "multiple of 16"), ("group_size", 96, "power-of-two group"),
+                              ("x", (3 << 20) + 2, "16-byte aligned"), ("ldx", 4100, "row stride"),
+                              ("zeros", 0, "zero points"), ("abi_version", 99, "ABI")):
+        bad = runtime.GemmArgs.from_buffer_copy(args)
+        setattr(bad, field, value)
+        why = helper.check(bad)
+        assert why is not None and msg in why, (field, why)

@@ -46,6 +46,16 @@ for step in "$@"; do
       done; grep -E "REG|STACK|LDL|STL|HGMMA|LDS" "$OUT/sass.txt" | head -30 ;;
     bench)
       timeout 540 python3 -m mixgemm bench --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tail -120 | tee "$OUT/bench.log" || rc=1 ;;
+    build-decode)   # the decode kernels only (seconds each), 16 at a time; packed for the workstation
+      timeout 200 python3 -m mixgemm generate --build --jobs 16 --kernels "$MIXGEMM_BUILD_REGEX" 2>&1 | tail -2 || rc=1
+      tar czf "$OUT/decode-cache.tgz" -C "$MIXGEMM_CACHE_DIR" kernels ;;
+    decode-tests)
+      MIXGEMM_GPU_REPORT="$OUT/gpu-report.json" timeout 300 python3 -m pytest -q --maxfail=10 -m gpu tests/test_gpu_gemm.py \
+        -k "decode" -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/decode-tests.log" || rc=1 ;;
+    bench-decode)   # the decode kernels against cuBLAS and the peers at M <= 32
+      timeout 300 python3 -m mixgemm bench --iters 100 --shapes ${MIXGEMM_BENCH_SHAPES:-28672x8192,4096x4096,8192x28672,57344x8192} \
+        --m ${MIXGEMM_BENCH_M:-1,4,16,32} --impls ${MIXGEMM_BENCH_IMPLS:-mixgemm-u4,mixgemm-s4,mixgemm-u2,mixgemm-s8,torch_int4,gemlite-u4,gemlite-u2} \
+        --json "$OUT/bench-decode.json" 2>&1 | tail -60 | tee "$OUT/bench-decode.log" || rc=1 ;;
     bench-quick)
       timeout 110 python3 -m mixgemm bench --iters 100 --shapes 28672x8192,4096x4096 --m 1,16,4096 \
         --impls mixgemm-u4,mixgemm-u2,mixgemm-s8,torch_int4 --json "$OUT/bench.json" 2>&1 | tail -40 | tee "$OUT/bench.log" || rc=1 ;;

@@ -8,7 +8,7 @@
 
 namespace mixgemm::abi {
 
-constexpr int32_t kAbiVersion = 1;
+constexpr int32_t kAbiVersion = 2;
 
 // y[m, n] = x[m, k] @ dequant(W)[n, k]^T (+ bias[n])
 struct GemmArgs {
@@ -37,7 +37,7 @@ struct Launch {
   uint32_t cluster[3];
   uint32_t smem_bytes;        // dynamic shared memory
   uint32_t params_bytes;      // sizeof(Params)
-  uint32_t reserved;
+  uint32_t workspace_zero_bytes;  // leading workspace bytes that must be zero (UINT32_MAX: all of it)
   uint64_t workspace_bytes;
 };
 

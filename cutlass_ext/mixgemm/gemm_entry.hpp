@@ -103,6 +103,7 @@ int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* o
   auto args = make_arguments<Kernel>(*a);
   std::memset(out, 0, sizeof(*out));
   out->workspace_bytes = Kernel::get_workspace_size(args);
+  out->workspace_zero_bytes = 0xffffffffu;  // CUTLASS's stream-K workspace starts zeroed, all of it
   if (out->workspace_bytes && a->workspace == 0) return fail(err, errlen, "this launch needs a workspace");
   auto params = Kernel::to_underlying_arguments(args, reinterpret_cast<void*>(a->workspace));
   std::memcpy(dst, &params, sizeof(params));

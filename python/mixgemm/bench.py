@@ -569,6 +569,11 @@ class Impl(abc.ABC):
         """Whether this implementation can run in this environment; ``(False, reason)`` if not."""
         return True, ""
 
+    def why_not_m(self, m: int) -> Optional[str]:
+        """Why this implementation does not take ``m`` tokens (None: it does)."""
+        del m
+        return None
+
     @abc.abstractmethod
     def prepare(self, w_float: torch.Tensor, x_dtype: torch.dtype) -> None:
         """Quantize and pack ``w_float [N, K]`` (not timed); raise :class:`ImplUnavailable` for
@@ -801,11 +806,26 @@ class MixgemmImpl(Impl):
             return False, f"mixgemm.ops is not importable: {type(e).__name__}: {e}"
         return True, ""
 
-    def kernel_specs(self, x_dtype: torch.dtype) -> list:
-        """The GEMM kernel specs this implementation may launch (to build them up front)."""
+    def why_not_m(self, m: int) -> Optional[str]:
+        if self.tile_label is None:
+            return None
+        tc = next(tc for tc in TILE_CONFIGS if tc.label == self.tile_label)
+        if tc.max_tokens is not None and m > tc.max_tokens:
+            return f"the {tc.label} kernels take at most {tc.max_tokens} tokens"
+        return None
+
+    def kernel_specs(self, x_dtype: torch.dtype, ms: Optional[Sequence[int]] = None) -> list:
+        """The GEMM kernel specs this implementation may launch for ``ms`` tokens (all token
+        counts if None), to build them up front."""
+        from .ops import select_tile
+
         act = ActType.from_torch(x_dtype)
+        if self.tile_label is None and ms is not None:
+            labels = {select_tile(m, 0, 0).label for m in ms}
+        else:
+            labels = {tc.label for tc in TILE_CONFIGS}
         return [tc.spec(act, self.weight_type) for tc in TILE_CONFIGS
-                if self.tile_label is None or tc.label == self.tile_label]
+                if tc.label in labels and (self.tile_label is None or tc.label == self.tile_label)]
 
     def prepare(self, w_float: torch.Tensor, x_dtype: torch.dtype) -> None:
         bits, sym = self.weight_type.bits, self.weight_type.signed
@@ -1285,13 +1305,13 @@ class BenchConfig:
 
 
 def _prebuild_mixgemm(impls: Sequence[Impl], dtype: torch.dtype,
-                      log: Callable[[str], None]) -> dict[str, str]:
+                      log: Callable[[str], None], ms: Optional[Sequence[int]] = None) -> dict[str, str]:
     """Build every mixgemm kernel the run needs, in parallel, before timing anything.
     Returns ``{impl name: reason}`` for the implementations whose kernels failed to build."""
     mix = [i for i in impls if isinstance(i, MixgemmImpl)]
     if not mix:
         return {}
-    specs = list({s.name: s for i in mix for s in i.kernel_specs(dtype)}.values())
+    specs = list({s.name: s for i in mix for s in i.kernel_specs(dtype, ms)}.values())
     try:
         from . import build
     except Exception as e:  # pragma: no cover - depends on the environment
@@ -1303,7 +1323,7 @@ def _prebuild_mixgemm(impls: Sequence[Impl], dtype: torch.dtype,
         log(f"mixgemm kernels failed to build: {type(e).__name__}: {str(e)[:2000]}")
         failed = {}
         for impl in mix:
-            for spec in impl.kernel_specs(dtype):
+            for spec in impl.kernel_specs(dtype, ms):
                 try:
                     if not build.is_cached(spec):
                         failed[impl.name] = f"kernel {spec.name} failed to build (see the log above)"
@@ -1334,7 +1354,7 @@ def run_benchmark(cfg: BenchConfig, impls: Sequence[Impl], device: torch.device,
         ok, why = impl.available()
         if not ok:
             env_reason[impl.name] = why
-    env_reason.update(_prebuild_mixgemm([i for i in impls if i.name not in env_reason], dtype, log))
+    env_reason.update(_prebuild_mixgemm([i for i in impls if i.name not in env_reason], dtype, log, cfg.ms))
 
     measurements: list[Measurement] = []
     bar = tqdm(total=len(cfg.shapes) * len(cfg.ms) * len(impls), desc="bench", unit="pt",
@@ -1362,8 +1382,8 @@ def run_benchmark(cfg: BenchConfig, impls: Sequence[Impl], device: torch.device,
                 refs: dict[int, torch.Tensor] = {}
                 for impl in impls:
                     bar.set_postfix_str(f"N={n} K={k} M={m} {impl.name}")
-                    if impl.name in why_not:
-                        reason, unavailable = why_not[impl.name]
+                    reason, unavailable = why_not.get(impl.name, (impl.why_not_m(m), True))
+                    if reason:
                         measurements.append(Measurement(impl.name, n, k, m, error=reason,
                                                         unavailable=unavailable))
                         bar.update(1)

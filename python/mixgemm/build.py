@@ -24,6 +24,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 import os
 import shutil
 import subprocess
@@ -35,7 +36,7 @@ from typing import Iterable, Optional, Sequence
 
 from . import paths
 from ._version import __version__
-from .codegen import GemmSpec, KernelSpec, render
+from .codegen import GEMM_KINDS, KernelSpec, render
 
 log = logging.getLogger("mixgemm")
 
@@ -97,26 +98,46 @@ def toolchain() -> Toolchain:
     return tc
 
 
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"(mixgemm/[^"]+)"', re.M)
+
+
+def _header_roots() -> tuple[Path, ...]:
+    return (paths.cutlass_ext_dir(), paths.converters_dir())
+
+
+def _resolve(include: str) -> Optional[Path]:
+    for root in _header_roots():
+        p = root / include
+        if p.is_file():
+            return p
+    return None
+
+
 @functools.lru_cache(maxsize=None)
-def _tree_digest(root: str, mtime_key: tuple) -> str:
-    """sha256 over every file under ``root`` (path and contents). ``mtime_key`` makes the cache
-    of this function follow edits."""
-    h = hashlib.sha256()
-    for p in sorted(Path(root).rglob("*")):
-        if p.is_file() and p.suffix in (".h", ".hpp", ".cuh", ".inl", ".cu", ".cpp"):
-            h.update(str(p.relative_to(root)).encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
+def _file_digest(path: str, mtime_ns: int, size: int) -> tuple[str, tuple[str, ...]]:
+    """(sha256 of a header, the mixgemm headers it includes). mtime/size key the memo to edits."""
+    text = Path(path).read_text()
+    return hashlib.sha256(text.encode()).hexdigest(), tuple(_INCLUDE.findall(text))
 
 
-def headers_digest() -> str:
-    """Digest of mixgemm's own C++ headers (cutlass_ext/ and converters/)."""
-    parts = []
-    for d in (paths.cutlass_ext_dir(), paths.converters_dir()):
-        files = sorted(p for p in d.rglob("*") if p.is_file())
-        mtimes = tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files)
-        parts.append(_tree_digest(str(d), mtimes))
-    return hashlib.sha256("".join(parts).encode()).hexdigest()
+def headers_digest(source: str) -> str:
+    """Digest of the mixgemm headers ``source`` includes, transitively (``#include "mixgemm/..."``
+    resolved against cutlass_ext/ and converters/). An edit to a header changes the key of exactly
+    the kernels that include it; the CUTLASS headers are covered by the CUTLASS version."""
+    seen: dict[str, str] = {}
+    todo = list(_INCLUDE.findall(source))
+    while todo:
+        inc = todo.pop()
+        if inc in seen:
+            continue
+        p = _resolve(inc)
+        if p is None:
+            raise BuildError(f"the kernel source includes {inc!r}, which is not a mixgemm header")
+        st = p.stat()
+        digest, includes = _file_digest(str(p), st.st_mtime_ns, st.st_size)
+        seen[inc] = digest
+        todo.extend(includes)
+    return hashlib.sha256(json.dumps(sorted(seen.items())).encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,7 +160,7 @@ def _extra_flags() -> list[str]:
 def _steps(spec: KernelSpec) -> dict[str, tuple[str, ...]]:
     """Artifact file name -> the flags that produce it."""
     steps = {"kernel.cubin": BASE_FLAGS + CUBIN_FLAGS}
-    if isinstance(spec, GemmSpec):
+    if isinstance(spec, GEMM_KINDS):
         steps["helper.so"] = BASE_FLAGS + HELPER_FLAGS
     return steps
 
@@ -151,7 +172,7 @@ def cache_key(spec: KernelSpec, source: str, tc: Toolchain) -> str:
         "mixgemm": __version__,
         "name": spec.name,
         "source": source,
-        "headers": headers_digest(),
+        "headers": headers_digest(source),
         "cutlass": cutlass_version(),
         "nvcc_version": tc.version,
         "arch": ARCH,
@@ -177,7 +198,7 @@ class Artifacts:
     @property
     def helper_path(self) -> Optional[Path]:
         p = self.directory / "helper.so"
-        return p if isinstance(self.spec, GemmSpec) else None
+        return p if isinstance(self.spec, GEMM_KINDS) else None
 
     def read_cubin(self) -> bytes:
         return self.cubin_path.read_bytes()

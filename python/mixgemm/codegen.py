@@ -47,8 +47,17 @@ class Epilogue(enum.Enum):
     BIAS = "bias"
 
 
+class Activation(enum.Enum):
+    """Elementwise function applied in float32 to ``acc + bias`` before the output rounding."""
+
+    NONE = "none"
+    SILU = "silu"
+    GELU = "gelu"   # exact (erf) GELU, torch's default
+
+
 class KernelKind(enum.Enum):
     GEMM = "gemm"
+    DECODE = "decode"
     DEQUANT = "dequant"
 
 
@@ -97,9 +106,58 @@ class GemmSpec:
                 f"t{self.tile_m}x{self.tile_n}x{self.tile_k}_{self.schedule.value}_"
                 f"{self.scheduler.value}_{self.epilogue.value}_s{self.stages}")
 
+    #: any number of tokens
+    max_tokens = None
+
     @property
     def needs_workspace(self) -> bool:
         return self.scheduler is Scheduler.STREAMK
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """One decode kernel (``cutlass_ext/mixgemm/decode_kernel.hpp``): ``y = x @ dequant(W)^T``
+    for at most ``tokens`` rows of x, one warp per 16-row weight stripe, mma.sync m16n8k16,
+    weights streamed through a per-warp ring of ``stages`` shared-memory stages of
+    ``stage_bytes`` filled by bulk copies, split-K across CTAs chosen at launch.
+    """
+
+    act: ActType
+    weight: WeightType
+    tokens: int = 16
+    warps: int = 8
+    stage_bytes: int = 1024
+    stages: int = 6
+    activation: Activation = Activation.NONE
+
+    kind = KernelKind.DECODE
+
+    def __post_init__(self) -> None:
+        if self.tokens not in (8, 16, 32):
+            raise ValueError(f"tokens must be 8, 16 or 32, got {self.tokens}")
+        if not 1 <= self.warps <= 16:
+            raise ValueError(f"warps must be in [1, 16], got {self.warps}")
+        atom = 128 * self.weight.bits
+        if self.stage_bytes % atom or self.stage_bytes <= 0:
+            raise ValueError(f"stage_bytes must be a positive multiple of the {atom}-byte atom of "
+                             f"{self.weight.value}, got {self.stage_bytes}")
+        if self.stages < 2:
+            raise ValueError(f"stages must be >= 2, got {self.stages}")
+        if self.warps * self.stages * self.stage_bytes > 160 * 1024:
+            raise ValueError("the weight rings (warps x stages x stage_bytes) exceed 160 KiB of shared memory")
+
+    @property
+    def name(self) -> str:
+        return (f"mixgemm_decode_{self.act.value}_{self.weight.value}_m{self.tokens}_w{self.warps}_"
+                f"b{self.stage_bytes}_s{self.stages}_{self.activation.value}")
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tokens
+
+    @property
+    def needs_workspace(self) -> bool:
+        return True   # when the launch splits K
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +174,16 @@ class DequantSpec:
         return f"mixgemm_dequant_{self.act.value}_{self.weight.value}"
 
 
-KernelSpec = Union[GemmSpec, DequantSpec]
+KernelSpec = Union[GemmSpec, DecodeSpec, DequantSpec]
+#: The kernels that compute a GEMM (and have a host helper): what gemm_with_spec takes.
+GEMM_KINDS = (GemmSpec, DecodeSpec)
 
 _GEMM_NAME = re.compile(
     r"^mixgemm_gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)_"
     r"(?P<schedule>\w+?)_(?P<scheduler>persistent|streamk)_(?P<epilogue>\w+)_s(?P<stages>\d+)$")
+_DECODE_NAME = re.compile(
+    r"^mixgemm_decode_(?P<act>bf16|fp16)_(?P<weight>[su][248])_m(?P<tokens>\d+)_w(?P<warps>\d+)_"
+    r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_(?P<activation>none|silu|gelu)$")
 _DEQUANT_NAME = re.compile(r"^mixgemm_dequant_(?P<act>bf16|fp16)_(?P<weight>[su][248])$")
 
 
@@ -131,6 +194,10 @@ def parse_name(name: str) -> KernelSpec:
         return GemmSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["m"]), int(m["n"]), int(m["k"]),
                         Schedule(m["schedule"]), Scheduler(m["scheduler"]), Epilogue(m["epilogue"]),
                         int(m["stages"]))
+    m = _DECODE_NAME.match(name)
+    if m:
+        return DecodeSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["tokens"]), int(m["warps"]),
+                          int(m["stage_bytes"]), int(m["stages"]), Activation(m["activation"]))
     m = _DEQUANT_NAME.match(name)
     if m:
         return DequantSpec(ActType(m["act"]), WeightType(m["weight"]))
@@ -151,15 +218,45 @@ class TileConfig:
     schedule: Schedule
     scheduler: Scheduler
 
+    #: any number of tokens
+    max_tokens = None
+
     def spec(self, act: ActType, weight: WeightType) -> GemmSpec:
         return GemmSpec(act, weight, self.tile_m, self.tile_n, self.tile_k, self.schedule, self.scheduler)
 
 
-#: The tile configs the heuristic (mixgemm.ops.select_tile) chooses from, by token count M:
-#:   M <= 16  : "decode"  128x16x128, stream-K  (all SMs stream weights even for few tiles)
-#:   M <= 128 : "mid"     128x64x64,  stream-K
-#:   M >  128 : "large"   128x128x64, persistent
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """A decode-kernel choice shared by all type configs. Every code type gets the same bytes per
+    stage (at least one atom: int8's is 1 KiB)."""
+
+    label: str
+    tokens: int
+    warps: int = 8
+    stage_bytes: int = 1024
+    stages: int = 6
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tokens
+
+    def spec(self, act: ActType, weight: WeightType, activation: Activation = Activation.NONE) -> DecodeSpec:
+        stage_bytes = max(self.stage_bytes, 128 * weight.bits)
+        return DecodeSpec(act, weight, self.tokens, self.warps, stage_bytes, self.stages, activation)
+
+
+#: The kernel configs the heuristic (mixgemm.ops.select_tile) chooses from, by token count M:
+#:   M <= 8   : "dec8"    decode kernel, 8-token tile
+#:   M <= 16  : "dec16"   decode kernel, 16-token tile
+#:   M <= 32  : "dec32"   decode kernel, 32-token tile
+#:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K
+#:   M >  128 : "large"   sm90 GEMM 128x128x64, persistent
+#: plus "decode": the sm90 GEMM with 128x16x128 tiles, stream-K (the GEMM path at small M; the
+#: decode kernels replaced it in the heuristic, it stays as the reference point).
 TILE_CONFIGS = (
+    DecodeConfig("dec8", 8),
+    DecodeConfig("dec16", 16),
+    DecodeConfig("dec32", 32),
     TileConfig("decode", 128, 16, 128, Schedule.COOPERATIVE, Scheduler.STREAMK),
     TileConfig("mid", 128, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
     TileConfig("large", 128, 128, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT),
@@ -267,6 +364,16 @@ _HEADER = """\
 def render(spec: KernelSpec) -> str:
     """C++ source of exactly one kernel instantiation (types and tiles only)."""
     head = _HEADER.format(version=__version__, name=spec.name, spec=spec)
+    if isinstance(spec, DecodeSpec):
+        L, _ = _cutlass_library()
+        code = L.DataTypeTag[getattr(L.DataType, _DATATYPE[spec.weight])]
+        act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
+        activation = {Activation.NONE: "kNone", Activation.SILU: "kSilu", Activation.GELU: "kGelu"}[spec.activation]
+        ntiles = spec.tokens // 8
+        return (head + '#include "mixgemm/decode_kernel.hpp"\n\n'
+                f"using {spec.name}_config = mixgemm::decode::Config<{code}, {act}, {ntiles}, {spec.warps}, "
+                f"{spec.stage_bytes}, {spec.stages}>;\n"
+                f"MIXGEMM_DECODE_ENTRY({spec.name}, {spec.name}_config, mixgemm::decode::Activation::{activation})\n")
     if isinstance(spec, DequantSpec):
         L, _ = _cutlass_library()
         code = L.DataTypeTag[getattr(L.DataType, _DATATYPE[spec.weight])]

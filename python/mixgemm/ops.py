@@ -12,34 +12,35 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 if TYPE_CHECKING:  # codegen is imported lazily: `import mixgemm` stays cheap
-    from .codegen import GemmSpec, TileConfig
+    from .codegen import DecodeConfig, DecodeSpec, GemmSpec, TileConfig
 
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight
 
-#: Tile config labels by token count: see select_tile.
-_DECODE_MAX_M = 16
-_MID_MAX_M = 128
+#: Kernel config labels by token count (upper bound of M, label): see select_tile.
+_HEURISTIC = ((8, "dec8"), (16, "dec16"), (32, "dec32"), (128, "mid"), (None, "large"))
 
 
-def select_tile(m: int, n: int, k: int) -> "TileConfig":
-    """The heuristic: which tile config runs a problem of ``m`` tokens, ``n`` output features
+def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
+    """The heuristic: which kernel config runs a problem of ``m`` tokens, ``n`` output features
     and ``k`` input features.
 
-    * ``m <= 16``  -> "decode": 128x16x128 tiles, stream-K, so that even a layer with few
-      128-row tiles keeps every SM streaming weights;
-    * ``m <= 128`` -> "mid": 128x64x64, stream-K;
-    * else         -> "large": 128x128x64, persistent (enough tiles to fill the GPU).
+    * ``m <= 8, 16, 32`` -> "dec8" / "dec16" / "dec32": the decode kernel with that token tile
+      (one warp per 16-row weight stripe, weights streamed by bulk copies, split-K chosen at
+      launch so every SM streams weights);
+    * ``m <= 128``       -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K;
+    * else               -> "large": sm90 GEMM, 128x128x64, persistent.
 
-    ``n`` and ``k`` do not change the choice yet.
+    ``n`` and ``k`` do not change the choice of config (the decode kernels pick their split-K
+    factor from them at launch).
     """
     from .codegen import TILE_CONFIGS
 
     del n, k
-    label = "decode" if m <= _DECODE_MAX_M else "mid" if m <= _MID_MAX_M else "large"
+    label = next(lab for bound, lab in _HEURISTIC if bound is None or m <= bound)
     return next(tc for tc in TILE_CONFIGS if tc.label == label)
 
 
-def select_spec(m: int, w: PackedWeight) -> "GemmSpec":
+def select_spec(m: int, w: PackedWeight) -> "GemmSpec | DecodeSpec":
     return select_tile(m, w.n, w.k).spec(w.act_type, w.weight_type)
 
 
@@ -180,18 +181,26 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     return gemm_with_spec(x, w, spec, bias=bias, out=out, _checked=True)
 
 
-def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec", bias: Optional[torch.Tensor] = None,
+def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpec", bias: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None, *, splits: int = 1, _checked: bool = False) -> torch.Tensor:
-    """:func:`gemm` with an explicit kernel (tests and benchmarks use it to run every kernel)."""
+    """:func:`gemm` with an explicit kernel (tests and benchmarks use it to run every kernel).
+
+    ``splits > 1`` forces the split-K factor of a decode kernel or of a stream-K GEMM (1: the
+    kernel's own choice)."""
     from . import runtime
+    from .codegen import GEMM_KINDS
 
     if not _checked:
         _check_gemm_inputs(x, w, bias, out)
+    if not isinstance(spec, GEMM_KINDS):
+        raise TypeError(f"spec must be a GemmSpec or DecodeSpec, got {type(spec).__name__}")
     if spec.act is not w.act_type or spec.weight is not w.weight_type:
         raise ValueError(f"kernel {spec.name} is for {spec.act.value} x {spec.weight.value}, "
                          f"w is {w.act_type.value} x {w.weight_type.value}")
     lead = x.shape[:-1]
     m = math.prod(lead)
+    if spec.max_tokens is not None and m > spec.max_tokens:
+        raise ValueError(f"kernel {spec.name} takes at most {spec.max_tokens} tokens, x has M={m}")
     y = out if out is not None else torch.empty((*lead, w.n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y

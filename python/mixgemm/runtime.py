@@ -20,9 +20,9 @@ from typing import Any, Optional
 import torch
 
 from .build import Artifacts, load_artifacts
-from .codegen import DequantSpec, GemmSpec, KernelSpec
+from .codegen import GEMM_KINDS, KernelSpec
 
-ABI_VERSION = 1  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
+ABI_VERSION = 2  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
 
 
 class CudaError(RuntimeError):
@@ -88,7 +88,7 @@ class Launch(ctypes.Structure):
         ("cluster", ctypes.c_uint32 * 3),
         ("smem_bytes", ctypes.c_uint32),
         ("params_bytes", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint32),
+        ("workspace_zero_bytes", ctypes.c_uint32),  # UINT32_MAX: all
         ("workspace_bytes", ctypes.c_uint64),
     ]
 
@@ -193,7 +193,7 @@ class KernelCache:
     def _load(spec: KernelSpec, device: torch.device) -> LoadedKernel:
         drv = _driver()
         art, cubin = load_artifacts(spec)  # builds on first use (JIT), under the entry's lock
-        helper = HostHelper(str(art.helper_path), spec.name) if isinstance(spec, GemmSpec) else None
+        helper = HostHelper(str(art.helper_path), spec.name) if isinstance(spec, GEMM_KINDS) else None
         _ensure_context(device)
         with torch.cuda.device(device):
             module = check(drv.cuModuleLoadData(cubin), f"cuModuleLoadData({spec.name})")
@@ -216,16 +216,22 @@ def _stream_handle(device: torch.device):
 
 def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
     """Prepare params through the helper and launch on torch's current stream. A stream-K
-    workspace is taken from torch's caching allocator (zeroed on the same stream)."""
+    workspace is taken from torch's caching allocator; the part the helper says must start at zero
+    (all of it for CUTLASS's stream-K, only the split counters for the decode kernels) is zeroed on
+    the same stream."""
     drv = _driver()
     helper = kernel.helper
     assert helper is not None
     workspace = None
     ws_bytes = helper.workspace_size(args)
     if ws_bytes:
-        workspace = torch.zeros(ws_bytes, dtype=torch.uint8, device=kernel.device)
+        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=kernel.device)
         args.workspace = workspace.data_ptr()
     params, launch = helper.prepare(args)
+    if workspace is not None:
+        zero = ws_bytes if launch.workspace_zero_bytes == 0xFFFFFFFF else min(ws_bytes, launch.workspace_zero_bytes)
+        if zero:
+            workspace[:zero].zero_()
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
 
     config = drv.CUlaunchConfig()

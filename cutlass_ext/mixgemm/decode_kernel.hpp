@@ -1,0 +1,618 @@
+// mixgemm: the decode GEMM for few tokens (M <= 8 * NTiles), a CuTe/CUTLASS kernel of its own.
+//
+// At decode, y[M, N] = x[M, K] @ dequant(W)[N, K]^T is a stream over the weight: every byte of
+// it is read once and used M times. The sm90 GEMM path (a 128-row wgmma tile per warpgroup,
+// stream-K) spends most of its issue slots on bookkeeping at these sizes; this kernel instead
+// keeps each warp on one 16-row stripe of the weight and does only what the stream needs:
+//
+// * weights: each warp streams its stripe's k-range, which is contiguous in the prepacked layout
+//   ([N/16][K/64] atoms), through its own ring of shared-memory stages filled by bulk copies
+//   (cp.async.bulk + an mbarrier per stage): no registers held for loads in flight, one
+//   instruction per stage to issue;
+// * activations: the CTA's x[:, k-range] (at most 8*NTiles rows) is bulk-copied to shared memory
+//   once and shared by the CTA's warps; ldmatrix gives the mma.sync B fragments directly;
+// * math: the prepacked atom is exactly the m16n8k16 A fragment (the wgmma A fragment of one
+//   warp), so a lane's 16-byte chunk becomes 4 k16 blocks of A registers through the converters
+//   of converters/mixgemm (lop3 + sub per register: q - z, exact) and feeds mma.sync
+//   m16n8k16 with float32 accumulation. The group's scale is applied in float32 to the partial
+//   sum of the group (one FFMA per accumulator per group) instead of to every weight;
+// * split-K across CTAs when the stripes alone cannot fill the GPU: each split writes float32
+//   partials, and the last CTA of a row block to finish (an atomic counter, reset by that CTA)
+//   adds them in split order -- deterministic -- and runs the epilogue.
+//
+// Layout of one CTA: W warps, warp w owns weight rows [16 * (W * blockIdx.x + w), +16) and the
+// k-atoms [blockIdx.y * atoms_per_split, +atoms_per_split).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "cute/arch/copy_sm75.hpp"
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/arch/mma_sm80.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/device_kernel.h"
+#include "cutlass/numeric_types.h"
+
+#include "mixgemm/abi.hpp"
+#include "mixgemm/numeric_conversion.hpp"
+
+namespace mixgemm::decode {
+
+// Epilogue functions, applied in float32 to (accumulator + bias) before the one rounding to the
+// activation type.
+enum class Activation : int { kNone = 0, kSilu = 1, kGelu = 2 };
+
+template <Activation A>
+CUTLASS_DEVICE float activate(float v) {
+  if constexpr (A == Activation::kSilu) {
+    return v / (1.0f + __expf(-v));
+  } else if constexpr (A == Activation::kGelu) {
+    return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));  // exact (erf) GELU, as torch's default
+  } else {
+    return v;
+  }
+}
+
+template <class Act>
+struct Params {
+  uint8_t const* weight;    // [N/16][K/64][128*bits] prepacked
+  Act const* scales;        // [G][N]
+  Act const* zeros;         // [G][N] or null (signed codes)
+  Act const* x;             // [M][ldx]
+  Act const* bias;          // [N] or null
+  Act* y;                   // [M][ldy]
+  float* partials;          // [splits][N][M] float32 (splits > 1)
+  int32_t* counters;        // [gridDim.x] zero-initialised (splits > 1); every finishing CTA leaves its 0
+  int32_t m, n, k;
+  int32_t group_shift;      // log2(group size); 30 for one group spanning K (per-channel)
+  int32_t atoms_per_split;  // k-atoms (64 K each) per CTA
+  int32_t splits;
+  int32_t x_row_bytes;      // shared-memory row pitch of the x tile (16 mod 128: conflict-free ldmatrix)
+  int32_t groups_per_split; // group rows of scales/zeros staged per CTA
+  int64_t ldx, ldy;
+};
+
+// Compile-time shape of one kernel.
+template <class Code_, class Act_, int NTiles_, int Warps_, int StageBytes_, int Stages_>
+struct Config {
+  using Code = Code_;
+  using Act = Act_;
+  using Dequant = PrepackedDequantFor<Code, Act>;
+  static constexpr int kNTiles = NTiles_;                    // n8 token tiles: M <= 8 * NTiles
+  static constexpr int kTokens = 8 * NTiles_;
+  static constexpr int kWarps = Warps_;
+  static constexpr int kThreads = 32 * Warps_;
+  static constexpr int kRowsPerCta = 16 * Warps_;
+  static constexpr int kBits = Dequant::kBits;
+  static constexpr bool kHasZero = !Dequant::kSigned;
+  static constexpr int kAtomBytes = 128 * kBits;             // one 16x64 atom
+  static constexpr int kChunkBytes = 4 * kBits;              // one lane's share of an atom
+  static constexpr int kStageBytes = StageBytes_;
+  static constexpr int kAtomsPerStage = StageBytes_ / kAtomBytes;
+  static constexpr int kStages = Stages_;
+  static_assert(kNTiles == 1 || kNTiles == 2 || kNTiles == 4, "8, 16 or 32 tokens per CTA");
+  static_assert(StageBytes_ % kAtomBytes == 0 && kAtomsPerStage >= 1, "a stage holds whole atoms");
+  static_assert(kStages >= 2, "at least double buffering");
+
+  // Shared memory: [ring: warps x stages x stage bytes][x tile][scales][zeros][barriers]
+  static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
+  static constexpr int kMaxSmem = 227 * 1024;
+
+  // The carve-up of dynamic shared memory, shared by the host plan and the kernel:
+  //   [weight rings: warps x stages x stage bytes][x: rows x x_row_bytes][scales][zeros][barriers][flag]
+  // x rows: min(M, tokens); x_row_bytes = 128 * atoms_per_split + 16 (16 mod 128: the 8 rows an
+  // ldmatrix reads fall in distinct banks); scales/zeros: groups x rows-per-CTA.
+  struct Carve {
+    int x, scales, zeros, bars, total;
+  };
+  CUTLASS_HOST_DEVICE static int x_row_bytes(int atoms_per_split) { return atoms_per_split * 128 + 16; }
+  CUTLASS_HOST_DEVICE static Carve carve(int x_rows, int atoms_per_split, int groups) {
+    Carve c;
+    int const group_bytes = groups * kRowsPerCta * int(sizeof(Act));
+    c.x = kRingBytes;
+    c.scales = c.x + x_rows * x_row_bytes(atoms_per_split);
+    c.zeros = c.scales + group_bytes;
+    c.bars = (c.zeros + (kHasZero ? group_bytes : 0) + 15) / 16 * 16;
+    c.total = c.bars + 8 * (kWarps * kStages + 1) + 16;
+    return c;
+  }
+};
+
+#if defined(__CUDACC__) && !defined(MIXGEMM_HOST_HELPER)
+
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+// ldmatrix.x4: four 8x8 b16 matrices, lanes 8i..8i+7 give the row addresses of matrix i.
+CUTLASS_DEVICE void ldsm_x4(uint32_t addr, uint32_t& d0, uint32_t& d1, uint32_t& d2, uint32_t& d3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(addr));
+}
+
+// A lane's 4 A registers of k16 block KB, as exact half-precision integers q - z (no scale: the
+// kernel applies the scale in float32 per group). bias2: E + z for rows g and g + 8.
+template <class D, Half H, int KB>
+CUTLASS_DEVICE void centered_kblock(uint32_t const* chunk, uint32_t const (&bias2)[2], uint32_t (&out)[4]) {
+  using Dec = typename D::Decoder;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    int const v = 8 * KB + 2 * j;
+    int const word = v / D::kValuesPerWord;
+    int const shift = D::kBits * ((v % D::kValuesPerWord) / 2);
+    uint32_t x = Dec::decode(chunk[word] >> shift);
+    if constexpr (D::kSigned && Dec::kTwoPart) {
+      out[j] = x;                                     // already q (signed int8 in bf16)
+    } else {
+      out[j] = arith::sub2<H>(x, bias2[j % 2]);       // (E + c) - (E + z) = q - z, exact
+    }
+  }
+}
+
+template <class Cfg, Activation Act_, bool Group32>
+CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
+  using Act = typename Cfg::Act;
+  using D = typename Cfg::Dequant;
+  constexpr int NT = Cfg::kNTiles;
+  constexpr int S = Cfg::kStages;
+  constexpr int APS = Cfg::kAtomsPerStage;
+  constexpr Half H = half_of<Act>::value;
+
+  int const warp = threadIdx.x / 32;
+  int const lane = threadIdx.x % 32;
+  int const g = lane / 4, t = lane % 4;
+
+  int const stripes = p.n / 16;
+  int const k_atoms = p.k / 64;
+  int const stripe = blockIdx.x * Cfg::kWarps + warp;
+  bool const has_stripe = stripe < stripes;
+  int const row0 = blockIdx.x * Cfg::kRowsPerCta;                 // first weight row of the CTA
+  int const rows_valid = min(Cfg::kRowsPerCta, p.n - row0);
+  int const ka0 = blockIdx.y * p.atoms_per_split;
+  int const ka1 = min(ka0 + p.atoms_per_split, k_atoms);
+  int const n_atoms = ka1 - ka0;
+  int const grp0 = (ka0 * 64) >> p.group_shift;
+  int const grp1 = ((ka1 * 64 - 1) >> p.group_shift) + 1;
+
+  // ---- shared memory carve-up (Config::carve, as the host planned it) ----
+  int const m_rows = min(p.m, Cfg::kTokens);
+  auto const carve = Cfg::carve(m_rows, p.atoms_per_split, p.groups_per_split);
+  char* ring = smem + warp * S * Cfg::kStageBytes;
+  char* xs = smem + carve.x;
+  Act* ss = reinterpret_cast<Act*>(smem + carve.scales);
+  Act* zs = reinterpret_cast<Act*>(smem + carve.zeros);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + carve.bars);
+  uint64_t* xbar = bars + Cfg::kWarps * S;
+  uint64_t* wbar = bars + warp * S;
+  int* last_flag = reinterpret_cast<int*>(xbar + 1);
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < Cfg::kWarps * S + 1; ++i) {
+      Barrier::init(&bars[i], 1);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  // ---- the CTA's x tile and scale/zero rows: one barrier, copies spread over warp 0 ----
+  if (warp == 0) {
+    int const x_bytes = n_atoms * 128;
+    int const g_bytes = rows_valid * int(sizeof(Act));
+    int const n_groups = grp1 - grp0;
+    if (lane == 0) {
+      uint32_t total = uint32_t(m_rows * x_bytes + n_groups * g_bytes * (Cfg::kHasZero ? 2 : 1));
+      Barrier::arrive_and_expect_tx(xbar, total);
+    }
+    __syncwarp();
+    for (int r = lane; r < m_rows; r += 32) {
+      cute::SM90_BULK_COPY_G2S::copy(p.x + r * p.ldx + int64_t(ka0) * 64, xbar, xs + r * p.x_row_bytes, x_bytes);
+    }
+    for (int i = lane; i < n_groups; i += 32) {
+      int64_t src = int64_t(grp0 + i) * p.n + row0;
+      cute::SM90_BULK_COPY_G2S::copy(p.scales + src, xbar, ss + i * Cfg::kRowsPerCta, g_bytes);
+      if constexpr (Cfg::kHasZero) {
+        cute::SM90_BULK_COPY_G2S::copy(p.zeros + src, xbar, zs + i * Cfg::kRowsPerCta, g_bytes);
+      }
+    }
+  }
+
+  // ---- each warp's weight stream: stages of APS atoms of its stripe ----
+  int const n_stages = (n_atoms + APS - 1) / APS;
+  uint8_t const* wsrc = p.weight + (int64_t(stripe) * k_atoms + ka0) * Cfg::kAtomBytes;
+  auto issue = [&](int s) {
+    int const atoms = min(APS, n_atoms - s * APS);
+    Barrier::arrive_and_expect_tx(&wbar[s % S], uint32_t(atoms * Cfg::kAtomBytes));
+    cute::SM90_BULK_COPY_G2S::copy(wsrc + int64_t(s) * Cfg::kStageBytes, &wbar[s % S],
+                                   ring + (s % S) * Cfg::kStageBytes, atoms * Cfg::kAtomBytes);
+  };
+  if (has_stripe && lane == 0) {
+    for (int s = 0; s < S && s < n_stages; ++s) {
+      issue(s);
+    }
+  }
+
+  float acc[NT][4];
+  float part[NT][4];
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < NT; ++i) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < 4; ++c) { acc[i][c] = 0.f; part[i][c] = 0.f; }
+  }
+
+  Barrier::wait(xbar, 0);
+
+  int const lrow = warp * 16 + g;   // the lane's rows in the CTA's scale rows: lrow, lrow + 8
+  uint32_t bias2[2];
+  auto load_bias = [&](int grp) {
+    if constexpr (Cfg::kHasZero) {
+      Act const* z = zs + (grp - grp0) * Cfg::kRowsPerCta + lrow;
+      bias2[0] = D::bias(arith::splat(reinterpret_cast<uint16_t const&>(z[0])));
+      bias2[1] = D::bias(arith::splat(reinterpret_cast<uint16_t const&>(z[8])));
+    } else {
+      (void)grp;
+      bias2[0] = bias2[1] = D::bias(0u);
+    }
+  };
+  // acc += scale(group) * part; part = 0
+  auto flush = [&](int grp) {
+    Act const* s = ss + (grp - grp0) * Cfg::kRowsPerCta + lrow;
+    float const s0 = float(s[0]), s1 = float(s[8]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < NT; ++i) {
+      acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
+      acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
+      acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
+      acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
+    }
+  };
+  auto mma = [&](float (&c)[4], uint32_t const (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (H == Half::kBF16) {
+      cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b0, b1,
+                                                 c[0], c[1], c[2], c[3]);
+    } else {
+      cute::SM80_16x8x16_F32F16F16F32_TN::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b0, b1,
+                                               c[0], c[1], c[2], c[3]);
+    }
+  };
+
+  if (has_stripe) {
+    // ldmatrix row addresses: lane l reads token row (l % 8) of tile i, 8 k at column 8 * (l / 8)
+    // (+32 for the second half of an atom). Rows past the last token repeat the last token: they
+    // only feed accumulator columns of tokens that are never stored.
+    uint32_t xs_row[NT];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < NT; ++i) {
+      int const r = min(8 * i + lane % 8, p.m - 1);
+      xs_row[i] = cute::cast_smem_ptr_to_uint(xs) + r * p.x_row_bytes + (lane / 8) * 16;
+    }
+    int cur = grp0;
+    load_bias(cur);
+    for (int s = 0; s < n_stages; ++s) {
+      Barrier::wait(&wbar[s % S], (s / S) & 1);
+      char const* stage = ring + (s % S) * Cfg::kStageBytes;
+      int const atoms = min(APS, n_atoms - s * APS);
+      CUTLASS_PRAGMA_UNROLL
+      for (int a = 0; a < APS; ++a) {
+        if (a < atoms) {
+          int const la = s * APS + a;                 // atom index in the CTA's k-range
+          uint32_t chunk[Cfg::kBits];
+          {
+            uint32_t const* src = reinterpret_cast<uint32_t const*>(stage + a * Cfg::kAtomBytes + lane * Cfg::kChunkBytes);
+            if constexpr (Cfg::kChunkBytes == 8) {
+              uint2 v = *reinterpret_cast<uint2 const*>(src);
+              chunk[0] = v.x; chunk[1] = v.y;
+            } else {
+              CUTLASS_PRAGMA_UNROLL
+              for (int q = 0; q < Cfg::kChunkBytes / 16; ++q) {
+                uint4 v = reinterpret_cast<uint4 const*>(src)[q];
+                chunk[4 * q + 0] = v.x; chunk[4 * q + 1] = v.y; chunk[4 * q + 2] = v.z; chunk[4 * q + 3] = v.w;
+              }
+            }
+          }
+          // B fragments of the atom: [tile][k16 block][b0, b1]
+          uint32_t b[NT][4][2];
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < NT; ++i) {
+            uint32_t const addr = xs_row[i] + la * 128;
+            ldsm_x4(addr, b[i][0][0], b[i][0][1], b[i][1][0], b[i][1][1]);
+            ldsm_x4(addr + 64, b[i][2][0], b[i][2][1], b[i][3][0], b[i][3][1]);
+          }
+          if constexpr (!Group32) {
+            // one group spans whole atoms: flush the partial sum when the atom starts a new group
+            int const grp = ((ka0 + la) * 64) >> p.group_shift;
+            if (grp != cur) {
+              flush(cur);
+              cur = grp;
+              load_bias(cur);
+            }
+          }
+          auto kblock = [&](auto kb_const) {
+            constexpr int kb = decltype(kb_const)::value;
+            if constexpr (Group32 && (kb == 0 || kb == 2)) {
+              // 32-wide groups: k16 blocks 0-1 and 2-3 of an atom belong to different groups
+              int const grp = ((ka0 + la) * 64 + kb * 16) >> p.group_shift;
+              if (grp != cur) {
+                flush(cur);
+                cur = grp;
+                load_bias(cur);
+              }
+            }
+            uint32_t a_regs[4];
+            centered_kblock<D, H, kb>(chunk, bias2, a_regs);
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < NT; ++i) {
+              mma(part[i], a_regs, b[i][kb][0], b[i][kb][1]);
+            }
+          };
+          kblock(cute::Int<0>{});
+          kblock(cute::Int<1>{});
+          kblock(cute::Int<2>{});
+          kblock(cute::Int<3>{});
+        }
+      }
+      __syncwarp();
+      if (lane == 0 && s + S < n_stages) {
+        issue(s + S);
+      }
+    }
+    flush(cur);
+  }
+
+  // ---- epilogue: lane holds rows (g, g + 8) x tokens (8i + 2t, 8i + 2t + 1) of its stripe ----
+  int const rows[2] = {stripe * 16 + g, stripe * 16 + g + 8};
+  auto token = [&](int i, int c) { return 8 * i + 2 * t + (c % 2); };
+  auto store = [&]() {
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      float const bias = p.bias ? float(p.bias[rows[h]]) : 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < NT; ++i) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          int const tok = token(i, e);
+          if (tok < p.m) {
+            p.y[int64_t(tok) * p.ldy + rows[h]] = Act(activate<Act_>(acc[i][2 * h + e] + bias));
+          }
+        }
+      }
+    }
+  };
+  if (p.splits == 1) {
+    if (has_stripe) store();
+    return;
+  }
+  // split-K: publish this split's float32 partials, then the last CTA of the row block adds all
+  // splits in order (deterministic) and runs the epilogue.
+  if (has_stripe) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < NT; ++i) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 4; ++c) {
+        if (token(i, c) < p.m) {
+          p.partials[(int64_t(blockIdx.y) * p.n + rows[c / 2]) * p.m + token(i, c)] = acc[i][c];
+        }
+      }
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *last_flag = atomicAdd(&p.counters[blockIdx.x], 1) == p.splits - 1;
+  }
+  __syncthreads();
+  if (!*last_flag) return;
+  __threadfence();
+  if (has_stripe) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < NT; ++i) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 4; ++c) {
+        float sum = 0.f;
+        if (token(i, c) < p.m) {
+          for (int sp = 0; sp < p.splits; ++sp) {
+            sum += __ldcg(&p.partials[(int64_t(sp) * p.n + rows[c / 2]) * p.m + token(i, c)]);
+          }
+        }
+        acc[i][c] = sum;
+      }
+    }
+    store();
+  }
+  if (threadIdx.x == 0) {
+    p.counters[blockIdx.x] = 0;   // leave the counter as found: zero
+  }
+}
+
+template <class Cfg, Activation A>
+CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& p) {
+  extern __shared__ __align__(128) char smem[];
+  if (p.group_shift == 5) {
+    run<Cfg, A, true>(p, smem);
+  } else {
+    run<Cfg, A, false>(p, smem);
+  }
+}
+
+#endif  // device
+
+// ---------------------------------------------------------------------------------------------
+// Host side: the launch plan (split-K factor, shared memory) and the checks, shared by the
+// host helper library. Pure host logic, no driver call.
+// ---------------------------------------------------------------------------------------------
+struct Plan {
+  int splits;
+  int atoms_per_split;
+  int groups_per_split;
+  int smem_bytes;
+  int row_blocks;
+};
+
+inline int group_shift_of(int group_size, int k) {
+  for (int s = 5; s <= 16; ++s) {
+    if (group_size == (1 << s)) return s;
+  }
+  return group_size == k ? 30 : -1;
+}
+
+template <class Cfg>
+struct Host {
+  using Act = typename Cfg::Act;
+
+  static int max_groups(int k_atoms, int aps, int gshift) {
+    int worst = 0;
+    for (int ka0 = 0; ka0 < k_atoms; ka0 += aps) {
+      int ka1 = ka0 + aps < k_atoms ? ka0 + aps : k_atoms;
+      int n = (((ka1 * 64 - 1) >> gshift) + 1) - ((ka0 * 64) >> gshift);
+      worst = n > worst ? n : worst;
+    }
+    return worst;
+  }
+
+  static char const* why_not(abi::GemmArgs const& a) {
+    if (a.abi_version != abi::kAbiVersion) return "ABI version mismatch between the runtime and the kernel's host helper";
+    if (a.m < 1) return "M must be >= 1";
+    if (a.m > Cfg::kTokens) return "too many tokens for this decode kernel (M > its token tile)";
+    if (a.n < 16 || a.n % 16) return "N must be a positive multiple of 16 (the prepacked atom)";
+    if (a.k < 64 || a.k % 64) return "K must be a positive multiple of 64 (the prepacked atom)";
+    if (group_shift_of(a.group_size, a.k) < 0)
+      return "the decode kernel needs a power-of-two group size >= 32, or one group spanning K";
+    if (a.k % a.group_size) return "the group size must divide K";
+    if (a.weight % 16 || a.scales % 16 || a.zeros % 16 || a.x % 16)
+      return "weight, scales, zeros and x must be 16-byte aligned";
+    if ((a.ldx * int64_t(sizeof(Act))) % 16) return "x's row stride must be a multiple of 16 bytes";
+    if (a.ldx < a.k || a.ldy < a.n) return "row strides must cover the rows";
+    if (a.bias % int64_t(sizeof(Act)) || a.y % int64_t(sizeof(Act))) return "bias and y must be aligned to their element size";
+    if (Cfg::kHasZero && a.zeros == 0) return "this weight type needs zero points";
+    return nullptr;
+  }
+
+  static int smem_for(abi::GemmArgs const& a, int aps, int groups) {
+    return Cfg::carve(a.m < Cfg::kTokens ? a.m : Cfg::kTokens, aps, groups).total;
+  }
+
+  // Split-K factor: the one that minimises (waves of CTAs) x (per-CTA work + a fixed start-up
+  // cost of about 6 atoms), within the shared-memory budget. An explicit a.splits > 1 wins.
+  static char const* plan(abi::GemmArgs const& a, Plan& out) {
+    int const k_atoms = a.k / 64;
+    int const gshift = group_shift_of(a.group_size, a.k);
+    int const row_blocks = (a.n / 16 + Cfg::kWarps - 1) / Cfg::kWarps;
+    int const sms = a.sm_count > 0 ? a.sm_count : 132;
+    long best_cost = -1;
+    int const lo = a.splits > 1 ? a.splits : 1;
+    int const hi = a.splits > 1 ? a.splits : 64;
+    for (int s = lo; s <= hi && s <= k_atoms; ++s) {
+      int const aps = (k_atoms + s - 1) / s;
+      int const se = (k_atoms + aps - 1) / aps;
+      if (a.splits <= 1 && se != s) continue;          // the same plan as a smaller s
+      int const groups = max_groups(k_atoms, aps, gshift);
+      int const smem = smem_for(a, aps, groups);
+      if (smem > Cfg::kMaxSmem) continue;
+      int occupancy = (228 * 1024) / (smem + 1024);
+      occupancy = occupancy > 2 ? 2 : occupancy;
+      long const slots = long(sms) * occupancy;
+      long const ctas = long(row_blocks) * se;
+      long const waves = (ctas + slots - 1) / slots;
+      long const cost = waves * (aps + 6) + (se > 1 ? 1 : 0);
+      if (best_cost < 0 || cost < best_cost) {
+        best_cost = cost;
+        out = Plan{se, aps, groups, smem, row_blocks};
+      }
+    }
+    if (best_cost < 0) return "no split of K fits this decode kernel's shared memory (too many tokens x K)";
+    return nullptr;
+  }
+
+  static uint64_t counters_bytes(Plan const& pl) { return pl.splits > 1 ? (uint64_t(pl.row_blocks) * 4 + 255) / 256 * 256 : 0; }
+  static uint64_t workspace_bytes(abi::GemmArgs const& a, Plan const& pl) {
+    return pl.splits > 1 ? counters_bytes(pl) + uint64_t(pl.splits) * a.n * a.m * 4 : 0;
+  }
+
+  static char const* check(abi::GemmArgs const* a) {
+    if (a == nullptr) return "null argument";
+    if (char const* why = why_not(*a)) return why;
+    Plan pl;
+    return plan(*a, pl);
+  }
+
+  static uint64_t workspace_size(abi::GemmArgs const* a) {
+    Plan pl;
+    if (a == nullptr || why_not(*a) || plan(*a, pl)) return 0;
+    return workspace_bytes(*a, pl);
+  }
+
+  static int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* out, char* err, int errlen) {
+    auto fail = [&](char const* msg) {
+      if (err && errlen > 0) std::snprintf(err, size_t(errlen), "%s", msg);
+      return 1;
+    };
+    if (char const* why = check(a)) return fail(why);
+    if (dst == nullptr || out == nullptr) return fail("null output buffer");
+    if (capacity < sizeof(Params<Act>)) return fail("params buffer too small");
+    Plan pl;
+    plan(*a, pl);
+    std::memset(out, 0, sizeof(*out));
+    out->workspace_bytes = workspace_bytes(*a, pl);
+    out->workspace_zero_bytes = uint32_t(counters_bytes(pl));
+    if (out->workspace_bytes && a->workspace == 0) return fail("this launch needs a workspace");
+    Params<Act> p{};
+    p.weight = reinterpret_cast<uint8_t const*>(a->weight);
+    p.scales = reinterpret_cast<Act const*>(a->scales);
+    p.zeros = reinterpret_cast<Act const*>(a->zeros);
+    p.x = reinterpret_cast<Act const*>(a->x);
+    p.bias = reinterpret_cast<Act const*>(a->bias);
+    p.y = reinterpret_cast<Act*>(a->y);
+    p.counters = pl.splits > 1 ? reinterpret_cast<int32_t*>(a->workspace) : nullptr;
+    p.partials = pl.splits > 1 ? reinterpret_cast<float*>(a->workspace + counters_bytes(pl)) : nullptr;
+    p.m = a->m; p.n = a->n; p.k = a->k;
+    p.group_shift = group_shift_of(a->group_size, a->k);
+    p.atoms_per_split = pl.atoms_per_split;
+    p.splits = pl.splits;
+    p.x_row_bytes = Cfg::x_row_bytes(pl.atoms_per_split);
+    p.groups_per_split = pl.groups_per_split;
+    p.ldx = a->ldx; p.ldy = a->ldy;
+    std::memcpy(dst, &p, sizeof(p));
+    out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = 1;
+    out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;
+    out->cluster[0] = out->cluster[1] = out->cluster[2] = 1;
+    out->smem_bytes = uint32_t(pl.smem_bytes);
+    out->params_bytes = uint32_t(sizeof(Params<Act>));
+    return 0;
+  }
+};
+
+}  // namespace mixgemm::decode
+
+// The two faces of one decode kernel (cf. MIXGEMM_GEMM_ENTRY): the cubin's extern "C" kernel,
+// and the host helper's C functions (same ABI as the GEMM kernels').
+#define MIXGEMM_DECODE_STR2(x) #x
+#define MIXGEMM_DECODE_STR(x) MIXGEMM_DECODE_STR2(x)
+#if defined(MIXGEMM_HOST_HELPER)
+#define MIXGEMM_DECODE_ENTRY(NAME, CFG, ACTIVATION)                                                 \
+  using NAME##_host = mixgemm::decode::Host<CFG>;                                                   \
+  extern "C" int32_t mixgemm_abi_version() { return mixgemm::abi::kAbiVersion; }                    \
+  extern "C" char const* mixgemm_kernel_name() { return MIXGEMM_DECODE_STR(NAME); }                 \
+  extern "C" uint32_t mixgemm_params_size() { return uint32_t(sizeof(mixgemm::decode::Params<CFG::Act>)); } \
+  extern "C" uint32_t mixgemm_smem_size() { return uint32_t(CFG::kMaxSmem); }                       \
+  extern "C" int mixgemm_gemm_check(mixgemm::abi::GemmArgs const* a, char* err, int errlen) {       \
+    char const* why = NAME##_host::check(a);                                                        \
+    if (why && err && errlen > 0) std::snprintf(err, size_t(errlen), "%s", why);                    \
+    return why ? 1 : 0;                                                                             \
+  }                                                                                                 \
+  extern "C" uint64_t mixgemm_gemm_workspace_size(mixgemm::abi::GemmArgs const* a) {                \
+    return NAME##_host::workspace_size(a);                                                          \
+  }                                                                                                 \
+  extern "C" int mixgemm_gemm_prepare(mixgemm::abi::GemmArgs const* a, void* dst, uint32_t cap,      \
+                                      mixgemm::abi::Launch* out, char* err, int errlen) {           \
+    return NAME##_host::prepare(a, dst, cap, out, err, errlen);                                     \
+  }
+#else
+#define MIXGEMM_DECODE_ENTRY(NAME, CFG, ACTIVATION)                                                 \
+  extern "C" __global__ void __launch_bounds__(CFG::kThreads, 2)                                    \
+  NAME(CUTLASS_GRID_CONSTANT mixgemm::decode::Params<CFG::Act> const params) {                      \
+    mixgemm::decode::kernel_body<CFG, ACTIVATION>(params);                                          \
+  }
+#endif
