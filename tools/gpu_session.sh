@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1
 export MIXGEMM_CACHE_DIR=/tmp/mixgemm-cache
 mkdir -p "$MIXGEMM_CACHE_DIR"
-[ -f .gpu/cache.tgz ] && tar xzf .gpu/cache.tgz -C "$MIXGEMM_CACHE_DIR"
+for t in .gpu/*.tgz; do [ -f "$t" ] && tar xzf "$t" -C "$MIXGEMM_CACHE_DIR"; done
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 nvcc --version | tail -2 | tee -a "$OUT/gpu.txt"
 rc=0
@@ -44,6 +44,16 @@ for step in "$@"; do
       for c in "$MIXGEMM_CACHE_DIR"/kernels/mixgemm_gemm_bf16_u4_t128x16x128*/kernel.cubin "$MIXGEMM_CACHE_DIR"/kernels/mixgemm_gemm_bf16_u4_t128x128x64*/kernel.cubin; do
         { echo "== $c"; cuobjdump -res-usage "$c"; cuobjdump -sass "$c" | grep -oE "^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+" | awk '{print $2}' | sort | uniq -c | sort -rn | head -45; } >> "$OUT/sass.txt" 2>&1
       done; grep -E "REG|STACK|LDL|STL|HGMMA|LDS" "$OUT/sass.txt" | head -30 ;;
+    profile-decode)   # ncu sections of the decode kernel (M=1, 16) and its SASS
+      for m in 1 16; do
+        timeout 100 ncu --clock-control none --kernel-name regex:mixgemm_decode --launch-skip 3 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+          --section Occupancy --section LaunchStats --section InstructionStats python3 tools/profile_kernels.py $m > "$OUT/ncu_dec_m$m.txt" 2>&1 || rc=1
+        grep -E "Duration|Throughput|Registers|Stall|Issued|Eligible|Warp Cycles|Achieved|Block Limit|Executed Ipc|Grid Size|Waves" "$OUT/ncu_dec_m$m.txt" | head -40
+      done
+      for c in "$MIXGEMM_CACHE_DIR"/kernels/mixgemm_decode_bf16_s4_m8*/kernel.cubin; do
+        cuobjdump -sass "$c" > "$OUT/sass_decode_s4_m8.txt" 2>&1
+      done ;;
     bench)
       timeout 540 python3 -m mixgemm bench --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tail -120 | tee "$OUT/bench.log" || rc=1 ;;
     build-decode)   # the decode kernels only (seconds each), 16 at a time; packed for the workstation

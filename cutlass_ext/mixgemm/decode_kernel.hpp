@@ -234,11 +234,13 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   }
 
   float acc[NT][4];
-  float part[NT][4];
+  // The group's partial sums, in two independent chains (even / odd k16 blocks) so that
+  // consecutive mma.sync do not wait on each other; added together when the group is flushed.
+  float part[2][NT][4];
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < NT; ++i) {
     CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < 4; ++c) { acc[i][c] = 0.f; part[i][c] = 0.f; }
+    for (int c = 0; c < 4; ++c) { acc[i][c] = 0.f; part[0][i][c] = 0.f; part[1][i][c] = 0.f; }
   }
 
   Barrier::wait(xbar, 0);
@@ -261,12 +263,12 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     float const s0 = float(s[0]), s1 = float(s[8]);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < NT; ++i) {
-      acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
-      acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
-      acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
-      acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
+      acc[i][0] = fmaf(s0, part[0][i][0] + part[1][i][0], acc[i][0]);
+      acc[i][1] = fmaf(s0, part[0][i][1] + part[1][i][1], acc[i][1]);
+      acc[i][2] = fmaf(s1, part[0][i][2] + part[1][i][2], acc[i][2]);
+      acc[i][3] = fmaf(s1, part[0][i][3] + part[1][i][3], acc[i][3]);
       CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
+      for (int c = 0; c < 4; ++c) { part[0][i][c] = 0.f; part[1][i][c] = 0.f; }
     }
   };
   auto mma = [&](float (&c)[4], uint32_t const (&a)[4], uint32_t b0, uint32_t b1) {
@@ -295,24 +297,28 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       Barrier::wait(&wbar[s % S], (s / S) & 1);
       char const* stage = ring + (s % S) * Cfg::kStageBytes;
       int const atoms = min(APS, n_atoms - s * APS);
+      // All of the stage's chunks first (unconditionally: a short last stage leaves stale bytes
+      // in its unused slots, never used), so their shared-memory latency overlaps.
+      uint32_t chunks[APS][Cfg::kBits];
+      CUTLASS_PRAGMA_UNROLL
+      for (int a = 0; a < APS; ++a) {
+        uint32_t const* src = reinterpret_cast<uint32_t const*>(stage + a * Cfg::kAtomBytes + lane * Cfg::kChunkBytes);
+        if constexpr (Cfg::kChunkBytes == 8) {
+          uint2 v = *reinterpret_cast<uint2 const*>(src);
+          chunks[a][0] = v.x; chunks[a][1] = v.y;
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int q = 0; q < Cfg::kChunkBytes / 16; ++q) {
+            uint4 v = reinterpret_cast<uint4 const*>(src)[q];
+            chunks[a][4 * q + 0] = v.x; chunks[a][4 * q + 1] = v.y; chunks[a][4 * q + 2] = v.z; chunks[a][4 * q + 3] = v.w;
+          }
+        }
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int a = 0; a < APS; ++a) {
         if (a < atoms) {
           int const la = s * APS + a;                 // atom index in the CTA's k-range
-          uint32_t chunk[Cfg::kBits];
-          {
-            uint32_t const* src = reinterpret_cast<uint32_t const*>(stage + a * Cfg::kAtomBytes + lane * Cfg::kChunkBytes);
-            if constexpr (Cfg::kChunkBytes == 8) {
-              uint2 v = *reinterpret_cast<uint2 const*>(src);
-              chunk[0] = v.x; chunk[1] = v.y;
-            } else {
-              CUTLASS_PRAGMA_UNROLL
-              for (int q = 0; q < Cfg::kChunkBytes / 16; ++q) {
-                uint4 v = reinterpret_cast<uint4 const*>(src)[q];
-                chunk[4 * q + 0] = v.x; chunk[4 * q + 1] = v.y; chunk[4 * q + 2] = v.z; chunk[4 * q + 3] = v.w;
-              }
-            }
-          }
+          uint32_t const* chunk = chunks[a];
           // B fragments of the atom: [tile][k16 block][b0, b1]
           uint32_t b[NT][4][2];
           CUTLASS_PRAGMA_UNROLL
@@ -345,7 +351,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
             centered_kblock<D, H, kb>(chunk, bias2, a_regs);
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < NT; ++i) {
-              mma(part[i], a_regs, b[i][kb][0], b[i][kb][1]);
+              mma(part[kb % 2][i], a_regs, b[i][kb][0], b[i][kb][1]);
             }
           };
           kblock(cute::Int<0>{});
@@ -494,13 +500,18 @@ struct Host {
     return Cfg::carve(a.m < Cfg::kTokens ? a.m : Cfg::kTokens, aps, groups).total;
   }
 
-  // Split-K factor: the one that minimises (waves of CTAs) x (per-CTA work + a fixed start-up
-  // cost of about 6 atoms), within the shared-memory budget. An explicit a.splits > 1 wins.
+  // Split-K factor. The kernel streams at a rate set per SM (issue and latency bound, not a
+  // shared queue), so the time is about the largest per-SM share of work: the CTAs an SM gets
+  // (ceil(CTAs / SMs)) times each CTA's k-atoms plus a fixed start-up of ~2 atoms, plus, when
+  // split, the float32 partials (M/8 atoms' worth per CTA). Within the shared-memory budget,
+  // and with at least 2 CTAs fitting on an SM; ties go to fewer splits. An explicit
+  // a.splits > 1 wins.
   static char const* plan(abi::GemmArgs const& a, Plan& out) {
     int const k_atoms = a.k / 64;
     int const gshift = group_shift_of(a.group_size, a.k);
     int const row_blocks = (a.n / 16 + Cfg::kWarps - 1) / Cfg::kWarps;
-    int const sms = a.sm_count > 0 ? a.sm_count : 132;
+    long const sms = a.sm_count > 0 ? a.sm_count : 132;
+    int const tokens = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
     long best_cost = -1;
     int const lo = a.splits > 1 ? a.splits : 1;
     int const hi = a.splits > 1 ? a.splits : 64;
@@ -511,12 +522,11 @@ struct Host {
       int const groups = max_groups(k_atoms, aps, gshift);
       int const smem = smem_for(a, aps, groups);
       if (smem > Cfg::kMaxSmem) continue;
-      int occupancy = (228 * 1024) / (smem + 1024);
-      occupancy = occupancy > 2 ? 2 : occupancy;
-      long const slots = long(sms) * occupancy;
+      bool const two_fit = 2 * (smem + 1024) <= 228 * 1024;
+      if (!two_fit && a.splits <= 1 && best_cost >= 0) continue;
       long const ctas = long(row_blocks) * se;
-      long const waves = (ctas + slots - 1) / slots;
-      long const cost = waves * (aps + 6) + (se > 1 ? 1 : 0);
+      long const per_sm = (ctas + sms - 1) / sms;
+      long const cost = per_sm * (8L * aps + 16 + (se > 1 ? tokens : 0)) * (two_fit ? 1 : 2);
       if (best_cost < 0 || cost < best_cost) {
         best_cost = cost;
         out = Plan{se, aps, groups, smem, row_blocks};

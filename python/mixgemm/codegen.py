@@ -127,7 +127,7 @@ class DecodeSpec:
     tokens: int = 16
     warps: int = 8
     stage_bytes: int = 1024
-    stages: int = 6
+    stages: int = 4
     activation: Activation = Activation.NONE
 
     kind = KernelKind.DECODE
@@ -234,7 +234,7 @@ class DecodeConfig:
     tokens: int
     warps: int = 8
     stage_bytes: int = 1024
-    stages: int = 6
+    stages: int = 4
 
     @property
     def max_tokens(self) -> int:
