@@ -104,3 +104,32 @@ def test_quantize_model_replaces_skips_and_warns():
     assert summary.bytes_before == 2 * 2 * 128 * 256
     assert summary.bytes_after == m.up.packed.nbytes + m.down.packed.nbytes < summary.bytes_before
     assert "replaced 2 Linear layers" in str(summary)
+
+
+def test_gate_up_layer_interleaves_and_round_trips():
+    """from_gate_up: each projection quantized on its own, rows interleaved in 16-row stripes, the
+    state dict round-trips (with the activation as metadata), and the fake op gives [.., I]."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    gate, up = _linear(n=96, k=128), _linear(n=96, k=128)
+    up.weight.data.mul_(-0.5)
+    layer = QuantLinear.from_gate_up(gate, up, bits=4, group_size=64)
+    assert layer.activation == "swiglu" and layer.out_features == 96 and layer.weight_rows == 192
+    deq = mixgemm.dequantize_reference(layer.packed)
+    dg = mixgemm.dequantize_reference(mixgemm.quantize(gate.weight.detach(), 4, 64, dtype=torch.bfloat16))
+    du = mixgemm.dequantize_reference(mixgemm.quantize(up.weight.detach(), 4, 64, dtype=torch.bfloat16))
+    stripes = deq.view(96 // 16, 2, 16, 128)
+    assert torch.equal(stripes[:, 0].reshape(96, 128), dg) and torch.equal(stripes[:, 1].reshape(96, 128), du)
+    b = layer.bias.view(96 // 16, 2, 16)
+    assert torch.equal(b[:, 0].reshape(-1), gate.bias.detach().to(torch.bfloat16))
+    assert torch.equal(b[:, 1].reshape(-1), up.bias.detach().to(torch.bfloat16))
+
+    fresh = QuantLinear(128, 96, bits=4, group_size=64, activation="swiglu")
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh.qdata, layer.qdata) and fresh.activation == "swiglu"
+    with pytest.raises(ValueError, match="mismatch"):
+        QuantLinear(128, 96, bits=4, group_size=64).load_state_dict(layer.state_dict())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y = layer(torch.empty(2, 128, dtype=torch.bfloat16))
+        assert y.shape == (2, 96)
+    with pytest.raises(ValueError, match="same shape"):
+        QuantLinear.from_gate_up(gate, _linear(n=80, k=128))

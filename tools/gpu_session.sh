@@ -54,8 +54,13 @@ for step in "$@"; do
       for c in "$MIXGEMM_CACHE_DIR"/kernels/mixgemm_decode_bf16_s4_m8*/kernel.cubin; do
         cuobjdump -sass "$c" > "$OUT/sass_decode_s4_m8.txt" 2>&1
       done ;;
-    bench)
-      timeout 540 python3 -m mixgemm bench --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tail -120 | tee "$OUT/bench.log" || rc=1 ;;
+    bench)     # the full grid (impls and M overridable: gemlite's autotuning alone can take minutes)
+      timeout ${MIXGEMM_BENCH_TIMEOUT:-540} python3 -m mixgemm bench ${MIXGEMM_BENCH_M:+--m $MIXGEMM_BENCH_M} \
+        ${MIXGEMM_BENCH_IMPLS:+--impls $MIXGEMM_BENCH_IMPLS} --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 \
+        | grep -v "mixgemm build" | tail -150 | tee "$OUT/bench.log" || rc=1 ;;
+    bench-block)   # the LLaMA MLP block, bf16 vs mixgemm, under CUDA graphs
+      timeout 200 python3 -m mixgemm bench --block --m 1,4,16 --iters 200 --json "$OUT/bench-block.json" 2>&1 \
+        | grep -v "mixgemm build" | tail -12 | tee "$OUT/bench-block.log" || rc=1 ;;
     build-decode)   # the decode kernels only (seconds each), 16 at a time; packed for the workstation
       timeout 200 python3 -m mixgemm generate --build --jobs 16 --kernels "$MIXGEMM_BUILD_REGEX" 2>&1 | tail -2 || rc=1
       tar czf "$OUT/decode-cache.tgz" -C "$MIXGEMM_CACHE_DIR" kernels ;;

@@ -42,12 +42,14 @@
 namespace mixgemm::decode {
 
 // Epilogue functions, applied in float32 to (accumulator + bias) before the one rounding to the
-// activation type.
-enum class Activation : int { kNone = 0, kSilu = 1, kGelu = 2 };
+// activation type. kSwiglu is the gated MLP's silu(gate) * up over a weight whose 16-row stripes
+// alternate gate, up, gate, up, ... (python/mixgemm/quantize.py interleave_gate_up): stripe pair
+// (2j, 2j+1) gives output rows [16j, 16j + 16) of y[M, N/2].
+enum class Activation : int { kNone = 0, kSilu = 1, kGelu = 2, kSwiglu = 3 };
 
 template <Activation A>
 CUTLASS_DEVICE float activate(float v) {
-  if constexpr (A == Activation::kSilu) {
+  if constexpr (A == Activation::kSilu || A == Activation::kSwiglu) {
     return v / (1.0f + __expf(-v));
   } else if constexpr (A == Activation::kGelu) {
     return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));  // exact (erf) GELU, as torch's default
@@ -159,6 +161,9 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   constexpr int S = Cfg::kStages;
   constexpr int APS = Cfg::kAtomsPerStage;
   constexpr Half H = half_of<Act>::value;
+  static_assert(Act_ != Activation::kSwiglu ||
+                    (Cfg::kWarps % 2 == 0 && (Cfg::kWarps / 2) * 32 * NT * 16 <= Cfg::kRingBytes),
+                "the gated epilogue pairs warps and exchanges through the weight rings");
 
   int const warp = threadIdx.x / 32;
   int const lane = threadIdx.x % 32;
@@ -387,8 +392,43 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       }
     }
   };
+  // The epilogue, reached by every thread of the CTA (the gated form exchanges through shared
+  // memory): the odd warp of a pair (up) hands its biased sums to the even warp (gate), which
+  // writes silu(gate) * up at output rows 16 * (stripe / 2) + (g, g + 8).
+  auto finish = [&]() {
+    if constexpr (Act_ == Activation::kSwiglu) {
+      float* xchg = reinterpret_cast<float*>(smem) + ((warp / 2) * 32 + lane) * NT * 4;
+      __syncthreads();                               // every warp is done with its ring
+      if (has_stripe && (warp & 1)) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 4; ++c) {
+          float const bias = p.bias ? float(p.bias[rows[c / 2]]) : 0.f;
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < NT; ++i) xchg[i * 4 + c] = acc[i][c] + bias;
+        }
+      }
+      __syncthreads();
+      if (has_stripe && !(warp & 1)) {
+        int const out0 = (stripe / 2) * 16 + g;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 4; ++c) {
+          float const bias = p.bias ? float(p.bias[rows[c / 2]]) : 0.f;
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < NT; ++i) {
+            int const tok = token(i, c);
+            if (tok < p.m) {
+              float const v = activate<Act_>(acc[i][c] + bias) * xchg[i * 4 + c];
+              p.y[int64_t(tok) * p.ldy + out0 + 8 * (c / 2)] = Act(v);
+            }
+          }
+        }
+      }
+    } else {
+      if (has_stripe) store();
+    }
+  };
   if (p.splits == 1) {
-    if (has_stripe) store();
+    finish();
     return;
   }
   // split-K: publish this split's float32 partials, then the last CTA of the row block adds all
@@ -426,8 +466,8 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
         acc[i][c] = sum;
       }
     }
-    store();
   }
+  finish();
   if (threadIdx.x == 0) {
     p.counters[blockIdx.x] = 0;   // leave the counter as found: zero
   }
@@ -464,7 +504,7 @@ inline int group_shift_of(int group_size, int k) {
   return group_size == k ? 30 : -1;
 }
 
-template <class Cfg>
+template <class Cfg, Activation A = Activation::kNone>
 struct Host {
   using Act = typename Cfg::Act;
 
@@ -490,7 +530,8 @@ struct Host {
     if (a.weight % 16 || a.scales % 16 || a.zeros % 16 || a.x % 16)
       return "weight, scales, zeros and x must be 16-byte aligned";
     if ((a.ldx * int64_t(sizeof(Act))) % 16) return "x's row stride must be a multiple of 16 bytes";
-    if (a.ldx < a.k || a.ldy < a.n) return "row strides must cover the rows";
+    if (A == Activation::kSwiglu && a.n % 32) return "the gated (swiglu) form needs N % 32 == 0: pairs of 16-row stripes";
+    if (a.ldx < a.k || a.ldy < (A == Activation::kSwiglu ? a.n / 2 : a.n)) return "row strides must cover the rows";
     if (a.bias % int64_t(sizeof(Act)) || a.y % int64_t(sizeof(Act))) return "bias and y must be aligned to their element size";
     if (Cfg::kHasZero && a.zeros == 0) return "this weight type needs zero points";
     return nullptr;
@@ -602,7 +643,7 @@ struct Host {
 #define MIXGEMM_DECODE_STR(x) MIXGEMM_DECODE_STR2(x)
 #if defined(MIXGEMM_HOST_HELPER)
 #define MIXGEMM_DECODE_ENTRY(NAME, CFG, ACTIVATION)                                                 \
-  using NAME##_host = mixgemm::decode::Host<CFG>;                                                   \
+  using NAME##_host = mixgemm::decode::Host<CFG, ACTIVATION>;                                                   \
   extern "C" int32_t mixgemm_abi_version() { return mixgemm::abi::kAbiVersion; }                    \
   extern "C" char const* mixgemm_kernel_name() { return MIXGEMM_DECODE_STR(NAME); }                 \
   extern "C" uint32_t mixgemm_params_size() { return uint32_t(sizeof(mixgemm::decode::Params<CFG::Act>)); } \

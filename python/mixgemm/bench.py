@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import math
 import platform
 import re
@@ -1115,13 +1116,23 @@ def report_from_dict(data: Mapping[str, Any]) -> BenchReport:
                        results=[PointResult(**p) for p in data["points"]])
 
 
-def write_json(path: Path, report: BenchReport) -> Path:
-    """Write the report as JSON (creating the folder); returns the path."""
+def _atomic_write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to a temporary file beside ``path``, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report_to_dict(report), indent=1, allow_nan=False)
-    path.write_text(text + "\n", encoding="utf-8")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return path
+
+
+def write_json(path: Path, report: BenchReport) -> Path:
+    """Write the report as JSON (creating the folder, atomically); returns the path."""
+    return _atomic_write_text(path, json.dumps(report_to_dict(report), indent=1, allow_nan=False))
 
 
 def read_json(path: Path) -> BenchReport:
@@ -1478,6 +1489,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="write bench.json and bench.png to <results-dir>/<gpu-name-slug>/")
     parser.add_argument("--results-dir", metavar="DIR", default=None,
                         help="root of --save's folders (default benchmarks/results)")
+    parser.add_argument("--block", action="store_true",
+                        help="instead of the layer grid: a LLaMA-style MLP block (hidden "
+                             f"{BLOCK_HIDDEN}, intermediate {BLOCK_INTERMEDIATE}, int4 g128 "
+                             "asymmetric) at batch 1 (or --m), bf16 vs mixgemm, both under CUDA "
+                             "graphs")
     parser.add_argument("--gpu-name", metavar="NAME", default=None,
                         help="GPU name for the report and the results folder (default: "
                              "the device's name)")
@@ -1573,6 +1589,106 @@ def write_outputs(report: BenchReport, cfg: BenchConfig, log: Callable[[str], No
     return written
 
 
+# ---------------------------------------------------------------------------------------------
+# --block: a decoder MLP block, bf16 against mixgemm (fused gate+up with swiglu, then down)
+# ---------------------------------------------------------------------------------------------
+BLOCK_HIDDEN = 4096
+BLOCK_INTERMEDIATE = 14336
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockResult:
+    m: int
+    bf16_us: float
+    mixgemm_us: float
+    rel_err: float          # mixgemm block vs the bf16 block on the same dequantized weights
+
+    @property
+    def speedup(self) -> float:
+        return self.bf16_us / self.mixgemm_us
+
+
+def bench_block(device: torch.device, ms: Sequence[int], iters: int, warmup: int,
+                hidden: int = BLOCK_HIDDEN, intermediate: int = BLOCK_INTERMEDIATE,
+                group_size: int = 128, seed: int = 0) -> list[BlockResult]:
+    """Time ``down(silu(gate(x)) * up(x))`` in bf16 (three cuBLAS GEMMs and the elementwise op)
+    and with mixgemm (:meth:`QuantLinear.from_gate_up`: one launch for gate, up and swiglu, then
+    down), each captured in a CUDA graph and replayed, L2 flushed before every replay. The bf16
+    block uses the very weights mixgemm dequantizes to, so the error is the kernels' alone."""
+    from torch import nn
+
+    from .nn import QuantLinear
+
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16
+    gate = nn.Linear(hidden, intermediate, bias=False).to(device, dtype)
+    up = nn.Linear(hidden, intermediate, bias=False).to(device, dtype)
+    down = nn.Linear(intermediate, hidden, bias=False).to(device, dtype)
+    for lin in (gate, up, down):
+        lin.weight.data.normal_(0, WEIGHT_STD)
+    q_gu = QuantLinear.from_gate_up(gate, up, bits=4, group_size=group_size)
+    q_down = QuantLinear.from_linear(down, bits=4, group_size=group_size)
+    # the bf16 block on the dequantized weights
+    deq = mixgemm_dequantize_reference(q_gu.packed).view(intermediate // 16, 2, 16, hidden)
+    gate.weight.data.copy_(deq[:, 0].reshape(intermediate, hidden))
+    up.weight.data.copy_(deq[:, 1].reshape(intermediate, hidden))
+    down.weight.data.copy_(mixgemm_dequantize_reference(q_down.packed))
+    del deq
+
+    def bf16_block(x):
+        return down(torch.nn.functional.silu(gate(x)) * up(x))
+
+    def mixgemm_block(x):
+        return q_down(q_gu(x))
+
+    flush = flush_size(torch.cuda.get_device_properties(device).L2_cache_size)
+    out: list[BlockResult] = []
+    for m in ms:
+        x = torch.randn(m, hidden, device=device, dtype=dtype)
+        times = {}
+        outputs = {}
+        with torch.no_grad():
+            for name, fn in (("bf16", bf16_block), ("mixgemm", mixgemm_block)):
+                fn(x)                                     # warm-up: loads the kernels
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    y = fn(x)
+                stats = time_cuda(graph.replay, iters, warmup, flush, device=device)
+                times[name] = stats.median_us
+                outputs[name] = y.clone()
+                del graph
+        err = relative_error(outputs["mixgemm"].float(), outputs["bf16"].double())
+        out.append(BlockResult(m, times["bf16"], times["mixgemm"], err))
+    return out
+
+
+def mixgemm_dequantize_reference(packed):
+    from .quantize import dequantize_reference
+    return dequantize_reference(packed)
+
+
+def run_block_cli(cfg: "BenchConfig", device: torch.device, log: Callable[[str], None]) -> int:
+    ms = cfg.ms if tuple(cfg.ms) != tuple(DEFAULT_MS) else (1,)
+    props = torch.cuda.get_device_properties(device)
+    log(f"mixgemm bench --block on {props.name}: LLaMA MLP hidden {BLOCK_HIDDEN}, intermediate "
+        f"{BLOCK_INTERMEDIATE}, int4 g{cfg.group_size} asymmetric, CUDA graphs, median of {cfg.iters} replays")
+    results = bench_block(device, ms, cfg.iters, cfg.warmup, group_size=cfg.group_size, seed=cfg.seed)
+    rows = [("M", "bf16 us", "mixgemm us", "speedup", "rel err")]
+    rows += [(str(r.m), f"{r.bf16_us:.1f}", f"{r.mixgemm_us:.1f}", f"{r.speedup:.2f}x", f"{r.rel_err:.1e}")
+             for r in results]
+    for line in _align(rows, [True] * 5):
+        log(line)
+    if cfg.json_path:
+        payload = {"gpu": props.name, "block": {"hidden": BLOCK_HIDDEN, "intermediate": BLOCK_INTERMEDIATE,
+                                                 "bits": 4, "group_size": cfg.group_size},
+                   "results": [dict(dataclasses.asdict(r), speedup=r.speedup) for r in results]}
+        _atomic_write_text(Path(cfg.json_path), json.dumps(payload, indent=1))
+        log(f"wrote {cfg.json_path}")
+    bad = [r for r in results if not r.rel_err < 5e-2]
+    return 1 if bad else 0
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``mixgemm bench`` with parsed ``args``; the exit status.
 
@@ -1586,6 +1702,8 @@ def run_cli(args: argparse.Namespace) -> int:
         raise _user_error(str(e)) from None
     torch.cuda.set_device(device)
     log = print
+    if getattr(args, "block", False):
+        return run_block_cli(cfg, device, log)
     props = torch.cuda.get_device_properties(device)
     log(f"mixgemm bench on {props.name}: {len(cfg.shapes)} shapes x {len(cfg.ms)} M x "
         f"{len(cfg.impls)} implementations, {cfg.dtype}, group {cfg.group_size}, "

@@ -53,6 +53,7 @@ class Activation(enum.Enum):
     NONE = "none"
     SILU = "silu"
     GELU = "gelu"   # exact (erf) GELU, torch's default
+    SWIGLU = "swiglu"   # silu(gate) * up over a gate/up stripe-interleaved weight: N/2 outputs
 
 
 class KernelKind(enum.Enum):
@@ -183,7 +184,7 @@ _GEMM_NAME = re.compile(
     r"(?P<schedule>\w+?)_(?P<scheduler>persistent|streamk)_(?P<epilogue>\w+)_s(?P<stages>\d+)$")
 _DECODE_NAME = re.compile(
     r"^mixgemm_decode_(?P<act>bf16|fp16)_(?P<weight>[su][248])_m(?P<tokens>\d+)_w(?P<warps>\d+)_"
-    r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_(?P<activation>none|silu|gelu)$")
+    r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_(?P<activation>none|silu|gelu|swiglu)$")
 _DEQUANT_NAME = re.compile(r"^mixgemm_dequant_(?P<act>bf16|fp16)_(?P<weight>[su][248])$")
 
 
@@ -272,6 +273,9 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
     Every type has its kernel on every path."""
     acts, weights = list(acts), list(weights)
     specs: list[KernelSpec] = [tc.spec(a, w) for a in acts for w in weights for tc in TILE_CONFIGS]
+    # the decode kernels with a fused epilogue activation (gemm(..., activation=...) at M <= 32)
+    specs += [tc.spec(a, w, act) for a in acts for w in weights for tc in TILE_CONFIGS
+              if isinstance(tc, DecodeConfig) for act in Activation if act is not Activation.NONE]
     specs += [DequantSpec(a, w) for a in acts for w in weights]
     return specs
 
@@ -368,7 +372,8 @@ def render(spec: KernelSpec) -> str:
         L, _ = _cutlass_library()
         code = L.DataTypeTag[getattr(L.DataType, _DATATYPE[spec.weight])]
         act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
-        activation = {Activation.NONE: "kNone", Activation.SILU: "kSilu", Activation.GELU: "kGelu"}[spec.activation]
+        activation = {Activation.NONE: "kNone", Activation.SILU: "kSilu", Activation.GELU: "kGelu",
+                      Activation.SWIGLU: "kSwiglu"}[spec.activation]
         ntiles = spec.tokens // 8
         return (head + '#include "mixgemm/decode_kernel.hpp"\n\n'
                 f"using {spec.name}_config = mixgemm::decode::Config<{code}, {act}, {ntiles}, {spec.warps}, "

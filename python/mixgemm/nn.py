@@ -26,22 +26,24 @@ from .types import LAYOUT_VERSION, PackedWeight, WeightType, check_group_size
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("mixgemm::gemm", mutates_args=())
 def _gemm_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-             bias: Optional[torch.Tensor], weight_type: str, group_size: int, n: int, k: int) -> torch.Tensor:
+             bias: Optional[torch.Tensor], weight_type: str, group_size: int, n: int, k: int,
+             activation: str = "none") -> torch.Tensor:
     from .ops import gemm
 
     packed = PackedWeight(qdata, scales, zeros, WeightType(weight_type), group_size, n, k)
-    return gemm(x, packed, bias=bias)
+    return gemm(x, packed, bias=bias, activation=None if activation == "none" else activation)
 
 
 @_gemm_op.register_fake
-def _gemm_fake(x, qdata, scales, zeros, bias, weight_type, group_size, n, k):
-    return x.new_empty((*x.shape[:-1], n))
+def _gemm_fake(x, qdata, scales, zeros, bias, weight_type, group_size, n, k, activation="none"):
+    return x.new_empty((*x.shape[:-1], n // 2 if activation == "swiglu" else n))
 
 
-def gemm_op(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gemm_op(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
+            activation: Optional[str] = None) -> torch.Tensor:
     """:func:`mixgemm.gemm` through the registered custom op (traceable by torch.compile)."""
     return torch.ops.mixgemm.gemm(x, w.qdata, w.scales, w.zeros, bias, w.weight_type.value, w.group_size,
-                                  w.n, w.k)
+                                  w.n, w.k, activation or "none")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,13 +79,23 @@ class QuantLinear(nn.Module):
     :mod:`mixgemm.layout`): ``qdata`` uint8 ``[N/16, K/64, 128*bits]``, ``scales`` ``[G, N]`` and,
     when asymmetric, ``zeros`` ``[G, N]``. An optional ``perm`` buffer (int64 ``[K]``) permutes the
     input features first (GPTQ act-order checkpoints). The state dict carries the metadata
-    (bits, group size, symmetry, layout version) as extra state and refuses a mismatch.
+    (bits, group size, symmetry, activation, layout version) as extra state and refuses a mismatch.
+
+    ``activation`` ("none", "silu", "gelu" or "swiglu") is fused into the GEMM's epilogue (see
+    :func:`mixgemm.gemm`). A "swiglu" layer (:meth:`from_gate_up`) holds a gated MLP's gate and up
+    projections as one ``[2 * out_features, in_features]`` weight, stripe-interleaved, and
+    returns ``silu(x @ gate.T + b_g) * (x @ up.T + b_u)`` from one launch.
     """
+
+    activation = "none"
 
     def __init__(self, in_features: int, out_features: int, bits: int = 4, group_size: int = 128,
                  symmetric: bool = False, bias: bool = True, dtype: torch.dtype = torch.bfloat16,
-                 device=None):
+                 device=None, activation: str = "none"):
         super().__init__()
+        if activation not in ("none", "silu", "gelu", "swiglu"):
+            raise ValueError(f"activation must be none, silu, gelu or swiglu, got {activation!r}")
+        self.activation = activation
         if out_features % ATOM_N or in_features % ATOM_K:
             raise ValueError(f"QuantLinear needs out_features % {ATOM_N} == 0 and in_features % {ATOM_K} == 0, "
                              f"got {out_features} x {in_features}")
@@ -93,12 +105,13 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight_type = WeightType.of(bits, symmetric)
         self.group_size = group_size
-        qshape, sshape = _packed_shapes(in_features, out_features, bits, group_size)
+        rows = out_features * (2 if activation == "swiglu" else 1)
+        qshape, sshape = _packed_shapes(in_features, rows, bits, group_size)
         self.register_buffer("qdata", torch.zeros(qshape, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.ones(sshape, dtype=dtype, device=device))
         self.register_buffer("zeros", None if symmetric else torch.zeros(sshape, dtype=dtype, device=device))
         self.register_buffer("perm", None)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
+        self.bias = nn.Parameter(torch.zeros(rows, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
 
     @property
@@ -110,21 +123,27 @@ class QuantLinear(nn.Module):
         return self.weight_type.signed
 
     @property
+    def weight_rows(self) -> int:
+        """N of the packed weight: out_features, or twice that for a swiglu (gate + up) layer."""
+        return self.out_features * (2 if self.activation == "swiglu" else 1)
+
+    @property
     def packed(self) -> PackedWeight:
         return PackedWeight(self.qdata, self.scales, self.zeros, self.weight_type, self.group_size,
-                            self.out_features, self.in_features)
+                            self.weight_rows, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         return torch.ops.mixgemm.gemm(x, self.qdata, self.scales, self.zeros, self.bias,
-                                      self.weight_type.value, self.group_size, self.out_features,
-                                      self.in_features)
+                                      self.weight_type.value, self.group_size, self.weight_rows,
+                                      self.in_features, self.activation)
 
     def extra_repr(self) -> str:
+        act = "" if self.activation == "none" else f", activation={self.activation}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, symmetric={self.symmetric}, bias={self.bias is not None}, "
-                f"dtype={self.scales.dtype}, layout=sm90a/v{LAYOUT_VERSION}")
+                f"dtype={self.scales.dtype}{act}, layout=sm90a/v{LAYOUT_VERSION}")
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -162,11 +181,41 @@ class QuantLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
         return cls.from_packed(prepack(qw), bias=bias)
 
+    @classmethod
+    def from_gate_up(cls, gate: nn.Linear, up: nn.Linear, bits: int = 4, group_size: int = 128,
+                     symmetric: bool = False, dtype: Optional[torch.dtype] = None) -> "QuantLinear":
+        """A fused gated-MLP input layer: ``silu(gate(x)) * up(x)`` in one GEMM launch at decode.
+
+        ``gate`` and ``up`` are ``nn.Linear(K, I)`` each (``I % 16 == 0``); each is quantized on
+        its own (the same result as quantizing it alone), then their rows are interleaved in
+        16-row stripes (:func:`mixgemm.quantize.interleave_gate_up`) and prepacked as one
+        ``[2I, K]`` weight. The layer's ``out_features`` is ``I``.
+        """
+        from .quantize import interleave_gate_up, interleave_rows
+
+        if gate.in_features != up.in_features or gate.out_features != up.out_features:
+            raise ValueError("gate and up must have the same shape")
+        if (gate.bias is None) != (up.bias is None):
+            raise ValueError("gate and up must both have a bias or both have none")
+        w = gate.weight.detach()
+        if dtype is None:
+            dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        qg = quantize(w, bits, group_size, symmetric=symmetric, dtype=dtype)
+        qu = quantize(up.weight.detach(), bits, group_size, symmetric=symmetric, dtype=dtype)
+        bias = None
+        if gate.bias is not None:
+            bias = interleave_rows(gate.bias.detach().to(dtype), up.bias.detach().to(dtype))
+        layer = cls.from_packed(prepack(interleave_gate_up(qg, qu)), bias=bias)
+        layer.activation = "swiglu"
+        layer.out_features = gate.out_features
+        return layer
+
     # -- state dict metadata ----------------------------------------------------------------
     def get_extra_state(self):
         return {"format": "mixgemm.QuantLinear", "weight_type": self.weight_type.value,
                 "group_size": self.group_size, "in_features": self.in_features,
-                "out_features": self.out_features, "layout_version": LAYOUT_VERSION, "arch": "sm90a"}
+                "out_features": self.out_features, "activation": self.activation,
+                "layout_version": LAYOUT_VERSION, "arch": "sm90a"}
 
     def set_extra_state(self, state) -> None:
         mine = self.get_extra_state()
@@ -174,7 +223,8 @@ class QuantLinear(nn.Module):
             raise ValueError("not a mixgemm QuantLinear state")
         if state.get("layout_version", 0) > LAYOUT_VERSION:
             raise ValueError(f"state has layout version {state['layout_version']}; upgrade mixgemm to read it")
-        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        diff = {k: (state.get(k, "none" if k == "activation" else None), v) for k, v in mine.items()
+                if state.get(k, "none" if k == "activation" else None) != v}
         if diff:
             raise ValueError(f"QuantLinear metadata mismatch (state, module): {diff}")
 

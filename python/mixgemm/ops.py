@@ -40,8 +40,19 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
     return next(tc for tc in TILE_CONFIGS if tc.label == label)
 
 
-def select_spec(m: int, w: PackedWeight) -> "GemmSpec | DecodeSpec":
-    return select_tile(m, w.n, w.k).spec(w.act_type, w.weight_type)
+def select_spec(m: int, w: PackedWeight, activation: Optional[str] = None) -> "GemmSpec | DecodeSpec":
+    """The kernel :func:`gemm` runs; with an activation, the decode kernels fuse it (the sm90 GEMM
+    kernels run without, and :func:`gemm` applies it after them)."""
+    from .codegen import Activation, DecodeConfig
+
+    tc = select_tile(m, w.n, w.k)
+    if isinstance(tc, DecodeConfig):
+        return tc.spec(w.act_type, w.weight_type, Activation(activation or "none"))
+    return tc.spec(w.act_type, w.weight_type)
+
+
+#: gemm's ``activation`` values
+ACTIVATIONS = ("silu", "gelu", "swiglu")
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,7 +121,11 @@ def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtyp
     return True, ""
 
 
-def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out) -> None:
+def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optional[str] = None) -> None:
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    if activation == "swiglu" and w.n % 32:
+        raise ValueError(f"activation='swiglu' needs a gate/up interleaved weight with N % 32 == 0, got N={w.n}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(w, PackedWeight):
@@ -130,7 +145,7 @@ def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out) -> None:
         if bias.device != x.device:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
     if out is not None:
-        want = (*x.shape[:-1], w.n)
+        want = (*x.shape[:-1], w.n // 2 if activation == "swiglu" else w.n)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype:
             raise ValueError(f"out must be a {x.dtype} tensor of shape {list(want)}")
         if out.device != x.device:
@@ -150,8 +165,8 @@ def _aligned_2d(t: torch.Tensor, cols: int) -> torch.Tensor:
 
 
 def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
-         out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y = x @ dequant(w).T (+ bias)`` with the dequantization fused into a CUTLASS sm90a GEMM.
+         out: Optional[torch.Tensor] = None, activation: Optional[str] = None) -> torch.Tensor:
+    """``y = act(x @ dequant(w).T (+ bias))`` with the dequantization fused into the GEMM.
 
     Parameters
     ----------
@@ -164,21 +179,42 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     bias : torch.Tensor, optional
         Shape ``[N]``, x's dtype.
     out : torch.Tensor, optional
-        Preallocated output ``[..., N]``, x's dtype, contiguous and 16-byte aligned.
+        Preallocated output ``[..., N]`` (``[..., N/2]`` for swiglu), x's dtype, contiguous and
+        16-byte aligned.
+    activation : {None, "silu", "gelu", "swiglu"}, optional
+        Applied in float32 to ``acc + bias`` before the one rounding to x's dtype. ``"swiglu"``
+        takes a weight built by :func:`mixgemm.quantize.interleave_gate_up` (gate and up 16-row
+        stripes alternating, ``N = 2I``) and returns ``silu(gate) * up``, ``[..., I]`` (a bias
+        must be interleaved the same way). Fused into the decode kernels (M <= 32: one launch);
+        the sm90 GEMM kernels (M > 32) do not fuse it yet, so it runs after them in torch.
 
     Returns
     -------
     torch.Tensor
-        ``[..., N]`` in x's dtype, contiguous.
+        ``[..., N]`` (``[..., N/2]`` for swiglu) in x's dtype, contiguous.
 
     Notes
     -----
     The kernel is chosen by :func:`select_tile` from the number of tokens ``M = prod(x.shape[:-1])``.
     Accumulation is in float32; the result is rounded once to x's dtype.
     """
-    _check_gemm_inputs(x, w, bias, out)
-    spec = select_spec(math.prod(x.shape[:-1]), w)
-    return gemm_with_spec(x, w, spec, bias=bias, out=out, _checked=True)
+    _check_gemm_inputs(x, w, bias, out, activation)
+    m = math.prod(x.shape[:-1])
+    spec = select_spec(m, w, activation)
+    if activation is None or spec.kind.value == "decode":
+        return gemm_with_spec(x, w, spec, bias=bias, out=out, _checked=True)
+    y = gemm_with_spec(x, w, spec, bias=bias, _checked=True)
+    if activation == "swiglu":
+        pairs = y.view(*y.shape[:-1], w.n // 32, 2, 16)
+        r = (torch.nn.functional.silu(pairs[..., 0, :].float()) * pairs[..., 1, :].float()).to(y.dtype)
+        r = r.reshape(*y.shape[:-1], w.n // 2)
+    else:
+        fn = torch.nn.functional.silu if activation == "silu" else torch.nn.functional.gelu
+        r = fn(y.float()).to(y.dtype)
+    if out is None:
+        return r
+    out.copy_(r)
+    return out
 
 
 def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpec", bias: Optional[torch.Tensor] = None,
@@ -190,10 +226,12 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     from . import runtime
     from .codegen import GEMM_KINDS
 
-    if not _checked:
-        _check_gemm_inputs(x, w, bias, out)
     if not isinstance(spec, GEMM_KINDS):
         raise TypeError(f"spec must be a GemmSpec or DecodeSpec, got {type(spec).__name__}")
+    activation = getattr(spec, "activation", None)
+    activation = None if activation is None or activation.value == "none" else activation.value
+    if not _checked:
+        _check_gemm_inputs(x, w, bias, out, activation)
     if spec.act is not w.act_type or spec.weight is not w.weight_type:
         raise ValueError(f"kernel {spec.name} is for {spec.act.value} x {spec.weight.value}, "
                          f"w is {w.act_type.value} x {w.weight_type.value}")
@@ -201,11 +239,17 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     m = math.prod(lead)
     if spec.max_tokens is not None and m > spec.max_tokens:
         raise ValueError(f"kernel {spec.name} takes at most {spec.max_tokens} tokens, x has M={m}")
-    y = out if out is not None else torch.empty((*lead, w.n), dtype=x.dtype, device=x.device)
+    swiglu = getattr(spec, "activation", None) is not None and spec.activation.value == "swiglu"
+    if swiglu and w.n % 32:
+        raise ValueError(f"{spec.name} needs a gate/up interleaved weight with N % 32 == 0, got N={w.n}")
+    n_out = w.n // 2 if swiglu else w.n
+    if out is not None and tuple(out.shape) != (*lead, n_out):
+        raise ValueError(f"out must have shape {[*lead, n_out]}")
+    y = out if out is not None else torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     x2 = _aligned_2d(x, w.k)
-    y2 = y.view(-1, w.n)
+    y2 = y.view(-1, n_out)
     args = runtime.GemmArgs()
     args.abi_version = runtime.ABI_VERSION
     args.m, args.n, args.k = m, w.n, w.k

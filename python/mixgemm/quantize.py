@@ -52,7 +52,7 @@ from .layout import unpack
 from .types import (SUPPORTED_BITS, ActType, PackedWeight, QuantizedWeight, WeightType,
                     check_group_size)
 
-__all__ = ["quantize", "dequantize_reference", "round_up_to_dtype"]
+__all__ = ["quantize", "dequantize_reference", "round_up_to_dtype", "interleave_gate_up", "GATE_UP_STRIPE"]
 
 #: Elements of ``w`` processed at a time (bounds the float32/float64 temporaries).
 _CHUNK_ELEMS = 1 << 22
@@ -257,3 +257,46 @@ def dequantize_reference(qw: Union[QuantizedWeight, PackedWeight],
         raise ValueError(f"zeros must be integers in [0, {wt.qmax}]")
     z16 = z.to(torch.int16).repeat_interleave(qw.group_size, dim=1)
     return (q.to(torch.int16) - z16).to(act) * s
+
+
+#: Rows per stripe of a gate/up interleaved weight: the prepacked atom's height, so that each
+#: warp of the decode kernel holds one whole stripe of gate or of up.
+GATE_UP_STRIPE = 16
+
+
+def interleave_gate_up(gate: QuantizedWeight, up: QuantizedWeight) -> QuantizedWeight:
+    """One weight for a gated MLP's two input projections, for ``gemm(..., activation="swiglu")``.
+
+    Parameters
+    ----------
+    gate, up : QuantizedWeight
+        ``[I, K]`` each, same bits, group size, symmetry and dtypes; ``I % 16 == 0``.
+
+    Returns
+    -------
+    QuantizedWeight
+        ``[2I, K]`` whose 16-row stripes alternate: rows ``32j .. 32j+15`` are gate rows
+        ``16j .. 16j+15`` and rows ``32j+16 .. 32j+31`` are up rows ``16j .. 16j+15`` (scales and
+        zeros follow their rows). ``gemm(x, prepack(result), activation="swiglu")`` returns
+        ``silu(x @ gate.T) * (x @ up.T)``, ``[..., I]``. Interleave a bias ``[2I]`` the same way
+        with :func:`interleave_rows`.
+    """
+    if not isinstance(gate, QuantizedWeight) or not isinstance(up, QuantizedWeight):
+        raise TypeError("gate and up must be QuantizedWeight")
+    if (gate.qweight.shape != up.qweight.shape or gate.bits != up.bits or gate.group_size != up.group_size
+            or gate.symmetric != up.symmetric or gate.scales.dtype != up.scales.dtype):
+        raise ValueError("gate and up must have the same shape, bits, group size, symmetry and dtype")
+    if gate.qweight.shape[0] % GATE_UP_STRIPE:
+        raise ValueError(f"gate/up rows must be a multiple of {GATE_UP_STRIPE}, got {gate.qweight.shape[0]}")
+    zeros = None if gate.zeros is None else interleave_rows(gate.zeros, up.zeros)
+    return QuantizedWeight(interleave_rows(gate.qweight, up.qweight), interleave_rows(gate.scales, up.scales),
+                           zeros, gate.bits, gate.group_size, gate.symmetric)
+
+
+def interleave_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Rows of ``a`` and ``b`` (``[I, ...]`` each) alternating in stripes of 16: ``[2I, ...]``."""
+    if a.shape != b.shape or a.shape[0] % GATE_UP_STRIPE:
+        raise ValueError(f"need equal shapes with a multiple of {GATE_UP_STRIPE} rows, got {list(a.shape)}, {list(b.shape)}")
+    rest = a.shape[1:]
+    s = GATE_UP_STRIPE
+    return torch.stack((a.reshape(-1, s, *rest), b.reshape(-1, s, *rest)), dim=1).reshape(-1, *rest)
