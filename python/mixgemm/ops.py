@@ -16,18 +16,21 @@ if TYPE_CHECKING:  # codegen is imported lazily: `import mixgemm` stays cheap
 
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight
 
-#: Kernel config labels by token count (upper bound of M, label): see select_tile.
-_HEURISTIC = ((8, "dec8"), (16, "dec16"), (32, "dec32"), (128, "mid"), (None, "large"))
+#: Kernel config labels by token count (upper bound of M, label): see select_tile. Measured on
+#: H100 (benchmarks/results/nvidia-h100-80gb-hbm3): the 32-token decode kernel lost to the "mid"
+#: GEMM on 6 of the 8 default layer shapes, so M > 16 goes to the GEMM path.
+_HEURISTIC = ((8, "dec8"), (16, "dec16"), (128, "mid"), (None, "large"))
 
 
 def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
     """The heuristic: which kernel config runs a problem of ``m`` tokens, ``n`` output features
     and ``k`` input features.
 
-    * ``m <= 8, 16, 32`` -> "dec8" / "dec16" / "dec32": the decode kernel with that token tile
-      (one warp per 16-row weight stripe, weights streamed by bulk copies, split-K chosen at
-      launch so every SM streams weights);
-    * ``m <= 128``       -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K;
+    * ``m <= 8, 16``     -> "dec8" / "dec16": the decode kernel with that token tile (one warp
+      per 16-row weight stripe, weights streamed by bulk copies, split-K chosen at launch so
+      every SM streams weights);
+    * ``m <= 128``       -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K ("dec32", the 32-token
+      decode kernel, measured slower on most layer shapes; reachable with gemm_with_spec);
     * else               -> "large": sm90 GEMM, 128x128x64, persistent.
 
     ``n`` and ``k`` do not change the choice of config (the decode kernels pick their split-K
@@ -185,8 +188,8 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
         Applied in float32 to ``acc + bias`` before the one rounding to x's dtype. ``"swiglu"``
         takes a weight built by :func:`mixgemm.quantize.interleave_gate_up` (gate and up 16-row
         stripes alternating, ``N = 2I``) and returns ``silu(gate) * up``, ``[..., I]`` (a bias
-        must be interleaved the same way). Fused into the decode kernels (M <= 32: one launch);
-        the sm90 GEMM kernels (M > 32) do not fuse it yet, so it runs after them in torch.
+        must be interleaved the same way). Fused into the decode kernels (M <= 16: one launch);
+        the sm90 GEMM kernels (M > 16) do not fuse it yet, so it runs after them in torch.
 
     Returns
     -------
