@@ -37,6 +37,7 @@
 #include "cutlass/numeric_types.h"
 
 #include "mixgemm/abi.hpp"
+#include "mixgemm/chunk.hpp"
 #include "mixgemm/numeric_conversion.hpp"
 
 namespace mixgemm::decode {
@@ -72,7 +73,6 @@ struct Params {
   int32_t group_shift;      // log2(group size); 30 for one group spanning K (per-channel)
   int32_t atoms_per_split;  // k-atoms (64 K each) per CTA
   int32_t splits;
-  int32_t x_row_bytes;      // shared-memory row pitch of the x tile (16 mod 128: conflict-free ldmatrix)
   int32_t groups_per_split; // group rows of scales/zeros staged per CTA
   int64_t ldx, ldy;
 };
@@ -186,6 +186,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   auto const carve = Cfg::carve(m_rows, p.atoms_per_split, p.groups_per_split);
   char* ring = smem + warp * S * Cfg::kStageBytes;
   char* xs = smem + carve.x;
+  int const x_pitch = Cfg::x_row_bytes(p.atoms_per_split);
   Act* ss = reinterpret_cast<Act*>(smem + carve.scales);
   Act* zs = reinterpret_cast<Act*>(smem + carve.zeros);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + carve.bars);
@@ -212,7 +213,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     }
     __syncwarp();
     for (int r = lane; r < m_rows; r += 32) {
-      cute::SM90_BULK_COPY_G2S::copy(p.x + r * p.ldx + int64_t(ka0) * 64, xbar, xs + r * p.x_row_bytes, x_bytes);
+      cute::SM90_BULK_COPY_G2S::copy(p.x + r * p.ldx + int64_t(ka0) * 64, xbar, xs + r * x_pitch, x_bytes);
     }
     for (int i = lane; i < n_groups; i += 32) {
       int64_t src = int64_t(grp0 + i) * p.n + row0;
@@ -294,7 +295,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < NT; ++i) {
       int const r = min(8 * i + lane % 8, p.m - 1);
-      xs_row[i] = cute::cast_smem_ptr_to_uint(xs) + r * p.x_row_bytes + (lane / 8) * 16;
+      xs_row[i] = cute::cast_smem_ptr_to_uint(xs) + r * x_pitch + (lane / 8) * 16;
     }
     int cur = grp0;
     load_bias(cur);
@@ -307,17 +308,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       uint32_t chunks[APS][Cfg::kBits];
       CUTLASS_PRAGMA_UNROLL
       for (int a = 0; a < APS; ++a) {
-        uint32_t const* src = reinterpret_cast<uint32_t const*>(stage + a * Cfg::kAtomBytes + lane * Cfg::kChunkBytes);
-        if constexpr (Cfg::kChunkBytes == 8) {
-          uint2 v = *reinterpret_cast<uint2 const*>(src);
-          chunks[a][0] = v.x; chunks[a][1] = v.y;
-        } else {
-          CUTLASS_PRAGMA_UNROLL
-          for (int q = 0; q < Cfg::kChunkBytes / 16; ++q) {
-            uint4 v = reinterpret_cast<uint4 const*>(src)[q];
-            chunks[a][4 * q + 0] = v.x; chunks[a][4 * q + 1] = v.y; chunks[a][4 * q + 2] = v.z; chunks[a][4 * q + 3] = v.w;
-          }
-        }
+        load_chunk<Cfg::kChunkBytes>(stage + a * Cfg::kAtomBytes + lane * Cfg::kChunkBytes, chunks[a]);
       }
       CUTLASS_PRAGMA_UNROLL
       for (int a = 0; a < APS; ++a) {
@@ -582,17 +573,20 @@ struct Host {
     return pl.splits > 1 ? counters_bytes(pl) + uint64_t(pl.splits) * a.n * a.m * 4 : 0;
   }
 
-  static char const* check(abi::GemmArgs const* a) {
+  // Why the kernel cannot run `a` (nullptr if it can), and its plan.
+  static char const* check(abi::GemmArgs const* a, Plan& pl) {
     if (a == nullptr) return "null argument";
     if (char const* why = why_not(*a)) return why;
-    Plan pl;
     return plan(*a, pl);
+  }
+  static char const* check(abi::GemmArgs const* a) {
+    Plan pl;
+    return check(a, pl);
   }
 
   static uint64_t workspace_size(abi::GemmArgs const* a) {
     Plan pl;
-    if (a == nullptr || why_not(*a) || plan(*a, pl)) return 0;
-    return workspace_bytes(*a, pl);
+    return check(a, pl) ? 0 : workspace_bytes(*a, pl);
   }
 
   static int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* out, char* err, int errlen) {
@@ -600,11 +594,10 @@ struct Host {
       if (err && errlen > 0) std::snprintf(err, size_t(errlen), "%s", msg);
       return 1;
     };
-    if (char const* why = check(a)) return fail(why);
+    Plan pl;
+    if (char const* why = check(a, pl)) return fail(why);
     if (dst == nullptr || out == nullptr) return fail("null output buffer");
     if (capacity < sizeof(Params<Act>)) return fail("params buffer too small");
-    Plan pl;
-    plan(*a, pl);
     std::memset(out, 0, sizeof(*out));
     out->workspace_bytes = workspace_bytes(*a, pl);
     out->workspace_zero_bytes = uint32_t(counters_bytes(pl));
@@ -622,7 +615,6 @@ struct Host {
     p.group_shift = group_shift_of(a->group_size, a->k);
     p.atoms_per_split = pl.atoms_per_split;
     p.splits = pl.splits;
-    p.x_row_bytes = Cfg::x_row_bytes(pl.atoms_per_split);
     p.groups_per_split = pl.groups_per_split;
     p.ldx = a->ldx; p.ldy = a->ldy;
     std::memcpy(dst, &p, sizeof(p));

@@ -14,6 +14,7 @@
 #include "cute/numeric/integral_constant.hpp"
 #include "cutlass/cutlass.h"
 
+#include "mixgemm/chunk.hpp"
 #include "mixgemm/numeric_conversion.hpp"
 
 namespace mixgemm::kernels {
@@ -36,17 +37,7 @@ __device__ __forceinline__ void dequantize_atoms(uint8_t const* __restrict__ qda
   int const ka = int(atom % k_atoms);
 
   uint32_t chunk[D::kWordsPerLane];
-  uint8_t const* src = qdata + (atom * 32 + lane) * kChunkBytes;
-  if constexpr (kChunkBytes == 8) {
-    uint2 v = *reinterpret_cast<uint2 const*>(src);
-    chunk[0] = v.x; chunk[1] = v.y;
-  } else {
-    CUTLASS_PRAGMA_UNROLL
-    for (int q = 0; q < kChunkBytes / 16; ++q) {
-      uint4 v = reinterpret_cast<uint4 const*>(src)[q];
-      chunk[4 * q + 0] = v.x; chunk[4 * q + 1] = v.y; chunk[4 * q + 2] = v.z; chunk[4 * q + 3] = v.w;
-    }
-  }
+  load_chunk<kChunkBytes>(qdata + (atom * 32 + lane) * kChunkBytes, chunk);
 
   // The lane's rows (g, g + 8) and first column pair (2t) inside the atom: the wgmma A fragment.
   int const g = lane / 4, t = lane % 4;

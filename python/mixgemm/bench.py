@@ -1618,6 +1618,7 @@ def bench_block(device: torch.device, ms: Sequence[int], iters: int, warmup: int
     from torch import nn
 
     from .nn import QuantLinear
+    from .quantize import dequantize_reference
 
     torch.manual_seed(seed)
     dtype = torch.bfloat16
@@ -1629,10 +1630,10 @@ def bench_block(device: torch.device, ms: Sequence[int], iters: int, warmup: int
     q_gu = QuantLinear.from_gate_up(gate, up, bits=4, group_size=group_size)
     q_down = QuantLinear.from_linear(down, bits=4, group_size=group_size)
     # the bf16 block on the dequantized weights
-    deq = mixgemm_dequantize_reference(q_gu.packed).view(intermediate // 16, 2, 16, hidden)
+    deq = dequantize_reference(q_gu.packed).view(intermediate // 16, 2, 16, hidden)
     gate.weight.data.copy_(deq[:, 0].reshape(intermediate, hidden))
     up.weight.data.copy_(deq[:, 1].reshape(intermediate, hidden))
-    down.weight.data.copy_(mixgemm_dequantize_reference(q_down.packed))
+    down.weight.data.copy_(dequantize_reference(q_down.packed))
     del deq
 
     def bf16_block(x):
@@ -1661,11 +1662,6 @@ def bench_block(device: torch.device, ms: Sequence[int], iters: int, warmup: int
         err = relative_error(outputs["mixgemm"].float(), outputs["bf16"].double())
         out.append(BlockResult(m, times["bf16"], times["mixgemm"], err))
     return out
-
-
-def mixgemm_dequantize_reference(packed):
-    from .quantize import dequantize_reference
-    return dequantize_reference(packed)
 
 
 def run_block_cli(cfg: "BenchConfig", device: torch.device, log: Callable[[str], None]) -> int:

@@ -110,10 +110,6 @@ class GemmSpec:
     #: any number of tokens
     max_tokens = None
 
-    @property
-    def needs_workspace(self) -> bool:
-        return self.scheduler is Scheduler.STREAMK
-
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
@@ -155,10 +151,6 @@ class DecodeSpec:
     @property
     def max_tokens(self) -> int:
         return self.tokens
-
-    @property
-    def needs_workspace(self) -> bool:
-        return True   # when the launch splits K
 
 
 @dataclasses.dataclass(frozen=True)
