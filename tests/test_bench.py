@@ -67,7 +67,7 @@ def by_impl(results, m=16):
     ("mixgemm-u4", N * K // 2 + 2 * G_TABLE),
     ("mixgemm-s2", N * K // 4 + G_TABLE),
     ("mixgemm-u2", N * K // 4 + 2 * G_TABLE),
-    ("mixgemm-u4@decode", N * K // 2 + 2 * G_TABLE),
+    ("mixgemm-u4@dec8", N * K // 2 + 2 * G_TABLE),
 ])
 def test_expected_weight_bytes_by_hand(impl, expected):
     assert expected_weight_bytes(impl, N, K, 128) == expected
@@ -575,7 +575,7 @@ def test_impls_filter_errors():
     with pytest.raises(BenchError, match="'cutlass'.*match no implementation"):
         bench.config_from_args(parse("--impls", "cutlass"))
     with pytest.raises(BenchError, match="--all-configs"):
-        bench.config_from_args(parse("--impls", "mixgemm-u4@decode"))
+        bench.config_from_args(parse("--impls", "mixgemm-u4@dec8"))
     assert bench.config_from_args(parse("--impls", "cublas")).impls == ("cublas",)
     assert bench.config_from_args(parse("--impls", "mixgemm-s")).impls == (
         "cublas", "mixgemm-s8", "mixgemm-s4", "mixgemm-s2")

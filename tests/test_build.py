@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mixgemm import build, codegen, paths
-from mixgemm.codegen import DequantSpec, GemmSpec, Scheduler
+from mixgemm.codegen import Activation, DequantSpec, GemmSpec, Scheduler
 from mixgemm.types import ActType, WeightType
 
 GEMM = GemmSpec(ActType.BF16, WeightType.U4, 128, 16, 128, scheduler=Scheduler.STREAMK)
@@ -214,17 +214,22 @@ def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
     helper = runtime.HostHelper(str(art.helper_path), spec.name)    # loads without a GPU
     assert helper.params_size > 0 and helper.smem_size > 48 * 1024
     args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=8, n=4096, k=4096, group_size=128,
-                            sm_count=132, splits=1, raster=0, weight=1 << 20, scales=2 << 20, zeros=0,
+                            sm_count=132, splits=0, raster=0, weight=1 << 20, scales=2 << 20, zeros=0,
                             x=3 << 20, bias=0, y=4 << 20, workspace=0, ldx=4096, ldy=4096)
     assert helper.check(args) is None
     assert helper.workspace_size(args) > 0, "a stream-K kernel needs a workspace"
     for field, value, msg in (("k", 4000, "multiple of 64"), ("n", 4104, "multiple of 16"),
                               ("group_size", 96, "group_size"), ("x", (3 << 20) + 2, "16-byte aligned"),
-                              ("ldx", 4100, "row stride"), ("abi_version", 99, "ABI")):
+                              ("ldx", 4100, "row stride"), ("abi_version", 99, "ABI"),
+                              ("activation", 3, "swiglu"), ("activation", 9, "unknown activation")):
         bad = runtime.GemmArgs.from_buffer_copy(args)
         setattr(bad, field, value)
         why = helper.check(bad)
         assert why is not None and msg in why, (field, why)
+    for act in (Activation.SILU, Activation.GELU):   # chosen per call: the same kernel takes them
+        ok = runtime.GemmArgs.from_buffer_copy(args)
+        ok.activation = act.abi
+        assert helper.check(ok) is None, act
     with pytest.raises(runtime.KernelError):
         runtime.HostHelper(str(art.helper_path), "some_other_kernel")
 
@@ -242,7 +247,7 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
     from mixgemm import runtime
     helper = runtime.HostHelper(str(art.helper_path), spec.name)
     args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=16, n=4096, k=4096, group_size=128,
-                            sm_count=132, splits=1, raster=0, weight=1 << 20, scales=2 << 20, zeros=5 << 20,
+                            sm_count=132, splits=0, raster=0, weight=1 << 20, scales=2 << 20, zeros=5 << 20,
                             x=3 << 20, bias=0, y=4 << 20, workspace=6 << 20, ldx=4096, ldy=4096)
     assert helper.check(args) is None
     _, launch = helper.prepare(args)
@@ -273,7 +278,8 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
     for field, value, msg in (("m", 17, "too many tokens"), ("k", 4000, "multiple of 64"),
                               ("n", 4104, "multiple of 16"), ("group_size", 96, "power-of-two group"),
                               ("x", (3 << 20) + 2, "16-byte aligned"), ("ldx", 4100, "row stride"),
-                              ("zeros", 0, "zero points"), ("abi_version", 99, "ABI")):
+                              ("zeros", 0, "zero points"), ("abi_version", 99, "ABI"),
+                              ("activation", Activation.SILU.abi, "different activation")):
         bad = runtime.GemmArgs.from_buffer_copy(args)
         setattr(bad, field, value)
         why = helper.check(bad)

@@ -113,3 +113,31 @@ def test_cutlass_library_tag_tables_extended_not_forked():
     n = len(L.KernelScheduleTag)
     codegen.render(GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64))
     assert len(L.KernelScheduleTag) == n, "registering twice must not add entries"
+
+
+def test_activation_enum_mirrors_the_header():
+    """codegen.Activation's C++ names and ABI values are those of cutlass_ext/mixgemm/activation.hpp
+    (the GEMM kernels read the value at run time: a mismatch would apply the wrong function)."""
+    import re
+    from pathlib import Path
+
+    from mixgemm.codegen import Activation
+
+    header = (Path(__file__).resolve().parents[1] / "cutlass_ext/mixgemm/activation.hpp").read_text()
+    body = re.search(r"enum class Activation : int \{([^}]*)\}", header).group(1)
+    cpp = {name: int(value) for name, value in re.findall(r"(k\w+)\s*=\s*(\d+)", body)}
+    assert cpp == {a.cpp: a.abi for a in Activation}
+
+
+def test_gemm_specs_fuse_the_runtime_activation():
+    """The default GEMM kernels use the bias + runtime-activation epilogue (one kernel for none,
+    silu and gelu); the bias-only epilogue stays renderable."""
+    from mixgemm.codegen import Epilogue, GemmSpec, default_specs, render
+
+    gemms = [s for s in default_specs() if isinstance(s, GemmSpec)]
+    assert gemms and all(s.epilogue is Epilogue.BIAS_ACT for s in gemms)
+    assert "mixgemm::epilogue::PerRowBiasAct" in render(gemms[0])
+    plain = GemmSpec(gemms[0].act, gemms[0].weight, 128, 64, 64, epilogue=Epilogue.BIAS)
+    src = render(plain)
+    assert "mixgemm::epilogue::PerRowBias<" in src or "mixgemm::epilogue::PerRowBias," in src
+    assert "PerRowBiasAct" not in src

@@ -41,7 +41,7 @@ for step in "$@"; do
           --section Occupancy --section LaunchStats python3 tools/profile_kernels.py $m > "$OUT/ncu_m$m.txt" 2>&1 || rc=1
         grep -E "Duration|Throughput|DRAM|Registers|Stall|Issued|Eligible|Warp Cycles|Shared Memory Config|Achieved" "$OUT/ncu_m$m.txt" | head -40
       done
-      for c in "$MIXGEMM_CACHE_DIR"/kernels/mixgemm_gemm_bf16_u4_t128x16x128*/kernel.cubin "$MIXGEMM_CACHE_DIR"/kernels/mixgemm_gemm_bf16_u4_t128x128x64*/kernel.cubin; do
+      for c in "$MIXGEMM_CACHE_DIR"/kernels/mixgemm_gemm_bf16_u4_t128x64x64*/kernel.cubin "$MIXGEMM_CACHE_DIR"/kernels/mixgemm_gemm_bf16_u4_t128x128x64*/kernel.cubin; do
         { echo "== $c"; cuobjdump -res-usage "$c"; cuobjdump -sass "$c" | grep -oE "^ +/\*[0-9a-f]{4}\*/ +[A-Z0-9_.]+" | awk '{print $2}' | sort | uniq -c | sort -rn | head -45; } >> "$OUT/sass.txt" 2>&1
       done; grep -E "REG|STACK|LDL|STL|HGMMA|LDS" "$OUT/sass.txt" | head -30 ;;
     profile-decode)   # ncu sections of the decode kernel (M=1, 16) and its SASS
@@ -63,7 +63,10 @@ for step in "$@"; do
         | grep -v "mixgemm build" | tail -12 | tee "$OUT/bench-block.log" || rc=1 ;;
     build-decode)   # the decode kernels only (seconds each), 16 at a time; packed for the workstation
       timeout 200 python3 -m mixgemm generate --build --jobs 16 --kernels "$MIXGEMM_BUILD_REGEX" 2>&1 | tail -2 || rc=1
-      tar czf "$OUT/decode-cache.tgz" -C "$MIXGEMM_CACHE_DIR" kernels ;;
+      [ -n "${MIXGEMM_PACK:-}" ] && tar czf "$OUT/decode-cache.tgz" -C "$MIXGEMM_CACHE_DIR" kernels ;;
+    sweep-decode)   # split-K x stage-size sweep of the decode kernels (tools/sweep_decode.py)
+      timeout ${MIXGEMM_SWEEP_TIMEOUT:-200} python3 tools/sweep_decode.py "$OUT/sweep-decode.json" ${MIXGEMM_SWEEP_ARGS:-} \
+        > "$OUT/sweep-decode.log" 2>&1 || rc=1; tail -3 "$OUT/sweep-decode.log" ;;
     decode-tests)
       MIXGEMM_GPU_REPORT="$OUT/gpu-report.json" timeout 300 python3 -m pytest -q --maxfail=10 -m gpu tests/test_gpu_gemm.py \
         -k "decode" -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/decode-tests.log" || rc=1 ;;

@@ -8,7 +8,7 @@
 
 namespace mixgemm::abi {
 
-constexpr int32_t kAbiVersion = 2;
+constexpr int32_t kAbiVersion = 3;
 
 // y[m, n] = x[m, k] @ dequant(W)[n, k]^T (+ bias[n])
 struct GemmArgs {
@@ -18,8 +18,10 @@ struct GemmArgs {
   int32_t k;              // in features
   int32_t group_size;     // K elements per scale group (k for per-channel)
   int32_t sm_count;       // SMs the persistent grid may use
-  int32_t splits;         // stream-K kernels: split-K factor (<= 1: stream-K heuristic)
+  int32_t splits;         // 0: the kernel's choice; decode: the split-K factor; stream-K: > 1 forces split-K
   int32_t raster;         // 0: heuristic, 1: along weight rows, 2: along tokens
+  int32_t activation;     // mixgemm::Activation applied to acc + bias (activation.hpp)
+  int32_t reserved;       // 0 (keeps the pointers 8-byte aligned, as ctypes lays them out)
   uint64_t weight;        // uint8 [n/16, k/64, 128*bits] (prepacked)
   uint64_t scales;        // act [k/group_size, n]
   uint64_t zeros;         // act [k/group_size, n] or 0

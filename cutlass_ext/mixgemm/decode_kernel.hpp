@@ -37,27 +37,16 @@
 #include "cutlass/numeric_types.h"
 
 #include "mixgemm/abi.hpp"
+#include "mixgemm/activation.hpp"
 #include "mixgemm/chunk.hpp"
 #include "mixgemm/numeric_conversion.hpp"
 
 namespace mixgemm::decode {
 
-// Epilogue functions, applied in float32 to (accumulator + bias) before the one rounding to the
-// activation type. kSwiglu is the gated MLP's silu(gate) * up over a weight whose 16-row stripes
-// alternate gate, up, gate, up, ... (python/mixgemm/quantize.py interleave_gate_up): stripe pair
-// (2j, 2j+1) gives output rows [16j, 16j + 16) of y[M, N/2].
-enum class Activation : int { kNone = 0, kSilu = 1, kGelu = 2, kSwiglu = 3 };
-
-template <Activation A>
-CUTLASS_DEVICE float activate(float v) {
-  if constexpr (A == Activation::kSilu || A == Activation::kSwiglu) {
-    return v / (1.0f + __expf(-v));
-  } else if constexpr (A == Activation::kGelu) {
-    return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));  // exact (erf) GELU, as torch's default
-  } else {
-    return v;
-  }
-}
+// The epilogue function (activation.hpp), fixed per kernel. kSwiglu: stripe pair (2j, 2j+1) of
+// a gate/up interleaved weight gives output rows [16j, 16j + 16) of y[M, N/2].
+using mixgemm::Activation;
+using mixgemm::activate;
 
 template <class Act>
 struct Params {
@@ -98,17 +87,25 @@ struct Config {
   static_assert(kNTiles == 1 || kNTiles == 2 || kNTiles == 4, "8, 16 or 32 tokens per CTA");
   static_assert(StageBytes_ % kAtomBytes == 0 && kAtomsPerStage >= 1, "a stage holds whole atoms");
   static_assert(kStages >= 2, "at least double buffering");
+  // Folded offset (bf16, 2- and 4-bit codes): the MMA reads the decoded x = E + c as is (one
+  // lop3 per register, no subtraction), and the flush takes (E + z) * sum(x over the group) off
+  // the group's float32 partial sum: sum((c - z) x) = sum((E + c) x) - (E + z) sum(x). The
+  // float32 partial carries E = 128 times sum(x) more than the result, so this costs ~2^-17
+  // relative to sum(|x|) per group, far below bf16's output rounding (2^-9). fp16 (E = 1024:
+  // 8x more) and the two-part int8 decode keep the exact in-register subtraction.
+  static constexpr bool kFold = half_of<Act_>::value == Half::kBF16 && !Dequant::Decoder::kTwoPart;
 
   // Shared memory: [ring: warps x stages x stage bytes][x tile][scales][zeros][barriers]
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
   static constexpr int kMaxSmem = 227 * 1024;
 
   // The carve-up of dynamic shared memory, shared by the host plan and the kernel:
-  //   [weight rings: warps x stages x stage bytes][x: rows x x_row_bytes][scales][zeros][barriers][flag]
+  //   [weight rings: warps x stages x stage bytes][x: rows x x_row_bytes][scales][zeros]
+  //   [xsum: groups x tokens float32, kFold only][barriers][flag]
   // x rows: min(M, tokens); x_row_bytes = 128 * atoms_per_split + 16 (16 mod 128: the 8 rows an
   // ldmatrix reads fall in distinct banks); scales/zeros: groups x rows-per-CTA.
   struct Carve {
-    int x, scales, zeros, bars, total;
+    int x, scales, zeros, xsum, bars, total;
   };
   CUTLASS_HOST_DEVICE static int x_row_bytes(int atoms_per_split) { return atoms_per_split * 128 + 16; }
   CUTLASS_HOST_DEVICE static Carve carve(int x_rows, int atoms_per_split, int groups) {
@@ -117,7 +114,8 @@ struct Config {
     c.x = kRingBytes;
     c.scales = c.x + x_rows * x_row_bytes(atoms_per_split);
     c.zeros = c.scales + group_bytes;
-    c.bars = (c.zeros + (kHasZero ? group_bytes : 0) + 15) / 16 * 16;
+    c.xsum = (c.zeros + (kHasZero ? group_bytes : 0) + 15) / 16 * 16;
+    c.bars = c.xsum + (kFold ? groups * kTokens * 4 : 0);
     c.total = c.bars + 8 * (kWarps * kStages + 1) + 16;
     return c;
   }
@@ -135,8 +133,9 @@ CUTLASS_DEVICE void ldsm_x4(uint32_t addr, uint32_t& d0, uint32_t& d1, uint32_t&
 }
 
 // A lane's 4 A registers of k16 block KB, as exact half-precision integers q - z (no scale: the
-// kernel applies the scale in float32 per group). bias2: E + z for rows g and g + 8.
-template <class D, Half H, int KB>
+// kernel applies the scale in float32 per group). bias2: E + z for rows g and g + 8. With Fold,
+// the decoded E + c itself (bias2 unused).
+template <class D, Half H, int KB, bool Fold>
 CUTLASS_DEVICE void centered_kblock(uint32_t const* chunk, uint32_t const (&bias2)[2], uint32_t (&out)[4]) {
   using Dec = typename D::Decoder;
   CUTLASS_PRAGMA_UNROLL
@@ -145,7 +144,9 @@ CUTLASS_DEVICE void centered_kblock(uint32_t const* chunk, uint32_t const (&bias
     int const word = v / D::kValuesPerWord;
     int const shift = D::kBits * ((v % D::kValuesPerWord) / 2);
     uint32_t x = Dec::decode(chunk[word] >> shift);
-    if constexpr (D::kSigned && Dec::kTwoPart) {
+    if constexpr (Fold) {
+      out[j] = x;                                     // E + c; the flush removes E + z
+    } else if constexpr (D::kSigned && Dec::kTwoPart) {
       out[j] = x;                                     // already q (signed int8 in bf16)
     } else {
       out[j] = arith::sub2<H>(x, bias2[j % 2]);       // (E + c) - (E + z) = q - z, exact
@@ -248,35 +249,6 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < 4; ++c) { acc[i][c] = 0.f; part[0][i][c] = 0.f; part[1][i][c] = 0.f; }
   }
-
-  Barrier::wait(xbar, 0);
-
-  int const lrow = warp * 16 + g;   // the lane's rows in the CTA's scale rows: lrow, lrow + 8
-  uint32_t bias2[2];
-  auto load_bias = [&](int grp) {
-    if constexpr (Cfg::kHasZero) {
-      Act const* z = zs + (grp - grp0) * Cfg::kRowsPerCta + lrow;
-      bias2[0] = D::bias(arith::splat(reinterpret_cast<uint16_t const&>(z[0])));
-      bias2[1] = D::bias(arith::splat(reinterpret_cast<uint16_t const&>(z[8])));
-    } else {
-      (void)grp;
-      bias2[0] = bias2[1] = D::bias(0u);
-    }
-  };
-  // acc += scale(group) * part; part = 0
-  auto flush = [&](int grp) {
-    Act const* s = ss + (grp - grp0) * Cfg::kRowsPerCta + lrow;
-    float const s0 = float(s[0]), s1 = float(s[8]);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < NT; ++i) {
-      acc[i][0] = fmaf(s0, part[0][i][0] + part[1][i][0], acc[i][0]);
-      acc[i][1] = fmaf(s0, part[0][i][1] + part[1][i][1], acc[i][1]);
-      acc[i][2] = fmaf(s1, part[0][i][2] + part[1][i][2], acc[i][2]);
-      acc[i][3] = fmaf(s1, part[0][i][3] + part[1][i][3], acc[i][3]);
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < 4; ++c) { part[0][i][c] = 0.f; part[1][i][c] = 0.f; }
-    }
-  };
   auto mma = [&](float (&c)[4], uint32_t const (&a)[4], uint32_t b0, uint32_t b1) {
     if constexpr (H == Half::kBF16) {
       cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(c[0], c[1], c[2], c[3], a[0], a[1], a[2], a[3], b0, b1,
@@ -287,24 +259,107 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     }
   };
 
-  if (has_stripe) {
-    // ldmatrix row addresses: lane l reads token row (l % 8) of tile i, 8 k at column 8 * (l / 8)
-    // (+32 for the second half of an atom). Rows past the last token repeat the last token: they
-    // only feed accumulator columns of tokens that are never stored.
-    uint32_t xs_row[NT];
+  // ldmatrix row addresses: lane l reads token row (l % 8) of tile i, 8 k at column 8 * (l / 8)
+  // (+32 for the second half of an atom). Rows past the last token repeat the last token: they
+  // only feed accumulator columns of tokens that are never stored.
+  uint32_t xs_row[NT];
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < NT; ++i) {
+    int const r = min(8 * i + lane % 8, p.m - 1);
+    xs_row[i] = cute::cast_smem_ptr_to_uint(xs) + r * x_pitch + (lane / 8) * 16;
+  }
+
+  Barrier::wait(xbar, 0);
+
+  // ---- kFold: sum(x) per (group, token) of the CTA's k-range, by the tensor cores (an all-ones
+  // A operand), warp w taking groups w, w + W, ...: xsum[group][token], float32 ----
+  float* xsum = reinterpret_cast<float*>(smem + carve.xsum);
+  if constexpr (Cfg::kFold) {
+    uint32_t const ones[4] = {arith::splat(D::half_bits(1)), arith::splat(D::half_bits(1)),
+                              arith::splat(D::half_bits(1)), arith::splat(D::half_bits(1))};
+    for (int gi = warp; gi < grp1 - grp0; gi += Cfg::kWarps) {
+      // the group's k-range within the CTA's x tile
+      int const k_lo = int(max(int64_t(grp0 + gi) << p.group_shift, int64_t(ka0) * 64)) - ka0 * 64;
+      int const k_hi = int(min(int64_t(grp0 + gi + 1) << p.group_shift, int64_t(ka1) * 64)) - ka0 * 64;
+      float sums[2][NT][4] = {};
+      for (int k32 = k_lo; k32 < k_hi; k32 += 32) {        // group ranges are whole 32-k halves
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < NT; ++i) {
+          uint32_t b[4];
+          ldsm_x4(xs_row[i] + k32 * 2, b[0], b[1], b[2], b[3]);
+          mma(sums[0][i], ones, b[0], b[1]);
+          mma(sums[1][i], ones, b[2], b[3]);
+        }
+      }
+      if (g == 0) {   // every row of the all-ones product is the same sum: lanes 0-3 store theirs
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < NT; ++i) {
+          float2 v{sums[0][i][0] + sums[1][i][0], sums[0][i][1] + sums[1][i][1]};
+          *reinterpret_cast<float2*>(xsum + gi * Cfg::kTokens + 8 * i + 2 * t) = v;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  int const lrow = warp * 16 + g;   // the lane's rows in the CTA's scale rows: lrow, lrow + 8
+  uint32_t bias2[2] = {0u, 0u};
+  auto load_bias = [&](int grp) {
+    if constexpr (Cfg::kFold) {
+      (void)grp;                          // the flush removes E + z
+    } else if constexpr (Cfg::kHasZero) {
+      Act const* z = zs + (grp - grp0) * Cfg::kRowsPerCta + lrow;
+      bias2[0] = D::bias(arith::splat(reinterpret_cast<uint16_t const&>(z[0])));
+      bias2[1] = D::bias(arith::splat(reinterpret_cast<uint16_t const&>(z[8])));
+    } else {
+      (void)grp;
+      bias2[0] = bias2[1] = D::bias(0u);
+    }
+  };
+  // acc += scale(group) * (part - (E + z) * xsum(group)); part = 0
+  auto flush = [&](int grp) {
+    Act const* s = ss + (grp - grp0) * Cfg::kRowsPerCta + lrow;
+    float const s0 = float(s[0]), s1 = float(s[8]);
+    float ez0 = 0.f, ez1 = 0.f;
+    if constexpr (Cfg::kFold) {
+      using Dec = typename D::Decoder;
+      if constexpr (Cfg::kHasZero) {
+        Act const* z = zs + (grp - grp0) * Cfg::kRowsPerCta + lrow;
+        ez0 = float(Dec::kBase) + float(z[0]);
+        ez1 = float(Dec::kBase) + float(z[8]);
+      } else {
+        ez0 = ez1 = float(Dec::kSignedBias);
+      }
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < NT; ++i) {
-      int const r = min(8 * i + lane % 8, p.m - 1);
-      xs_row[i] = cute::cast_smem_ptr_to_uint(xs) + r * x_pitch + (lane / 8) * 16;
+      float p0 = part[0][i][0] + part[1][i][0], p1 = part[0][i][1] + part[1][i][1];
+      float p2 = part[0][i][2] + part[1][i][2], p3 = part[0][i][3] + part[1][i][3];
+      if constexpr (Cfg::kFold) {
+        float2 const xv = *reinterpret_cast<float2 const*>(xsum + (grp - grp0) * Cfg::kTokens + 8 * i + 2 * t);
+        p0 = fmaf(-ez0, xv.x, p0); p1 = fmaf(-ez0, xv.y, p1);
+        p2 = fmaf(-ez1, xv.x, p2); p3 = fmaf(-ez1, xv.y, p3);
+      }
+      acc[i][0] = fmaf(s0, p0, acc[i][0]);
+      acc[i][1] = fmaf(s0, p1, acc[i][1]);
+      acc[i][2] = fmaf(s1, p2, acc[i][2]);
+      acc[i][3] = fmaf(s1, p3, acc[i][3]);
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < 4; ++c) { part[0][i][c] = 0.f; part[1][i][c] = 0.f; }
     }
+  };
+
+  if (has_stripe) {
     int cur = grp0;
     load_bias(cur);
-    for (int s = 0; s < n_stages; ++s) {
+    // One stage of the ring: APS atoms (Full), or the short last one.
+    auto stage_body = [&](int s, auto full_const) {
+      constexpr bool kFull = decltype(full_const)::value;
       Barrier::wait(&wbar[s % S], (s / S) & 1);
       char const* stage = ring + (s % S) * Cfg::kStageBytes;
-      int const atoms = min(APS, n_atoms - s * APS);
-      // All of the stage's chunks first (unconditionally: a short last stage leaves stale bytes
-      // in its unused slots, never used), so their shared-memory latency overlaps.
+      int const atoms = kFull ? APS : n_atoms - s * APS;
+      // All of the stage's chunks first, so their shared-memory latency overlaps (a short last
+      // stage leaves stale bytes in its unused slots, never used).
       uint32_t chunks[APS][Cfg::kBits];
       CUTLASS_PRAGMA_UNROLL
       for (int a = 0; a < APS; ++a) {
@@ -312,9 +367,9 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       }
       CUTLASS_PRAGMA_UNROLL
       for (int a = 0; a < APS; ++a) {
-        if (a < atoms) {
-          int const la = s * APS + a;                 // atom index in the CTA's k-range
+        if (kFull || a < atoms) {
           uint32_t const* chunk = chunks[a];
+          int const la = s * APS + a;          // atom index within the split
           // B fragments of the atom: [tile][k16 block][b0, b1]
           uint32_t b[NT][4][2];
           CUTLASS_PRAGMA_UNROLL
@@ -344,7 +399,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
               }
             }
             uint32_t a_regs[4];
-            centered_kblock<D, H, kb>(chunk, bias2, a_regs);
+            centered_kblock<D, H, kb, Cfg::kFold>(chunk, bias2, a_regs);
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < NT; ++i) {
               mma(part[kb % 2][i], a_regs, b[i][kb][0], b[i][kb][1]);
@@ -360,6 +415,13 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       if (lane == 0 && s + S < n_stages) {
         issue(s + S);
       }
+    };
+    int const full_stages = n_atoms / APS;
+    for (int s = 0; s < full_stages; ++s) {
+      stage_body(s, cute::true_type{});
+    }
+    if (full_stages < n_stages) {
+      stage_body(full_stages, cute::false_type{});
     }
     flush(cur);
   }
@@ -511,6 +573,8 @@ struct Host {
 
   static char const* why_not(abi::GemmArgs const& a) {
     if (a.abi_version != abi::kAbiVersion) return "ABI version mismatch between the runtime and the kernel's host helper";
+    if (a.activation != int(A))
+      return "this decode kernel fuses a different activation than the call asks for (see its name)";
     if (a.m < 1) return "M must be >= 1";
     if (a.m > Cfg::kTokens) return "too many tokens for this decode kernel (M > its token tile)";
     if (a.n < 16 || a.n % 16) return "N must be a positive multiple of 16 (the prepacked atom)";
@@ -537,7 +601,7 @@ struct Host {
   // (ceil(CTAs / SMs)) times each CTA's k-atoms plus a fixed start-up of ~2 atoms, plus, when
   // split, the float32 partials (M/8 atoms' worth per CTA). Within the shared-memory budget,
   // and with at least 2 CTAs fitting on an SM; ties go to fewer splits. An explicit
-  // a.splits > 1 wins.
+  // a.splits >= 1 wins.
   static char const* plan(abi::GemmArgs const& a, Plan& out) {
     int const k_atoms = a.k / 64;
     int const gshift = group_shift_of(a.group_size, a.k);
@@ -545,17 +609,18 @@ struct Host {
     long const sms = a.sm_count > 0 ? a.sm_count : 132;
     int const tokens = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
     long best_cost = -1;
-    int const lo = a.splits > 1 ? a.splits : 1;
-    int const hi = a.splits > 1 ? a.splits : 64;
+    bool const forced = a.splits >= 1;
+    int const lo = forced ? a.splits : 1;
+    int const hi = forced ? a.splits : 64;
     for (int s = lo; s <= hi && s <= k_atoms; ++s) {
       int const aps = (k_atoms + s - 1) / s;
       int const se = (k_atoms + aps - 1) / aps;
-      if (a.splits <= 1 && se != s) continue;          // the same plan as a smaller s
+      if (!forced && se != s) continue;                // the same plan as a smaller s
       int const groups = max_groups(k_atoms, aps, gshift);
       int const smem = smem_for(a, aps, groups);
       if (smem > Cfg::kMaxSmem) continue;
       bool const two_fit = 2 * (smem + 1024) <= 228 * 1024;
-      if (!two_fit && a.splits <= 1 && best_cost >= 0) continue;
+      if (!two_fit && !forced && best_cost >= 0) continue;
       long const ctas = long(row_blocks) * se;
       long const per_sm = (ctas + sms - 1) / sms;
       long const cost = per_sm * (8L * aps + 16 + (se > 1 ? tokens : 0)) * (two_fit ? 1 : 2);

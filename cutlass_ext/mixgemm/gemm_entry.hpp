@@ -18,11 +18,14 @@
 #include "cutlass/kernel_hardware_info.hpp"
 
 #include "mixgemm/abi.hpp"
+#include "mixgemm/activation.hpp"
 
 namespace mixgemm::host {
 
 template <class T, class = void> struct has_bias_ptr : std::false_type {};
 template <class T> struct has_bias_ptr<T, std::void_t<decltype(std::declval<T&>().bias_ptr)>> : std::true_type {};
+template <class T, class = void> struct has_activation : std::false_type {};
+template <class T> struct has_activation<T, std::void_t<decltype(std::declval<T&>().activation.kind)>> : std::true_type {};
 template <class T, class = void> struct has_splits : std::false_type {};
 template <class T> struct has_splits<T, std::void_t<decltype(std::declval<T&>().splits)>> : std::true_type {};
 
@@ -56,6 +59,9 @@ typename Kernel::Arguments make_arguments(abi::GemmArgs const& a) {
   if constexpr (has_bias_ptr<std::remove_reference_t<decltype(fusion)>>::value) {
     fusion.bias_ptr = reinterpret_cast<decltype(fusion.bias_ptr)>(a.bias);
   }
+  if constexpr (has_activation<std::remove_reference_t<decltype(fusion)>>::value) {
+    fusion.activation.kind = Activation(a.activation);
+  }
   args.epilogue.ptr_C = nullptr;
   // y[m, n] is D[n, m] column-major: the weight rows are contiguous.
   args.epilogue.ptr_D = reinterpret_cast<ElementD*>(a.y);
@@ -79,6 +85,12 @@ template <class Kernel>
 char const* check(abi::GemmArgs const* a) {
   if (a == nullptr) return "null argument";
   if (a->abi_version != abi::kAbiVersion) return "ABI version mismatch between the runtime and the kernel's host helper";
+  using Fusion = std::remove_reference_t<decltype(std::declval<typename Kernel::Arguments&>().epilogue.thread)>;
+  if (a->activation < 0 || a->activation > int(Activation::kSwiglu)) return "unknown activation";
+  if (a->activation == int(Activation::kSwiglu))
+    return "the GEMM kernels do not fuse swiglu (it pairs 16-row stripes across warps); the decode kernels do";
+  if (a->activation != int(Activation::kNone) && !has_activation<Fusion>::value)
+    return "this kernel's epilogue fuses no activation (a bias-only epilogue)";
   auto args = make_arguments<Kernel>(*a);
   using Mainloop = typename Kernel::CollectiveMainloop;
   if (char const* why = Mainloop::why_not(args.problem_shape, args.mainloop)) return why;

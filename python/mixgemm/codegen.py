@@ -11,7 +11,8 @@ CollectiveBuilder instantiations, with mixgemm's own tags registered in its tag 
 * ``LayoutTag``: the prepacked weight layout ``mixgemm::layout::PrepackedSm90``;
 * ``KernelScheduleTag``: ``mixgemm::KernelPrepacked{Cooperative,Pingpong}``, which route the
   builder to mixgemm's mainloop (``cutlass_ext/mixgemm/collective``);
-* ``EpilogueFunctor3xTag``: the per-row-bias fusion ``mixgemm::epilogue::PerRowBias``.
+* ``EpilogueFunctor3xTag``: the per-row-bias fusions ``mixgemm::epilogue::PerRowBias`` and
+  ``PerRowBiasAct`` (bias, then silu / gelu chosen at run time).
 
 The generated files only name types and tile shapes; all logic lives in ``cutlass_ext/`` and
 ``converters/``.
@@ -42,9 +43,12 @@ class Scheduler(enum.Enum):
 
 
 class Epilogue(enum.Enum):
-    """Epilogue fusion. BIAS reads an optional per-output-feature bias (null pointer = none)."""
+    """Epilogue fusion. BIAS reads an optional per-output-feature bias (null pointer = none);
+    BIAS_ACT also applies the activation the call names (none, silu or gelu: chosen at run time,
+    so one kernel serves all three)."""
 
     BIAS = "bias"
+    BIAS_ACT = "biasact"
 
 
 class Activation(enum.Enum):
@@ -54,6 +58,21 @@ class Activation(enum.Enum):
     SILU = "silu"
     GELU = "gelu"   # exact (erf) GELU, torch's default
     SWIGLU = "swiglu"   # silu(gate) * up over a gate/up stripe-interleaved weight: N/2 outputs
+
+    @property
+    def cpp(self) -> str:
+        """The C++ enumerator (``mixgemm::Activation``, cutlass_ext/mixgemm/activation.hpp)."""
+        return _ACTIVATION_CPP[self][0]
+
+    @property
+    def abi(self) -> int:
+        """Its value in the kernels' C ABI (``abi::GemmArgs::activation``)."""
+        return _ACTIVATION_CPP[self][1]
+
+
+#: mirrors cutlass_ext/mixgemm/activation.hpp's enum
+_ACTIVATION_CPP = {Activation.NONE: ("kNone", 0), Activation.SILU: ("kSilu", 1),
+                   Activation.GELU: ("kGelu", 2), Activation.SWIGLU: ("kSwiglu", 3)}
 
 
 class KernelKind(enum.Enum):
@@ -84,7 +103,7 @@ class GemmSpec:
     tile_k: int
     schedule: Schedule = Schedule.COOPERATIVE
     scheduler: Scheduler = Scheduler.PERSISTENT
-    epilogue: Epilogue = Epilogue.BIAS
+    epilogue: Epilogue = Epilogue.BIAS_ACT
     stages: int = 0
 
     kind = KernelKind.GEMM
@@ -244,13 +263,12 @@ class DecodeConfig:
 #:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K
 #:   ("dec32", the 32-token decode kernel, is built and tested but lost to "mid" on H100)
 #:   M >  128 : "large"   sm90 GEMM 128x128x64, persistent
-#: plus "decode": the sm90 GEMM with 128x16x128 tiles, stream-K (the GEMM path at small M; the
-#: decode kernels replaced it in the heuristic, it stays as the reference point).
+#: The GEMM kernels fuse bias + none / silu / gelu (chosen per call); swiglu is fused by the
+#: decode kernels only.
 TILE_CONFIGS = (
     DecodeConfig("dec8", 8),
     DecodeConfig("dec16", 16),
     DecodeConfig("dec32", 32),
-    TileConfig("decode", 128, 16, 128, Schedule.COOPERATIVE, Scheduler.STREAMK),
     TileConfig("mid", 128, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
     TileConfig("large", 128, 128, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT),
 )
@@ -286,6 +304,7 @@ class _MixgemmKernelSchedule(enum.Enum):
 
 class _MixgemmEpilogueFunctor(enum.Enum):
     PerRowBias = enum.auto()
+    PerRowBiasAct = enum.auto()
 
 
 _TAGS = {
@@ -294,8 +313,13 @@ _TAGS = {
         _MixgemmKernelSchedule.PrepackedCooperative: "mixgemm::KernelPrepackedCooperative",
         _MixgemmKernelSchedule.PrepackedPingpong: "mixgemm::KernelPrepackedPingpong",
     },
-    "EpilogueFunctor3xTag": {_MixgemmEpilogueFunctor.PerRowBias: "mixgemm::epilogue::PerRowBias"},
+    "EpilogueFunctor3xTag": {_MixgemmEpilogueFunctor.PerRowBias: "mixgemm::epilogue::PerRowBias",
+                             _MixgemmEpilogueFunctor.PerRowBiasAct: "mixgemm::epilogue::PerRowBiasAct"},
 }
+
+
+_EPILOGUE_FUNCTOR = {Epilogue.BIAS: _MixgemmEpilogueFunctor.PerRowBias,
+                     Epilogue.BIAS_ACT: _MixgemmEpilogueFunctor.PerRowBiasAct}
 
 
 def _cutlass_library():
@@ -345,7 +369,7 @@ def _gemm_operation(spec: GemmSpec):
         B=L.TensorDescription(act, L.LayoutType.ColumnMajor, 8),
         C=L.TensorDescription(L.DataType.void, L.LayoutType.ColumnMajor, 8),
         D=L.TensorDescription(act, L.LayoutType.ColumnMajor, 8),
-        element_epilogue=L.DataType.f32, epilogue_functor=_MixgemmEpilogueFunctor.PerRowBias,
+        element_epilogue=L.DataType.f32, epilogue_functor=_EPILOGUE_FUNCTOR[spec.epilogue],
         kernel_schedule=kernel_schedule, epilogue_schedule=epilogue_schedule,
         tile_scheduler=scheduler, mixed_input_mode=mode)
 
@@ -364,13 +388,11 @@ def render(spec: KernelSpec) -> str:
         L, _ = _cutlass_library()
         code = L.DataTypeTag[getattr(L.DataType, _DATATYPE[spec.weight])]
         act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
-        activation = {Activation.NONE: "kNone", Activation.SILU: "kSilu", Activation.GELU: "kGelu",
-                      Activation.SWIGLU: "kSwiglu"}[spec.activation]
         ntiles = spec.tokens // 8
         return (head + '#include "mixgemm/decode_kernel.hpp"\n\n'
                 f"using {spec.name}_config = mixgemm::decode::Config<{code}, {act}, {ntiles}, {spec.warps}, "
                 f"{spec.stage_bytes}, {spec.stages}>;\n"
-                f"MIXGEMM_DECODE_ENTRY({spec.name}, {spec.name}_config, mixgemm::decode::Activation::{activation})\n")
+                f"MIXGEMM_DECODE_ENTRY({spec.name}, {spec.name}_config, mixgemm::Activation::{spec.activation.cpp})\n")
     if isinstance(spec, DequantSpec):
         L, _ = _cutlass_library()
         code = L.DataTypeTag[getattr(L.DataType, _DATATYPE[spec.weight])]

@@ -84,7 +84,8 @@ class QuantLinear(nn.Module):
     ``activation`` ("none", "silu", "gelu" or "swiglu") is fused into the GEMM's epilogue (see
     :func:`mixgemm.gemm`). A "swiglu" layer (:meth:`from_gate_up`) holds a gated MLP's gate and up
     projections as one ``[2 * out_features, in_features]`` weight, stripe-interleaved, and
-    returns ``silu(x @ gate.T + b_g) * (x @ up.T + b_u)`` from one launch.
+    returns ``silu(x @ gate.T + b_g) * (x @ up.T + b_u)``: one launch at decode (M <= 16), the
+    GEMM then the product in torch above.
     """
 
     activation = "none"

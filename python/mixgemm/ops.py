@@ -44,8 +44,8 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
 
 
 def select_spec(m: int, w: PackedWeight, activation: Optional[str] = None) -> "GemmSpec | DecodeSpec":
-    """The kernel :func:`gemm` runs; with an activation, the decode kernels fuse it (the sm90 GEMM
-    kernels run without, and :func:`gemm` applies it after them)."""
+    """The kernel :func:`gemm` runs. The decode kernels fix their activation at compile time (so
+    the spec names it); the sm90 GEMM kernels take none / silu / gelu per call."""
     from .codegen import Activation, DecodeConfig
 
     tc = select_tile(m, w.n, w.k)
@@ -61,6 +61,20 @@ ACTIVATIONS = ("silu", "gelu", "swiglu")
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+def _tuned_splits(spec, w: PackedWeight, device: torch.device) -> int:
+    """The measured split-K factor of a decode launch (mixgemm.tuning), else 0: the planner's."""
+    from . import tuning
+
+    if spec.max_tokens is None:
+        return 0
+    return tuning.decode_splits(_gpu_name(device.index), w.n, w.k, spec.tokens, spec.weight.bits)
 
 
 def _device_ok(device: torch.device) -> Optional[str]:
@@ -188,8 +202,9 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
         Applied in float32 to ``acc + bias`` before the one rounding to x's dtype. ``"swiglu"``
         takes a weight built by :func:`mixgemm.quantize.interleave_gate_up` (gate and up 16-row
         stripes alternating, ``N = 2I``) and returns ``silu(gate) * up``, ``[..., I]`` (a bias
-        must be interleaved the same way). Fused into the decode kernels (M <= 16: one launch);
-        the sm90 GEMM kernels (M > 16) do not fuse it yet, so it runs after them in torch.
+        must be interleaved the same way). silu and gelu are fused into every kernel's
+        epilogue; swiglu into the decode kernels' (M <= 16: one launch), and above them it runs
+        in torch after the GEMM (its gate/up pairs span warps of the sm90 tile).
 
     Returns
     -------
@@ -198,22 +213,22 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
 
     Notes
     -----
-    The kernel is chosen by :func:`select_tile` from the number of tokens ``M = prod(x.shape[:-1])``.
+    The kernel is chosen by :func:`select_tile` from the number of tokens ``M = prod(x.shape[:-1])``;
+    a decode kernel's split-K factor comes from the measured table of :mod:`mixgemm.tuning` for
+    the layer shapes it lists, else from the kernel's own planner.
     Accumulation is in float32; the result is rounded once to x's dtype.
     """
     _check_gemm_inputs(x, w, bias, out, activation)
     m = math.prod(x.shape[:-1])
     spec = select_spec(m, w, activation)
-    if activation is None or spec.max_tokens is not None:   # decode kernels fuse it
-        return gemm_with_spec(x, w, spec, bias=bias, out=out, _checked=True)
+    if activation != "swiglu" or spec.max_tokens is not None:   # fused in the kernel
+        return gemm_with_spec(x, w, spec, bias=bias, out=out, activation=activation,
+                              splits=_tuned_splits(spec, w, x.device), _checked=True)
+    # swiglu above the decode sizes: the GEMM, then silu(gate) * up over its stripe pairs
     y = gemm_with_spec(x, w, spec, bias=bias, _checked=True)
-    if activation == "swiglu":
-        pairs = y.view(*y.shape[:-1], w.n // 32, 2, 16)
-        r = (torch.nn.functional.silu(pairs[..., 0, :].float()) * pairs[..., 1, :].float()).to(y.dtype)
-        r = r.reshape(*y.shape[:-1], w.n // 2)
-    else:
-        fn = torch.nn.functional.silu if activation == "silu" else torch.nn.functional.gelu
-        r = fn(y.float()).to(y.dtype)
+    pairs = y.view(*y.shape[:-1], w.n // 32, 2, 16)
+    r = (torch.nn.functional.silu(pairs[..., 0, :].float()) * pairs[..., 1, :].float()).to(y.dtype)
+    r = r.reshape(*y.shape[:-1], w.n // 2)
     if out is None:
         return r
     out.copy_(r)
@@ -221,18 +236,27 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
 
 
 def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpec", bias: Optional[torch.Tensor] = None,
-                   out: Optional[torch.Tensor] = None, *, splits: int = 1, _checked: bool = False) -> torch.Tensor:
+                   out: Optional[torch.Tensor] = None, *, activation: Optional[str] = None, splits: int = 0,
+                   _checked: bool = False) -> torch.Tensor:
     """:func:`gemm` with an explicit kernel (tests and benchmarks use it to run every kernel).
 
-    ``splits > 1`` forces the split-K factor of a decode kernel or of a stream-K GEMM (1: the
-    kernel's own choice)."""
+    ``activation``: a decode spec fixes its own (None means the spec's; another value is an
+    error); a GEMM spec applies none / silu / gelu per call. ``splits``: 0 lets the kernel choose;
+    ``>= 1`` forces a decode kernel's split-K factor, ``> 1`` a stream-K GEMM's."""
     from . import runtime
-    from .codegen import GEMM_KINDS
+    from .codegen import GEMM_KINDS, Activation, DecodeSpec
 
     if not isinstance(spec, GEMM_KINDS):
         raise TypeError(f"spec must be a GemmSpec or DecodeSpec, got {type(spec).__name__}")
-    activation = getattr(spec, "activation", None)
-    activation = None if activation is None or activation.value == "none" else activation.value
+    if isinstance(spec, DecodeSpec):
+        own = None if spec.activation is Activation.NONE else spec.activation.value
+        if activation is not None and activation != own:
+            raise ValueError(f"kernel {spec.name} fuses activation {spec.activation.value!r}, "
+                             f"not {activation!r}")
+        activation = own
+    elif activation == "swiglu":
+        raise ValueError(f"kernel {spec.name} does not fuse swiglu (only the decode kernels do; "
+                         f"mixgemm.gemm runs it after the GEMM)")
     if not _checked:
         _check_gemm_inputs(x, w, bias, out, activation)
     if spec.act is not w.act_type or spec.weight is not w.weight_type:
@@ -253,8 +277,9 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     args.m, args.n, args.k = m, w.n, w.k
     args.group_size = w.group_size
     args.sm_count = _sm_count(x.device.index)
-    args.splits = max(1, int(splits))
+    args.splits = max(0, int(splits))
     args.raster = 0
+    args.activation = Activation(activation or "none").abi
     args.weight = w.qdata.data_ptr()
     args.scales = w.scales.data_ptr()
     args.zeros = 0 if w.zeros is None else w.zeros.data_ptr()

@@ -22,7 +22,7 @@ import torch
 from .build import Artifacts, load_artifacts
 from .codegen import GEMM_KINDS, KernelSpec
 
-ABI_VERSION = 2  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
+ABI_VERSION = 3  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
 
 
 class CudaError(RuntimeError):
@@ -69,6 +69,8 @@ class GemmArgs(ctypes.Structure):
         ("sm_count", ctypes.c_int32),
         ("splits", ctypes.c_int32),
         ("raster", ctypes.c_int32),
+        ("activation", ctypes.c_int32),  # codegen.Activation's index: none, silu, gelu, swiglu
+        ("reserved", ctypes.c_int32),
         ("weight", ctypes.c_uint64),
         ("scales", ctypes.c_uint64),
         ("zeros", ctypes.c_uint64),

@@ -34,6 +34,7 @@
 #include "cute/atom/mma_atom.hpp"
 #include "cute/tensor.hpp"
 
+#include "mixgemm/chunk.hpp"
 #include "mixgemm/numeric_conversion.hpp"
 #include "mixgemm/tags.hpp"
 
@@ -409,17 +410,7 @@ struct CollectiveMmaPrepacked {
         for (int ka = 0; ka < kAtomsK; ++ka) {
           uint8_t const* src = smem_A + size_t(stage) * kStageBytesA +
                                size_t((atom_row[mm] * kAtomsK + ka) * kAtomBytes + lane * kChunkBytes);
-          if constexpr (kChunkBytes == 8) {
-            uint2 v = *reinterpret_cast<uint2 const*>(src);
-            chunk[mm][ka][0] = v.x; chunk[mm][ka][1] = v.y;
-          } else {
-            CUTLASS_PRAGMA_UNROLL
-            for (int q = 0; q < kChunkBytes / 16; ++q) {
-              uint4 v = reinterpret_cast<uint4 const*>(src)[q];
-              chunk[mm][ka][4 * q + 0] = v.x; chunk[mm][ka][4 * q + 1] = v.y;
-              chunk[mm][ka][4 * q + 2] = v.z; chunk[mm][ka][4 * q + 3] = v.w;
-            }
-          }
+          load_chunk<kChunkBytes>(src, chunk[mm][ka]);
         }
       }
 
