@@ -19,7 +19,7 @@ import sys
 import torch
 
 import mixgemm
-from mixgemm import bench, build, ops
+from mixgemm import bench, build, ops, tuning
 from mixgemm.codegen import DecodeSpec
 from mixgemm.types import ActType, WeightType
 
@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stage-bytes", default="1024,2048")
     ap.add_argument("--stages", default="4")
     ap.add_argument("--warps", default="8,4")
-    ap.add_argument("--splits", default="0,1,2,3,4,6,8")
+    ap.add_argument("--splits", default=",".join(map(str, (0,) + tuning.SWEEP_SPLITS)),
+                    help="split-K factors to force; 0 = the planner's pick")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--table", help="also write the measured split-K table (mixgemm.tuning) here")
     a = ap.parse_args(argv)
@@ -84,7 +85,6 @@ def main(argv=None) -> int:
         json.dump(rows, f, indent=1)
     os.replace(tmp, a.out)
     if a.table:
-        from mixgemm import tuning
         tuning.write_table(a.table, torch.cuda.get_device_name(dev), tuning.table_from_sweep(rows),
                            source="tools/sweep_decode.py " + " ".join(sys.argv[1:]))
     return 0
