@@ -609,3 +609,15 @@ def test_module_entry_without_gpu_exits_nonzero():
                           text=True, env=env, timeout=120)
     assert proc.returncode == 1
     assert "no CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_kernel_specs_prebuild_what_the_heuristic_can_pick():
+    """The kernels built up front cover every config select_tile may choose for the Ms (which
+    also depends on N: 128x128 or 128x256 tiles above M = 128)."""
+    import torch
+
+    (impl,) = bench.make_impls(["mixgemm-u4"], 128, bench.QuantCache())
+    names = [s.name for s in impl.kernel_specs(torch.bfloat16, [1, 4096])]
+    assert any("_decode_" in n and "_m8_" in n for n in names)
+    assert any("_t128x128x64_" in n for n in names) and any("_t128x256x64_" in n for n in names)
+    assert not any("_t128x64x64_" in n for n in names), "no M in (16, 128]: no stream-K GEMM"

@@ -262,7 +262,8 @@ class DecodeConfig:
 #:   M <= 16  : "dec16"   decode kernel, 16-token tile
 #:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K
 #:   ("dec32", the 32-token decode kernel, is built and tested but lost to "mid" on H100)
-#:   M >  128 : "large"   sm90 GEMM 128x128x64, persistent
+#:   M >  128 : "xl"      sm90 GEMM 128x256x64, persistent, when it makes >= 96 output tiles
+#:              "large"   sm90 GEMM 128x128x64, persistent, otherwise
 #: The GEMM kernels fuse bias + none / silu / gelu (chosen per call); swiglu is fused by the
 #: decode kernels only.
 TILE_CONFIGS = (
@@ -271,6 +272,7 @@ TILE_CONFIGS = (
     DecodeConfig("dec32", 32),
     TileConfig("mid", 128, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
     TileConfig("large", 128, 128, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT),
+    TileConfig("xl", 128, 256, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT),
 )
 
 ALL_ACTS = (ActType.BF16, ActType.FP16)

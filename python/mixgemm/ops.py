@@ -20,6 +20,11 @@ from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight
 #: H100 (benchmarks/results/nvidia-h100-80gb-hbm3): the 32-token decode kernel lost to the "mid"
 #: GEMM on 6 of the 8 default layer shapes, so M > 16 goes to the GEMM path.
 _HEURISTIC = ((8, "dec8"), (16, "dec16"), (128, "mid"), (None, "large"))
+#: Above M = 128, the 128x256 tile ("xl") when it makes at least this many output tiles (about 3/4
+#: of an H100's 132 SMs), else "large". Measured on H100 (gemm-tiles.json): 128x256 is 1.3-1.4x
+#: faster than 128x128 at M >= 1024 on every shape tried, and at M = 256 on 28672x8192 (224 tiles),
+#: but 25-30% slower at M = 256 on 8192x8192 and 4096x14336 (64 and 32 tiles: idle SMs).
+_XL_MIN_TILES = 96
 
 
 def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
@@ -27,19 +32,21 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
     and ``k`` input features.
 
     * ``m <= 8, 16``     -> "dec8" / "dec16": the decode kernel with that token tile (one warp
-      per 16-row weight stripe, weights streamed by bulk copies, split-K chosen at launch so
-      every SM streams weights);
+      per 16-row weight stripe, weights streamed by bulk copies, split-K from the measured table
+      of :mod:`mixgemm.tuning` or the kernel's planner, so that every SM streams weights);
     * ``m <= 128``       -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K ("dec32", the 32-token
       decode kernel, measured slower on most layer shapes; reachable with gemm_with_spec);
-    * else               -> "large": sm90 GEMM, 128x128x64, persistent.
+    * else               -> "xl": sm90 GEMM, 128x256x64, persistent, if that makes at least
+      96 output tiles (``ceil(m / 256) * ceil(n / 128)``), else "large": 128x128x64.
 
-    ``n`` and ``k`` do not change the choice of config (the decode kernels pick their split-K
-    factor from them at launch).
+    ``k`` does not change the choice.
     """
     from .codegen import TILE_CONFIGS
 
-    del n, k
+    del k
     label = next(lab for bound, lab in _HEURISTIC if bound is None or m <= bound)
+    if label == "large" and -(-m // 256) * -(-n // 128) >= _XL_MIN_TILES:
+        label = "xl"
     return next(tc for tc in TILE_CONFIGS if tc.label == label)
 
 

@@ -1,0 +1,56 @@
+"""Time candidate sm90 GEMM tile configs against the heuristic's and cuBLAS (GPU), with the
+result checked against float64: the measurements behind a change of TILE_CONFIGS.
+
+    python tools/sweep_gemm_tiles.py OUT.json SPEC_NAME [SPEC_NAME ...] [--shapes ...] [--m ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+import mixgemm
+from mixgemm import bench, ops
+from mixgemm.codegen import parse_name
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("specs", nargs="+")
+    ap.add_argument("--shapes", default="28672x8192,8192x8192,4096x14336")
+    ap.add_argument("--m", default="256,1024,4096")
+    ap.add_argument("--iters", type=int, default=30)
+    a = ap.parse_args(argv)
+    specs = [parse_name(s) for s in a.specs]
+    dev = torch.device("cuda")
+    flush = bench.flush_size(torch.cuda.get_device_properties(dev).L2_cache_size)
+    rows = []
+    for n, k in bench.parse_shapes(a.shapes):
+        w = torch.randn(n, k, device=dev) * 0.02
+        qw = mixgemm.quantize(w, 4, 128, symmetric=False, dtype=torch.bfloat16)
+        packed = mixgemm.prepack(qw)
+        deq = mixgemm.dequantize_reference(qw)
+        for m in bench.parse_int_list(a.m):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = (x.double() @ deq.double().T)
+            cub = bench.time_cuda(lambda: torch.nn.functional.linear(x, deq), a.iters, 3, flush).median_us
+            heur = ops.select_spec(m, packed)
+            for spec in [heur] + specs:
+                y = ops.gemm_with_spec(x, packed, spec)
+                err = ((y.double() - ref).norm() / ref.norm()).item()
+                t = bench.time_cuda(lambda: ops.gemm_with_spec(x, packed, spec), a.iters, 3, flush).median_us
+                rows.append(dict(n=n, k=k, m=m, spec=spec.name, us=t, cublas_us=cub, err=err))
+                print(f"{n}x{k} M={m:<5} {spec.name:<60} {t:9.1f} us  x{cub / t:5.2f}  err {err:.1e}", flush=True)
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(tmp, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
