@@ -63,7 +63,7 @@ def main(argv=None) -> int:
             cub = bench.time_cuda(lambda: torch.nn.functional.linear(x, dense), a.iters, 5, flush).median_us
             for wt in weights:
                 packed = mixgemm.prepack(mixgemm.quantize(w_float, wt.bits, 128, symmetric=wt.signed, dtype=torch.bfloat16))
-                nbytes = packed.qdata.numel() + packed.scales.numel() * 2 + (0 if packed.zeros is None else packed.zeros.numel() * 2)
+                nbytes = packed.nbytes
                 for sb, st, wp in variants:
                     spec = spec_for(wt, m, sb, st, wp)
                     for s in splits:

@@ -45,6 +45,7 @@ import torch
 
 from ._version import __version__
 from .codegen import TILE_CONFIGS
+from .tuning import gpu_slug
 from .types import ActType, PackedWeight, QuantizedWeight, WeightType
 
 # ------------------------------------------------------------------------------------------
@@ -218,10 +219,9 @@ def select_impl_names(candidates: Sequence[str], patterns: Optional[Sequence[str
     return chosen
 
 
-def slugify(name: str) -> str:
-    """A folder name for a GPU name: ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    return slug or "unknown-gpu"
+#: A folder name for a GPU name: ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``, the
+#: same name the measured tuning tables use (mixgemm.tuning).
+slugify = gpu_slug
 
 
 def results_dir(root: Path, gpu_name: str) -> Path:

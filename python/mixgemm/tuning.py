@@ -76,15 +76,16 @@ def table_from_sweep(rows: Iterable[Mapping], stage_bytes: int = 1024, warps: in
     (the default kernel config only, at the tile's representative M). A forced factor enters the
     table only when it beats the planner's own pick (``splits == 0``, measured in the same run)
     by more than ``min_gain`` (run-to-run noise is about 1%)."""
+    from .types import WeightType
+
     by_key: dict[SplitKey, dict[int, float]] = {}
-    bits_of = {"8": 8, "4": 4, "2": 2}
     for r in rows:
         if (r["stage_bytes"], r.get("warps", 8), r["stages"]) != (stage_bytes, warps, stages):
             continue
         tokens = next((t for t, m in TILE_M.items() if m == r["m"]), None)
         if tokens is None:
             continue
-        key = SplitKey(int(r["n"]), int(r["k"]), tokens, bits_of[str(r["weight"])[1:]])
+        key = SplitKey(int(r["n"]), int(r["k"]), tokens, WeightType(r["weight"]).bits)
         by_key.setdefault(key, {})[int(r["splits"])] = float(r["us"])
     out = []
     for key, times in sorted(by_key.items(), key=lambda kv: dataclasses.astuple(kv[0])):
