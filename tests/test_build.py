@@ -252,29 +252,38 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
     assert helper.check(args) is None
     _, launch = helper.prepare(args)
     rows_per_cta = 16 * spec.warps
-    assert tuple(launch.block) == (32 * spec.warps, 1, 1) and tuple(launch.cluster) == (1, 1, 1)
+    assert tuple(launch.block) == (32 * spec.warps, 1, 1)
     assert launch.grid[0] == 4096 // rows_per_cta
     splits = launch.grid[1]
-    # 32 row blocks cannot fill 132 SMs: K is split, and the workspace holds the counters (zeroed)
-    # and the float32 partials
-    assert splits > 1
-    assert launch.workspace_zero_bytes >= 4 * launch.grid[0]
-    assert launch.workspace_bytes == launch.workspace_zero_bytes + splits * 4096 * 16 * 4
+    # 32 row blocks cannot fill 132 SMs: K is split; up to 8 splits, the splits of a row block are
+    # one cluster and reduce through distributed shared memory: no workspace
+    assert 1 < splits <= 8
+    assert tuple(launch.cluster) == (1, splits, 1)
+    assert launch.workspace_bytes == 0 and helper.workspace_size(args) == 0
     assert launch.smem_bytes <= 227 * 1024
-    # a big layer needs far fewer splits; partials are kept for the real tokens only
+    # a big layer needs far fewer splits
     big = runtime.GemmArgs.from_buffer_copy(args)
     big.n, big.k, big.m, big.ldx, big.ldy = 57344, 8192, 1, 8192, 57344
     _, launch = helper.prepare(big)
-    assert launch.grid[1] < splits
-    if launch.grid[1] == 1:
-        assert launch.workspace_bytes == 0
-    else:
-        assert launch.workspace_bytes == launch.workspace_zero_bytes + launch.grid[1] * 57344 * 4
-    # an explicit split factor wins
+    assert launch.grid[1] < splits and launch.workspace_bytes == 0
+    assert tuple(launch.cluster) == (1, launch.grid[1], 1)
+    # an explicit split factor wins; beyond a cluster's 8, the splits reduce through a global
+    # workspace: the counters (zeroed) and the float32 partials of the real tokens
     forced = runtime.GemmArgs.from_buffer_copy(args)
     forced.splits = 3
     _, launch = helper.prepare(forced)
-    assert launch.grid[1] == 3
+    assert launch.grid[1] == 3 and tuple(launch.cluster) == (1, 3, 1) and launch.workspace_bytes == 0
+    forced.splits = 16
+    _, launch = helper.prepare(forced)
+    assert launch.grid[1] == 16 and tuple(launch.cluster) == (1, 1, 1)
+    assert launch.workspace_zero_bytes >= 4 * launch.grid[0]
+    assert launch.workspace_bytes == launch.workspace_zero_bytes + 16 * 4096 * 16 * 4
+    assert helper.workspace_size(forced) == launch.workspace_bytes
+    # long K with a full token tile: the x tile caps a CTA's k-range, so the planner goes past 8
+    long_k = runtime.GemmArgs.from_buffer_copy(args)
+    long_k.k = long_k.ldx = 131072
+    _, launch = helper.prepare(long_k)
+    assert launch.grid[1] > 8 and tuple(launch.cluster) == (1, 1, 1) and launch.workspace_bytes > 0
     for field, value, msg in (("m", 17, "too many tokens"), ("k", 4000, "multiple of 64"),
                               ("n", 4104, "multiple of 16"), ("group_size", 96, "power-of-two group"),
                               ("x", (3 << 20) + 2, "16-byte aligned"), ("ldx", 4100, "row stride"),

@@ -163,7 +163,7 @@ def test_every_fused_activation_kernel(spec: DecodeSpec, group):
     for m in sorted({1, 3, spec.tokens}):
         x = torch.randn(m, k, device=dev, dtype=dtype)
         ref = ref_fn(x)
-        for splits in (0, 1, 3):   # the kernel's choice, then forced
+        for splits in (0, 1, 3, 12):   # the kernel's choice, then forced (3: in a cluster, 12: through global memory)
             y = ops.gemm_with_spec(x, packed, spec, bias=bias, splits=splits)
             assert y.shape == ref.shape
             err = ((y.double() - ref).norm() / ref.norm()).item()
@@ -216,12 +216,13 @@ def test_every_gemm_kernel_fuses_activation(spec: GemmSpec, activation):
         ops.gemm_with_spec(x, packed, spec, activation="swiglu")
 
 
-@pytest.mark.parametrize("splits", (2, 3, 7))
+@pytest.mark.parametrize("splits", (2, 3, 7, 8, 12))
 @pytest.mark.parametrize("spec", DECODE_SPECS, ids=lambda s: s.name)
 def test_decode_forced_splits(spec: DecodeSpec, splits):
     """Split-K with a forced factor (uneven k-ranges, scale groups straddling splits), with bias:
-    the reduction through the workspace matches the kernel's own choice of splits up to float32
-    reassociation, and is deterministic (the splits are added in order)."""
+    the reduction -- across the CTAs of a cluster up to 8 splits, through a global workspace
+    beyond -- matches the kernel's own choice of splits up to float32 reassociation, and is
+    deterministic (the splits are added in order)."""
     dev = _dev()
     n, k, group = 1552, 2304, 128
     dtype = spec.act.torch_dtype
@@ -238,6 +239,35 @@ def test_decode_forced_splits(spec: DecodeSpec, splits):
         assert torch.allclose(ys.float(), y1.float(), rtol=2 ** -7, atol=1e-3), f"M={m} splits={splits}"
         again = ops.gemm_with_spec(x, packed, spec, bias=bias, splits=splits)
         assert torch.equal(again, ys), "split-K reduction must be deterministic"
+
+
+@pytest.mark.parametrize("spec", [s for s in DECODE_SPECS if s.act is ActType.BF16 and s.weight is WeightType.U4],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("splits", (1, 4, 12))
+def test_back_to_back_decode_launches_wait_for_each_other(spec: DecodeSpec, splits):
+    """The decode kernels are launched with programmatic dependent launch: each may start while
+    the previous kernel finishes, and must wait for it before reading its x (the previous
+    kernel's output) or writing its y (a buffer the kernel before may still be reading). A chain
+    of dependent GEMMs ping-ponging between two buffers, queued without synchronisation, equals
+    the same chain run one kernel at a time, bit for bit (the kernels are deterministic)."""
+    dev = _dev()
+    n = k = 2048
+    gen = torch.Generator(device=dev).manual_seed(3)
+    w = torch.randn(n, k, device=dev, generator=gen) / math.sqrt(k)   # keeps the chain's values O(1)
+    packed = mixgemm.prepack(mixgemm.quantize(w, 4, 128, symmetric=False, dtype=torch.bfloat16))
+    x = torch.randn(spec.tokens, k, device=dev, dtype=torch.bfloat16, generator=gen)
+    bufs = (torch.empty_like(x), torch.empty_like(x))
+    h = x
+    for i in range(12):   # kernel after kernel, nothing in between
+        h = ops.gemm_with_spec(h, packed, spec, out=bufs[i % 2], splits=splits)
+    queued = h.clone()
+    h = x
+    for i in range(12):
+        h = ops.gemm_with_spec(h, packed, spec, out=bufs[i % 2], splits=splits)
+        torch.cuda.synchronize()
+    # a step that read a stale x or had its y overwritten early would change every later step
+    assert torch.equal(h, queued)
+    assert h.abs().max().item() > 1e-3, "the chain must not have decayed to zeros"
 
 
 @pytest.mark.parametrize("wt", ALL_WEIGHTS, ids=lambda w: w.value)

@@ -16,9 +16,19 @@
 //   of converters/mixgemm (lop3 + sub per register: q - z, exact) and feeds mma.sync
 //   m16n8k16 with float32 accumulation. The group's scale is applied in float32 to the partial
 //   sum of the group (one FFMA per accumulator per group) instead of to every weight;
-// * split-K across CTAs when the stripes alone cannot fill the GPU: each split writes float32
-//   partials, and the last CTA of a row block to finish (an atomic counter, reset by that CTA)
-//   adds them in split order -- deterministic -- and runs the epilogue.
+// * split-K across CTAs when the stripes alone cannot fill the GPU. Up to 8 splits, the splits
+//   of a row block are one thread-block cluster (1 x splits): each CTA leaves its float32 sums
+//   in its own shared memory, and after a cluster barrier the CTAs read each other's sums
+//   through distributed shared memory and add them in split order (deterministic), each CTA
+//   finishing its share of the warps -- no global workspace, nothing to zero. Beyond 8 (long K
+//   with many tokens, where the x tile limits the k-range of a CTA), each split writes float32
+//   partials to a global workspace and the last CTA of a row block to finish (an atomic counter,
+//   reset by that CTA) adds them in split order and runs the epilogue;
+// * programmatic dependent launch: the kernel waits for the previous kernel in the stream
+//   (griddepcontrol.wait) before its first global memory access, and lets the next one launch
+//   (griddepcontrol.launch_dependents) once its weight stream is done, so that launch latency
+//   and set-up overlap the previous kernel's tail. Launched without the attribute, both are
+//   no-ops.
 //
 // Layout of one CTA: W warps, warp w owns weight rows [16 * (W * blockIdx.x + w), +16) and the
 // k-atoms [blockIdx.y * atoms_per_split, +atoms_per_split).
@@ -28,6 +38,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "cute/arch/cluster_sm90.hpp"
 #include "cute/arch/copy_sm75.hpp"
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/arch/mma_sm80.hpp"
@@ -56,12 +67,12 @@ struct Params {
   Act const* x;             // [M][ldx]
   Act const* bias;          // [N] or null
   Act* y;                   // [M][ldy]
-  float* partials;          // [splits][N][M] float32 (splits > 1)
-  int32_t* counters;        // [gridDim.x] zero-initialised (splits > 1); every finishing CTA leaves its 0
+  float* partials;          // [splits][N][M] float32 (splits > kMaxClusterSplits)
+  int32_t* counters;        // [gridDim.x] zero-initialised (idem); every finishing CTA leaves its 0
   int32_t m, n, k;
   int32_t group_shift;      // log2(group size); 30 for one group spanning K (per-channel)
   int32_t atoms_per_split;  // k-atoms (64 K each) per CTA
-  int32_t splits;
+  int32_t splits;           // <= kMaxClusterSplits: the cluster's size along y
   int32_t groups_per_split; // group rows of scales/zeros staged per CTA
   int64_t ldx, ldy;
 };
@@ -98,10 +109,14 @@ struct Config {
   // Shared memory: [ring: warps x stages x stage bytes][x tile][scales][zeros][barriers]
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
   static constexpr int kMaxSmem = 227 * 1024;
+  // Split-K: the CTA's float32 sums, [warp][lane][tile][4], reuse the ring once it is drained.
+  static constexpr int kSumsBytes = kThreads * kNTiles * 4 * 4;
+  static constexpr int kRingRegion = kRingBytes > kSumsBytes ? kRingBytes : kSumsBytes;
+  static constexpr int kMaxClusterSplits = 8;   // the portable cluster size
 
   // The carve-up of dynamic shared memory, shared by the host plan and the kernel:
-  //   [weight rings: warps x stages x stage bytes][x: rows x x_row_bytes][scales][zeros]
-  //   [xsum: groups x tokens float32, kFold only][barriers][flag]
+  //   [weight rings: warps x stages x stage bytes, or the split sums][x: rows x x_row_bytes]
+  //   [scales][zeros][xsum: groups x tokens float32, kFold only][barriers]
   // x rows: min(M, tokens); x_row_bytes = 128 * atoms_per_split + 16 (16 mod 128: the 8 rows an
   // ldmatrix reads fall in distinct banks); scales/zeros: groups x rows-per-CTA.
   struct Carve {
@@ -111,12 +126,12 @@ struct Config {
   CUTLASS_HOST_DEVICE static Carve carve(int x_rows, int atoms_per_split, int groups) {
     Carve c;
     int const group_bytes = groups * kRowsPerCta * int(sizeof(Act));
-    c.x = kRingBytes;
+    c.x = kRingRegion;
     c.scales = c.x + x_rows * x_row_bytes(atoms_per_split);
     c.zeros = c.scales + group_bytes;
     c.xsum = (c.zeros + (kHasZero ? group_bytes : 0) + 15) / 16 * 16;
     c.bars = c.xsum + (kFold ? groups * kTokens * 4 : 0);
-    c.total = c.bars + 8 * (kWarps * kStages + 1) + 16;
+    c.total = c.bars + 8 * (kWarps * kStages + 1) + 16;   // + the last-CTA flag of the global reduction
     return c;
   }
 };
@@ -131,6 +146,23 @@ CUTLASS_DEVICE void ldsm_x4(uint32_t addr, uint32_t& d0, uint32_t& d1, uint32_t&
                : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
                : "r"(addr));
 }
+
+// Another CTA's 16 bytes of shared memory, through distributed shared memory: the same offset in
+// the shared window of cluster rank `rank`.
+CUTLASS_DEVICE float4 ld_cluster_f4(float const* local, uint32_t rank) {
+  uint32_t const remote = cute::set_block_rank(cute::cast_smem_ptr_to_uint(local), rank);
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+  return v;
+}
+
+// Programmatic dependent launch (sm_90): wait until the previous grid in the stream has completed
+// and its memory is visible; let the next grid launch. No-ops for a launch without the attribute.
+CUTLASS_DEVICE void wait_previous_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+CUTLASS_DEVICE void launch_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
 // A lane's 4 A registers of k16 block KB, as exact half-precision integers q - z (no scale: the
 // kernel applies the scale in float32 per group). bias2: E + z for rows g and g + 8. With Fold,
@@ -201,6 +233,8 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     }
     cutlass::arch::fence_barrier_init();
   }
+  // Everything above overlaps the previous kernel's tail; every global access comes after.
+  wait_previous_grid();
   __syncthreads();
 
   // ---- the CTA's x tile and scale/zero rows: one barrier, copies spread over warp 0 ----
@@ -448,11 +482,11 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   // The epilogue, reached by every thread of the CTA (the gated form exchanges through shared
   // memory): the odd warp of a pair (up) hands its biased sums to the even warp (gate), which
   // writes silu(gate) * up at output rows 16 * (stripe / 2) + (g, g + 8).
-  auto finish = [&]() {
+  auto finish = [&](bool const mine) {
     if constexpr (Act_ == Activation::kSwiglu) {
       float* xchg = reinterpret_cast<float*>(smem) + ((warp / 2) * 32 + lane) * NT * 4;
       __syncthreads();                               // every warp is done with its ring
-      if (has_stripe && (warp & 1)) {
+      if (mine && has_stripe && (warp & 1)) {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < 4; ++c) {
           float const bias = p.bias ? float(p.bias[rows[c / 2]]) : 0.f;
@@ -461,7 +495,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
         }
       }
       __syncthreads();
-      if (has_stripe && !(warp & 1)) {
+      if (mine && has_stripe && !(warp & 1)) {
         int const out0 = (stripe / 2) * 16 + g;
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < 4; ++c) {
@@ -477,15 +511,47 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
         }
       }
     } else {
-      if (has_stripe) store();
+      if (mine && has_stripe) store();
     }
   };
+  launch_next_grid();   // the weight stream is done: the next kernel may start its set-up
   if (p.splits == 1) {
-    finish();
+    finish(true);
     return;
   }
-  // split-K: publish this split's float32 partials, then the last CTA of the row block adds all
-  // splits in order (deterministic) and runs the epilogue.
+  if (p.splits <= Cfg::kMaxClusterSplits) {
+    // ---- split-K in the cluster: publish the CTA's sums in its own shared memory (the drained
+    // rings), then CTA `rank` adds the splits of the warps it owns (warp pairs for the gated
+    // form: the pair's exchange stays in one CTA) in split order, and finishes them ----
+    float* sums = reinterpret_cast<float*>(smem) + threadIdx.x * NT * 4;
+    __syncthreads();                                 // every warp is done with its ring
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < NT; ++i) {
+      *reinterpret_cast<float4*>(sums + 4 * i) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+    }
+    cute::cluster_sync();                            // release the sums, acquire the peers'
+    int const unit = Act_ == Activation::kSwiglu ? warp / 2 : warp;
+    bool const mine = unit % p.splits == int(cute::block_rank_in_cluster());
+    if (mine && has_stripe) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < NT; ++i) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+      }
+      for (int sp = 0; sp < p.splits; ++sp) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < NT; ++i) {
+          float4 const v = ld_cluster_f4(sums + 4 * i, uint32_t(sp));
+          acc[i][0] += v.x; acc[i][1] += v.y; acc[i][2] += v.z; acc[i][3] += v.w;
+        }
+      }
+    }
+    cute::cluster_sync();                            // the peers are done reading: smem is free again
+    finish(mine);
+    return;
+  }
+  // ---- split-K through global memory: publish this split's float32 partials, then the last CTA
+  // of the row block adds all splits in order (deterministic) and runs the epilogue ----
   if (has_stripe) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < NT; ++i) {
@@ -520,7 +586,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       }
     }
   }
-  finish();
+  finish(true);
   if (threadIdx.x == 0) {
     p.counters[blockIdx.x] = 0;   // leave the counter as found: zero
   }
@@ -599,7 +665,8 @@ struct Host {
   // Split-K factor. The kernel streams at a rate set per SM (issue and latency bound, not a
   // shared queue), so the time is about the largest per-SM share of work: the CTAs an SM gets
   // (ceil(CTAs / SMs)) times each CTA's k-atoms plus a fixed start-up of ~2 atoms, plus, when
-  // split, the float32 partials (M/8 atoms' worth per CTA). Within the shared-memory budget,
+  // split, the float32 partials (M/8 atoms' worth per CTA; 2 atoms more for the global
+  // reduction's fence and counter, beyond a cluster's 8 splits). Within the shared-memory budget,
   // and with at least 2 CTAs fitting on an SM; ties go to fewer splits. An explicit
   // a.splits >= 1 wins.
   static char const* plan(abi::GemmArgs const& a, Plan& out) {
@@ -623,7 +690,8 @@ struct Host {
       if (!two_fit && !forced && best_cost >= 0) continue;
       long const ctas = long(row_blocks) * se;
       long const per_sm = (ctas + sms - 1) / sms;
-      long const cost = per_sm * (8L * aps + 16 + (se > 1 ? tokens : 0)) * (two_fit ? 1 : 2);
+      long const reduce = se == 1 ? 0 : se <= Cfg::kMaxClusterSplits ? tokens : tokens + 16;
+      long const cost = per_sm * (8L * aps + 16 + reduce) * (two_fit ? 1 : 2);
       if (best_cost < 0 || cost < best_cost) {
         best_cost = cost;
         out = Plan{se, aps, groups, smem, row_blocks};
@@ -631,11 +699,6 @@ struct Host {
     }
     if (best_cost < 0) return "no split of K fits this decode kernel's shared memory (too many tokens x K)";
     return nullptr;
-  }
-
-  static uint64_t counters_bytes(Plan const& pl) { return pl.splits > 1 ? (uint64_t(pl.row_blocks) * 4 + 255) / 256 * 256 : 0; }
-  static uint64_t workspace_bytes(abi::GemmArgs const& a, Plan const& pl) {
-    return pl.splits > 1 ? counters_bytes(pl) + uint64_t(pl.splits) * a.n * a.m * 4 : 0;
   }
 
   // Why the kernel cannot run `a` (nullptr if it can), and its plan.
@@ -649,6 +712,14 @@ struct Host {
     return check(a, pl);
   }
 
+  // The global reduction's workspace: beyond kMaxClusterSplits only.
+  static bool global_reduce(Plan const& pl) { return pl.splits > Cfg::kMaxClusterSplits; }
+  static uint64_t counters_bytes(Plan const& pl) {
+    return global_reduce(pl) ? (uint64_t(pl.row_blocks) * 4 + 255) / 256 * 256 : 0;
+  }
+  static uint64_t workspace_bytes(abi::GemmArgs const& a, Plan const& pl) {
+    return global_reduce(pl) ? counters_bytes(pl) + uint64_t(pl.splits) * a.n * a.m * 4 : 0;
+  }
   static uint64_t workspace_size(abi::GemmArgs const* a) {
     Plan pl;
     return check(a, pl) ? 0 : workspace_bytes(*a, pl);
@@ -674,8 +745,8 @@ struct Host {
     p.x = reinterpret_cast<Act const*>(a->x);
     p.bias = reinterpret_cast<Act const*>(a->bias);
     p.y = reinterpret_cast<Act*>(a->y);
-    p.counters = pl.splits > 1 ? reinterpret_cast<int32_t*>(a->workspace) : nullptr;
-    p.partials = pl.splits > 1 ? reinterpret_cast<float*>(a->workspace + counters_bytes(pl)) : nullptr;
+    p.counters = global_reduce(pl) ? reinterpret_cast<int32_t*>(a->workspace) : nullptr;
+    p.partials = global_reduce(pl) ? reinterpret_cast<float*>(a->workspace + counters_bytes(pl)) : nullptr;
     p.m = a->m; p.n = a->n; p.k = a->k;
     p.group_shift = group_shift_of(a->group_size, a->k);
     p.atoms_per_split = pl.atoms_per_split;
@@ -685,7 +756,9 @@ struct Host {
     std::memcpy(dst, &p, sizeof(p));
     out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = 1;
     out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;
-    out->cluster[0] = out->cluster[1] = out->cluster[2] = 1;
+    out->cluster[0] = 1;    // the splits of a row block are one cluster, up to kMaxClusterSplits
+    out->cluster[1] = global_reduce(pl) ? 1u : uint32_t(pl.splits);
+    out->cluster[2] = 1;
     out->smem_bytes = uint32_t(pl.smem_bytes);
     out->params_bytes = uint32_t(sizeof(Params<Act>));
     return 0;

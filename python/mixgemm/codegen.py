@@ -107,6 +107,11 @@ class GemmSpec:
     stages: int = 0
 
     kind = KernelKind.GEMM
+    #: Whether the kernel waits for the previous grid before its first global access
+    #: (``griddepcontrol.wait``), so that it may be launched with programmatic stream
+    #: serialization. CUTLASS's sm90 kernels do so only when built with
+    #: CUTLASS_ENABLE_GDC_FOR_SM90, which these are not.
+    programmatic_launch = False
 
     def __post_init__(self) -> None:
         if self.tile_m % 64 or self.tile_m not in (64, 128, 256):
@@ -147,6 +152,7 @@ class DecodeSpec:
     activation: Activation = Activation.NONE
 
     kind = KernelKind.DECODE
+    programmatic_launch = True   # decode_kernel.hpp: wait_previous_grid() precedes every global access
 
     def __post_init__(self) -> None:
         if self.tokens not in (8, 16, 32):

@@ -241,11 +241,20 @@ def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
     config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in launch.block)
     config.sharedMemBytes = int(launch.smem_bytes)
     config.hStream = _stream_handle(kernel.device)
-    attr = drv.CUlaunchAttribute()
-    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = (int(v) for v in launch.cluster)
-    config.attrs = [attr]
-    config.numAttrs = 1
+    attrs = []
+    cluster = drv.CUlaunchAttribute()
+    cluster.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = (int(v) for v in launch.cluster)
+    attrs.append(cluster)
+    if kernel.spec.programmatic_launch:
+        # Programmatic dependent launch: the kernel may start (and set up) while the previous
+        # kernel in the stream finishes; it waits for it before touching global memory.
+        pdl = drv.CUlaunchAttribute()
+        pdl.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        pdl.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(pdl)
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
     check(drv.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(argv), 0),
           f"cuLaunchKernelEx({kernel.spec.name})")
     # `workspace` may be freed now: torch's allocator reuses it only in stream order.
