@@ -2,6 +2,8 @@
 matches each source format's own dequantization, on the GPU."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,3 +67,33 @@ def test_hqq_integer_zeros(requires_gpu, bits):
     t, meta = tf.make_hqq(tf.N, k, gs, bits, torch.float16, tf.gen_for("gpu-hqq", bits), encoded=False)
     w_ref = tf.hqq_reference_dequant(t["W_q"], t["scale"], t["zero"], bits, (tf.N, k), torch.float16)
     _check(formats.from_hqq(t["W_q"], t["scale"], t["zero"], meta), w_ref, requires_gpu, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_hqq_fractional_zeros_every_path(requires_gpu, bits, dtype):
+    """HQQ with fractional zero points: the kernels' integer zero points plus the float32 offsets
+    added after them, on the decode and GEMM paths, with and without a fused activation, against
+    float64 on the weight mixgemm computes with (within the documented bound of HQQ's own)."""
+    dev = requires_gpu
+    k, gs = tf.shape_for(64)
+    t, meta = tf.make_hqq(tf.N, k, gs, bits, dtype, tf.gen_for("gpu-hqq-frac", bits, str(dtype)),
+                          zeros="fractional", encoded=False)
+    qw = formats.from_hqq(t["W_q"], t["scale"], t["zero"], meta).qweight
+    packed = mixgemm.prepack(qw).to(dev)
+    assert packed.zero_offsets is not None
+    # the exact weight: (q - z_int) * s in the activation dtype, plus the float32 offsets
+    base = mixgemm.dequantize_reference(dataclasses.replace(qw, zero_offsets=None)).double()
+    w = (base + qw.zero_offsets.double().repeat_interleave(gs, dim=1)).to(dev)
+    tol = 6e-3 if dtype == torch.bfloat16 else 1e-3
+    for m in (1, 16, 100, 300):
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        lin = x.double() @ w.T
+        for act, ref in ((None, lin), ("silu", torch.nn.functional.silu(lin))):
+            y = mixgemm.gemm(x, packed, activation=act)
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert err < 2 * tol, (m, act, err)
+    assert torch.equal(mixgemm.dequantize(packed), mixgemm.dequantize_reference(packed))
+    layer = mixgemm.nn.QuantLinear.from_packed(packed)
+    x = torch.randn(4, k, device=dev, dtype=dtype)
+    assert torch.equal(layer(x), mixgemm.gemm(x, packed))

@@ -1,4 +1,5 @@
 """mixgemm.save / mixgemm.load: round trips, atomic writes and every refused file."""
+import dataclasses
 import json
 import os
 
@@ -70,7 +71,8 @@ def test_round_trip(saved):
         else:
             assert loaded[name].dtype == obj.dtype and torch.equal(loaded[name], obj)
     header = read_metadata(path)
-    assert header["mixgemm:format_version"] == str(FORMAT_VERSION) == "1"
+    # no zero_offsets: the oldest format version, readable by every mixgemm
+    assert header["mixgemm:format_version"] == "1" and FORMAT_VERSION == 2
     for key, value in meta.items():
         assert header[key] == value
     # the packed weights really are stored as companion tensors with JSON metadata
@@ -214,7 +216,7 @@ def test_layout_version_from_the_future(saved):
 
 def test_format_version_from_the_future(saved):
     path = saved[0]
-    rewrite(path, edit_metadata=lambda m: m.update({"mixgemm:format_version": "2"}))
+    rewrite(path, edit_metadata=lambda m: m.update({"mixgemm:format_version": str(FORMAT_VERSION + 1)}))
     with pytest.raises(MixgemmFormatError, match=r"from the future.*upgrade mixgemm"):
         load(path)
 
@@ -284,3 +286,22 @@ def test_load_to_cuda(saved, requires_gpu):
     assert loaded["layers.0.q.weight"].device.type == "cuda"
     assert loaded["embed"].device.type == "cuda"
     assert_same_packed(objects["layers.0.q.weight"], loaded["layers.0.q.weight"].to("cpu"))
+
+
+def test_zero_offsets_round_trip_and_version(tmp_path):
+    """A weight with fractional zero points (zero_offsets) is saved as a companion tensor and
+    marks the file format version 2; it loads back exactly."""
+    from mixgemm.types import PackedWeight
+
+    qw = quantize(torch.randn(32, 128), 4, 64, symmetric=False, dtype=torch.bfloat16)
+    offsets = torch.randn(32, 2) * 1e-3
+    packed = prepack(dataclasses.replace(qw, zero_offsets=offsets))
+    assert isinstance(packed, PackedWeight) and packed.zero_offsets.shape == (2, 32)
+    path = tmp_path / "o.safetensors"
+    save(path, {"w": packed})
+    assert read_metadata(path)["mixgemm:format_version"] == "2"
+    back = load(path)["w"]
+    assert torch.equal(back.zero_offsets, packed.zero_offsets)
+    assert torch.equal(unpack(back).zero_offsets, offsets)
+    with pytest.raises(ValueError, match="zero_offsets must be float32"):
+        dataclasses.replace(packed, zero_offsets=packed.zero_offsets.double())

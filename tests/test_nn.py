@@ -73,6 +73,21 @@ def test_bad_constructions():
         QuantLinear.from_packed(torch.zeros(3))
 
 
+def test_zero_offsets_round_trip_through_state_dict():
+    """A layer imported with fractional zero points keeps its offsets through the state dict
+    (the buffer is created on load, like perm) and through .packed."""
+    import dataclasses
+
+    base = QuantLinear.from_linear(_linear(), bits=4, group_size=64)
+    qw = mixgemm.unpack(base.packed)
+    offsets = torch.randn(qw.n, qw.k // 64) * 1e-3
+    q = QuantLinear.from_packed(mixgemm.prepack(dataclasses.replace(qw, zero_offsets=offsets)))
+    dst = QuantLinear(128, 64, bits=4, group_size=64, bias=False)
+    assert dst.zero_offsets is None
+    dst.load_state_dict(q.state_dict())
+    assert torch.equal(dst.zero_offsets, offsets.t()) and torch.equal(dst.packed.zero_offsets, offsets.t())
+
+
 def test_fake_impl_gives_shapes_without_running():
     from torch._subclasses.fake_tensor import FakeTensorMode
     q = QuantLinear.from_linear(_linear(n=80, k=192), bits=2, group_size=64)

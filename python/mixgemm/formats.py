@@ -19,7 +19,9 @@ weight that :func:`mixgemm.dequantize_reference` computes from an imported layer
 source format's own dequantization formula, evaluated in that dtype, **bit for bit**: both
 sides form the exact integer ``q - z`` (``|q - z| <= 255`` is exact in bf16 and fp16), and
 round its product with the scale to nearest-even once. The one exception, per converter
-below, is HQQ with fractional zero points, which is refused.
+below, is HQQ with fractional zero points: imported with an integer zero point plus a float32
+offset per (row, group), within 2 ulp of ``2^b * |scale|`` of HQQ's formula (see
+:func:`from_hqq`).
 
 If ``dtype`` differs from the checkpoint's scale dtype, the scales are first rounded to
 ``dtype`` (to nearest-even). That is exact when they are representable in it: bf16 scales in
@@ -56,7 +58,7 @@ Errors
 Tensors that do not form a valid layer (missing companions, wrong shapes or dtypes, bits that
 contradict the shapes, N not a multiple of 16 or K of 64, ...) raise :class:`FormatError`, a
 ``ValueError`` naming the layer. Valid source layers that mixgemm cannot represent exactly
-(HQQ fractional zero points or ``axis=0``, 3-bit codes, ...) raise
+(HQQ ``axis=0``, 3-bit codes, ...) raise
 :class:`UnsupportedLayerError`, which is both a ``FormatError`` and a ``NotImplementedError``.
 """
 from __future__ import annotations
@@ -145,8 +147,8 @@ class FormatError(ValueError):
 
 
 class UnsupportedLayerError(FormatError, NotImplementedError):
-    """A valid layer of the source format that mixgemm cannot represent exactly (for example
-    HQQ's fractional zero points or ``axis=0``, or 3-bit codes)."""
+    """A valid layer of the source format that mixgemm cannot represent (for example HQQ's
+    ``axis=0``, or 3-bit codes)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -748,18 +750,21 @@ def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: M
         w   = ((W_r - zero) * scale).reshape(N, K)           # zero, scale: [N*K/g, 1]
 
     with a *floating-point* zero point. mixgemm's kernels fold an integer zero point into the
-    int -> float conversion, so only layers whose zero points are all integers in
-    ``[0, 2^b-1]`` are imported (for example ``optimize=False, round_zero=True``); then
-    ``W_r - zero`` is exact in both and the result is bit-exact as below. Fractional zero
-    points raise :class:`UnsupportedLayerError` (a ``NotImplementedError``): there is no
-    exact integer re-encoding in general. ``fl(fl(q - z) * s)`` rounds twice, the first time
-    by an amount that depends on ``z``'s fraction; widening the codes to carry the fraction
-    bits (``q' = 2^j q``, ``z' = 2^j z``, ``s' = 2^-j s``, as 8-bit codes) is exact only when
-    every ``z`` has at most ``8 - b`` fraction bits, and the zero points HQQ's optimizer
-    produces have about 10 (fp16) or 7 (bf16).
+    int -> float conversion. When every zero point is an integer in ``[0, 2^b-1]`` (for
+    example ``optimize=False, round_zero=True``), ``W_r - zero`` is exact in both and the
+    import is bit-exact with the formula above (when ``dtype`` is the scales' dtype, the
+    default; with another ``dtype``, within the bound under "Bit-exactness" in the module
+    docstring).
 
-    Bit-exact with this formula when ``dtype`` is the scales' dtype (the default); with
-    another ``dtype``, within the bound given under "Bit-exactness" in the module docstring.
+    Fractional zero points (what HQQ's optimizer produces) are split into the nearest integer
+    ``z_i`` in ``[0, 2^b-1]``, used by the kernels, and a float32 offset per (row, group),
+    ``o = (z_i - zero) * scale`` (:attr:`QuantizedWeight.zero_offsets`), which
+    :func:`mixgemm.gemm` adds as ``xsum_per_group @ o`` after the kernel. The weight mixgemm
+    computes with is then ``fl(fl((q - z_i) * s) + o)`` against HQQ's ``fl(fl(q - zero) * s)``:
+    not bit-exact (no integer re-encoding is: HQQ's first rounding depends on ``zero``'s
+    fraction), but within 2 units in the last place of ``2^b * |s|`` per element, i.e. at most
+    ``2^(b+1-p)`` quantization steps with ``p`` = 8 (bf16) or 11 (fp16) significant bits
+    (tested).
 
     Parameters
     ----------
@@ -773,7 +778,7 @@ def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: M
         ``[N*K/g, 1]`` (any shape with ``N*K/g`` elements), floating point: HQQ's
         dequantization scale (already inverted).
     zero : torch.Tensor
-        ``[N*K/g, 1]``, floating point; must be integer-valued in ``[0, 2^b-1]``.
+        ``[N*K/g, 1]``, floating point: HQQ's zero points, integer or not.
     meta : Mapping
         HQQ's meta data, either plain Python values or as ``encode_safetensor_type`` stores
         them in a state dict (int32 / uint8 tensors): ``nbits`` (8, 4, 2), ``group_size``
@@ -794,8 +799,8 @@ def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: M
         Missing or inconsistent meta data, shapes or dtypes; N % 16, K % 64 or the group
         size unsupported.
     UnsupportedLayerError
-        Fractional zero points (also a ``NotImplementedError``); ``axis=0`` (groups along
-        N); nbits other than 8/4/2; quantized scales/zeros.
+        ``axis=0`` (groups along N); nbits other than 8/4/2; quantized scales/zeros (also a
+        ``NotImplementedError``).
     """
     if not isinstance(meta, Mapping):
         raise TypeError(f"meta must be a mapping, got {type(meta).__name__}")
@@ -861,25 +866,22 @@ def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: M
     z = zero.reshape(n, k // gs)
     if not bool(torch.isfinite(z).all()):
         raise _err(name, "zero has non-finite values")
-    frac = z != z.round()
-    if bool(frac.any()):
-        i = int(frac.flatten().nonzero()[0])
-        raise _err(name, f"{int(frac.sum())} of its {z.numel()} HQQ zero points are not "
-                         f"integers (e.g. {float(z.flatten()[i])!r}); float zero points are "
-                         f"not supported yet: mixgemm's kernels apply integer zero points "
-                         f"exactly in the int -> float conversion, and no integer "
-                         f"re-encoding reproduces (W_q - zero) * scale bit for bit",
-                   UnsupportedLayerError)
     qmax = (1 << bits) - 1
-    if float(z.min()) < 0 or float(z.max()) > qmax:
-        raise _err(name, f"integer zero points must lie in [0, {qmax}] for {bits}-bit codes, "
-                         f"got [{float(z.min())}, {float(z.max())}]", UnsupportedLayerError)
+    s = scale.reshape(n, k // gs)
+    fractional = bool((z != z.round()).any()) or float(z.min()) < 0 or float(z.max()) > qmax
+    # integer zero points for the kernels; a fractional (or out-of-range) remainder becomes the
+    # float32 offset o = (z_int - z) * s of each (row, group)
+    z_int = z.round().clamp(0, qmax)
+    offsets = ((z_int.float() - z.float()) * s.to(act).float()).contiguous() if fractional else None
     shifts = torch.arange(8 - bits, -1, -bits, dtype=torch.uint8, device=W_q.device)
     codes = (W_q.unsqueeze(0) >> shifts.view(-1, 1, 1)) & qmax      # [per, rows/per, g]
     q_u = codes.reshape(rows, gs).reshape(n, k)
-    s = scale.reshape(n, k // gs)
-    qw = _finalize(name, q_u, z.to(torch.int16), s, bits=bits, group_size=gs,
-                   symmetric=symmetric, act=act)
+    if fractional and symmetric:
+        raise _err(name, "symmetric=True, but the zero points are fractional")
+    qw = _finalize(name, q_u, z_int.to(torch.int16), s, bits=bits, group_size=gs,
+                   symmetric=False if fractional else symmetric, act=act)
+    if offsets is not None:
+        qw = dataclasses.replace(qw, zero_offsets=offsets)
     return ImportedLayer(qweight=qw)
 
 

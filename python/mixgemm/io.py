@@ -9,8 +9,11 @@ A mixgemm file is an ordinary safetensors file:
   (uint8 ``[N/16, K/64, 128*bits]``), ``name.scales`` (``[G, N]``, bf16/fp16) and, for
   asymmetric weights, ``name.zeros`` (``[G, N]``), plus the header metadata entry
   ``mixgemm:name`` holding the JSON of :meth:`PackedWeight.metadata` (weight type, group
-  size, N, K, arch, layout version, ...);
-* the header metadata entry ``mixgemm:format_version`` is ``"1"``.
+  size, N, K, arch, layout version, ...); a weight imported with fractional zero points (HQQ)
+  also has ``name.zero_offsets`` (float32 ``[G, N]``, see :class:`~mixgemm.types.PackedWeight`);
+* the header metadata entry ``mixgemm:format_version`` is the oldest version that can read the
+  file: ``"2"`` when a weight has ``zero_offsets`` (which a version-1 reader would ignore), else
+  ``"1"``.
 
 User metadata (``str -> str``) is stored alongside; keys starting with ``mixgemm:`` are
 reserved. Files written by a newer mixgemm (a larger format or layout version) are refused
@@ -34,7 +37,9 @@ __all__ = ["FORMAT_VERSION", "MixgemmFormatError", "save", "load", "read_metadat
            "check_metadata", "is_mixgemm_metadata"]
 
 #: Version of the file format written by :func:`save`.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: The version written for files without zero_offsets (readable by mixgemm's first format).
+_BASE_VERSION = 1
 
 _PREFIX = "mixgemm:"
 _VERSION_KEY = "mixgemm:format_version"
@@ -83,7 +88,8 @@ def _flatten(tensors: Mapping, metadata: Optional[Mapping]) -> tuple[dict, dict]
                 raise ValueError(f"metadata key {key!r}: keys starting with {_PREFIX!r} are "
                                  f"reserved for mixgemm")
             header[key] = value
-    header[_VERSION_KEY] = str(FORMAT_VERSION)
+    needs_v2 = any(isinstance(v, PackedWeight) and v.zero_offsets is not None for v in tensors.values())
+    header[_VERSION_KEY] = str(FORMAT_VERSION if needs_v2 else _BASE_VERSION)
 
     flat: Dict[str, torch.Tensor] = {}
     owner: Dict[str, str] = {}  # safetensors name -> the dict entry that produced it
@@ -110,6 +116,8 @@ def _flatten(tensors: Mapping, metadata: Optional[Mapping]) -> tuple[dict, dict]
             add(f"{name}.scales", value.scales, name)
             if value.zeros is not None:
                 add(f"{name}.zeros", value.zeros, name)
+            if value.zero_offsets is not None:
+                add(f"{name}.zero_offsets", value.zero_offsets, name)
             header[_PREFIX + name] = json.dumps(value.metadata(), sort_keys=True)
         elif isinstance(value, torch.Tensor):
             add(name, value, name)
@@ -359,7 +367,7 @@ def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
     for name, spec in specs.items():
         where = f"{path}: packed weight {name!r}"
         parts = {}
-        for part in ("qdata", "scales", "zeros"):
+        for part in ("qdata", "scales", "zeros", "zero_offsets"):
             parts[part] = raw.pop(f"{name}.{part}", None)
         for part in ("qdata", "scales") + (("zeros",) if spec["weight_type"].has_zero else ()):
             if parts[part] is None:
@@ -374,7 +382,7 @@ def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
         kwargs = {key: value for key, value in spec.items() if key != "dtype"}
         try:
             packed = PackedWeight(qdata=parts["qdata"], scales=parts["scales"],
-                                  zeros=parts["zeros"], **kwargs)
+                                  zeros=parts["zeros"], zero_offsets=parts["zero_offsets"], **kwargs)
         except (TypeError, ValueError) as e:
             raise MixgemmFormatError(f"{where}: inconsistent with its metadata: {e}") from None
         out[name] = packed.to(device)

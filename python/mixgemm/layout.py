@@ -120,7 +120,8 @@ def prepack(qw: QuantizedWeight, arch: str = "sm90a") -> PackedWeight:
     -------
     PackedWeight
         ``qdata`` uint8 ``[N/16, K/64, 128*bits]`` on ``qw``'s device, in the layout
-        documented in this module; ``scales``/``zeros`` transposed to ``[G, N]``.
+        documented in this module; ``scales``/``zeros`` (and ``zero_offsets``) transposed to
+        ``[G, N]``.
     """
     _check_arch(arch)
     if not isinstance(qw, QuantizedWeight):
@@ -133,7 +134,7 @@ def prepack(qw: QuantizedWeight, arch: str = "sm90a") -> PackedWeight:
         if lo < wt.qmin or hi > wt.qmax:
             raise ValueError(f"codes must lie in [{wt.qmin}, {wt.qmax}] for {wt.value} weights, "
                              f"got values in [{lo}, {hi}]")
-    for name, t in (("scales", qw.scales), ("zeros", qw.zeros)):
+    for name, t in (("scales", qw.scales), ("zeros", qw.zeros), ("zero_offsets", qw.zero_offsets)):
         if t is not None and not torch.isfinite(t).all():
             raise ValueError(f"{name} must be finite")
     index, shift = _byte_gather_index(bits)
@@ -159,6 +160,7 @@ def prepack(qw: QuantizedWeight, arch: str = "sm90a") -> PackedWeight:
         k=k,
         arch=arch,
         layout_version=LAYOUT_VERSION,
+        zero_offsets=None if qw.zero_offsets is None else qw.zero_offsets.t().contiguous(),
     )
 
 
@@ -207,4 +209,5 @@ def unpack(packed: PackedWeight) -> QuantizedWeight:
         bits=bits,
         group_size=packed.group_size,
         symmetric=wt.signed,
+        zero_offsets=None if packed.zero_offsets is None else packed.zero_offsets.t().contiguous(),
     )

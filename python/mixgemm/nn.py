@@ -26,24 +26,25 @@ from .types import LAYOUT_VERSION, PackedWeight, WeightType, check_group_size
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("mixgemm::gemm", mutates_args=())
 def _gemm_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-             bias: Optional[torch.Tensor], weight_type: str, group_size: int, n: int, k: int,
-             activation: str = "none") -> torch.Tensor:
+             zero_offsets: Optional[torch.Tensor], bias: Optional[torch.Tensor], weight_type: str,
+             group_size: int, n: int, k: int, activation: str = "none") -> torch.Tensor:
     from .ops import gemm
 
-    packed = PackedWeight(qdata, scales, zeros, WeightType(weight_type), group_size, n, k)
+    packed = PackedWeight(qdata, scales, zeros, WeightType(weight_type), group_size, n, k,
+                          zero_offsets=zero_offsets)
     return gemm(x, packed, bias=bias, activation=None if activation == "none" else activation)
 
 
 @_gemm_op.register_fake
-def _gemm_fake(x, qdata, scales, zeros, bias, weight_type, group_size, n, k, activation="none"):
+def _gemm_fake(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation="none"):
     return x.new_empty((*x.shape[:-1], n // 2 if activation == "swiglu" else n))
 
 
 def gemm_op(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
             activation: Optional[str] = None) -> torch.Tensor:
     """:func:`mixgemm.gemm` through the registered custom op (traceable by torch.compile)."""
-    return torch.ops.mixgemm.gemm(x, w.qdata, w.scales, w.zeros, bias, w.weight_type.value, w.group_size,
-                                  w.n, w.k, activation or "none")
+    return torch.ops.mixgemm.gemm(x, w.qdata, w.scales, w.zeros, w.zero_offsets, bias, w.weight_type.value,
+                                  w.group_size, w.n, w.k, activation or "none")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +113,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", torch.ones(sshape, dtype=dtype, device=device))
         self.register_buffer("zeros", None if symmetric else torch.zeros(sshape, dtype=dtype, device=device))
         self.register_buffer("perm", None)
+        self.register_buffer("zero_offsets", None)   # fractional zero points (HQQ imports)
         self.bias = nn.Parameter(torch.zeros(rows, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
 
@@ -131,12 +133,12 @@ class QuantLinear(nn.Module):
     @property
     def packed(self) -> PackedWeight:
         return PackedWeight(self.qdata, self.scales, self.zeros, self.weight_type, self.group_size,
-                            self.weight_rows, self.in_features)
+                            self.weight_rows, self.in_features, zero_offsets=self.zero_offsets)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        return torch.ops.mixgemm.gemm(x, self.qdata, self.scales, self.zeros, self.bias,
+        return torch.ops.mixgemm.gemm(x, self.qdata, self.scales, self.zeros, self.zero_offsets, self.bias,
                                       self.weight_type.value, self.group_size, self.weight_rows,
                                       self.in_features, self.activation)
 
@@ -160,6 +162,7 @@ class QuantLinear(nn.Module):
         layer.register_buffer("qdata", packed.qdata)
         layer.register_buffer("scales", packed.scales)
         layer.register_buffer("zeros", packed.zeros)
+        layer.register_buffer("zero_offsets", packed.zero_offsets)
         if perm is not None and (perm.shape != (packed.k,) or perm.dtype != torch.int64):
             raise ValueError(f"perm must be int64 of shape [{packed.k}]")
         layer.register_buffer("perm", perm)
@@ -230,10 +233,12 @@ class QuantLinear(nn.Module):
             raise ValueError(f"QuantLinear metadata mismatch (state, module): {diff}")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # The act-order permutation is optional: create or drop the buffer to match the state.
-        key = prefix + "perm"
-        if key in state_dict and self.perm is None:
-            self.register_buffer("perm", torch.empty_like(state_dict[key]))
+        # The act-order permutation and the zero offsets are optional: create the buffers to
+        # match the state.
+        for name in ("perm", "zero_offsets"):
+            key = prefix + name
+            if key in state_dict and getattr(self, name) is None:
+                self.register_buffer(name, torch.empty_like(state_dict[key], device=self.qdata.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

@@ -199,7 +199,10 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
         non-contiguous or non-16-byte-aligned x is copied first (``x.contiguous()``).
     w : PackedWeight
         Weight ``[N, K]`` prepacked by :func:`mixgemm.prepack` for the same dtype and device.
-        ``dequant(w)`` is ``q*s`` (symmetric) or ``(q - z)*s`` (asymmetric), group-wise along K.
+        ``dequant(w)`` is ``q*s`` (symmetric) or ``(q - z)*s`` (asymmetric), group-wise along K;
+        a weight with ``zero_offsets`` (fractional zero points, HQQ) adds them after the
+        kernel, ``y += xsum_per_group @ zero_offsets`` in float32, and then applies the
+        activation in torch.
     bias : torch.Tensor, optional
         Shape ``[N]``, x's dtype.
     out : torch.Tensor, optional
@@ -227,19 +230,39 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     """
     _check_gemm_inputs(x, w, bias, out, activation)
     m = math.prod(x.shape[:-1])
-    spec = select_spec(m, w, activation)
-    if activation != "swiglu" or spec.max_tokens is not None:   # fused in the kernel
+    # zero offsets (fractional zero points) are added after the kernel, so the activation too
+    fused = w.zero_offsets is None
+    spec = select_spec(m, w, activation if fused else None)
+    splits = _tuned_splits(spec, w, x.device)
+    if activation is None or (fused and (activation != "swiglu" or spec.max_tokens is not None)):
         return gemm_with_spec(x, w, spec, bias=bias, out=out, activation=activation,
-                              splits=_tuned_splits(spec, w, x.device), _checked=True)
-    # swiglu above the decode sizes: the GEMM, then silu(gate) * up over its stripe pairs
-    y = gemm_with_spec(x, w, spec, bias=bias, _checked=True)
-    pairs = y.view(*y.shape[:-1], w.n // 32, 2, 16)
-    r = (torch.nn.functional.silu(pairs[..., 0, :].float()) * pairs[..., 1, :].float()).to(y.dtype)
-    r = r.reshape(*y.shape[:-1], w.n // 2)
+                              splits=splits, _checked=True)   # the activation fused in the kernel
+    y = gemm_with_spec(x, w, spec, bias=bias, splits=splits, _checked=True)
+    r = _activate(y, activation)
     if out is None:
         return r
     out.copy_(r)
     return out
+
+
+def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
+    """The epilogue functions in torch, in float32 with one rounding (for the unfused paths);
+    swiglu pairs the 16-row stripes of a gate/up interleaved weight."""
+    if activation is None:
+        return y
+    if activation == "swiglu":
+        pairs = y.view(*y.shape[:-1], y.shape[-1] // 32, 2, 16)
+        r = (torch.nn.functional.silu(pairs[..., 0, :].float()) * pairs[..., 1, :].float()).to(y.dtype)
+        return r.reshape(*y.shape[:-1], y.shape[-1] // 2)
+    fn = torch.nn.functional.silu if activation == "silu" else torch.nn.functional.gelu
+    return fn(y.float()).to(y.dtype)
+
+
+def _add_zero_offsets(x2: torch.Tensor, w: PackedWeight, y2: torch.Tensor) -> None:
+    """y += (x summed per group) @ zero_offsets, in float32 with one rounding: the term of the
+    fractional zero points, ``sum_g xsum[m, g] * o[g, n]`` (see PackedWeight.zero_offsets)."""
+    xs = x2.float().view(x2.shape[0], w.num_groups, w.group_size).sum(-1)
+    y2.copy_((y2.float() + xs @ w.zero_offsets).to(y2.dtype))
 
 
 def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpec", bias: Optional[torch.Tensor] = None,
@@ -264,6 +287,12 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     elif activation == "swiglu":
         raise ValueError(f"kernel {spec.name} does not fuse swiglu (only the decode kernels do; "
                          f"mixgemm.gemm runs it after the GEMM)")
+    kernel_activation = activation
+    if w.zero_offsets is not None and activation is not None:
+        if isinstance(spec, DecodeSpec):
+            raise ValueError(f"kernel {spec.name} fuses {activation!r}, but w's zero offsets must be "
+                             f"added before it: use the spec without activation, or mixgemm.gemm")
+        kernel_activation = None     # applied in torch after the offsets
     if not _checked:
         _check_gemm_inputs(x, w, bias, out, activation)
     if spec.act is not w.act_type or spec.weight is not w.weight_type:
@@ -273,7 +302,14 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     m = math.prod(lead)
     if spec.max_tokens is not None and m > spec.max_tokens:
         raise ValueError(f"kernel {spec.name} takes at most {spec.max_tokens} tokens, x has M={m}")
-    n_out = w.n // 2 if activation == "swiglu" else w.n
+    n_out = w.n // 2 if kernel_activation == "swiglu" else w.n
+    if kernel_activation != activation:       # zero offsets, then the activation in torch
+        y = gemm_with_spec(x, w, spec, bias=bias, splits=splits, _checked=True)
+        r = _activate(y, activation)
+        if out is None:
+            return r
+        out.copy_(r)
+        return out
     y = out if out is not None else torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -298,6 +334,8 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     args.ldy = y2.stride(0)
     kernel = runtime.KERNELS.get(spec, x.device)
     runtime.launch_gemm(kernel, args)   # the helper checks the problem before anything launches
+    if w.zero_offsets is not None:
+        _add_zero_offsets(x2, w, y2)
     return y
 
 
@@ -330,6 +368,8 @@ def dequantize(w: PackedWeight, dtype: Optional[torch.dtype] = None) -> torch.Te
     runtime.launch_dequant(kernel, w.qdata.data_ptr(), w.scales.data_ptr(),
                            0 if w.zeros is None else w.zeros.data_ptr(), out.data_ptr(),
                            w.n, w.k, w.group_size)
+    if w.zero_offsets is not None:   # as dequantize_reference: float32 sum, one more rounding
+        out = (out.float() + w.zero_offsets.t().repeat_interleave(w.group_size, dim=1)).to(w.dtype)
     return out
 
 

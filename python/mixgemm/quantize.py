@@ -215,7 +215,9 @@ def dequantize_reference(qw: Union[QuantizedWeight, PackedWeight],
         asymmetric:  w = (q.int16 - z.int16).to(dtype) * s
 
     ``q - z`` is an exact small integer (exact in bf16 and fp16), so the only rounding is the
-    product, rounded to nearest-even in ``dtype`` once.
+    product, rounded to nearest-even in ``dtype`` once. A weight with ``zero_offsets``
+    (fractional zero points) adds them in float32 and rounds once more:
+    ``w = (float32((q - z).to(dtype) * s) + o).to(dtype)``.
 
     Parameters
     ----------
@@ -256,7 +258,11 @@ def dequantize_reference(qw: Union[QuantizedWeight, PackedWeight],
     if z.numel() and not bool(((z == z.round()) & (z >= 0) & (z <= wt.qmax)).all()):
         raise ValueError(f"zeros must be integers in [0, {wt.qmax}]")
     z16 = z.to(torch.int16).repeat_interleave(qw.group_size, dim=1)
-    return (q.to(torch.int16) - z16).to(act) * s
+    w = (q.to(torch.int16) - z16).to(act) * s
+    if qw.zero_offsets is None:
+        return w
+    # fractional zero points: the float32 offset o = (z - z_float) * s, then one more rounding
+    return (w.float() + qw.zero_offsets.repeat_interleave(qw.group_size, dim=1)).to(act)
 
 
 #: Rows per stripe of a gate/up interleaved weight: the prepacked atom's height, so that each
@@ -289,8 +295,11 @@ def interleave_gate_up(gate: QuantizedWeight, up: QuantizedWeight) -> QuantizedW
     if gate.qweight.shape[0] % GATE_UP_STRIPE:
         raise ValueError(f"gate/up rows must be a multiple of {GATE_UP_STRIPE}, got {gate.qweight.shape[0]}")
     zeros = None if gate.zeros is None else interleave_rows(gate.zeros, up.zeros)
+    if (gate.zero_offsets is None) != (up.zero_offsets is None):
+        raise ValueError("gate and up must both have zero_offsets or neither")
+    offsets = None if gate.zero_offsets is None else interleave_rows(gate.zero_offsets, up.zero_offsets)
     return QuantizedWeight(interleave_rows(gate.qweight, up.qweight), interleave_rows(gate.scales, up.scales),
-                           zeros, gate.bits, gate.group_size, gate.symmetric)
+                           zeros, gate.bits, gate.group_size, gate.symmetric, offsets)
 
 
 def interleave_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,10 @@ class QuantizedWeight:
         Number of consecutive K elements sharing one scale (and zero); ``K`` means per-channel.
     symmetric : bool
         True: ``w = q*s``. False: ``w = (q - z)*s``.
+    zero_offsets : torch.Tensor or None
+        Asymmetric only, optional: float32 ``[N, K // group_size]``, for checkpoints whose zero
+        points are not integers (HQQ). The weight is then ``w = (q - z)*s + o`` with the integer
+        ``z`` above and ``o = (z - z_float)*s`` (see :func:`mixgemm.formats.from_hqq`).
     """
 
     qweight: torch.Tensor
@@ -150,6 +154,7 @@ class QuantizedWeight:
     bits: int
     group_size: int
     symmetric: bool
+    zero_offsets: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         wt = WeightType.of(self.bits, self.symmetric)
@@ -175,7 +180,8 @@ class QuantizedWeight:
                                  f"got {list(self.zeros.shape)} {self.zeros.dtype}")
         elif self.zeros is not None:
             raise ValueError("symmetric weights have no zeros")
-        devices = {t.device for t in (q, self.scales, self.zeros) if t is not None}
+        _check_zero_offsets(self.zero_offsets, wt, (n, g))
+        devices = {t.device for t in (q, self.scales, self.zeros, self.zero_offsets) if t is not None}
         if len(devices) != 1:
             raise ValueError(f"qweight, scales and zeros must be on one device, got {devices}")
 
@@ -202,7 +208,18 @@ class QuantizedWeight:
     def to(self, device) -> "QuantizedWeight":
         return dataclasses.replace(
             self, qweight=self.qweight.to(device), scales=self.scales.to(device),
-            zeros=None if self.zeros is None else self.zeros.to(device))
+            zeros=None if self.zeros is None else self.zeros.to(device),
+            zero_offsets=None if self.zero_offsets is None else self.zero_offsets.to(device))
+
+
+def _check_zero_offsets(offsets: Optional[torch.Tensor], wt: "WeightType", shape: tuple) -> None:
+    if offsets is None:
+        return
+    if not wt.has_zero:
+        raise ValueError("zero_offsets belong to asymmetric weights (fractional zero points)")
+    if offsets.dtype != torch.float32 or tuple(offsets.shape) != shape:
+        raise ValueError(f"zero_offsets must be float32 of shape {list(shape)}, got "
+                         f"{offsets.dtype} {list(offsets.shape)}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -228,6 +245,11 @@ class PackedWeight:
         Target architecture of the layout (``"sm90a"``).
     layout_version : int
         Version of the byte layout (:data:`LAYOUT_VERSION`).
+    zero_offsets : torch.Tensor or None
+        Optional, asymmetric only: float32 ``[G, N]`` added to the dequantized weight of each
+        (group, row), for checkpoints with fractional zero points (HQQ):
+        ``w = (q - z)*s + o``. :func:`mixgemm.gemm` adds ``x_groupsum @ o`` to the kernel's
+        result (see :attr:`QuantizedWeight.zero_offsets`).
     """
 
     qdata: torch.Tensor
@@ -239,6 +261,7 @@ class PackedWeight:
     k: int
     arch: str = "sm90a"
     layout_version: int = LAYOUT_VERSION
+    zero_offsets: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         from .layout import ATOM_K, ATOM_N, atom_bytes  # local: layout imports this module
@@ -268,7 +291,8 @@ class PackedWeight:
                                  f"and dtype {self.scales.dtype}")
         elif self.zeros is not None:
             raise ValueError(f"{self.weight_type.value} (symmetric) weights have no zeros")
-        devices = {t.device for t in (self.qdata, self.scales, self.zeros) if t is not None}
+        _check_zero_offsets(self.zero_offsets, self.weight_type, (g, self.n))
+        devices = {t.device for t in (self.qdata, self.scales, self.zeros, self.zero_offsets) if t is not None}
         if len(devices) != 1:
             raise ValueError(f"qdata, scales and zeros must be on one device, got {devices}")
 
@@ -298,12 +322,14 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qdata, self.scales, self.zeros) if t is not None)
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qdata, self.scales, self.zeros, self.zero_offsets) if t is not None)
 
     def to(self, device) -> "PackedWeight":
         return dataclasses.replace(
             self, qdata=self.qdata.to(device), scales=self.scales.to(device),
-            zeros=None if self.zeros is None else self.zeros.to(device))
+            zeros=None if self.zeros is None else self.zeros.to(device),
+            zero_offsets=None if self.zero_offsets is None else self.zero_offsets.to(device))
 
     def metadata(self) -> dict:
         """String metadata describing this weight (stored in safetensors headers)."""
