@@ -77,6 +77,8 @@ for step in "$@"; do
     bench-quick)
       timeout 110 python3 -m mixgemm bench --iters 100 --shapes 28672x8192,4096x4096 --m 1,16,4096 \
         --impls mixgemm-u4,mixgemm-u2,mixgemm-s8,torch_int4 --json "$OUT/bench.json" 2>&1 | tail -40 | tee "$OUT/bench.log" || rc=1 ;;
+    script)   # a one-off experiment: python3 $MIXGEMM_SCRIPT, its output under $OUT
+      timeout ${MIXGEMM_SCRIPT_TIMEOUT:-300} python3 $MIXGEMM_SCRIPT 2>&1 | grep -v "mixgemm build" | tee "$OUT/script.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done

@@ -3,7 +3,7 @@
 The decode kernels' host helper plans a split-K factor from a cost model
 (``cutlass_ext/mixgemm/decode_kernel.hpp`` ``Host::plan``). For the layer shapes that were
 measured on a GPU, the measured best factor is used instead: ``tools/sweep_decode.py`` times
-every factor in {1, 2, 3, 4, 6, 8} next to the planner's own pick, and ``--table`` writes the
+every factor in {1, 2, 3, 4, 6, 8, 12, 16} next to the planner's own pick, and ``--table`` writes the
 winners to ``python/mixgemm/tuning/<gpu>.json``, committed with the sweep's JSON
 (``benchmarks/results/<gpu>/sweep-decode*.json``; H100 and H200 so far). The measured pick was
 up to 15% (H100) and 20% (H200) faster than the model's (``benchmarks/NOTES.md`` section 3).
@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Optional
 
 TABLE_DIR = Path(__file__).resolve().parent / "tuning"
 #: The split-K factors the sweep tries.
-SWEEP_SPLITS = (1, 2, 3, 4, 6, 8)
+SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)   # up to 8 reduce in a cluster, beyond in global memory
 #: Representative token count measured for each decode token tile.
 TILE_M = {8: 1, 16: 16}
 
