@@ -30,9 +30,7 @@
 //   set-up overlap this one's last CTAs and memory flush. (Triggering earlier, when a CTA's
 //   weight stream is done, placed the next kernel's CTAs on the SMs that happened to be free
 //   and made the MLP block 6% slower: benchmarks/NOTES.md section 4.) Launched without the
-//   attribute, both are no-ops;
-// * balance: a CTA runs `stripes_per_cta` <= Warps stripes (the host picks it), so that the
-//   CTAs spread the stripes evenly over the SMs' CTA slots.
+//   attribute, both are no-ops.
 //
 // Layout of one CTA: W warps, warp w owns weight rows [16 * (W * blockIdx.x + w), +16) and the
 // k-atoms [blockIdx.y * atoms_per_split, +atoms_per_split).
@@ -76,7 +74,6 @@ struct Params {
   int32_t m, n, k;
   int32_t group_shift;      // log2(group size); 30 for one group spanning K (per-channel)
   int32_t atoms_per_split;  // k-atoms (64 K each) per CTA
-  int32_t stripes_per_cta;  // warps with a stripe (<= Warps; even for the gated form)
   int32_t splits;           // <= kMaxClusterSplits: the cluster's size along y
   int32_t groups_per_split; // group rows of scales/zeros staged per CTA
   int64_t ldx, ldy;
@@ -209,11 +206,10 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
 
   int const stripes = p.n / 16;
   int const k_atoms = p.k / 64;
-  int const active = p.stripes_per_cta;
-  int const stripe = blockIdx.x * active + warp;
-  bool const has_stripe = warp < active && stripe < stripes;
-  int const row0 = blockIdx.x * active * 16;                      // first weight row of the CTA
-  int const rows_valid = min(active * 16, p.n - row0);
+  int const stripe = blockIdx.x * Cfg::kWarps + warp;
+  bool const has_stripe = stripe < stripes;
+  int const row0 = blockIdx.x * Cfg::kRowsPerCta;                 // first weight row of the CTA
+  int const rows_valid = min(Cfg::kRowsPerCta, p.n - row0);
   int const ka0 = blockIdx.y * p.atoms_per_split;
   int const ka1 = min(ka0 + p.atoms_per_split, k_atoms);
   int const n_atoms = ka1 - ka0;
@@ -620,7 +616,6 @@ struct Plan {
   int groups_per_split;
   int smem_bytes;
   int row_blocks;
-  int stripes_per_cta;
 };
 
 inline int group_shift_of(int group_size, int k) {
@@ -669,20 +664,17 @@ struct Host {
     return Cfg::carve(a.m < Cfg::kTokens ? a.m : Cfg::kTokens, aps, groups).total;
   }
 
-  // Split-K factor and stripes per CTA. The kernel streams at a rate set per SM (issue and
-  // latency bound, not a shared queue), so the time is about the largest per-SM share of work:
-  // the CTAs an SM gets (ceil(CTAs / SMs)) times each CTA's stripes x k-atoms, plus a fixed
-  // start-up of ~2 atoms per CTA, plus, when split, the float32 partials (M/8 atoms' worth per
-  // stripe; 2 atoms more for the global reduction's fence and counter, beyond a cluster's 8
-  // splits). Fewer stripes per CTA than warps can even out the CTAs per SM (28672 rows: 224
-  // CTAs of 8 stripes put 16 stripes on most SMs, 256 CTAs of 7 put 14). Within the
-  // shared-memory budget, and with at least 2 CTAs fitting on an SM; ties go to fewer splits,
-  // then to more stripes per CTA. An explicit a.splits >= 1 wins.
+  // Split-K factor. The kernel streams at a rate set per warp (latency bound, not a shared
+  // queue), so the time is about the largest per-SM share of work: the CTAs an SM gets
+  // (ceil(CTAs / SMs)) times each CTA's k-atoms plus a fixed start-up of ~2 atoms, plus, when
+  // split, the float32 partials (M/8 atoms' worth per CTA; 2 atoms more for the global
+  // reduction's fence and counter, beyond a cluster's 8 splits). Within the shared-memory
+  // budget, and with at least 2 CTAs fitting on an SM; ties go to fewer splits. An explicit
+  // a.splits >= 1 wins.
   static char const* plan(abi::GemmArgs const& a, Plan& out) {
     int const k_atoms = a.k / 64;
     int const gshift = group_shift_of(a.group_size, a.k);
-    int const stripes = a.n / 16;
-    int const step = A == Activation::kSwiglu ? 2 : 1;   // the gated form keeps gate/up pairs in a CTA
+    int const row_blocks = (a.n / 16 + Cfg::kWarps - 1) / Cfg::kWarps;
     long const sms = a.sm_count > 0 ? a.sm_count : 132;
     int const tokens = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
     long best_cost = -1;
@@ -699,15 +691,12 @@ struct Host {
       bool const two_fit = 2 * (smem + 1024) <= 228 * 1024;
       if (!two_fit && !forced && best_cost >= 0) continue;
       long const reduce = se == 1 ? 0 : se <= Cfg::kMaxClusterSplits ? tokens : tokens + 16;
-      for (int act = Cfg::kWarps; act >= step && 2 * act >= Cfg::kWarps; act -= step) {
-        int const row_blocks = (stripes + act - 1) / act;
-        long const ctas = long(row_blocks) * se;
-        long const per_sm = (ctas + sms - 1) / sms;
-        long const cost = per_sm * (act * (8L * aps + reduce) + 16L * Cfg::kWarps) * (two_fit ? 1 : 2);
-        if (best_cost < 0 || cost < best_cost) {
-          best_cost = cost;
-          out = Plan{se, aps, groups, smem, row_blocks, act};
-        }
+      long const ctas = long(row_blocks) * se;
+      long const per_sm = (ctas + sms - 1) / sms;
+      long const cost = per_sm * (8L * aps + 16 + reduce) * (two_fit ? 1 : 2);
+      if (best_cost < 0 || cost < best_cost) {
+        best_cost = cost;
+        out = Plan{se, aps, groups, smem, row_blocks};
       }
     }
     if (best_cost < 0) return "no split of K fits this decode kernel's shared memory (too many tokens x K)";
@@ -763,7 +752,6 @@ struct Host {
     p.m = a->m; p.n = a->n; p.k = a->k;
     p.group_shift = group_shift_of(a->group_size, a->k);
     p.atoms_per_split = pl.atoms_per_split;
-    p.stripes_per_cta = pl.stripes_per_cta;
     p.splits = pl.splits;
     p.groups_per_split = pl.groups_per_split;
     p.ldx = a->ldx; p.ldy = a->ldy;
