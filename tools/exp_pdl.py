@@ -2,15 +2,11 @@
 to back in a CUDA graph (8 launches of one layer) and in the MLP block. Prints one line per point."""
 from __future__ import annotations
 
-import sys
-
 import torch
 
 import mixgemm
 from mixgemm import bench, ops
 from mixgemm.codegen import DecodeSpec
-from mixgemm.nn import QuantLinear
-from mixgemm.quantize import interleave_gate_up
 from mixgemm.types import ActType, WeightType
 
 dev = torch.device("cuda")

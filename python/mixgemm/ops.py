@@ -14,7 +14,7 @@ import torch
 if TYPE_CHECKING:  # codegen is imported lazily: `import mixgemm` stays cheap
     from .codegen import DecodeConfig, DecodeSpec, GemmSpec, TileConfig
 
-from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight
+from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
 
 #: Kernel config labels by token count (upper bound of M, label): see select_tile. Measured on
 #: H100 (benchmarks/results/nvidia-h100-80gb-hbm3): the 32-token decode kernel lost to the "mid"
@@ -237,8 +237,13 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     if activation is None or (fused and (activation != "swiglu" or spec.max_tokens is not None)):
         return gemm_with_spec(x, w, spec, bias=bias, out=out, activation=activation,
                               splits=splits, _checked=True)   # the activation fused in the kernel
-    y = gemm_with_spec(x, w, spec, bias=bias, splits=splits, _checked=True)
-    r = _activate(y, activation)
+    return _gemm_then_activate(x, w, spec, bias, out, activation, splits)
+
+
+def _gemm_then_activate(x, w, spec, bias, out, activation, splits) -> torch.Tensor:
+    """The kernel without an activation, then ``activation`` in torch (:func:`_activate`), into
+    ``out`` if given: the unfused path of :func:`gemm` and :func:`gemm_with_spec`."""
+    r = _activate(gemm_with_spec(x, w, spec, bias=bias, splits=splits, _checked=True), activation)
     if out is None:
         return r
     out.copy_(r)
@@ -304,12 +309,7 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
         raise ValueError(f"kernel {spec.name} takes at most {spec.max_tokens} tokens, x has M={m}")
     n_out = w.n // 2 if kernel_activation == "swiglu" else w.n
     if kernel_activation != activation:       # zero offsets, then the activation in torch
-        y = gemm_with_spec(x, w, spec, bias=bias, splits=splits, _checked=True)
-        r = _activate(y, activation)
-        if out is None:
-            return r
-        out.copy_(r)
-        return out
+        return _gemm_then_activate(x, w, spec, bias, out, activation, splits)
     y = out if out is not None else torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
