@@ -292,3 +292,35 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
         setattr(bad, field, value)
         why = helper.check(bad)
         assert why is not None and msg in why, (field, why)
+
+
+@pytest.mark.nvcc
+@pytest.mark.slow
+def test_gated_gemm_kernel_and_helper(tmp_path, monkeypatch):
+    """A GEMM kernel with the gated (swiglu) epilogue, built by nvcc: its helper takes swiglu
+    and nothing else, needs gate/up 16-row bands and an output row stride covering the N/2
+    outputs, and the kernel keeps no shared memory for the epilogue."""
+    if paths.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    spec = codegen.TILE_CONFIGS[3].spec(ActType.BF16, WeightType.U4, Activation.SWIGLU)
+    assert spec.epilogue is codegen.Epilogue.SWIGLU
+    art = build.build(spec)
+    assert spec.name.encode() in art.read_cubin()
+
+    from mixgemm import runtime
+    helper = runtime.HostHelper(str(art.helper_path), spec.name)
+    assert helper.smem_size <= 227 * 1024
+    args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=64, n=4096, k=4096, group_size=128,
+                            sm_count=132, splits=0, raster=0, activation=Activation.SWIGLU.abi,
+                            weight=1 << 20, scales=2 << 20, zeros=5 << 20, x=3 << 20, bias=0, y=4 << 20,
+                            workspace=0, ldx=4096, ldy=2048)
+    assert helper.check(args) is None, helper.check(args)
+    for field, value, msg in (("activation", Activation.NONE.abi, "swiglu only"),
+                              ("activation", Activation.SILU.abi, "swiglu only"),
+                              ("n", 4104, "N % 16"), ("ldy", 2040, "N/2 outputs"),
+                              ("y", (4 << 20) + 4, "16-byte aligned")):
+        bad = runtime.GemmArgs.from_buffer_copy(args)
+        setattr(bad, field, value)
+        why = helper.check(bad)
+        assert why is not None and msg in why, (field, why)

@@ -1,6 +1,8 @@
 """Kernel specs and rendering (no compiler needed)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mixgemm import codegen
@@ -18,6 +20,8 @@ def test_every_type_has_every_kernel():
         for wt in ALL_WEIGHTS:
             for tc in TILE_CONFIGS:
                 assert tc.spec(act, wt).name in names
+                # swiglu on every path: a decode kernel that fixes it, or a GEMM with the gated epilogue
+                assert tc.spec(act, wt, codegen.Activation.SWIGLU).name in names
             assert DequantSpec(act, wt).name in names
     assert len(names) == len(SPECS), "kernel names must be unique"
 
@@ -130,13 +134,22 @@ def test_activation_enum_mirrors_the_header():
 
 
 def test_gemm_specs_fuse_the_runtime_activation():
-    """The default GEMM kernels use the bias + runtime-activation epilogue (one kernel for none,
-    silu and gelu); the bias-only epilogue stays renderable."""
+    """The default GEMM kernels are, per tile config and type, one with the bias + runtime-activation
+    epilogue (none, silu and gelu) and one with the gated (swiglu) epilogue; the bias-only epilogue
+    stays renderable."""
     from mixgemm.codegen import Epilogue, GemmSpec, default_specs, render
 
     gemms = [s for s in default_specs() if isinstance(s, GemmSpec)]
-    assert gemms and all(s.epilogue is Epilogue.BIAS_ACT for s in gemms)
+    by_epilogue = {e: [s for s in gemms if s.epilogue is e] for e in Epilogue}
+    assert len(by_epilogue[Epilogue.BIAS_ACT]) == len(by_epilogue[Epilogue.SWIGLU]) == len(gemms) // 2 > 0
+    assert {dataclasses.replace(s, epilogue=Epilogue.SWIGLU) for s in by_epilogue[Epilogue.BIAS_ACT]} == \
+        set(by_epilogue[Epilogue.SWIGLU])
     assert "mixgemm::epilogue::PerRowBiasAct" in render(gemms[0])
+    gated = render(by_epilogue[Epilogue.SWIGLU][0])
+    # the builder is routed to the gated epilogue by its schedule tag, and the header comes along
+    assert "mixgemm::EpilogueGatedNoSmem" in gated and '#include "mixgemm/epilogue_gated.hpp"' in gated
+    assert "mixgemm::epilogue::Swiglu<" in gated and "PerRowBias" not in gated
+    assert "epilogue_gated.hpp" not in render(gemms[0])
     plain = GemmSpec(gemms[0].act, gemms[0].weight, 128, 64, 64, epilogue=Epilogue.BIAS)
     src = render(plain)
     assert "mixgemm::epilogue::PerRowBias<" in src or "mixgemm::epilogue::PerRowBias," in src

@@ -18,14 +18,24 @@ import torch
 
 import mixgemm
 from mixgemm import ops
-from mixgemm.codegen import ALL_ACTS, ALL_WEIGHTS, GEMM_KINDS, Activation, DecodeSpec, DequantSpec, GemmSpec, default_specs
-from mixgemm.quantize import interleave_gate_up, interleave_rows
+from mixgemm.codegen import (ALL_ACTS, ALL_WEIGHTS, GEMM_KINDS, Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec,
+                              Scheduler, default_specs)
+from mixgemm.quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
 from mixgemm.types import ActType, WeightType
 
 pytestmark = pytest.mark.gpu
 
 QUICK = os.environ.get("MIXGEMM_GPU_TESTS", "") == "quick"
 GEMM_SPECS = [s for s in default_specs() if isinstance(s, GEMM_KINDS)]
+
+
+def _fixed_activation(spec) -> Activation:
+    """The activation a kernel computes whatever the call asks: a decode kernel's own, swiglu for
+    the gated GEMM epilogue, NONE for the GEMM kernels that take it per call."""
+    if isinstance(spec, DecodeSpec):
+        return spec.activation
+    return Activation.SWIGLU if spec.epilogue is Epilogue.SWIGLU else Activation.NONE
+
 GROUPS = (32, 64, 128, 256, "K")
 # (N, K): the issue's layer shapes, and an odd but legal one (N = 16 * 97: partial 128-row tiles;
 # K = 256 * 9: divisible by every group size, not by 512).
@@ -94,7 +104,7 @@ def _cases():
     for act in ALL_ACTS:
         for wt in ALL_WEIGHTS:
             specs = [s for s in GEMM_SPECS if s.act is act and s.weight is wt
-                     and getattr(s, "activation", Activation.NONE) is Activation.NONE]
+                     and _fixed_activation(s) is Activation.NONE]
             for group in GROUPS:
                 for n, k in SHAPES:
                     for spec in specs:
@@ -131,20 +141,25 @@ def test_every_kernel(spec: GemmSpec, group, shape):
 
 
 DECODE_SPECS = [s for s in GEMM_SPECS if isinstance(s, DecodeSpec) and s.activation is Activation.NONE]
-ACT_SPECS = [s for s in GEMM_SPECS if isinstance(s, DecodeSpec) and s.activation is not Activation.NONE]
+# every kernel whose activation is fixed: the decode kernels with silu / gelu / swiglu, and the
+# GEMM kernels with the gated (swiglu) epilogue
+ACT_SPECS = [s for s in GEMM_SPECS if _fixed_activation(s) is not Activation.NONE]
 _ACT_FN = {Activation.SILU: torch.nn.functional.silu, Activation.GELU: torch.nn.functional.gelu}
 
 
 @pytest.mark.parametrize("group", (32, 128))
 @pytest.mark.parametrize("spec", ACT_SPECS, ids=lambda s: s.name)
-def test_every_fused_activation_kernel(spec: DecodeSpec, group):
-    """Every decode kernel with a fused epilogue: silu / gelu of (acc + bias), and swiglu on a
-    gate/up interleaved weight, against float64 references, with splits forced and chosen."""
+def test_every_fused_activation_kernel(spec, group):
+    """Every kernel with a fixed epilogue activation -- the decode kernels' silu / gelu of
+    (acc + bias), and swiglu on a gate/up interleaved weight in the decode kernels and in the
+    GEMM kernels' gated epilogue -- against float64 references, with splits forced and chosen.
+    N = 1552 = 16 * 97 leaves the last 128-row GEMM tile partly outside the weight."""
     dev = _dev()
-    n, k = 1536, 2304
+    n, k = 1552, 2304
     dtype = spec.act.torch_dtype
     tol = tolerance(k, dtype)
-    if spec.activation is Activation.SWIGLU:
+    activation = _fixed_activation(spec)
+    if activation is Activation.SWIGLU:
         gen = torch.Generator(device=dev).manual_seed(7)
         wg = torch.randn(n // 2, k, device=dev, generator=gen) * 0.02
         wu = torch.randn(n // 2, k, device=dev, generator=gen) * 0.02
@@ -159,13 +174,20 @@ def test_every_fused_activation_kernel(spec: DecodeSpec, group):
     else:
         packed, deq = _weights(spec.act, spec.weight, group, n, k)
         bias = torch.randn(n, device=dev, dtype=dtype)
-        ref_fn = lambda x: _ACT_FN[spec.activation](x.double() @ deq.T + bias.double())
-    for m in sorted({1, 3, spec.tokens}):
+        ref_fn = lambda x: _ACT_FN[activation](x.double() @ deq.T + bias.double())
+    if isinstance(spec, DecodeSpec):
+        ms = sorted({1, 3, spec.tokens})
+        all_splits = (0, 1, 3, 12)   # the kernel's choice, then forced (3: in a cluster, 12: through global memory)
+    else:
+        ms = (1, 3, 100, 1000)
+        all_splits = (0, 3) if spec.scheduler is Scheduler.STREAMK else (0,)
+    for m in ms:
         x = torch.randn(m, k, device=dev, dtype=dtype)
         ref = ref_fn(x)
-        for splits in (0, 1, 3, 12):   # the kernel's choice, then forced (3: in a cluster, 12: through global memory)
-            y = ops.gemm_with_spec(x, packed, spec, bias=bias, splits=splits)
-            assert y.shape == ref.shape
+        for splits in all_splits:
+            y = torch.full(ref.shape, float("nan"), device=dev, dtype=dtype)   # every output must be written
+            ops.gemm_with_spec(x, packed, spec, bias=bias, out=y, splits=splits)
+            assert not torch.isnan(y).any(), f"M={m} splits={splits}: unwritten (or NaN) outputs"
             err = ((y.double() - ref).norm() / ref.norm()).item()
             # 2x: silu/gelu shrink values near zero (so relative errors grow), and swiglu multiplies
             # two approximate sums (their relative errors add)
@@ -173,33 +195,45 @@ def test_every_fused_activation_kernel(spec: DecodeSpec, group):
 
 
 @pytest.mark.parametrize("activation", ("silu", "gelu", "swiglu"))
-@pytest.mark.parametrize("m", (1, 16, 100))
+@pytest.mark.parametrize("m", (1, 16, 100, 1024))
 def test_gemm_activation_every_path(activation, m):
-    """gemm(activation=...) at decode sizes (fused) and above (the GEMM, then torch) agree with
-    the unfused composition."""
+    """gemm(activation=...) on the decode path (M <= 16) and the GEMM path agrees with the
+    unfused composition, and is one kernel launch on both."""
     dev = _dev()
     n, k, dtype = 1024, 1024, torch.bfloat16
     packed, deq = _weights(ActType.BF16, WeightType.U4, 128, n, k)
     x = torch.randn(m, k, device=dev, dtype=dtype)
     lin = x.double() @ deq.T
     if activation == "swiglu":
-        pairs = lin.view(m, n // 32, 2, 16)
+        pairs = lin.view(m, n // (2 * GATE_UP_STRIPE), 2, GATE_UP_STRIPE)
         ref = (torch.nn.functional.silu(pairs[:, :, 0]) * pairs[:, :, 1]).reshape(m, n // 2)
     else:
         ref = _ACT_FN[Activation(activation)](lin)
     y = mixgemm.gemm(x, packed, activation=activation)
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err <= 2 * tolerance(k, dtype), f"{err:.3e}"
+    out = torch.empty_like(y)
+    mixgemm.gemm(x, packed, activation=activation, out=out)   # warm: the kernel is loaded
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        mixgemm.gemm(x, packed, activation=activation, out=out)
+        torch.cuda.synchronize()
+    # everything that ran on the GPU, but a workspace memset (stream-K): exactly one kernel
+    ran = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    launches = [name for name in ran if "memset" not in name.lower()]
+    assert len(launches) == 1 and launches[0].startswith("mixgemm_"), ran
+    assert (m <= 16) == launches[0].startswith("mixgemm_decode_"), launches
 
 
-GEMM_ONLY = [s for s in GEMM_SPECS if isinstance(s, GemmSpec)]
+GEMM_ONLY = [s for s in GEMM_SPECS if isinstance(s, GemmSpec) and s.epilogue is Epilogue.BIAS_ACT]
 
 
 @pytest.mark.parametrize("activation", ("silu", "gelu"))
 @pytest.mark.parametrize("spec", GEMM_ONLY, ids=lambda s: s.name)
 def test_every_gemm_kernel_fuses_activation(spec: GemmSpec, activation):
     """Every sm90 GEMM kernel applies silu / gelu (chosen per call) to acc + bias in its epilogue,
-    against float64; swiglu is refused by the GEMM kernels (only the decode kernels fuse it)."""
+    against float64; swiglu is refused by these kernels (their twins with the gated epilogue,
+    tested above, fuse it)."""
     dev = _dev()
     n, k = 1552, 2304
     dtype = spec.act.torch_dtype

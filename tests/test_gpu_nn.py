@@ -79,7 +79,9 @@ def test_capture_without_warmup_says_so(requires_gpu, monkeypatch):
 
 
 def test_gate_up_layer_on_gpu_and_in_a_graph(requires_gpu):
-    """The fused gate+up layer: one launch gives silu(gate(x)) * up(x), eager and replayed."""
+    """The fused gate+up layer: one launch gives silu(gate(x)) * up(x) at decode (M <= 16) and
+    through the GEMM kernels' gated epilogue (M = 64: stream-K, 300: persistent), eager and
+    replayed."""
     dev = requires_gpu
     torch.manual_seed(1)
     gate = nn.Linear(1024, 2816, bias=True).to(dev, torch.bfloat16)
@@ -87,21 +89,22 @@ def test_gate_up_layer_on_gpu_and_in_a_graph(requires_gpu):
     layer = QuantLinear.from_gate_up(gate, up, bits=4, group_size=128)
     dg = mixgemm.dequantize_reference(mixgemm.quantize(gate.weight.detach(), 4, 128)).double()
     du = mixgemm.dequantize_reference(mixgemm.quantize(up.weight.detach(), 4, 128)).double()
-    for m in (1, 16, 64):
+    for m in (1, 16, 64, 300):
         x = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
         ref = torch.nn.functional.silu(x.double() @ dg.T + gate.bias.double()) * (x.double() @ du.T + up.bias.double())
         with torch.no_grad():
             y = layer(x)
         assert y.shape == (m, 2816)
         assert ((y.double() - ref).norm() / ref.norm()).item() < 1.6e-2
-    xs = torch.randn(1, 1024, device=dev, dtype=torch.bfloat16)
-    with torch.no_grad():
-        out = layer(xs)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+    for m in (1, 64):
+        xs = torch.randn(m, 1024, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():
             out = layer(xs)
-        xs.copy_(torch.randn_like(xs))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, layer(xs))
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = layer(xs)
+            xs.copy_(torch.randn_like(xs))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, layer(xs)), m

@@ -122,8 +122,9 @@ def test_quantize_model_replaces_skips_and_warns():
 
 
 def test_gate_up_layer_interleaves_and_round_trips():
-    """from_gate_up: each projection quantized on its own, rows interleaved in 16-row stripes, the
-    state dict round-trips (with the activation as metadata), and the fake op gives [.., I]."""
+    """from_gate_up: each projection quantized on its own, rows interleaved in 8-row stripes, the
+    state dict round-trips (with the activation and the stripe as metadata), and the fake op
+    gives [.., I]."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     gate, up = _linear(n=96, k=128), _linear(n=96, k=128)
     up.weight.data.mul_(-0.5)
@@ -132,9 +133,10 @@ def test_gate_up_layer_interleaves_and_round_trips():
     deq = mixgemm.dequantize_reference(layer.packed)
     dg = mixgemm.dequantize_reference(mixgemm.quantize(gate.weight.detach(), 4, 64, dtype=torch.bfloat16))
     du = mixgemm.dequantize_reference(mixgemm.quantize(up.weight.detach(), 4, 64, dtype=torch.bfloat16))
-    stripes = deq.view(96 // 16, 2, 16, 128)
+    stripes = deq.view(96 // 8, 2, 8, 128)
     assert torch.equal(stripes[:, 0].reshape(96, 128), dg) and torch.equal(stripes[:, 1].reshape(96, 128), du)
-    b = layer.bias.view(96 // 16, 2, 16)
+    assert layer.state_dict()["_extra_state"]["gate_up_stripe"] == 8
+    b = layer.bias.view(96 // 8, 2, 8)
     assert torch.equal(b[:, 0].reshape(-1), gate.bias.detach().to(torch.bfloat16))
     assert torch.equal(b[:, 1].reshape(-1), up.bias.detach().to(torch.bfloat16))
 
@@ -148,3 +150,36 @@ def test_gate_up_layer_interleaves_and_round_trips():
         assert y.shape == (2, 96)
     with pytest.raises(ValueError, match="same shape"):
         QuantLinear.from_gate_up(gate, _linear(n=80, k=128))
+
+
+@pytest.mark.parametrize("symmetric", (False, True))
+def test_gate_up_state_from_mixgemm_0_1_is_restriped(symmetric):
+    """A swiglu layer saved by mixgemm 0.1 (16-row stripes, no stripe in its metadata) loads into
+    today's 8-row layout exactly: the same buffers as from_gate_up builds."""
+    from mixgemm.quantize import interleave_rows
+
+    gate, up = _linear(n=96, k=128), _linear(n=96, k=128)
+    up.weight.data.mul_(-0.5)
+    new = QuantLinear.from_gate_up(gate, up, bits=2, group_size=64, symmetric=symmetric)
+    qg = mixgemm.quantize(gate.weight.detach(), 2, 64, symmetric=symmetric, dtype=torch.bfloat16)
+    qu = mixgemm.quantize(up.weight.detach(), 2, 64, symmetric=symmetric, dtype=torch.bfloat16)
+    old_qw = mixgemm.QuantizedWeight(
+        interleave_rows(qg.qweight, qu.qweight, 16), interleave_rows(qg.scales, qu.scales, 16),
+        None if symmetric else interleave_rows(qg.zeros, qu.zeros, 16), 2, 64, symmetric)
+    old_bias = interleave_rows(gate.bias.detach(), up.bias.detach(), 16)
+    old = QuantLinear.from_packed(mixgemm.prepack(old_qw), bias=old_bias)
+    old.activation, old.out_features = "swiglu", 96
+    state = old.state_dict()
+    state["_extra_state"] = {k: v for k, v in state["_extra_state"].items() if k != "gate_up_stripe"}
+    assert not torch.equal(state["qdata"], new.qdata)
+
+    fresh = QuantLinear(128, 96, bits=2, group_size=64, symmetric=symmetric, activation="swiglu")
+    fresh.load_state_dict(state)
+    for name in ("qdata", "scales", "zeros", "bias"):
+        a, b = getattr(fresh, name), getattr(new, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    # a state whose stripe is neither today's nor 0.1's is refused, not misread
+    bad = new.state_dict()
+    bad["_extra_state"] = {**bad["_extra_state"], "gate_up_stripe": 4}
+    with pytest.raises(ValueError):
+        QuantLinear(128, 96, bits=2, group_size=64, symmetric=symmetric, activation="swiglu").load_state_dict(bad)

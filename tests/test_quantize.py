@@ -335,3 +335,20 @@ def test_cuda_matches_cpu(requires_gpu):
                 assert torch.equal(cpu.zeros, gpu.zeros)
             assert torch.equal(dequantize_reference(cpu),
                                dequantize_reference(prepack(gpu.to(requires_gpu))).cpu())
+
+
+@pytest.mark.parametrize("stripe", (8, 16))
+def test_interleave_rows_and_its_inverse(stripe):
+    """interleave_rows alternates stripes of a and b; deinterleave_rows is its exact inverse."""
+    from mixgemm.quantize import deinterleave_rows, interleave_rows
+
+    a = torch.arange(48 * 3).reshape(48, 3)
+    b = -a - 1
+    t = interleave_rows(a, b, stripe)
+    assert t.shape == (96, 3)
+    assert torch.equal(t[:stripe], a[:stripe]) and torch.equal(t[stripe:2 * stripe], b[:stripe])
+    assert torch.equal(t[2 * stripe:3 * stripe], a[stripe:2 * stripe])
+    back_a, back_b = deinterleave_rows(t, stripe)
+    assert torch.equal(back_a, a) and torch.equal(back_b, b)
+    with pytest.raises(ValueError, match="multiple"):
+        interleave_rows(a[:44], b[:44], stripe if stripe == 16 else 24)

@@ -15,9 +15,11 @@
 
 namespace mixgemm {
 
-// kSwiglu is the gated MLP's silu(gate) * up over a weight whose 16-row stripes alternate gate,
-// up, gate, up, ... (python/mixgemm/quantize.py interleave_gate_up): it pairs rows, so only the
-// decode kernels (one warp per stripe) implement it.
+// kSwiglu is the gated MLP's silu(gate) * up over a weight whose 8-row stripes alternate gate,
+// up, gate, up, ... (python/mixgemm/quantize.py interleave_gate_up): it pairs rows r and r + 8,
+// which the mma.sync and wgmma accumulator layouts give to the same thread. The decode kernels
+// fix it at compile time; the GEMM kernels have an epilogue of their own for it
+// (epilogue_gated.hpp).
 enum class Activation : int { kNone = 0, kSilu = 1, kGelu = 2, kSwiglu = 3 };
 
 CUTLASS_HOST_DEVICE float silu(float v) {

@@ -56,8 +56,9 @@
 
 namespace mixgemm::decode {
 
-// The epilogue function (activation.hpp), fixed per kernel. kSwiglu: stripe pair (2j, 2j+1) of
-// a gate/up interleaved weight gives output rows [16j, 16j + 16) of y[M, N/2].
+// The epilogue function (activation.hpp), fixed per kernel. kSwiglu: stripe j of a gate/up
+// interleaved weight (gate rows 16j .. 16j+7, up rows 16j+8 .. 16j+15) gives output rows
+// [8j, 8j + 8) of y[M, N/2]; each lane holds the gate row g and the up row g + 8 itself.
 using mixgemm::Activation;
 using mixgemm::activate;
 
@@ -196,9 +197,6 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   constexpr int S = Cfg::kStages;
   constexpr int APS = Cfg::kAtomsPerStage;
   constexpr Half H = half_of<Act>::value;
-  static_assert(Act_ != Activation::kSwiglu ||
-                    (Cfg::kWarps % 2 == 0 && (Cfg::kWarps / 2) * 32 * NT * 16 <= Cfg::kRingBytes),
-                "the gated epilogue pairs warps and exchanges through the weight rings");
 
   int const warp = threadIdx.x / 32;
   int const lane = threadIdx.x % 32;
@@ -481,39 +479,30 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       }
     }
   };
-  // The epilogue, reached by every thread of the CTA (the gated form exchanges through shared
-  // memory): the odd warp of a pair (up) hands its biased sums to the even warp (gate), which
-  // writes silu(gate) * up at output rows 16 * (stripe / 2) + (g, g + 8).
+  // The gated form: lane (g, t) holds gate row g and up row g + 8 of its stripe, and writes
+  // silu(gate) * up at output row 8 * stripe + g.
+  auto store_gated = [&]() {
+    int const out = stripe * 8 + g;
+    float const bias_g = p.bias ? float(p.bias[rows[0]]) : 0.f;
+    float const bias_u = p.bias ? float(p.bias[rows[1]]) : 0.f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < NT; ++i) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        int const tok = token(i, e);
+        if (tok < p.m) {
+          p.y[int64_t(tok) * p.ldy + out] = Act(silu(acc[i][e] + bias_g) * (acc[i][2 + e] + bias_u));
+        }
+      }
+    }
+  };
   auto finish = [&](bool const mine) {
-    if constexpr (Act_ == Activation::kSwiglu) {
-      float* xchg = reinterpret_cast<float*>(smem) + ((warp / 2) * 32 + lane) * NT * 4;
-      __syncthreads();                               // every warp is done with its ring
-      if (mine && has_stripe && (warp & 1)) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < 4; ++c) {
-          float const bias = p.bias ? float(p.bias[rows[c / 2]]) : 0.f;
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < NT; ++i) xchg[i * 4 + c] = acc[i][c] + bias;
-        }
+    if (mine && has_stripe) {
+      if constexpr (Act_ == Activation::kSwiglu) {
+        store_gated();
+      } else {
+        store();
       }
-      __syncthreads();
-      if (mine && has_stripe && !(warp & 1)) {
-        int const out0 = (stripe / 2) * 16 + g;
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < 4; ++c) {
-          float const bias = p.bias ? float(p.bias[rows[c / 2]]) : 0.f;
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < NT; ++i) {
-            int const tok = token(i, c);
-            if (tok < p.m) {
-              float const v = activate<Act_>(acc[i][c] + bias) * xchg[i * 4 + c];
-              p.y[int64_t(tok) * p.ldy + out0 + 8 * (c / 2)] = Act(v);
-            }
-          }
-        }
-      }
-    } else {
-      if (mine && has_stripe) store();
     }
   };
   if (p.splits == 1) {
@@ -522,8 +511,8 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   }
   if (p.splits <= Cfg::kMaxClusterSplits) {
     // ---- split-K in the cluster: publish the CTA's sums in its own shared memory (the drained
-    // rings), then CTA `rank` adds the splits of the warps it owns (warp pairs for the gated
-    // form: the pair's exchange stays in one CTA) in split order, and finishes them ----
+    // rings), then CTA `rank` adds the splits of the warps it owns in split order, and
+    // finishes them ----
     float* sums = reinterpret_cast<float*>(smem) + threadIdx.x * NT * 4;
     __syncthreads();                                 // every warp is done with its ring
     CUTLASS_PRAGMA_UNROLL
@@ -531,8 +520,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       *reinterpret_cast<float4*>(sums + 4 * i) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
     }
     cute::cluster_sync();                            // release the sums, acquire the peers'
-    int const unit = Act_ == Activation::kSwiglu ? warp / 2 : warp;
-    bool const mine = unit % p.splits == int(cute::block_rank_in_cluster());
+    bool const mine = warp % p.splits == int(cute::block_rank_in_cluster());
     if (mine && has_stripe) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < NT; ++i) {
@@ -653,7 +641,7 @@ struct Host {
     if (a.weight % 16 || a.scales % 16 || a.zeros % 16 || a.x % 16)
       return "weight, scales, zeros and x must be 16-byte aligned";
     if ((a.ldx * int64_t(sizeof(Act))) % 16) return "x's row stride must be a multiple of 16 bytes";
-    if (A == Activation::kSwiglu && a.n % 32) return "the gated (swiglu) form needs N % 32 == 0: pairs of 16-row stripes";
+    if (A == Activation::kSwiglu && a.n % 16) return "the gated (swiglu) form needs N % 16 == 0: gate and up in 8-row stripes";
     if (a.ldx < a.k || a.ldy < (A == Activation::kSwiglu ? a.n / 2 : a.n)) return "row strides must cover the rows";
     if (a.bias % int64_t(sizeof(Act)) || a.y % int64_t(sizeof(Act))) return "bias and y must be aligned to their element size";
     if (Cfg::kHasZero && a.zeros == 0) return "this weight type needs zero points";

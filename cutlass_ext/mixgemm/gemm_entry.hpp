@@ -27,6 +27,9 @@ template <class T> struct has_bias_ptr<T, std::void_t<decltype(std::declval<T&>(
 template <class T, class = void> struct has_activation : std::false_type {};
 template <class T> struct has_activation<T, std::void_t<decltype(std::declval<T&>().activation.kind)>> : std::true_type {};
 template <class T, class = void> struct has_splits : std::false_type {};
+// The gated epilogue (epilogue_gated.hpp) says so with `kGated`; it takes only swiglu.
+template <class T, class = void> struct is_gated : std::false_type {};
+template <class T> struct is_gated<T, std::void_t<decltype(T::kGated)>> : std::bool_constant<T::kGated> {};
 template <class T> struct has_splits<T, std::void_t<decltype(std::declval<T&>().splits)>> : std::true_type {};
 
 inline int fail(char* err, int errlen, char const* msg) {
@@ -87,9 +90,15 @@ char const* check(abi::GemmArgs const* a) {
   if (a->abi_version != abi::kAbiVersion) return "ABI version mismatch between the runtime and the kernel's host helper";
   using Fusion = std::remove_reference_t<decltype(std::declval<typename Kernel::Arguments&>().epilogue.thread)>;
   if (a->activation < 0 || a->activation > int(Activation::kSwiglu)) return "unknown activation";
-  if (a->activation == int(Activation::kSwiglu))
-    return "the GEMM kernels do not fuse swiglu (it pairs 16-row stripes across warps); the decode kernels do";
-  if (a->activation != int(Activation::kNone) && !has_activation<Fusion>::value)
+  constexpr bool kGated = is_gated<typename Kernel::CollectiveEpilogue>::value;
+  if (kGated) {
+    if (a->activation != int(Activation::kSwiglu)) return "this kernel's gated epilogue computes swiglu only";
+    if (a->n % 16) return "the gated (swiglu) form needs N % 16 == 0: gate and up in 8-row stripes";
+    if (a->ldy < a->n / 2) return "the output row stride must cover the N/2 outputs";
+  } else if (a->activation == int(Activation::kSwiglu)) {
+    return "this kernel's epilogue does not fuse swiglu; the kernels with the gated epilogue do";
+  }
+  if (!kGated && a->activation != int(Activation::kNone) && !has_activation<Fusion>::value)
     return "this kernel's epilogue fuses no activation (a bias-only epilogue)";
   auto args = make_arguments<Kernel>(*a);
   using Mainloop = typename Kernel::CollectiveMainloop;
@@ -135,8 +144,14 @@ int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* o
 #define MIXGEMM_STR2(x) #x
 #define MIXGEMM_STR(x) MIXGEMM_STR2(x)
 
+// A kernel that asks for more shared memory than an SM can give would fail only at load time.
+#define MIXGEMM_CHECK_SMEM(KERNEL)                                                                \
+  static_assert(KERNEL::SharedStorageSize <= cutlass::gemm::collective::detail::sm90_smem_capacity_bytes, \
+                "the kernel's shared memory exceeds the sm90 opt-in limit (227 KiB)");
+
 #if defined(MIXGEMM_HOST_HELPER)
 #define MIXGEMM_GEMM_ENTRY(NAME, KERNEL)                                                          \
+  MIXGEMM_CHECK_SMEM(KERNEL)                                                                      \
   extern "C" int32_t mixgemm_abi_version() { return mixgemm::abi::kAbiVersion; }                  \
   extern "C" char const* mixgemm_kernel_name() { return MIXGEMM_STR(NAME); }                       \
   extern "C" uint32_t mixgemm_params_size() { return uint32_t(sizeof(KERNEL::Params)); }          \
@@ -154,6 +169,7 @@ int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* o
   }
 #else
 #define MIXGEMM_GEMM_ENTRY(NAME, KERNEL)                                                          \
+  MIXGEMM_CHECK_SMEM(KERNEL)                                                                      \
   extern "C" __global__ void __launch_bounds__(KERNEL::MaxThreadsPerBlock,                        \
                                                KERNEL::MinBlocksPerMultiprocessor)                \
   NAME(CUTLASS_GRID_CONSTANT KERNEL::Params const params) {                                       \

@@ -1614,12 +1614,13 @@ def bench_block(device: torch.device, ms: Sequence[int], iters: int, warmup: int
                 group_size: int = 128, seed: int = 0) -> list[BlockResult]:
     """Time ``down(silu(gate(x)) * up(x))`` in bf16 (three cuBLAS GEMMs and the elementwise op)
     and with mixgemm (:meth:`QuantLinear.from_gate_up`: one launch for gate, up and swiglu, then
-    down), each captured in a CUDA graph and replayed, L2 flushed before every replay. The bf16
-    block uses the very weights mixgemm dequantizes to, so the error is the kernels' alone."""
+    down: two launches at any M), each captured in a CUDA graph and replayed, L2 flushed before
+    every replay. The bf16 block uses the very weights mixgemm dequantizes to, so the error is the
+    kernels' alone."""
     from torch import nn
 
     from .nn import QuantLinear
-    from .quantize import dequantize_reference
+    from .quantize import deinterleave_rows, dequantize_reference
 
     torch.manual_seed(seed)
     dtype = torch.bfloat16
@@ -1631,11 +1632,11 @@ def bench_block(device: torch.device, ms: Sequence[int], iters: int, warmup: int
     q_gu = QuantLinear.from_gate_up(gate, up, bits=4, group_size=group_size)
     q_down = QuantLinear.from_linear(down, bits=4, group_size=group_size)
     # the bf16 block on the dequantized weights
-    deq = dequantize_reference(q_gu.packed).view(intermediate // 16, 2, 16, hidden)
-    gate.weight.data.copy_(deq[:, 0].reshape(intermediate, hidden))
-    up.weight.data.copy_(deq[:, 1].reshape(intermediate, hidden))
+    deq_gate, deq_up = deinterleave_rows(dequantize_reference(q_gu.packed))
+    gate.weight.data.copy_(deq_gate)
+    up.weight.data.copy_(deq_up)
     down.weight.data.copy_(dequantize_reference(q_down.packed))
-    del deq
+    del deq_gate, deq_up
 
     def bf16_block(x):
         return down(torch.nn.functional.silu(gate(x)) * up(x))

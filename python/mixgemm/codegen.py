@@ -12,7 +12,10 @@ CollectiveBuilder instantiations, with mixgemm's own tags registered in its tag 
 * ``KernelScheduleTag``: ``mixgemm::KernelPrepacked{Cooperative,Pingpong}``, which route the
   builder to mixgemm's mainloop (``cutlass_ext/mixgemm/collective``);
 * ``EpilogueFunctor3xTag``: the per-row-bias fusions ``mixgemm::epilogue::PerRowBias`` and
-  ``PerRowBiasAct`` (bias, then silu / gelu chosen at run time).
+  ``PerRowBiasAct`` (bias, then silu / gelu chosen at run time), and ``Swiglu``;
+* ``EpilogueScheduleTag``: ``mixgemm::EpilogueGatedNoSmem``, which routes the epilogue builder to
+  mixgemm's gated epilogue (``cutlass_ext/mixgemm/epilogue_gated.hpp``: silu(gate) * up from
+  registers, N/2 outputs).
 
 The generated files only name types and tile shapes; all logic lives in ``cutlass_ext/`` and
 ``converters/``.
@@ -45,10 +48,21 @@ class Scheduler(enum.Enum):
 class Epilogue(enum.Enum):
     """Epilogue fusion. BIAS reads an optional per-output-feature bias (null pointer = none);
     BIAS_ACT also applies the activation the call names (none, silu or gelu: chosen at run time,
-    so one kernel serves all three)."""
+    so one kernel serves all three); SWIGLU is the gated epilogue of a gate/up interleaved weight
+    (:func:`mixgemm.quantize.interleave_gate_up`): ``silu(gate + b) * (up + b)``, N/2 outputs."""
 
     BIAS = "bias"
     BIAS_ACT = "biasact"
+    SWIGLU = "swiglu"
+
+    @property
+    def activations(self) -> tuple["Activation", ...]:
+        """The activations a kernel with this epilogue computes."""
+        if self is Epilogue.BIAS:
+            return (Activation.NONE,)
+        if self is Epilogue.BIAS_ACT:
+            return (Activation.NONE, Activation.SILU, Activation.GELU)
+        return (Activation.SWIGLU,)
 
 
 class Activation(enum.Enum):
@@ -57,7 +71,7 @@ class Activation(enum.Enum):
     NONE = "none"
     SILU = "silu"
     GELU = "gelu"   # exact (erf) GELU, torch's default
-    SWIGLU = "swiglu"   # silu(gate) * up over a gate/up stripe-interleaved weight: N/2 outputs
+    SWIGLU = "swiglu"   # silu(gate) * up over a gate/up 8-row-stripe interleaved weight: N/2 outputs
 
     @property
     def cpp(self) -> str:
@@ -138,7 +152,7 @@ class GemmSpec:
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
     """One decode kernel (``cutlass_ext/mixgemm/decode_kernel.hpp``): ``y = x @ dequant(W)^T``
-    for at most ``tokens`` rows of x, one warp per 16-row weight stripe, mma.sync m16n8k16,
+    for at most ``tokens`` rows of x, one warp per 16-row weight band, mma.sync m16n8k16,
     weights streamed through a per-warp ring of ``stages`` shared-memory stages of
     ``stage_bytes`` filled by bulk copies, split-K across CTAs chosen at launch.
     """
@@ -239,8 +253,12 @@ class TileConfig:
     #: any number of tokens
     max_tokens = None
 
-    def spec(self, act: ActType, weight: WeightType) -> GemmSpec:
-        return GemmSpec(act, weight, self.tile_m, self.tile_n, self.tile_k, self.schedule, self.scheduler)
+    def spec(self, act: ActType, weight: WeightType, activation: Activation = Activation.NONE) -> GemmSpec:
+        """The config's kernel for a type pair: the gated epilogue for swiglu, else the one that
+        takes none / silu / gelu per call."""
+        epilogue = Epilogue.SWIGLU if activation is Activation.SWIGLU else Epilogue.BIAS_ACT
+        return GemmSpec(act, weight, self.tile_m, self.tile_n, self.tile_k, self.schedule, self.scheduler,
+                        epilogue)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,8 +288,8 @@ class DecodeConfig:
 #:   ("dec32", the 32-token decode kernel, is built and tested but lost to "mid" on H100)
 #:   M >  128 : "xl"      sm90 GEMM 128x256x64, persistent, when it makes >= 96 output tiles
 #:              "large"   sm90 GEMM 128x128x64, persistent, otherwise
-#: The GEMM kernels fuse bias + none / silu / gelu (chosen per call); swiglu is fused by the
-#: decode kernels only.
+#: The GEMM kernels fuse bias + none / silu / gelu (chosen per call), and each config has a second
+#: kernel with the gated epilogue for swiglu; the decode kernels fix their activation.
 TILE_CONFIGS = (
     DecodeConfig("dec8", 8),
     DecodeConfig("dec16", 16),
@@ -291,6 +309,9 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
     Every type has its kernel on every path."""
     acts, weights = list(acts), list(weights)
     specs: list[KernelSpec] = [tc.spec(a, w) for a in acts for w in weights for tc in TILE_CONFIGS]
+    # the GEMM kernels with the gated (swiglu) epilogue
+    specs += [tc.spec(a, w, Activation.SWIGLU) for a in acts for w in weights for tc in TILE_CONFIGS
+              if isinstance(tc, TileConfig)]
     # the decode kernels with a fused epilogue activation (gemm(..., activation=...) at M <= 16)
     specs += [tc.spec(a, w, act) for a in acts for w in weights for tc in TILE_CONFIGS
               if isinstance(tc, DecodeConfig) for act in Activation if act is not Activation.NONE]
@@ -313,6 +334,11 @@ class _MixgemmKernelSchedule(enum.Enum):
 class _MixgemmEpilogueFunctor(enum.Enum):
     PerRowBias = enum.auto()
     PerRowBiasAct = enum.auto()
+    Swiglu = enum.auto()
+
+
+class _MixgemmEpilogueSchedule(enum.Enum):
+    GatedNoSmem = enum.auto()
 
 
 _TAGS = {
@@ -322,12 +348,15 @@ _TAGS = {
         _MixgemmKernelSchedule.PrepackedPingpong: "mixgemm::KernelPrepackedPingpong",
     },
     "EpilogueFunctor3xTag": {_MixgemmEpilogueFunctor.PerRowBias: "mixgemm::epilogue::PerRowBias",
-                             _MixgemmEpilogueFunctor.PerRowBiasAct: "mixgemm::epilogue::PerRowBiasAct"},
+                             _MixgemmEpilogueFunctor.PerRowBiasAct: "mixgemm::epilogue::PerRowBiasAct",
+                             _MixgemmEpilogueFunctor.Swiglu: "mixgemm::epilogue::Swiglu"},
+    "EpilogueScheduleTag": {_MixgemmEpilogueSchedule.GatedNoSmem: "mixgemm::EpilogueGatedNoSmem"},
 }
 
 
 _EPILOGUE_FUNCTOR = {Epilogue.BIAS: _MixgemmEpilogueFunctor.PerRowBias,
-                     Epilogue.BIAS_ACT: _MixgemmEpilogueFunctor.PerRowBiasAct}
+                     Epilogue.BIAS_ACT: _MixgemmEpilogueFunctor.PerRowBiasAct,
+                     Epilogue.SWIGLU: _MixgemmEpilogueFunctor.Swiglu}
 
 
 def _cutlass_library():
@@ -366,6 +395,8 @@ def _gemm_operation(spec: GemmSpec):
     else:
         kernel_schedule = _MixgemmKernelSchedule.PrepackedPingpong
         epilogue_schedule = L.EpilogueScheduleType.TmaWarpSpecialized
+    if spec.epilogue is Epilogue.SWIGLU:
+        epilogue_schedule = _MixgemmEpilogueSchedule.GatedNoSmem
     scheduler = {Scheduler.PERSISTENT: L.TileSchedulerType.Persistent,
                  Scheduler.STREAMK: L.TileSchedulerType.StreamK}[spec.scheduler]
     mode = L.MixedInputMode.ScaleOnly if spec.weight.signed else L.MixedInputMode.ScaleWithZeroPoint
@@ -413,7 +444,10 @@ def render(spec: KernelSpec) -> str:
     op = _gemm_operation(spec)
     body = G.EmitGemmUniversal3xInstance().emit(op)
     op_name = op.procedural_name()
-    return (head + '#include "mixgemm/gemm_prelude.hpp"\n' + body +
+    include = '#include "mixgemm/gemm_prelude.hpp"\n'
+    if spec.epilogue is Epilogue.SWIGLU:
+        include += '#include "mixgemm/epilogue_gated.hpp"\n'
+    return (head + include + body +
             f"\nstatic_assert(mixgemm::uses_prepacked_mainloop_v<{op_name}>,\n"
             f'              "{spec.name}: the builder did not select mixgemm\'s prepacked mainloop");\n\n'
             f"MIXGEMM_GEMM_ENTRY({spec.name}, {op_name})\n")

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from .layout import ATOM_K, ATOM_N, prepack
-from .quantize import quantize
-from .types import LAYOUT_VERSION, PackedWeight, WeightType, check_group_size
+from .quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
+from .types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,9 +84,10 @@ class QuantLinear(nn.Module):
 
     ``activation`` ("none", "silu", "gelu" or "swiglu") is fused into the GEMM's epilogue (see
     :func:`mixgemm.gemm`). A "swiglu" layer (:meth:`from_gate_up`) holds a gated MLP's gate and up
-    projections as one ``[2 * out_features, in_features]`` weight, stripe-interleaved, and
-    returns ``silu(x @ gate.T + b_g) * (x @ up.T + b_u)``: one launch at decode (M <= 16), the
-    GEMM then the product in torch above.
+    projections as one ``[2 * out_features, in_features]`` weight, interleaved in 8-row stripes,
+    and returns ``silu(x @ gate.T + b_g) * (x @ up.T + b_u)`` from one kernel launch at any M.
+    Its state records the stripe; a state saved by mixgemm 0.1 (16-row stripes) is re-striped
+    on load.
     """
 
     activation = "none"
@@ -188,14 +189,14 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_gate_up(cls, gate: nn.Linear, up: nn.Linear, bits: int = 4, group_size: int = 128,
                      symmetric: bool = False, dtype: Optional[torch.dtype] = None) -> "QuantLinear":
-        """A fused gated-MLP input layer: ``silu(gate(x)) * up(x)`` in one GEMM launch at decode.
+        """A fused gated-MLP input layer: ``silu(gate(x)) * up(x)`` in one GEMM launch.
 
-        ``gate`` and ``up`` are ``nn.Linear(K, I)`` each (``I % 16 == 0``); each is quantized on
+        ``gate`` and ``up`` are ``nn.Linear(K, I)`` each (``I % 8 == 0``); each is quantized on
         its own (the same result as quantizing it alone), then their rows are interleaved in
-        16-row stripes (:func:`mixgemm.quantize.interleave_gate_up`) and prepacked as one
+        8-row stripes (:func:`mixgemm.quantize.interleave_gate_up`) and prepacked as one
         ``[2I, K]`` weight. The layer's ``out_features`` is ``I``.
         """
-        from .quantize import interleave_gate_up, interleave_rows
+        from .quantize import interleave_gate_up
 
         if gate.in_features != up.in_features or gate.out_features != up.out_features:
             raise ValueError("gate and up must have the same shape")
@@ -216,10 +217,13 @@ class QuantLinear(nn.Module):
 
     # -- state dict metadata ----------------------------------------------------------------
     def get_extra_state(self):
-        return {"format": "mixgemm.QuantLinear", "weight_type": self.weight_type.value,
-                "group_size": self.group_size, "in_features": self.in_features,
-                "out_features": self.out_features, "activation": self.activation,
-                "layout_version": LAYOUT_VERSION, "arch": "sm90a"}
+        state = {"format": "mixgemm.QuantLinear", "weight_type": self.weight_type.value,
+                 "group_size": self.group_size, "in_features": self.in_features,
+                 "out_features": self.out_features, "activation": self.activation,
+                 "layout_version": LAYOUT_VERSION, "arch": "sm90a"}
+        if self.activation == "swiglu":
+            state["gate_up_stripe"] = GATE_UP_STRIPE
+        return state
 
     def set_extra_state(self, state) -> None:
         mine = self.get_extra_state()
@@ -227,8 +231,10 @@ class QuantLinear(nn.Module):
             raise ValueError("not a mixgemm QuantLinear state")
         if state.get("layout_version", 0) > LAYOUT_VERSION:
             raise ValueError(f"state has layout version {state['layout_version']}; upgrade mixgemm to read it")
-        diff = {k: (state.get(k, "none" if k == "activation" else None), v) for k, v in mine.items()
-                if state.get(k, "none" if k == "activation" else None) != v}
+        # absent keys: mixgemm 0.1's states (_load_from_state_dict re-stripes a 0.1 swiglu state
+        # and records today's stripe before this runs)
+        default = {"activation": "none", "gate_up_stripe": 16}
+        diff = {k: (state.get(k, default.get(k)), v) for k, v in mine.items() if state.get(k, default.get(k)) != v}
         if diff:
             raise ValueError(f"QuantLinear metadata mismatch (state, module): {diff}")
 
@@ -239,7 +245,45 @@ class QuantLinear(nn.Module):
             key = prefix + name
             if key in state_dict and getattr(self, name) is None:
                 self.register_buffer(name, torch.empty_like(state_dict[key], device=self.qdata.device))
+        extra = state_dict.get(prefix + "_extra_state")
+        if (isinstance(extra, dict) and extra.get("activation") == "swiglu"
+                and _state_stripe(extra) != GATE_UP_STRIPE and self.activation == "swiglu"):
+            if _state_stripe(extra) == 16:   # mixgemm 0.1's stripe (any other: the mismatch error)
+                _restripe_state(state_dict, prefix, self, 16)
+                state_dict[prefix + "_extra_state"] = {**extra, "gate_up_stripe": GATE_UP_STRIPE}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _state_stripe(extra: dict) -> int:
+    """The gate/up stripe of a swiglu layer's saved state: mixgemm 0.1 had 16 and did not say."""
+    return int(extra.get("gate_up_stripe", 16))
+
+
+def _restripe_state(state_dict: dict, prefix: str, layer: "QuantLinear", old: int) -> None:
+    """Re-interleave a swiglu layer's saved tensors from ``old``-row stripes to GATE_UP_STRIPE,
+    in ``state_dict`` (exact: unpack, permute the rows, prepack)."""
+    from .layout import unpack
+
+    def restripe(t: torch.Tensor) -> torch.Tensor:   # rows are dim 0
+        return interleave_rows(*deinterleave_rows(t, old)).contiguous()
+
+    def get(name):
+        return state_dict.get(prefix + name)
+
+    if get("qdata") is None or get("scales") is None:
+        return   # an incomplete state: the usual missing-key error follows
+    packed = PackedWeight(get("qdata"), get("scales"), get("zeros"), layer.weight_type, layer.group_size,
+                          layer.weight_rows, layer.in_features, zero_offsets=get("zero_offsets"))
+    qw = unpack(packed)
+    qw = QuantizedWeight(restripe(qw.qweight), restripe(qw.scales),
+                         None if qw.zeros is None else restripe(qw.zeros), qw.bits, qw.group_size,
+                         qw.symmetric, None if qw.zero_offsets is None else restripe(qw.zero_offsets))
+    repacked = prepack(qw)
+    for name in ("qdata", "scales", "zeros", "zero_offsets"):
+        if get(name) is not None:
+            state_dict[prefix + name] = getattr(repacked, name)
+    if get("bias") is not None:
+        state_dict[prefix + "bias"] = restripe(get("bias"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ problem, never a CUDA fault or a silently wrong result.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -32,7 +33,7 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
     and ``k`` input features.
 
     * ``m <= 8, 16``     -> "dec8" / "dec16": the decode kernel with that token tile (one warp
-      per 16-row weight stripe, weights streamed by bulk copies, split-K from the measured table
+      per 16-row weight band, weights streamed by bulk copies, split-K from the measured table
       of :mod:`mixgemm.tuning` or the kernel's planner, so that every SM streams weights);
     * ``m <= 128``       -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K ("dec32", the 32-token
       decode kernel, measured slower on most layer shapes; reachable with gemm_with_spec);
@@ -52,13 +53,16 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
 
 def select_spec(m: int, w: PackedWeight, activation: Optional[str] = None) -> "GemmSpec | DecodeSpec":
     """The kernel :func:`gemm` runs. The decode kernels fix their activation at compile time (so
-    the spec names it); the sm90 GEMM kernels take none / silu / gelu per call."""
-    from .codegen import Activation, DecodeConfig
-
+    the spec names it); the sm90 GEMM kernels take none / silu / gelu per call, and swiglu has
+    GEMM kernels of its own (the gated epilogue)."""
     tc = select_tile(m, w.n, w.k)
-    if isinstance(tc, DecodeConfig):
-        return tc.spec(w.act_type, w.weight_type, Activation(activation or "none"))
-    return tc.spec(w.act_type, w.weight_type)
+    return tc.spec(w.act_type, w.weight_type, _activation_enum(activation))
+
+
+def _activation_enum(activation: Optional[str]):
+    from .codegen import Activation
+
+    return Activation(activation or "none")
 
 
 #: gemm's ``activation`` values
@@ -148,8 +152,8 @@ def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtyp
 def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optional[str] = None) -> None:
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
-    if activation == "swiglu" and w.n % 32:
-        raise ValueError(f"activation='swiglu' needs a gate/up interleaved weight with N % 32 == 0, got N={w.n}")
+    if activation == "swiglu" and w.n % 16:
+        raise ValueError(f"activation='swiglu' needs a gate/up interleaved weight with N % 16 == 0, got N={w.n}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(w, PackedWeight):
@@ -210,11 +214,10 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
         16-byte aligned.
     activation : {None, "silu", "gelu", "swiglu"}, optional
         Applied in float32 to ``acc + bias`` before the one rounding to x's dtype. ``"swiglu"``
-        takes a weight built by :func:`mixgemm.quantize.interleave_gate_up` (gate and up 16-row
+        takes a weight built by :func:`mixgemm.quantize.interleave_gate_up` (gate and up 8-row
         stripes alternating, ``N = 2I``) and returns ``silu(gate) * up``, ``[..., I]`` (a bias
-        must be interleaved the same way). silu and gelu are fused into every kernel's
-        epilogue; swiglu into the decode kernels' (M <= 16: one launch), and above them it runs
-        in torch after the GEMM (its gate/up pairs span warps of the sm90 tile).
+        must be interleaved the same way). Every activation is fused into every kernel's
+        epilogue: one launch, at any M (swiglu by a GEMM kernel with the gated epilogue).
 
     Returns
     -------
@@ -234,7 +237,7 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     fused = w.zero_offsets is None
     spec = select_spec(m, w, activation if fused else None)
     splits = _tuned_splits(spec, w, x.device)
-    if activation is None or (fused and (activation != "swiglu" or spec.max_tokens is not None)):
+    if activation is None or fused:
         return gemm_with_spec(x, w, spec, bias=bias, out=out, activation=activation,
                               splits=splits, _checked=True)   # the activation fused in the kernel
     return _gemm_then_activate(x, w, spec, bias, out, activation, splits)
@@ -252,11 +255,13 @@ def _gemm_then_activate(x, w, spec, bias, out, activation, splits) -> torch.Tens
 
 def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     """The epilogue functions in torch, in float32 with one rounding (for the unfused paths);
-    swiglu pairs the 16-row stripes of a gate/up interleaved weight."""
+    swiglu pairs the stripes of a gate/up interleaved weight."""
+    from .quantize import GATE_UP_STRIPE as S
+
     if activation is None:
         return y
     if activation == "swiglu":
-        pairs = y.view(*y.shape[:-1], y.shape[-1] // 32, 2, 16)
+        pairs = y.view(*y.shape[:-1], y.shape[-1] // (2 * S), 2, S)
         r = (torch.nn.functional.silu(pairs[..., 0, :].float()) * pairs[..., 1, :].float()).to(y.dtype)
         return r.reshape(*y.shape[:-1], y.shape[-1] // 2)
     fn = torch.nn.functional.silu if activation == "silu" else torch.nn.functional.gelu
@@ -275,26 +280,31 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
                    _checked: bool = False) -> torch.Tensor:
     """:func:`gemm` with an explicit kernel (tests and benchmarks use it to run every kernel).
 
-    ``activation``: a decode spec fixes its own (None means the spec's; another value is an
-    error); a GEMM spec applies none / silu / gelu per call. ``splits``: 0 lets the kernel choose;
-    ``>= 1`` forces a decode kernel's split-K factor, ``> 1`` a stream-K GEMM's."""
+    ``activation``: a decode spec, and a GEMM spec with the gated (swiglu) epilogue, fix their
+    own (None means the spec's; another value is an error); the other GEMM specs apply none /
+    silu / gelu per call. ``splits``: 0 lets the kernel choose; ``>= 1`` forces a decode
+    kernel's split-K factor, ``> 1`` a stream-K GEMM's."""
     from . import runtime
-    from .codegen import GEMM_KINDS, Activation, DecodeSpec
+    from .codegen import GEMM_KINDS, Activation, DecodeSpec, Epilogue
 
     if not isinstance(spec, GEMM_KINDS):
         raise TypeError(f"spec must be a GemmSpec or DecodeSpec, got {type(spec).__name__}")
+    # the activation the kernel computes whatever the call asks (None: chosen per call)
     if isinstance(spec, DecodeSpec):
-        own = None if spec.activation is Activation.NONE else spec.activation.value
+        fixed = spec.activation
+    else:
+        fixed = Activation.SWIGLU if spec.epilogue is Epilogue.SWIGLU else None
+    if fixed is not None:
+        own = None if fixed is Activation.NONE else fixed.value
         if activation is not None and activation != own:
-            raise ValueError(f"kernel {spec.name} fuses activation {spec.activation.value!r}, "
-                             f"not {activation!r}")
+            raise ValueError(f"kernel {spec.name} fuses activation {fixed.value!r}, not {activation!r}")
         activation = own
     elif activation == "swiglu":
-        raise ValueError(f"kernel {spec.name} does not fuse swiglu (only the decode kernels do; "
-                         f"mixgemm.gemm runs it after the GEMM)")
+        raise ValueError(f"kernel {spec.name} does not fuse swiglu; the same tile with the gated "
+                         f"epilogue does ({dataclasses.replace(spec, epilogue=Epilogue.SWIGLU).name})")
     kernel_activation = activation
     if w.zero_offsets is not None and activation is not None:
-        if isinstance(spec, DecodeSpec):
+        if fixed is not None:
             raise ValueError(f"kernel {spec.name} fuses {activation!r}, but w's zero offsets must be "
                              f"added before it: use the spec without activation, or mixgemm.gemm")
         kernel_activation = None     # applied in torch after the offsets

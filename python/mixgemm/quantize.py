@@ -52,7 +52,8 @@ from .layout import unpack
 from .types import (SUPPORTED_BITS, ActType, PackedWeight, QuantizedWeight, WeightType,
                     check_group_size)
 
-__all__ = ["quantize", "dequantize_reference", "round_up_to_dtype", "interleave_gate_up", "GATE_UP_STRIPE"]
+__all__ = ["quantize", "dequantize_reference", "round_up_to_dtype", "interleave_gate_up", "interleave_rows",
+           "deinterleave_rows", "GATE_UP_STRIPE"]
 
 #: Elements of ``w`` processed at a time (bounds the float32/float64 temporaries).
 _CHUNK_ELEMS = 1 << 22
@@ -265,9 +266,12 @@ def dequantize_reference(qw: Union[QuantizedWeight, PackedWeight],
     return (w.float() + qw.zero_offsets.repeat_interleave(qw.group_size, dim=1)).to(act)
 
 
-#: Rows per stripe of a gate/up interleaved weight: the prepacked atom's height, so that each
-#: warp of the decode kernel holds one whole stripe of gate or of up.
-GATE_UP_STRIPE = 16
+#: Rows per stripe of a gate/up interleaved weight: half the prepacked atom's 16 rows, so that
+#: the thread that accumulates gate row r (r % 16 < 8) also accumulates up row r + 8 (the
+#: mma.sync and wgmma accumulator layouts give a thread rows g and g + 8 of its warp's 16-row
+#: band): every kernel computes silu(gate) * up in registers. (mixgemm 0.1 used 16-row stripes;
+#: QuantLinear re-stripes such state dicts on load.)
+GATE_UP_STRIPE = 8
 
 
 def interleave_gate_up(gate: QuantizedWeight, up: QuantizedWeight) -> QuantizedWeight:
@@ -276,14 +280,14 @@ def interleave_gate_up(gate: QuantizedWeight, up: QuantizedWeight) -> QuantizedW
     Parameters
     ----------
     gate, up : QuantizedWeight
-        ``[I, K]`` each, same bits, group size, symmetry and dtypes; ``I % 16 == 0``.
+        ``[I, K]`` each, same bits, group size, symmetry and dtypes; ``I % 8 == 0``.
 
     Returns
     -------
     QuantizedWeight
-        ``[2I, K]`` whose 16-row stripes alternate: rows ``32j .. 32j+15`` are gate rows
-        ``16j .. 16j+15`` and rows ``32j+16 .. 32j+31`` are up rows ``16j .. 16j+15`` (scales and
-        zeros follow their rows). ``gemm(x, prepack(result), activation="swiglu")`` returns
+        ``[2I, K]`` whose 8-row stripes alternate: rows ``16j .. 16j+7`` are gate rows
+        ``8j .. 8j+7`` and rows ``16j+8 .. 16j+15`` are up rows ``8j .. 8j+7`` (scales,
+        zeros and zero offsets follow their rows). ``gemm(x, prepack(result), activation="swiglu")`` returns
         ``silu(x @ gate.T) * (x @ up.T)``, ``[..., I]``. Interleave a bias ``[2I]`` the same way
         with :func:`interleave_rows`.
     """
@@ -302,10 +306,18 @@ def interleave_gate_up(gate: QuantizedWeight, up: QuantizedWeight) -> QuantizedW
                            zeros, gate.bits, gate.group_size, gate.symmetric, offsets)
 
 
-def interleave_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Rows of ``a`` and ``b`` (``[I, ...]`` each) alternating in stripes of 16: ``[2I, ...]``."""
-    if a.shape != b.shape or a.shape[0] % GATE_UP_STRIPE:
-        raise ValueError(f"need equal shapes with a multiple of {GATE_UP_STRIPE} rows, got {list(a.shape)}, {list(b.shape)}")
+def interleave_rows(a: torch.Tensor, b: torch.Tensor, stripe: int = GATE_UP_STRIPE) -> torch.Tensor:
+    """Rows of ``a`` and ``b`` (``[I, ...]`` each) alternating in stripes of ``stripe`` rows:
+    ``[2I, ...]``."""
+    if a.shape != b.shape or a.shape[0] % stripe:
+        raise ValueError(f"need equal shapes with a multiple of {stripe} rows, got {list(a.shape)}, {list(b.shape)}")
     rest = a.shape[1:]
-    s = GATE_UP_STRIPE
-    return torch.stack((a.reshape(-1, s, *rest), b.reshape(-1, s, *rest)), dim=1).reshape(-1, *rest)
+    return torch.stack((a.reshape(-1, stripe, *rest), b.reshape(-1, stripe, *rest)), dim=1).reshape(-1, *rest)
+
+
+def deinterleave_rows(t: torch.Tensor, stripe: int = GATE_UP_STRIPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`interleave_rows`: ``[2I, ...]`` -> (``a``, ``b``), ``[I, ...]`` each."""
+    if t.shape[0] % (2 * stripe):
+        raise ValueError(f"need a multiple of {2 * stripe} rows, got {list(t.shape)}")
+    pairs = t.reshape(-1, 2, stripe, *t.shape[1:])
+    return pairs[:, 0].reshape(-1, *t.shape[1:]), pairs[:, 1].reshape(-1, *t.shape[1:])

@@ -220,7 +220,7 @@ def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
     """Prepare params through the helper and launch on torch's current stream. A stream-K
     workspace is taken from torch's caching allocator; the part the helper says must start at zero
     (all of it for CUTLASS's stream-K, only the split counters for the decode kernels) is zeroed on
-    the same stream."""
+    the same stream by a driver memset, so a call is one kernel launch."""
     drv = _driver()
     helper = kernel.helper
     assert helper is not None
@@ -230,17 +230,19 @@ def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=kernel.device)
         args.workspace = workspace.data_ptr()
     params, launch = helper.prepare(args)
+    stream = _stream_handle(kernel.device)
     if workspace is not None:
         zero = ws_bytes if launch.workspace_zero_bytes == 0xFFFFFFFF else min(ws_bytes, launch.workspace_zero_bytes)
-        if zero:
-            workspace[:zero].zero_()
+        if zero:   # a memset on the stream (a memset node under graph capture), not a fill kernel
+            check(drv.cuMemsetD8Async(drv.CUdeviceptr(workspace.data_ptr()), 0, zero, stream),
+                  "cuMemsetD8Async(workspace)")
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
 
     config = drv.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = (int(v) for v in launch.grid)
     config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in launch.block)
     config.sharedMemBytes = int(launch.smem_bytes)
-    config.hStream = _stream_handle(kernel.device)
+    config.hStream = stream
     attrs = []
     cluster = drv.CUlaunchAttribute()
     cluster.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION

@@ -54,7 +54,13 @@ struct CollectiveBuilder<
     if constexpr (mixgemm::detail::is_stage_count<StageCountType>::value) {
       return StageCountType::value;
     } else {
-      constexpr int bytes = detail::sm90_smem_capacity_bytes - StageCountType::bytes - 1024;  // 1024: alignment slack
+      // kKernelCarveout: what the kernel keeps besides the stages and the epilogue's storage --
+      // its pipelines' barriers, placed before the tensors (which align to 1024 bytes), and the
+      // padding between the tensor arrays. 1024 was enough while every epilogue's own storage
+      // brought slack; with the gated epilogue (no shared memory) a 128x128 int4 tile took 11
+      // stages and overran the 227 KiB opt-in limit.
+      constexpr int kKernelCarveout = 2048;
+      constexpr int bytes = detail::sm90_smem_capacity_bytes - StageCountType::bytes - kKernelCarveout;
       constexpr int stages = bytes / Op<2>::kStageSmemBytes;
       return stages > 12 ? 12 : stages;
     }
