@@ -2,7 +2,7 @@
 # One call of the device tool: set up, then run the GPU work named by the arguments.
 #   tools/gpu_session.sh [build] [tests] [quick-tests] [sanitize] [bench] [bench-quick]
 # Carry `.whl` (wheels from ../shared/gpu/wheels.sh) and `.gpu` (the kernel cache as
-# .gpu/cache.tgz, built on the workstation). Everything it writes goes under $OUT.
+# .gpu/cache.tgz or its 15 MiB parts .gpu/cache.part.*). Everything it writes goes under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/mixgemm-out}
 mkdir -p "$OUT"
@@ -12,6 +12,8 @@ export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1
 export MIXGEMM_CACHE_DIR=/tmp/mixgemm-cache
 mkdir -p "$MIXGEMM_CACHE_DIR"
 for t in .gpu/*.tgz; do [ -f "$t" ] && tar xzf "$t" -C "$MIXGEMM_CACHE_DIR"; done
+# a cache split under the 16 MiB per-file limit of $OUT: split -b 15m cache.tgz .gpu/cache.part.
+if ls .gpu/cache.part.* > /dev/null 2>&1; then cat .gpu/cache.part.* | tar xz -C "$MIXGEMM_CACHE_DIR"; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 nvcc --version | tail -2 | tee -a "$OUT/gpu.txt"
 rc=0
