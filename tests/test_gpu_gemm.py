@@ -18,7 +18,7 @@ import torch
 
 import mixgemm
 from mixgemm import ops
-from mixgemm.codegen import (ALL_ACTS, ALL_WEIGHTS, GEMM_KINDS, Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec,
+from mixgemm.codegen import (ALL_ACTS, ALL_WEIGHTS, GEMM_KINDS, Activation, DecodeSpec, Epilogue, GemmSpec,
                               Scheduler, default_specs)
 from mixgemm.quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
 from mixgemm.types import ActType, WeightType
@@ -32,9 +32,7 @@ GEMM_SPECS = [s for s in default_specs() if isinstance(s, GEMM_KINDS)]
 def _fixed_activation(spec) -> Activation:
     """The activation a kernel computes whatever the call asks: a decode kernel's own, swiglu for
     the gated GEMM epilogue, NONE for the GEMM kernels that take it per call."""
-    if isinstance(spec, DecodeSpec):
-        return spec.activation
-    return Activation.SWIGLU if spec.epilogue is Epilogue.SWIGLU else Activation.NONE
+    return spec.fixed_activation or Activation.NONE
 
 GROUPS = (32, 64, 128, 256, "K")
 # (N, K): the issue's layer shapes, and an odd but legal one (N = 16 * 97: partial 128-row tiles;

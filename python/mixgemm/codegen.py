@@ -55,15 +55,6 @@ class Epilogue(enum.Enum):
     BIAS_ACT = "biasact"
     SWIGLU = "swiglu"
 
-    @property
-    def activations(self) -> tuple["Activation", ...]:
-        """The activations a kernel with this epilogue computes."""
-        if self is Epilogue.BIAS:
-            return (Activation.NONE,)
-        if self is Epilogue.BIAS_ACT:
-            return (Activation.NONE, Activation.SILU, Activation.GELU)
-        return (Activation.SWIGLU,)
-
 
 class Activation(enum.Enum):
     """Elementwise function applied in float32 to ``acc + bias`` before the output rounding."""
@@ -140,6 +131,12 @@ class GemmSpec:
             raise ValueError("stages must be 0 (auto) or >= 2")
 
     @property
+    def fixed_activation(self) -> "Activation | None":
+        """The activation the kernel computes whatever the call asks: swiglu for the gated
+        epilogue; None when the call chooses (none / silu / gelu)."""
+        return Activation.SWIGLU if self.epilogue is Epilogue.SWIGLU else None
+
+    @property
     def name(self) -> str:
         return (f"mixgemm_gemm_{self.act.value}_{self.weight.value}_"
                 f"t{self.tile_m}x{self.tile_n}x{self.tile_k}_{self.schedule.value}_"
@@ -181,6 +178,11 @@ class DecodeSpec:
             raise ValueError(f"stages must be >= 2, got {self.stages}")
         if self.warps * self.stages * self.stage_bytes > 160 * 1024:
             raise ValueError("the weight rings (warps x stages x stage_bytes) exceed 160 KiB of shared memory")
+
+    @property
+    def fixed_activation(self) -> Activation:
+        """The activation the kernel computes whatever the call asks (fixed at compile time)."""
+        return self.activation
 
     @property
     def name(self) -> str:

@@ -246,11 +246,11 @@ class QuantLinear(nn.Module):
             if key in state_dict and getattr(self, name) is None:
                 self.register_buffer(name, torch.empty_like(state_dict[key], device=self.qdata.device))
         extra = state_dict.get(prefix + "_extra_state")
-        if (isinstance(extra, dict) and extra.get("activation") == "swiglu"
-                and _state_stripe(extra) != GATE_UP_STRIPE and self.activation == "swiglu"):
-            if _state_stripe(extra) == 16:   # mixgemm 0.1's stripe (any other: the mismatch error)
-                _restripe_state(state_dict, prefix, self, 16)
-                state_dict[prefix + "_extra_state"] = {**extra, "gate_up_stripe": GATE_UP_STRIPE}
+        # mixgemm 0.1's 16-row stripes are re-striped; any other stripe meets the mismatch error
+        if (self.activation == "swiglu" and isinstance(extra, dict) and extra.get("activation") == "swiglu"
+                and _state_stripe(extra) == 16 != GATE_UP_STRIPE):
+            _restripe_state(state_dict, prefix, self, 16)
+            state_dict[prefix + "_extra_state"] = {**extra, "gate_up_stripe": GATE_UP_STRIPE}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 

@@ -55,14 +55,10 @@ def select_spec(m: int, w: PackedWeight, activation: Optional[str] = None) -> "G
     """The kernel :func:`gemm` runs. The decode kernels fix their activation at compile time (so
     the spec names it); the sm90 GEMM kernels take none / silu / gelu per call, and swiglu has
     GEMM kernels of its own (the gated epilogue)."""
-    tc = select_tile(m, w.n, w.k)
-    return tc.spec(w.act_type, w.weight_type, _activation_enum(activation))
-
-
-def _activation_enum(activation: Optional[str]):
     from .codegen import Activation
 
-    return Activation(activation or "none")
+    tc = select_tile(m, w.n, w.k)
+    return tc.spec(w.act_type, w.weight_type, Activation(activation or "none"))
 
 
 #: gemm's ``activation`` values
@@ -285,15 +281,11 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     silu / gelu per call. ``splits``: 0 lets the kernel choose; ``>= 1`` forces a decode
     kernel's split-K factor, ``> 1`` a stream-K GEMM's."""
     from . import runtime
-    from .codegen import GEMM_KINDS, Activation, DecodeSpec, Epilogue
+    from .codegen import GEMM_KINDS, Activation, Epilogue
 
     if not isinstance(spec, GEMM_KINDS):
         raise TypeError(f"spec must be a GemmSpec or DecodeSpec, got {type(spec).__name__}")
-    # the activation the kernel computes whatever the call asks (None: chosen per call)
-    if isinstance(spec, DecodeSpec):
-        fixed = spec.activation
-    else:
-        fixed = Activation.SWIGLU if spec.epilogue is Epilogue.SWIGLU else None
+    fixed = spec.fixed_activation   # None: chosen per call
     if fixed is not None:
         own = None if fixed is Activation.NONE else fixed.value
         if activation is not None and activation != own:
