@@ -157,12 +157,16 @@ def test_gemm_specs_fuse_the_runtime_activation():
 
 
 def test_heuristic_by_tokens_and_output_tiles():
-    """select_tile: decode kernels up to 16 tokens, the stream-K GEMM up to 128, then the
-    128x256 tile when it makes >= 96 output tiles (else 128x128, which keeps more SMs busy)."""
+    """select_tile: decode kernels up to 16 tokens (32 on small layers), the stream-K GEMM up
+    to 128, then the 128x256 tile when it makes >= 96 output tiles (else 128x128, which keeps more
+    SMs busy)."""
     from mixgemm.ops import select_tile
 
-    assert [select_tile(m, 4096, 4096).label for m in (1, 8, 9, 16, 17, 128)] == \
-        ["dec8", "dec8", "dec16", "dec16", "mid", "mid"]
+    assert [select_tile(m, 4096, 4096).label for m in (1, 8, 9, 16, 17, 32, 33, 128)] == \
+        ["dec8", "dec8", "dec16", "dec16", "dec32", "dec32", "mid", "mid"]
+    assert select_tile(32, 6144, 4096).label == "dec32"     # 25.2M weights
+    assert select_tile(32, 4096, 14336).label == "mid"      # 58.7M weights
+    assert select_tile(17, 28672, 8192).label == "mid"
     assert select_tile(256, 28672, 8192).label == "xl"      # 1 x 224 tiles
     assert select_tile(256, 8192, 8192).label == "large"    # 1 x 64 tiles with 128x256
     assert select_tile(512, 4096, 14336).label == "large"   # 2 x 32

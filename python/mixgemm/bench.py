@@ -822,8 +822,8 @@ class MixgemmImpl(Impl):
 
         act = ActType.from_torch(x_dtype)
         if self.tile_label is None and ms is not None:
-            # the choice also depends on N (output tiles): take both extremes
-            labels = {select_tile(m, n, 0).label for m in ms for n in (16, 1 << 20)}
+            # the choice also depends on the layer's shape (output tiles, size): take both extremes
+            labels = {select_tile(m, n, k).label for m in ms for n, k in ((16, 64), (1 << 20, 1 << 20))}
         else:
             labels = {tc.label for tc in TILE_CONFIGS}
         return [tc.spec(act, self.weight_type) for tc in TILE_CONFIGS

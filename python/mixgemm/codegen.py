@@ -286,8 +286,8 @@ class DecodeConfig:
 #: The kernel configs the heuristic (mixgemm.ops.select_tile) chooses from, by token count M:
 #:   M <= 8   : "dec8"    decode kernel, 8-token tile
 #:   M <= 16  : "dec16"   decode kernel, 16-token tile
+#:   M <= 32  : "dec32"   decode kernel, 32-token tile, on layers of at most 2**25 weights
 #:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K
-#:   ("dec32", the 32-token decode kernel, is built and tested but lost to "mid" on H100)
 #:   M >  128 : "xl"      sm90 GEMM 128x256x64, persistent, when it makes >= 96 output tiles
 #:              "large"   sm90 GEMM 128x128x64, persistent, otherwise
 #: The GEMM kernels fuse bias + none / silu / gelu (chosen per call), and each config has a second

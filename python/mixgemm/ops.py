@@ -17,10 +17,14 @@ if TYPE_CHECKING:  # codegen is imported lazily: `import mixgemm` stays cheap
 
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
 
-#: Kernel config labels by token count (upper bound of M, label): see select_tile. Measured on
-#: H100 (benchmarks/results/nvidia-h100-80gb-hbm3): the 32-token decode kernel lost to the "mid"
-#: GEMM on 6 of the 8 default layer shapes, so M > 16 goes to the GEMM path.
+#: Kernel config labels by token count (upper bound of M, label): see select_tile.
 _HEURISTIC = ((8, "dec8"), (16, "dec16"), (128, "mid"), (None, "large"))
+#: 16 < M <= 32 on a layer of at most this many weights (N x K) goes to the 32-token decode
+#: kernel ("dec32") instead of "mid". Measured on H100 at M = 32 (sweep-decode-m32.json against
+#: bench-m32.json, benchmarks/NOTES.md section 6c): dec32 at its best split factor took 0.75-0.84x
+#: the time of "mid" on 4096x4096 and 6144x4096 (u4, u2, s8), but 1.03-1.25x on every layer of
+#: 58M weights or more (4096x14336 up), where the GEMM's wide tiles stream better.
+_DEC32_MAX_WEIGHTS = 1 << 25
 #: Above M = 128, the 128x256 tile ("xl") when it makes at least this many output tiles (about 3/4
 #: of an H100's 132 SMs), else "large". Measured on H100 (gemm-tiles.json): 128x256 is 1.3-1.4x
 #: faster than 128x128 at M >= 1024 on every shape tried, and at M = 256 on 28672x8192 (224 tiles),
@@ -35,17 +39,19 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
     * ``m <= 8, 16``     -> "dec8" / "dec16": the decode kernel with that token tile (one warp
       per 16-row weight band, weights streamed by bulk copies, split-K from the measured table
       of :mod:`mixgemm.tuning` or the kernel's planner, so that every SM streams weights);
-    * ``m <= 128``       -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K ("dec32", the 32-token
-      decode kernel, measured slower on most layer shapes; reachable with gemm_with_spec);
+    * ``m <= 32`` and ``n * k <= 2**25`` -> "dec32": the decode kernel with a 32-token tile (on
+      small layers; measured slower than "mid" on larger ones);
+    * ``m <= 128``       -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K;
     * else               -> "xl": sm90 GEMM, 128x256x64, persistent, if that makes at least
       96 output tiles (``ceil(m / 256) * ceil(n / 128)``), else "large": 128x128x64.
 
-    ``k`` does not change the choice.
+    ``k`` matters only for "dec32" (through the layer's size).
     """
     from .codegen import TILE_CONFIGS
 
-    del k
     label = next(lab for bound, lab in _HEURISTIC if bound is None or m <= bound)
+    if label == "mid" and m <= 32 and n * k <= _DEC32_MAX_WEIGHTS:
+        label = "dec32"
     if label == "large" and -(-m // 256) * -(-n // 128) >= _XL_MIN_TILES:
         label = "xl"
     return next(tc for tc in TILE_CONFIGS if tc.label == label)

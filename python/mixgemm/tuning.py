@@ -10,7 +10,7 @@ up to 27% (H100, 12% on average over its 40 entries) and 20% (H200) faster than 
 (``benchmarks/NOTES.md`` sections 3 and 4).
 
 A table entry is keyed by everything that decides the plan: the GPU's name, the layer's N and K,
-the kernel's token tile (8 or 16) and the code width in bits; the activation dtype, group size and
+the kernel's token tile (8, 16 or 32) and the code width in bits; the activation dtype, group size and
 fused activation do not change the stream (the table is measured with bf16, g128). Shapes not in
 the table, and other GPUs, use the planner.
 """
@@ -28,7 +28,7 @@ TABLE_DIR = Path(__file__).resolve().parent / "tuning"
 #: The split-K factors the sweep tries.
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)   # up to 8 reduce in a cluster, beyond in global memory
 #: Representative token count measured for each decode token tile.
-TILE_M = {8: 1, 16: 16}
+TILE_M = {8: 1, 16: 16, 32: 32}
 
 
 def gpu_slug(name: str) -> str:
