@@ -17,14 +17,16 @@ if TYPE_CHECKING:  # codegen is imported lazily: `import mixgemm` stays cheap
 
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
 
-#: Kernel config labels by token count (upper bound of M, label): see select_tile.
-_HEURISTIC = ((8, "dec8"), (16, "dec16"), (128, "mid"), (None, "large"))
 #: 16 < M <= 32 on a layer of at most this many weights (N x K) goes to the 32-token decode
 #: kernel ("dec32") instead of "mid". Measured on H100 at M = 32 (sweep-decode-m32.json against
 #: bench-m32.json, benchmarks/NOTES.md section 6c): dec32 at its best split factor took 0.75-0.84x
 #: the time of "mid" on 4096x4096 and 6144x4096 (u4, u2, s8), but 1.03-1.25x on every layer of
 #: 58M weights or more (4096x14336 up), where the GEMM's wide tiles stream better.
 _DEC32_MAX_WEIGHTS = 1 << 25
+#: Kernel config labels, first match wins: (upper bound of M, upper bound of N x K or None, label);
+#: see select_tile.
+_HEURISTIC = ((8, None, "dec8"), (16, None, "dec16"), (32, _DEC32_MAX_WEIGHTS, "dec32"), (128, None, "mid"),
+              (None, None, "large"))
 #: Above M = 128, the 128x256 tile ("xl") when it makes at least this many output tiles (about 3/4
 #: of an H100's 132 SMs), else "large". Measured on H100 (gemm-tiles.json): 128x256 is 1.3-1.4x
 #: faster than 128x128 at M >= 1024 on every shape tried, and at M = 256 on 28672x8192 (224 tiles),
@@ -49,9 +51,8 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
     """
     from .codegen import TILE_CONFIGS
 
-    label = next(lab for bound, lab in _HEURISTIC if bound is None or m <= bound)
-    if label == "mid" and m <= 32 and n * k <= _DEC32_MAX_WEIGHTS:
-        label = "dec32"
+    label = next(lab for m_max, size_max, lab in _HEURISTIC
+                 if (m_max is None or m <= m_max) and (size_max is None or n * k <= size_max))
     if label == "large" and -(-m // 256) * -(-n // 128) >= _XL_MIN_TILES:
         label = "xl"
     return next(tc for tc in TILE_CONFIGS if tc.label == label)
