@@ -258,6 +258,55 @@ def test_json_round_trip(tmp_path):
         bench.report_from_dict({**doc, "schema": "other"})
 
 
+def test_merge_reports_joins_split_runs(tmp_path):
+    """A grid split by M across two processes comes back as one report, each point as measured."""
+    a = BenchReport(machine(timestamp="t1"), bench.BenchConfig(ms=(1, 16), impls=("cublas", "mixgemm-u4")).to_json(),
+                    analyze([meas("cublas", 100.0, m=1), meas("mixgemm-u4", 25.0, m=1),
+                             meas("cublas", 100.0, m=16), meas("mixgemm-u4", 50.0, m=16)], 3000.0))
+    b = BenchReport(machine(timestamp="t2", copy_bw_gbps=2900.0),
+                    bench.BenchConfig(ms=(4096,), impls=("cublas", "mixgemm-u4", "mixgemm-u2")).to_json(),
+                    analyze([meas("cublas", 900.0, m=4096), meas("mixgemm-u4", 1000.0, m=4096),
+                             meas("mixgemm-u2", 950.0, m=4096)], 2900.0))
+    merged = bench.merge_reports([a, b])
+    assert len(merged.results) == 7 and merged.machine == a.machine
+    assert merged.config["ms"] == [1, 16, 4096]
+    assert merged.config["impls"] == ["cublas", "mixgemm-u4", "mixgemm-u2"]
+    assert [r["timestamp"] for r in merged.config["runs"]] == ["t1", "t2"]
+    assert merged.config["runs"][1]["copy_bw_gbps"] == 2900.0
+    by = {(r.impl, r.m): r for r in merged.results}
+    assert by[("mixgemm-u4", 1)].speedup_vs_cublas == pytest.approx(4.0)
+    assert by[("mixgemm-u4", 4096)].speedup_vs_cublas == pytest.approx(0.9)
+    # the merged document is a report like any other
+    path = bench.write_json(tmp_path / "merged.json", merged)
+    assert bench.read_json(path) == merged
+    with pytest.raises(ValueError, match="more than one run"):
+        bench.merge_reports([a, a])
+    with pytest.raises(ValueError, match="different GPUs"):
+        bench.merge_reports([a, BenchReport(machine(gpu_name="other"), a.config, [])])
+    with pytest.raises(ValueError, match="different dtype"):
+        bench.merge_reports([a, BenchReport(machine(), {**a.config, "dtype": "fp16"}, [])])
+    with pytest.raises(ValueError, match="nothing"):
+        bench.merge_reports([])
+
+
+def test_merge_cli_writes_one_report(tmp_path, capsys):
+    parts = []
+    for i, m in enumerate((1, 64)):
+        rep = BenchReport(machine(timestamp=f"t{i}"), bench.BenchConfig(ms=(m,), impls=("cublas", "mixgemm-u4")).to_json(),
+                          analyze([meas("cublas", 100.0, m=m), meas("mixgemm-u4", 40.0, m=m)], 3000.0))
+        parts.append(str(bench.write_json(tmp_path / f"part{i}.json", rep)))
+    out = tmp_path / "all.json"
+    assert bench.main(["--merge", *parts, "--json", str(out)]) == 0
+    merged = bench.read_json(out)
+    assert sorted({r.m for r in merged.results}) == [1, 64] and merged.config["ms"] == [1, 64]
+    capsys.readouterr()
+    assert bench.main(["--merge", *parts]) != 0
+    assert "--merge needs --json" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{")
+    assert bench.main(["--merge", str(tmp_path / "bad.json"), "--json", str(out)]) != 0
+    assert "--merge:" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------- table
 def test_table_lists_every_implementation_and_shape():
     shapes = [(4096, 4096), (28672, 8192)]

@@ -40,6 +40,8 @@ FAKE_NVCC = textwrap.dedent("""\
     if os.environ.get("FAKE_NVCC_FAIL"):
         print("error: fake failure", file=sys.stderr)
         sys.exit(2)
+    if os.environ.get("FAKE_NVCC_NOTE"):
+        print(os.environ["FAKE_NVCC_NOTE"], file=sys.stderr)
     time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP", "0")))
     with open(out, "w") as f:
         f.write(" ".join(args) + "\\n" + open(src).read())
@@ -148,6 +150,32 @@ def test_failed_build_leaves_nothing(fake_env, monkeypatch):
     cache = Path(os.environ["MIXGEMM_CACHE_DIR"])
     assert not list(cache.glob("kernels/*")), "no entry for a failed build"
     assert not list(cache.glob("tmp/*")), "no leftover temporary directory"
+
+
+# ptxas's own wording (nvcc 13.0), as printed for a GEMM kernel before NOTES 7a.
+PTXAS_C7513 = ("ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are "
+               "serialized due to non wgmma instructions defining input registers of a wgmma between start "
+               "and end of the pipeline stage in the function 'mixgemm_gemm_bf16_u4_t128x128x64'")
+
+
+def test_serialized_wgmma_notes_are_found():
+    other = "ptxas info    : Used 168 registers"
+    assert build.serialized_wgmma_notes(f"{other}\n{PTXAS_C7513}\n{other}\n") == [PTXAS_C7513]
+    c7510 = PTXAS_C7513.replace("C7513", "C7510")
+    assert build.serialized_wgmma_notes(f"{PTXAS_C7513}\n{c7510}") == [PTXAS_C7513, c7510]
+    assert build.serialized_wgmma_notes(other) == []
+    assert build.serialized_wgmma_notes("(C7513) something else entirely") == []
+
+
+def test_serialized_wgmma_fails_the_build(fake_env, monkeypatch):
+    """A kernel whose wgmmas ptxas serialized is an error (and nothing is cached), not a slow kernel."""
+    monkeypatch.setenv("FAKE_NVCC_NOTE", PTXAS_C7513)
+    with pytest.raises(build.BuildError, match=r"serialized the wgmma pipeline(.|\n)*C7513"):
+        build.build(GEMM)
+    cache = Path(os.environ["MIXGEMM_CACHE_DIR"])
+    assert not list(cache.glob("kernels/*")) and not list(cache.glob("tmp/*"))
+    monkeypatch.delenv("FAKE_NVCC_NOTE")
+    assert build.build(GEMM).cubin_path.exists()
 
 
 def test_jit_load_logs_a_build(fake_env, caplog):

@@ -1141,6 +1141,56 @@ def read_json(path: Path) -> BenchReport:
     return report_from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
+def merge_reports(reports: Sequence[BenchReport]) -> BenchReport:
+    """One report from runs that split a grid across processes (``--m`` or ``--shapes`` parts,
+    to fit a per-process time limit) on the same GPU, dtype and group size.
+
+    Each point keeps what its own run measured (its speedups are against the cuBLAS and peers
+    of that run); the config lists the union of shapes, M and implementations, and
+    ``config["runs"]`` each run's timestamp, copy bandwidth, dense rate and grid. The machine
+    entry is the first run's.
+
+    Raises
+    ------
+    ValueError
+        No reports; runs on different GPUs, dtypes or group sizes; a point measured twice.
+    """
+    if not reports:
+        raise ValueError("nothing to merge")
+    first = reports[0]
+    for r in reports[1:]:
+        if r.machine.gpu_name != first.machine.gpu_name:
+            raise ValueError(f"runs on different GPUs: {first.machine.gpu_name!r} and {r.machine.gpu_name!r}")
+        for key in ("dtype", "group_size"):
+            if r.config.get(key) != first.config.get(key):
+                raise ValueError(f"runs with different {key}: {first.config.get(key)!r} and {r.config.get(key)!r}")
+    seen: set[tuple[str, int, int, int]] = set()
+    results: list = []
+    for r in reports:
+        for p in r.results:
+            key = (p.impl, p.n, p.k, p.m)
+            if key in seen:
+                raise ValueError(f"{p.impl} at N={p.n} K={p.k} M={p.m} is in more than one run")
+            seen.add(key)
+            results.append(p)
+
+    def union(key: str) -> list:
+        out: list = []
+        for r in reports:
+            for v in r.config.get(key, []):
+                if v not in out:
+                    out.append(v)
+        return out
+
+    config = dict(first.config)
+    config.update(shapes=union("shapes"), ms=sorted(union("ms")), impls=union("impls"),
+                  runs=[{"timestamp": r.machine.timestamp, "copy_bw_gbps": r.machine.copy_bw_gbps,
+                         "dense_bf16_tflops": r.machine.dense_bf16_tflops,
+                         "ms": list(r.config.get("ms", [])), "impls": list(r.config.get("impls", []))}
+                        for r in reports])
+    return BenchReport(machine=first.machine, config=config, results=results)
+
+
 def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -1495,6 +1545,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              f"{BLOCK_HIDDEN}, intermediate {BLOCK_INTERMEDIATE}, int4 g128 "
                              "asymmetric) at batch 1 (or --m), bf16 vs mixgemm, both under CUDA "
                              "graphs")
+    parser.add_argument("--merge", metavar="JSON", nargs="+", default=None,
+                        help="no GPU run: merge the JSON reports of runs that split one grid "
+                             "(same GPU, dtype and group size) into one, then write --json / "
+                             "--plot / --save from it")
     parser.add_argument("--gpu-name", metavar="NAME", default=None,
                         help="GPU name for the report and the results folder (default: "
                              "the device's name)")
@@ -1687,12 +1741,29 @@ def run_block_cli(cfg: "BenchConfig", device: torch.device, log: Callable[[str],
     return 1 if bad else 0
 
 
+def _merge_cli(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    """``mixgemm bench --merge A.json B.json ...``: one report from split runs."""
+    try:
+        report = merge_reports([read_json(Path(p)) for p in args.merge])
+    except (OSError, ValueError, TypeError) as e:
+        raise _user_error(f"--merge: {e}") from None
+    if not (args.json or args.plot or args.save):
+        raise _user_error("--merge needs --json, --plot or --save")
+    cfg = BenchConfig(json_path=args.json, plot_path=args.plot, save=args.save,
+                      results_root=args.results_dir)
+    log(format_table(report.results, report.machine, report.config))
+    write_outputs(report, cfg, log=log)
+    return 1 if any(r.status == FAIL for r in report.results) else 0
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run ``mixgemm bench`` with parsed ``args``; the exit status.
 
     Returns 0 when every point that ran is correct, 1 when any point FAILed (a wrong or
     non-finite result). User errors (no GPU, bad options) raise ``mixgemm.cli.CliError``.
     """
+    if getattr(args, "merge", None):
+        return _merge_cli(args, print)
     try:
         device = require_cuda()
         cfg = config_from_args(args)

@@ -242,6 +242,17 @@ def _valid(entry: Path, spec: KernelSpec, key: str) -> bool:
         return False
 
 
+# ptxas's notes that it serialized a kernel's wgmma pipeline (C7510 without NDEBUG; C7513/C7515
+# when registers a wgmma in flight reads are redefined): each wgmma then waits for the previous
+# one and the conversion no longer overlaps the tensor cores (measured 15-20% slower, NOTES 7a).
+_SERIALIZED_WGMMA = re.compile(r"^.*\(C75\d\d\).*wgmma\.mma_async instructions are serialized.*$", re.M)
+
+
+def serialized_wgmma_notes(compiler_output: str) -> list[str]:
+    """The lines of ptxas output that report a serialized wgmma pipeline."""
+    return [m.group(0).strip() for m in _SERIALIZED_WGMMA.finditer(compiler_output)]
+
+
 def _run_nvcc(tc: Toolchain, flags: Sequence[str], src: Path, out: Path) -> list[str]:
     cmd = [tc.nvcc, *flags, *include_flags(), *_extra_flags(), str(src), "-o", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -249,6 +260,10 @@ def _run_nvcc(tc: Toolchain, flags: Sequence[str], src: Path, out: Path) -> list
         tail = "\n".join(res.stderr.strip().splitlines()[-40:])
         raise BuildError(f"nvcc failed ({res.returncode}) building {out.name} for {src.parent.name}:\n"
                          f"{' '.join(cmd)}\n{tail}")
+    notes = serialized_wgmma_notes(res.stdout + res.stderr)
+    if notes:
+        raise BuildError(f"ptxas serialized the wgmma pipeline of {src.parent.name} ({out.name}); the kernel "
+                         f"would be correct but slow, so it is not cached:\n{' '.join(cmd)}\n" + "\n".join(notes))
     return cmd
 
 

@@ -367,12 +367,18 @@ struct CollectiveMmaPrepacked {
     Tensor tCcA = thr_mma.partition_A(cA);                                   // (MMA,MMA_M,MMA_K) -> (m,k)
     Tensor tileA = make_tensor(make_smem_ptr(static_cast<ElementAct*>(nullptr)),
                                make_layout(make_shape(Int<BLK_M>{}, Int<BLK_K>{})));  // shape only
-    Tensor tCrA = thr_mma.partition_fragment_A(tileA);                       // (MMA,MMA_M,MMA_K) bf16/fp16
-    Tensor tCrA_u32 = recast<uint32_t>(tCrA);                                // (4,MMA_M,MMA_K)
-    constexpr int MMA_M = size<1>(tCrA);
-    constexpr int MMA_K = size<2>(tCrA);
+    // Two register sets for the converted A fragments, used by alternate k-tiles. ptxas does not
+    // follow wgmma.wait_group counts across a loop's back edge: with one set, the conversion at
+    // the top of a k-tile redefines registers that (as far as ptxas can tell) the previous
+    // k-tile's wgmmas may still read, and it serializes every wgmma of the kernel (C7513: each
+    // wgmma waited on before the next conversion starts). With the sets alternating inside one
+    // loop iteration, each conversion writes registers whose last readers are provably done.
+    Tensor tCrA0 = thr_mma.partition_fragment_A(tileA);                      // (MMA,MMA_M,MMA_K) bf16/fp16
+    Tensor tCrA1 = thr_mma.partition_fragment_A(tileA);
+    constexpr int MMA_M = size<1>(tCrA0);
+    constexpr int MMA_K = size<2>(tCrA0);
     static_assert(MMA_K == kKBlocks, "one wgmma per k16 block");
-    static_assert(size<0>(tCrA_u32) == 4, "a k16 A fragment is four 32-bit registers");
+    static_assert(decltype(size<0>(recast<uint32_t>(tCrA0)))::value == 4, "a k16 A fragment is four 32-bit registers");
 
     // wgmma B descriptors over the swizzled activation tile.
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
@@ -396,8 +402,9 @@ struct CollectiveMmaPrepacked {
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(accum);
 
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int t = 0; k_tile_count > 0; --k_tile_count, ++t) {
+    // One k-tile: wait for its stage, convert A into `frag` one k16 block ahead of the tensor core.
+    auto mma_tile = [&](auto& frag, int t) {
+      Tensor tCrA_u32 = recast<uint32_t>(frag);                              // (4,MMA_M,MMA_K)
       auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
       pipeline.consumer_wait(smem_pipe_read, barrier_token);
       int const stage = smem_pipe_read.index();
@@ -476,14 +483,28 @@ struct CollectiveMmaPrepacked {
             tCrA_u32(i, mm, kb) = out[i];
           }
         }
-        warpgroup_fence_operand(tCrA_u32);
+        // Fence only this k-block's registers: the others may be inputs of wgmmas still in flight.
+        {
+          auto frag_kb = tCrA_u32(_, _, kb);
+          warpgroup_fence_operand(frag_kb);
+        }
         warpgroup_arrive();
-        cute::gemm(tiled_mma, tCrA(_, _, kb), tCrB(_, _, kb, stage), accum);
+        cute::gemm(tiled_mma, frag(_, _, kb), tCrB(_, _, kb, stage), accum);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         warpgroup_commit_batch();
       }
       warpgroup_fence_operand(accum);
       ++smem_pipe_read;
+    };
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int t = 0; k_tile_count > 0; t += 2) {
+      mma_tile(tCrA0, t);
+      if (--k_tile_count == 0) {
+        break;
+      }
+      mma_tile(tCrA1, t + 1);
+      --k_tile_count;
     }
     warpgroup_fence_operand(accum);
   }
