@@ -662,11 +662,13 @@ def test_module_entry_without_gpu_exits_nonzero():
 
 def test_kernel_specs_prebuild_what_the_heuristic_can_pick():
     """The kernels built up front cover every config select_tile may choose for the Ms (which
-    also depends on N: 128x128 or 128x256 tiles above M = 128)."""
+    may also depend on the layer's size: dec32 or the 128x64 GEMM at 16 < M <= 32)."""
     import torch
 
     (impl,) = bench.make_impls(["mixgemm-u4"], 128, bench.QuantCache())
     names = [s.name for s in impl.kernel_specs(torch.bfloat16, [1, 4096])]
     assert any("_decode_" in n and "_m8_" in n for n in names)
-    assert any("_t128x128x64_" in n for n in names) and any("_t128x256x64_" in n for n in names)
-    assert not any("_t128x64x64_" in n for n in names), "no M in (16, 128]: no stream-K GEMM"
+    assert any("_t128x256x64_" in n for n in names)
+    assert not any("_t128x64x64_" in n for n in names), "no M in (16, 128]: no 128x64 GEMM"
+    names = [s.name for s in impl.kernel_specs(torch.bfloat16, [32])]
+    assert any("_decode_" in n and "_m32_" in n for n in names) and any("_t128x64x64_" in n for n in names)

@@ -249,11 +249,16 @@ def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
     for field, value, msg in (("k", 4000, "multiple of 64"), ("n", 4104, "multiple of 16"),
                               ("group_size", 96, "group_size"), ("x", (3 << 20) + 2, "16-byte aligned"),
                               ("ldx", 4100, "row stride"), ("abi_version", 99, "ABI"),
-                              ("activation", 3, "swiglu"), ("activation", 9, "unknown activation")):
+                              ("activation", 3, "swiglu"), ("activation", 9, "unknown activation"),
+                              ("swizzle", 3, "swizzle must be 1, 2, 4 or 8"), ("raster", 3, "raster order")):
         bad = runtime.GemmArgs.from_buffer_copy(args)
         setattr(bad, field, value)
         why = helper.check(bad)
         assert why is not None and msg in why, (field, why)
+    for field, value in (("swizzle", 2), ("swizzle", 8), ("raster", 1), ("raster", 2)):   # launch choices
+        ok = runtime.GemmArgs.from_buffer_copy(args)
+        setattr(ok, field, value)
+        assert helper.check(ok) is None, (field, value)
     for act in (Activation.SILU, Activation.GELU):   # chosen per call: the same kernel takes them
         ok = runtime.GemmArgs.from_buffer_copy(args)
         ok.activation = act.abi

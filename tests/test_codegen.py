@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from mixgemm import codegen
-from mixgemm.codegen import (ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS, DequantSpec, Epilogue, GemmSpec, Schedule,
-                             Scheduler, default_specs, parse_name, render)
+from mixgemm.codegen import (ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS, Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec,
+                             Raster, Schedule, Scheduler, TileConfig, default_specs, parse_name, render)
 from mixgemm.types import ActType, WeightType
 
 SPECS = default_specs()
@@ -157,9 +157,8 @@ def test_gemm_specs_fuse_the_runtime_activation():
 
 
 def test_heuristic_by_tokens_and_output_tiles():
-    """select_tile: decode kernels up to 16 tokens (32 on small layers), the stream-K GEMM up
-    to 128, then the 128x256 tile when it makes >= 96 output tiles (else 128x128, which keeps more
-    SMs busy)."""
+    """select_tile: decode kernels up to 16 tokens (32 on small layers), the 128x64 stream-K GEMM
+    up to 128, then the 128x256 stream-K GEMM (whatever its tile count: stream-K fills the SMs)."""
     from mixgemm.ops import select_tile
 
     assert [select_tile(m, 4096, 4096).label for m in (1, 8, 9, 16, 17, 32, 33, 128)] == \
@@ -167,8 +166,27 @@ def test_heuristic_by_tokens_and_output_tiles():
     assert select_tile(32, 6144, 4096).label == "dec32"     # 25.2M weights
     assert select_tile(32, 4096, 14336).label == "mid"      # 58.7M weights
     assert select_tile(17, 28672, 8192).label == "mid"
-    assert select_tile(256, 28672, 8192).label == "xl"      # 1 x 224 tiles
-    assert select_tile(256, 8192, 8192).label == "large"    # 1 x 64 tiles with 128x256
-    assert select_tile(512, 4096, 14336).label == "large"   # 2 x 32
-    assert select_tile(1024, 4096, 14336).label == "xl"     # 4 x 32
-    assert select_tile(4096, 6144, 4096).label == "xl"
+    assert select_tile(129, 28672, 8192).label == "xl"
+    assert select_tile(256, 8192, 8192).label == "xl"       # 1 x 64 tiles, stream-K over 132 SMs
+    assert select_tile(512, 4096, 14336).label == "xl"
+    assert select_tile(16384, 6144, 4096).label == "xl"
+    xl = select_tile(4096, 6144, 4096)
+    assert xl.scheduler is Scheduler.STREAMK and (xl.raster, xl.swizzle) == (Raster.WEIGHT_ROWS, 2)
+
+
+def test_launch_order_follows_the_tile_config():
+    """A GEMM kernel launches with its config's tile order; a kernel outside the configs (or a
+    decode kernel) with CUTLASS's defaults."""
+    from mixgemm.codegen import SWIZZLES, TILE_CONFIGS, launch_order
+
+    for tc in TILE_CONFIGS:
+        if isinstance(tc, TileConfig):
+            spec = tc.spec(ActType.BF16, WeightType.U4)
+            assert launch_order(spec) == (tc.raster, tc.swizzle)
+            assert launch_order(tc.spec(ActType.FP16, WeightType.S2, Activation.SWIGLU)) == (tc.raster, tc.swizzle)
+    other = GemmSpec(ActType.BF16, WeightType.U4, 128, 256, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT)
+    assert launch_order(other) == (Raster.HEURISTIC, 1)
+    assert launch_order(DecodeSpec(ActType.BF16, WeightType.U4)) == (Raster.HEURISTIC, 1)
+    assert 2 in SWIZZLES
+    with pytest.raises(ValueError, match="swizzle"):
+        TileConfig("bad", 128, 128, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT, Raster.TOKENS, 3)

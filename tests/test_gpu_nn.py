@@ -80,7 +80,7 @@ def test_capture_without_warmup_says_so(requires_gpu, monkeypatch):
 
 def test_gate_up_layer_on_gpu_and_in_a_graph(requires_gpu):
     """The fused gate+up layer: one launch gives silu(gate(x)) * up(x) at decode (M <= 16) and
-    through the GEMM kernels' gated epilogue (M = 64: stream-K, 300: persistent), eager and
+    through the GEMM kernels' gated epilogue (M = 64: the 128x64 tile, 300: the 128x256 tile), eager and
     replayed."""
     dev = requires_gpu
     torch.manual_seed(1)

@@ -2,6 +2,9 @@
 result checked against float64: the measurements behind a change of TILE_CONFIGS.
 
     python tools/sweep_gemm_tiles.py OUT.json SPEC_NAME [SPEC_NAME ...] [--shapes ...] [--m ...]
+        [--swizzle 1,4,8] [--raster heuristic,weight_rows,tokens]
+
+Every spec runs at every (swizzle, raster) pair; the heuristic's spec at the defaults.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch
 
 import mixgemm
 from mixgemm import bench, ops
-from mixgemm.codegen import parse_name
+from mixgemm.codegen import Raster, parse_name
 
 
 def main(argv=None) -> int:
@@ -24,8 +27,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="28672x8192,8192x8192,4096x14336")
     ap.add_argument("--m", default="256,1024,4096")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--swizzle", default="1")
+    ap.add_argument("--raster", default="heuristic")
     a = ap.parse_args(argv)
     specs = [parse_name(s) for s in a.specs]
+    orders = [(int(z), Raster(r)) for z in a.swizzle.split(",") for r in a.raster.split(",")]
     dev = torch.device("cuda")
     flush = bench.flush_size(torch.cuda.get_device_properties(dev).L2_cache_size)
     rows = []
@@ -39,12 +45,17 @@ def main(argv=None) -> int:
             ref = (x.double() @ deq.double().T)
             cub = bench.time_cuda(lambda: torch.nn.functional.linear(x, deq), a.iters, 3, flush).median_us
             heur = ops.select_spec(m, packed)
-            for spec in [heur] + specs:
-                y = ops.gemm_with_spec(x, packed, spec)
+            runs = [(heur, 1, Raster.HEURISTIC)] + [(s, z, r) for s in specs for z, r in orders]
+            for spec, z, r in runs:
+                def call():
+                    return ops.gemm_with_spec(x, packed, spec, swizzle=z, raster=r)
+                y = call()
                 err = ((y.double() - ref).norm() / ref.norm()).item()
-                t = bench.time_cuda(lambda: ops.gemm_with_spec(x, packed, spec), a.iters, 3, flush).median_us
-                rows.append(dict(n=n, k=k, m=m, spec=spec.name, us=t, cublas_us=cub, err=err))
-                print(f"{n}x{k} M={m:<5} {spec.name:<60} {t:9.1f} us  x{cub / t:5.2f}  err {err:.1e}", flush=True)
+                t = bench.time_cuda(call, a.iters, 3, flush).median_us
+                rows.append(dict(n=n, k=k, m=m, spec=spec.name, swizzle=z, raster=r.value, us=t,
+                                 cublas_us=cub, err=err))
+                print(f"{n}x{k} M={m:<5} {spec.name:<58} z{z} {r.value:<11} {t:9.1f} us  x{cub / t:5.2f}"
+                      f"  err {err:.1e}", flush=True)
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(rows, f, indent=1)

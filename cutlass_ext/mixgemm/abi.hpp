@@ -8,7 +8,7 @@
 
 namespace mixgemm::abi {
 
-constexpr int32_t kAbiVersion = 3;
+constexpr int32_t kAbiVersion = 4;
 
 // y[m, n] = x[m, k] @ dequant(W)[n, k]^T (+ bias[n])
 struct GemmArgs {
@@ -21,7 +21,7 @@ struct GemmArgs {
   int32_t splits;         // 0: the kernel's choice; decode: the split-K factor; stream-K: > 1 forces split-K
   int32_t raster;         // 0: heuristic, 1: along weight rows, 2: along tokens
   int32_t activation;     // mixgemm::Activation applied to acc + bias (activation.hpp)
-  int32_t reserved;       // 0 (keeps the pointers 8-byte aligned, as ctypes lays them out)
+  int32_t swizzle;        // the tile scheduler's max_swizzle_size: 1, 2, 4 or 8 (0: 1)
   uint64_t weight;        // uint8 [n/16, k/64, 128*bits] (prepacked)
   uint64_t scales;        // act [k/group_size, n]
   uint64_t zeros;         // act [k/group_size, n] or 0

@@ -77,6 +77,7 @@ typename Kernel::Arguments make_arguments(abi::GemmArgs const& a) {
   using SchedulerArgs = typename Kernel::TileSchedulerArguments;
   using RasterOrder = decltype(std::declval<SchedulerArgs&>().raster_order);
   args.scheduler.raster_order = a.raster == 1 ? RasterOrder::AlongM : a.raster == 2 ? RasterOrder::AlongN : RasterOrder::Heuristic;
+  args.scheduler.max_swizzle_size = a.swizzle > 0 ? a.swizzle : 1;
   if constexpr (has_splits<SchedulerArgs>::value) {
     args.scheduler.splits = a.splits > 1 ? a.splits : 1;
   }
@@ -100,6 +101,9 @@ char const* check(abi::GemmArgs const* a) {
   }
   if (!kGated && a->activation != int(Activation::kNone) && !has_activation<Fusion>::value)
     return "this kernel's epilogue fuses no activation (a bias-only epilogue)";
+  if (a->raster < 0 || a->raster > 2) return "unknown raster order (0: heuristic, 1: along weight rows, 2: along tokens)";
+  if (a->swizzle != 0 && a->swizzle != 1 && a->swizzle != 2 && a->swizzle != 4 && a->swizzle != 8)
+    return "the scheduler swizzle must be 1, 2, 4 or 8";
   auto args = make_arguments<Kernel>(*a);
   using Mainloop = typename Kernel::CollectiveMainloop;
   if (char const* why = Mainloop::why_not(args.problem_shape, args.mainloop)) return why;

@@ -80,6 +80,24 @@ _ACTIVATION_CPP = {Activation.NONE: ("kNone", 0), Activation.SILU: ("kSilu", 1),
                    Activation.GELU: ("kGelu", 2), Activation.SWIGLU: ("kSwiglu", 3)}
 
 
+class Raster(enum.Enum):
+    """The order in which a GEMM's tile scheduler walks the output tiles (a launch argument)."""
+
+    HEURISTIC = "heuristic"         # CUTLASS's choice from the tile counts
+    WEIGHT_ROWS = "weight_rows"     # consecutive CTAs take consecutive weight-row blocks
+    TOKENS = "tokens"               # consecutive CTAs take consecutive token blocks
+
+    @property
+    def abi(self) -> int:
+        """Its value in the kernels' C ABI (``abi::GemmArgs::raster``)."""
+        return {Raster.HEURISTIC: 0, Raster.WEIGHT_ROWS: 1, Raster.TOKENS: 2}[self]
+
+
+#: the tile schedulers' swizzle sizes (CUTLASS ``max_swizzle_size``): a wave of CTAs covers
+#: blocks of this many tiles along the raster's minor mode, for L2 reuse
+SWIZZLES = (1, 2, 4, 8)
+
+
 class KernelKind(enum.Enum):
     GEMM = "gemm"
     DECODE = "decode"
@@ -243,7 +261,8 @@ def parse_name(name: str) -> KernelSpec:
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """A tile/schedule choice shared by all type configs; the heuristic picks among these."""
+    """A tile/schedule choice shared by all type configs; the heuristic picks among these.
+    ``raster`` and ``swizzle`` are the launch's tile order (not part of the kernel)."""
 
     label: str
     tile_m: int
@@ -251,6 +270,17 @@ class TileConfig:
     tile_k: int
     schedule: Schedule
     scheduler: Scheduler
+    raster: Raster = Raster.HEURISTIC
+    swizzle: int = 1
+
+    def __post_init__(self):
+        if self.swizzle not in SWIZZLES:
+            raise ValueError(f"swizzle must be one of {SWIZZLES}, got {self.swizzle!r}")
+
+    def runs(self, spec: "KernelSpec") -> bool:
+        """True if ``spec`` is one of this config's kernels."""
+        return isinstance(spec, GemmSpec) and (spec.tile_m, spec.tile_n, spec.tile_k, spec.schedule, spec.scheduler) \
+            == (self.tile_m, self.tile_n, self.tile_k, self.schedule, self.scheduler)
 
     #: any number of tokens
     max_tokens = None
@@ -288,8 +318,10 @@ class DecodeConfig:
 #:   M <= 16  : "dec16"   decode kernel, 16-token tile
 #:   M <= 32  : "dec32"   decode kernel, 32-token tile, on layers of at most 2**25 weights
 #:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K
-#:   M >  128 : "xl"      sm90 GEMM 128x256x64, persistent, when it makes >= 96 output tiles
-#:              "large"   sm90 GEMM 128x128x64, persistent, otherwise
+#:   M >  128 : "xl"      sm90 GEMM 128x256x64, stream-K, tiles walked along the weight rows in
+#:                        swizzled pairs (L2 reuse of the token blocks at large M)
+#: ("large", 128x128x64 persistent, is not picked by the heuristic: it was measured slower than
+#: "mid" at M = 128 and than "xl" above (NOTES 7b); it stays for gemm_with_spec and --all-configs.)
 #: The GEMM kernels fuse bias + none / silu / gelu (chosen per call), and each config has a second
 #: kernel with the gated epilogue for swiglu; the decode kernels fix their activation.
 TILE_CONFIGS = (
@@ -298,8 +330,16 @@ TILE_CONFIGS = (
     DecodeConfig("dec32", 32),
     TileConfig("mid", 128, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
     TileConfig("large", 128, 128, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT),
-    TileConfig("xl", 128, 256, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT),
+    TileConfig("xl", 128, 256, 64, Schedule.COOPERATIVE, Scheduler.STREAMK, Raster.WEIGHT_ROWS, 2),
 )
+
+
+def launch_order(spec: "KernelSpec") -> tuple[Raster, int]:
+    """The (raster, swizzle) a GEMM kernel launches with: its tile config's, else the defaults."""
+    for tc in TILE_CONFIGS:
+        if isinstance(tc, TileConfig) and tc.runs(spec):
+            return tc.raster, tc.swizzle
+    return Raster.HEURISTIC, 1
 
 ALL_ACTS = (ActType.BF16, ActType.FP16)
 ALL_WEIGHTS = (WeightType.S8, WeightType.U8, WeightType.S4, WeightType.U4, WeightType.S2, WeightType.U2)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 if TYPE_CHECKING:  # codegen is imported lazily: `import mixgemm` stays cheap
-    from .codegen import DecodeConfig, DecodeSpec, GemmSpec, TileConfig
+    from .codegen import DecodeConfig, DecodeSpec, GemmSpec, Raster, TileConfig
 
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
 
@@ -25,13 +25,12 @@ from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
 _DEC32_MAX_WEIGHTS = 1 << 25
 #: Kernel config labels, first match wins: (upper bound of M, upper bound of N x K or None, label);
 #: see select_tile.
+#: Above M = 128 the 128x256 stream-K tile ("xl"): measured on H100 (NOTES 7b,
+#: exp-gemm-sched.json) 1.04-1.6x faster than the persistent 128x128 and 128x256 tiles at
+#: M = 256 on layers that make few 128x256 tiles (stream-K spreads them over every SM), within 2%
+#: of the persistent 128x256 at M >= 1024, and 8% slower than 128x128 only on 6144x4096 at M = 256.
 _HEURISTIC = ((8, None, "dec8"), (16, None, "dec16"), (32, _DEC32_MAX_WEIGHTS, "dec32"), (128, None, "mid"),
-              (None, None, "large"))
-#: Above M = 128, the 128x256 tile ("xl") when it makes at least this many output tiles (about 3/4
-#: of an H100's 132 SMs), else "large". Measured on H100 (gemm-tiles.json): 128x256 is 1.3-1.4x
-#: faster than 128x128 at M >= 1024 on every shape tried, and at M = 256 on 28672x8192 (224 tiles),
-#: but 25-30% slower at M = 256 on 8192x8192 and 4096x14336 (64 and 32 tiles: idle SMs).
-_XL_MIN_TILES = 96
+              (None, None, "xl"))
 
 
 def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
@@ -44,8 +43,8 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
     * ``m <= 32`` and ``n * k <= 2**25`` -> "dec32": the decode kernel with a 32-token tile (on
       small layers; measured slower than "mid" on larger ones);
     * ``m <= 128``       -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K;
-    * else               -> "xl": sm90 GEMM, 128x256x64, persistent, if that makes at least
-      96 output tiles (``ceil(m / 256) * ceil(n / 128)``), else "large": 128x128x64.
+    * else               -> "xl": sm90 GEMM, 128x256x64 tiles, stream-K, walked along the weight
+      rows with swizzle 2.
 
     ``k`` matters only for "dec32" (through the layer's size).
     """
@@ -53,8 +52,6 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
 
     label = next(lab for m_max, size_max, lab in _HEURISTIC
                  if (m_max is None or m <= m_max) and (size_max is None or n * k <= size_max))
-    if label == "large" and -(-m // 256) * -(-n // 128) >= _XL_MIN_TILES:
-        label = "xl"
     return next(tc for tc in TILE_CONFIGS if tc.label == label)
 
 
@@ -280,18 +277,28 @@ def _add_zero_offsets(x2: torch.Tensor, w: PackedWeight, y2: torch.Tensor) -> No
 
 def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpec", bias: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None, *, activation: Optional[str] = None, splits: int = 0,
+                   raster: "Raster | None" = None, swizzle: Optional[int] = None,
                    _checked: bool = False) -> torch.Tensor:
     """:func:`gemm` with an explicit kernel (tests and benchmarks use it to run every kernel).
 
     ``activation``: a decode spec, and a GEMM spec with the gated (swiglu) epilogue, fix their
     own (None means the spec's; another value is an error); the other GEMM specs apply none /
     silu / gelu per call. ``splits``: 0 lets the kernel choose; ``>= 1`` forces a decode
-    kernel's split-K factor, ``> 1`` a stream-K GEMM's."""
+    kernel's split-K factor, ``> 1`` a stream-K GEMM's. ``raster`` (a :class:`codegen.Raster`)
+    and ``swizzle`` (one of ``codegen.SWIZZLES``) override a GEMM kernel's tile order (default:
+    its tile config's, :func:`codegen.launch_order`); the decode kernels ignore them."""
     from . import runtime
-    from .codegen import GEMM_KINDS, Activation, Epilogue
+    from .codegen import GEMM_KINDS, SWIZZLES, Activation, Epilogue, Raster, launch_order
 
     if not isinstance(spec, GEMM_KINDS):
         raise TypeError(f"spec must be a GemmSpec or DecodeSpec, got {type(spec).__name__}")
+    own_raster, own_swizzle = launch_order(spec)
+    raster = own_raster if raster is None else raster
+    swizzle = own_swizzle if swizzle is None else swizzle
+    if not isinstance(raster, Raster):
+        raise TypeError(f"raster must be a mixgemm.codegen.Raster, got {raster!r}")
+    if swizzle not in SWIZZLES:
+        raise ValueError(f"swizzle must be one of {SWIZZLES}, got {swizzle!r}")
     fixed = spec.fixed_activation   # None: chosen per call
     if fixed is not None:
         own = None if fixed is Activation.NONE else fixed.value
@@ -330,7 +337,8 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     args.group_size = w.group_size
     args.sm_count = _sm_count(x.device.index)
     args.splits = max(0, int(splits))
-    args.raster = 0
+    args.raster = raster.abi
+    args.swizzle = swizzle
     args.activation = Activation(activation or "none").abi
     args.weight = w.qdata.data_ptr()
     args.scales = w.scales.data_ptr()

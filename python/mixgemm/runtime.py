@@ -22,7 +22,7 @@ import torch
 from .build import Artifacts, load_artifacts
 from .codegen import GEMM_KINDS, KernelSpec
 
-ABI_VERSION = 3  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
+ABI_VERSION = 4  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
 
 
 class CudaError(RuntimeError):
@@ -70,7 +70,7 @@ class GemmArgs(ctypes.Structure):
         ("splits", ctypes.c_int32),
         ("raster", ctypes.c_int32),
         ("activation", ctypes.c_int32),  # codegen.Activation's index: none, silu, gelu, swiglu
-        ("reserved", ctypes.c_int32),
+        ("swizzle", ctypes.c_int32),     # the tile scheduler's max_swizzle_size (0: 1)
         ("weight", ctypes.c_uint64),
         ("scales", ctypes.c_uint64),
         ("zeros", ctypes.c_uint64),
