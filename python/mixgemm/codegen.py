@@ -341,6 +341,7 @@ def launch_order(spec: "KernelSpec") -> tuple[Raster, int]:
             return tc.raster, tc.swizzle
     return Raster.HEURISTIC, 1
 
+
 ALL_ACTS = (ActType.BF16, ActType.FP16)
 ALL_WEIGHTS = (WeightType.S8, WeightType.U8, WeightType.S4, WeightType.U4, WeightType.S2, WeightType.U2)
 

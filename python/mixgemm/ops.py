@@ -27,8 +27,9 @@ _DEC32_MAX_WEIGHTS = 1 << 25
 #: see select_tile.
 #: Above M = 128 the 128x256 stream-K tile ("xl"): measured on H100 (NOTES 7b,
 #: exp-gemm-sched.json) 1.04-1.6x faster than the persistent 128x128 and 128x256 tiles at
-#: M = 256 on layers that make few 128x256 tiles (stream-K spreads them over every SM), within 2%
-#: of the persistent 128x256 at M >= 1024, and 8% slower than 128x128 only on 6144x4096 at M = 256.
+#: M = 256 on layers that make few 128x256 tiles (stream-K spreads them over every SM), within 4.5%
+#: of the best 128x256 variant (persistent or stream-K, any raster / swizzle) at every M from 128 to
+#: 16384, and 8% slower than 128x128 only on 6144x4096 at M = 256.
 _HEURISTIC = ((8, None, "dec8"), (16, None, "dec16"), (32, _DEC32_MAX_WEIGHTS, "dec32"), (128, None, "mid"),
               (None, None, "xl"))
 
