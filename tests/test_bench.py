@@ -662,7 +662,7 @@ def test_module_entry_without_gpu_exits_nonzero():
 
 def test_kernel_specs_prebuild_what_the_heuristic_can_pick():
     """The kernels built up front cover every config select_tile may choose for the Ms (which
-    may also depend on the layer's size: dec32 or the 128x64 GEMM at 16 < M <= 32)."""
+    may also depend on the layer's size: dec32, the 128x64 or the 256x64 GEMM at 16 < M <= 32)."""
     import torch
 
     (impl,) = bench.make_impls(["mixgemm-u4"], 128, bench.QuantCache())
@@ -672,3 +672,6 @@ def test_kernel_specs_prebuild_what_the_heuristic_can_pick():
     assert not any("_t128x64x64_" in n for n in names), "no M in (16, 128]: no 128x64 GEMM"
     names = [s.name for s in impl.kernel_specs(torch.bfloat16, [32])]
     assert any("_decode_" in n and "_m32_" in n for n in names) and any("_t128x64x64_" in n for n in names)
+    assert any("_t256x64x64_" in n for n in names) and not any("_t256x128x64_" in n for n in names)
+    names = {s.name.split("_")[4] for s in impl.kernel_specs(torch.bfloat16, [100])}
+    assert names == {"t128x64x64", "t256x64x64", "t256x128x64"}, "every size band of M = 100"

@@ -157,19 +157,28 @@ def test_gemm_specs_fuse_the_runtime_activation():
 
 
 def test_heuristic_by_tokens_and_output_tiles():
-    """select_tile: decode kernels up to 16 tokens (32 on small layers), the 128x64 stream-K GEMM
-    up to 128, then the 128x256 stream-K GEMM (whatever its tile count: stream-K fills the SMs)."""
+    """select_tile: decode kernels up to 16 tokens (32 on small layers); up to 128 tokens the
+    128x64 stream-K GEMM on small layers and the 256-row stream-K GEMMs on large ones; then the
+    128x256 stream-K GEMM (whatever its tile count: stream-K fills the SMs)."""
     from mixgemm.ops import select_tile
 
     assert [select_tile(m, 4096, 4096).label for m in (1, 8, 9, 16, 17, 32, 33, 128)] == \
         ["dec8", "dec8", "dec16", "dec16", "dec32", "dec32", "mid", "mid"]
     assert select_tile(32, 6144, 4096).label == "dec32"     # 25.2M weights
     assert select_tile(32, 4096, 14336).label == "mid"      # 58.7M weights
-    assert select_tile(17, 28672, 8192).label == "mid"
+    assert select_tile(64, 8192, 8192).label == "mid"       # 2**26 weights
+    assert select_tile(17, 10240, 8192).label == "tall"     # 83.9M weights
+    assert select_tile(64, 28672, 8192).label == "tall"
+    assert select_tile(65, 6144, 4096).label == "mid"
+    assert select_tile(65, 4096, 14336).label == "tall"
+    assert [select_tile(m, 8192, 8192).label for m in (65, 128, 129)] == ["tall128", "tall128", "xl"]
     assert select_tile(129, 28672, 8192).label == "xl"
     assert select_tile(256, 8192, 8192).label == "xl"       # 1 x 64 tiles, stream-K over 132 SMs
     assert select_tile(512, 4096, 14336).label == "xl"
     assert select_tile(16384, 6144, 4096).label == "xl"
+    tall, tall128 = select_tile(64, 57344, 8192), select_tile(128, 57344, 8192)
+    assert (tall.tile_m, tall.tile_n, tall.scheduler) == (256, 64, Scheduler.STREAMK)
+    assert (tall128.tile_m, tall128.tile_n, tall128.scheduler) == (256, 128, Scheduler.STREAMK)
     xl = select_tile(4096, 6144, 4096)
     assert xl.scheduler is Scheduler.STREAMK and (xl.raster, xl.swizzle) == (Raster.WEIGHT_ROWS, 2)
 

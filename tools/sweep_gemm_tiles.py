@@ -1,5 +1,7 @@
 """Time candidate sm90 GEMM tile configs against the heuristic's and cuBLAS (GPU), with the
-result checked against float64: the measurements behind a change of TILE_CONFIGS.
+result checked against float64: the measurements behind a change of TILE_CONFIGS. Each weight
+type among the specs is quantized (g128; asymmetric for u*, symmetric for s*) and timed with its
+own specs and the heuristic's pick for it.
 
     python tools/sweep_gemm_tiles.py OUT.json SPEC_NAME [SPEC_NAME ...] [--shapes ...] [--m ...]
         [--swizzle 1,4,8] [--raster heuristic,weight_rows,tokens]
@@ -37,25 +39,27 @@ def main(argv=None) -> int:
     rows = []
     for n, k in bench.parse_shapes(a.shapes):
         w = torch.randn(n, k, device=dev) * 0.02
-        qw = mixgemm.quantize(w, 4, 128, symmetric=False, dtype=torch.bfloat16)
-        packed = mixgemm.prepack(qw)
-        deq = mixgemm.dequantize_reference(qw)
-        for m in bench.parse_int_list(a.m):
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            ref = (x.double() @ deq.double().T)
-            cub = bench.time_cuda(lambda: torch.nn.functional.linear(x, deq), a.iters, 3, flush).median_us
-            heur = ops.select_spec(m, packed)
-            runs = [(heur, 1, Raster.HEURISTIC)] + [(s, z, r) for s in specs for z, r in orders]
-            for spec, z, r in runs:
-                def call():
-                    return ops.gemm_with_spec(x, packed, spec, swizzle=z, raster=r)
-                y = call()
-                err = ((y.double() - ref).norm() / ref.norm()).item()
-                t = bench.time_cuda(call, a.iters, 3, flush).median_us
-                rows.append(dict(n=n, k=k, m=m, spec=spec.name, swizzle=z, raster=r.value, us=t,
-                                 cublas_us=cub, err=err))
-                print(f"{n}x{k} M={m:<5} {spec.name:<58} z{z} {r.value:<11} {t:9.1f} us  x{cub / t:5.2f}"
-                      f"  err {err:.1e}", flush=True)
+        for wt in sorted({s.weight for s in specs}, key=lambda t: t.value):
+            qw = mixgemm.quantize(w, wt.bits, 128, symmetric=wt.signed, dtype=torch.bfloat16)
+            packed = mixgemm.prepack(qw)
+            deq = mixgemm.dequantize_reference(qw)
+            for m in bench.parse_int_list(a.m):
+                x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+                ref = (x.double() @ deq.double().T)
+                cub = bench.time_cuda(lambda: torch.nn.functional.linear(x, deq), a.iters, 3, flush).median_us
+                heur = ops.select_spec(m, packed)
+                runs = [(heur, 1, Raster.HEURISTIC)] + [(s, z, r) for s in specs if s.weight is wt for z, r in orders]
+                for spec, z, r in runs:
+                    def call():
+                        return ops.gemm_with_spec(x, packed, spec, swizzle=z, raster=r)
+                    y = call()
+                    err = ((y.double() - ref).norm() / ref.norm()).item()
+                    t = bench.time_cuda(call, a.iters, 3, flush).median_us
+                    rows.append(dict(n=n, k=k, m=m, weight=wt.value, spec=spec.name, swizzle=z, raster=r.value,
+                                     us=t, cublas_us=cub, err=err))
+                    print(f"{n}x{k} M={m:<5} {spec.name:<58} z{z} {r.value:<11} {t:9.1f} us  x{cub / t:5.2f}"
+                          f"  err {err:.1e}", flush=True)
+            del qw, packed, deq
     tmp = a.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(rows, f, indent=1)

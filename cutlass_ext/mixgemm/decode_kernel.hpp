@@ -463,20 +463,27 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   // ---- epilogue: lane holds rows (g, g + 8) x tokens (8i + 2t, 8i + 2t + 1) of its stripe ----
   int const rows[2] = {stripe * 16 + g, stripe * 16 + g + 8};
   auto token = [&](int i, int c) { return 8 * i + 2 * t + (c % 2); };
+  // put(i, e, offset of the token's output row) for each of the lane's token columns 8i + 2t + e
+  // that is below M
+  auto for_each_token = [&](auto&& put) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < NT; ++i) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        int const tok = token(i, e);
+        if (tok < p.m) {
+          put(i, e, int64_t(tok) * p.ldy);
+        }
+      }
+    }
+  };
   auto store = [&]() {
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < 2; ++h) {
       float const bias = p.bias ? float(p.bias[rows[h]]) : 0.f;
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < NT; ++i) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          int const tok = token(i, e);
-          if (tok < p.m) {
-            p.y[int64_t(tok) * p.ldy + rows[h]] = Act(activate<Act_>(acc[i][2 * h + e] + bias));
-          }
-        }
-      }
+      for_each_token([&](int i, int e, int64_t y_row) {
+        p.y[y_row + rows[h]] = Act(activate<Act_>(acc[i][2 * h + e] + bias));
+      });
     }
   };
   // The gated form: lane (g, t) holds gate row g and up row g + 8 of its stripe, and writes
@@ -485,16 +492,9 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     int const out = stripe * 8 + g;
     float const bias_g = p.bias ? float(p.bias[rows[0]]) : 0.f;
     float const bias_u = p.bias ? float(p.bias[rows[1]]) : 0.f;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < NT; ++i) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        int const tok = token(i, e);
-        if (tok < p.m) {
-          p.y[int64_t(tok) * p.ldy + out] = Act(silu(acc[i][e] + bias_g) * (acc[i][2 + e] + bias_u));
-        }
-      }
-    }
+    for_each_token([&](int i, int e, int64_t y_row) {
+      p.y[y_row + out] = Act(silu(acc[i][e] + bias_g) * (acc[i][2 + e] + bias_u));
+    });
   };
   auto finish = [&](bool const mine) {
     if (mine && has_stripe) {

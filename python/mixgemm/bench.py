@@ -818,12 +818,11 @@ class MixgemmImpl(Impl):
     def kernel_specs(self, x_dtype: torch.dtype, ms: Optional[Sequence[int]] = None) -> list:
         """The GEMM kernel specs this implementation may launch for ``ms`` tokens (all token
         counts if None), to build them up front."""
-        from .ops import select_tile
+        from .ops import tile_labels
 
         act = ActType.from_torch(x_dtype)
         if self.tile_label is None and ms is not None:
-            # the choice also depends on the layer's shape (output tiles, size): take both extremes
-            labels = {select_tile(m, n, k).label for m in ms for n, k in ((16, 64), (1 << 20, 1 << 20))}
+            labels = set().union(*(tile_labels(m) for m in ms))   # the choice also depends on the layer's size
         else:
             labels = {tc.label for tc in TILE_CONFIGS}
         return [tc.spec(act, self.weight_type) for tc in TILE_CONFIGS

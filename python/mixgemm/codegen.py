@@ -317,7 +317,11 @@ class DecodeConfig:
 #:   M <= 8   : "dec8"    decode kernel, 8-token tile
 #:   M <= 16  : "dec16"   decode kernel, 16-token tile
 #:   M <= 32  : "dec32"   decode kernel, 32-token tile, on layers of at most 2**25 weights
-#:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K
+#:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K, on small layers (M <= 64: at most 2**26
+#:                        weights; M <= 128: at most 2**25)
+#:              "tall"    sm90 GEMM 256x64x64,  stream-K, on larger layers (M <= 64; M <= 128 below
+#:                        60M weights)
+#:              "tall128" sm90 GEMM 256x128x64, stream-K, on layers of 60M weights or more (M <= 128)
 #:   M >  128 : "xl"      sm90 GEMM 128x256x64, stream-K, tiles walked along the weight rows in
 #:                        swizzled pairs (L2 reuse of the token blocks at large M)
 #: ("large", 128x128x64 persistent, is not picked by the heuristic: it was measured slower than
@@ -329,6 +333,8 @@ TILE_CONFIGS = (
     DecodeConfig("dec16", 16),
     DecodeConfig("dec32", 32),
     TileConfig("mid", 128, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
+    TileConfig("tall", 256, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
+    TileConfig("tall128", 256, 128, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
     TileConfig("large", 128, 128, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT),
     TileConfig("xl", 128, 256, 64, Schedule.COOPERATIVE, Scheduler.STREAMK, Raster.WEIGHT_ROWS, 2),
 )

@@ -23,14 +23,29 @@ from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
 #: the time of "mid" on 4096x4096 and 6144x4096 (u4, u2, s8), but 1.03-1.25x on every layer of
 #: 58M weights or more (4096x14336 up), where the GEMM's wide tiles stream better.
 _DEC32_MAX_WEIGHTS = 1 << 25
-#: Kernel config labels, first match wins: (upper bound of M, upper bound of N x K or None, label);
-#: see select_tile.
+#: 32 < M <= 128 (and 16 < M <= 32 above the dec32 bound): the 256-row stream-K tiles ("tall",
+#: 256x64, and "tall128", 256x128) on large layers, "mid" (128x64) on small ones. Measured on H200
+#: (NOTES 8a, sweep-gemm256*.json, u4 and u2, 9 layers): a 256-row weight tile converts each weight
+#: once per 64 (128) tokens for twice the tensor-core work of a 128-row one.
+#:   M <= 64: "tall" 1.17-1.35x faster than "mid" on every layer above 2**26 weights (10240x8192,
+#:            28672x4096, 8192x28672, 57344x8192); "mid" up to 1.2x faster at or below it
+#:            (4096x4096, 6144x4096, 4096x14336, 8192x8192).
+#:   M <= 128: "tall128" 1.35-1.8x faster than "mid" on 8192x8192 and above; "tall" on 4096x14336
+#:            (58.7M weights: 52 us against 59 for "mid" and 64 for "tall128"); "mid" on 2**25
+#:            weights or fewer.
+_MID_M64_MAX_WEIGHTS = 1 << 26
+_TALL_M128_MAX_WEIGHTS = 60_000_000   # between 4096x14336 (58.7M) and 8192x8192 (67.1M)
 #: Above M = 128 the 128x256 stream-K tile ("xl"): measured on H100 (NOTES 7b,
 #: exp-gemm-sched.json) 1.04-1.6x faster than the persistent 128x128 and 128x256 tiles at
 #: M = 256 on layers that make few 128x256 tiles (stream-K spreads them over every SM), within 4.5%
 #: of the best 128x256 variant (persistent or stream-K, any raster / swizzle) at every M from 128 to
-#: 16384, and 8% slower than 128x128 only on 6144x4096 at M = 256.
-_HEURISTIC = ((8, None, "dec8"), (16, None, "dec16"), (32, _DEC32_MAX_WEIGHTS, "dec32"), (128, None, "mid"),
+#: 16384, and 8% slower than 128x128 only on 6144x4096 at M = 256. The 256-row tiles lose there
+#: (NOTES 8a: up to 1.7x slower at M = 192-256).
+#: Kernel config labels, first match wins: (upper bound of M, upper bound of N x K or None, label);
+#: see select_tile.
+_HEURISTIC = ((8, None, "dec8"), (16, None, "dec16"), (32, _DEC32_MAX_WEIGHTS, "dec32"),
+              (64, _MID_M64_MAX_WEIGHTS, "mid"), (64, None, "tall"),
+              (128, _DEC32_MAX_WEIGHTS, "mid"), (128, _TALL_M128_MAX_WEIGHTS, "tall"), (128, None, "tall128"),
               (None, None, "xl"))
 
 
@@ -43,17 +58,28 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
       of :mod:`mixgemm.tuning` or the kernel's planner, so that every SM streams weights);
     * ``m <= 32`` and ``n * k <= 2**25`` -> "dec32": the decode kernel with a 32-token tile (on
       small layers; measured slower than "mid" on larger ones);
-    * ``m <= 128``       -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K;
+    * ``m <= 64``        -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K, on layers of at most
+      2**26 weights; "tall" (256x64x64, stream-K) on larger ones;
+    * ``m <= 128``       -> "mid" on layers of at most 2**25 weights, "tall" below 60M weights,
+      "tall128" (256x128x64, stream-K) above;
     * else               -> "xl": sm90 GEMM, 128x256x64 tiles, stream-K, walked along the weight
       rows with swizzle 2.
 
-    ``k`` matters only for "dec32" (through the layer's size).
+    ``k`` matters only through the layer's size ``n * k``.
     """
     from .codegen import TILE_CONFIGS
 
     label = next(lab for m_max, size_max, lab in _HEURISTIC
                  if (m_max is None or m <= m_max) and (size_max is None or n * k <= size_max))
     return next(tc for tc in TILE_CONFIGS if tc.label == label)
+
+
+def tile_labels(m: int) -> set:
+    """Every config label :func:`select_tile` may choose for ``m`` tokens on some layer: the
+    choice depends on the layer only through its size ``n * k``, so the sizes at and just above
+    each bound of the table cover every case."""
+    sizes = {1} | {b + d for _, b, _ in _HEURISTIC if b is not None for d in (0, 1)}
+    return {select_tile(m, size, 1).label for size in sizes}
 
 
 def select_spec(m: int, w: PackedWeight, activation: Optional[str] = None) -> "GemmSpec | DecodeSpec":
