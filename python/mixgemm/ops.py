@@ -34,6 +34,7 @@ _DEC32_MAX_WEIGHTS = 1 << 25
 #:            (58.7M weights: 52 us against 59 for "mid" and 64 for "tall128"); "mid" on 2**25
 #:            weights or fewer.
 _MID_M64_MAX_WEIGHTS = 1 << 26
+_MID_M128_MAX_WEIGHTS = 1 << 25
 _TALL_M128_MAX_WEIGHTS = 60_000_000   # between 4096x14336 (58.7M) and 8192x8192 (67.1M)
 #: Above M = 128 the 128x256 stream-K tile ("xl"): measured on H100 (NOTES 7b,
 #: exp-gemm-sched.json) 1.04-1.6x faster than the persistent 128x128 and 128x256 tiles at
@@ -45,7 +46,7 @@ _TALL_M128_MAX_WEIGHTS = 60_000_000   # between 4096x14336 (58.7M) and 8192x8192
 #: see select_tile.
 _HEURISTIC = ((8, None, "dec8"), (16, None, "dec16"), (32, _DEC32_MAX_WEIGHTS, "dec32"),
               (64, _MID_M64_MAX_WEIGHTS, "mid"), (64, None, "tall"),
-              (128, _DEC32_MAX_WEIGHTS, "mid"), (128, _TALL_M128_MAX_WEIGHTS, "tall"), (128, None, "tall128"),
+              (128, _MID_M128_MAX_WEIGHTS, "mid"), (128, _TALL_M128_MAX_WEIGHTS, "tall"), (128, None, "tall128"),
               (None, None, "xl"))
 
 
