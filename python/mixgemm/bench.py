@@ -45,6 +45,7 @@ import torch
 
 from ._version import __version__
 from .codegen import TILE_CONFIGS
+from .errors import BenchError, CliError
 from .tuning import gpu_slug
 from .types import ActType, PackedWeight, QuantizedWeight, WeightType
 
@@ -109,10 +110,6 @@ OK, FAIL, ERROR, UNAVAILABLE = "ok", "FAIL", "error", "n/a"
 
 NO_GPU_MESSAGE = ("no CUDA GPU is visible to PyTorch: `mixgemm bench` times kernels on an "
                   "NVIDIA GPU (mixgemm's own kernels need an sm_90 H100/H200)")
-
-
-class BenchError(Exception):
-    """A user-facing error of the benchmark (bad options, no GPU)."""
 
 
 class ImplUnavailable(Exception):
@@ -1610,11 +1607,7 @@ def require_cuda() -> torch.device:
 
 
 def _user_error(message: str) -> Exception:
-    """The CLI's error type (``mixgemm.cli.CliError``) so that ``mixgemm`` prints it cleanly."""
-    try:
-        from .cli import CliError
-    except ImportError:  # pragma: no cover
-        return BenchError(message)
+    """A :class:`mixgemm.errors.CliError`, which ``mixgemm`` prints as one line."""
     return CliError(message)
 
 
@@ -1807,13 +1800,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return e.code if isinstance(e.code, int) else 1
     try:
         return run_cli(args)
-    except Exception as e:
-        from .cli import CliError
-
-        if isinstance(e, (CliError, BenchError)):
-            print(f"mixgemm bench: error: {e}", file=sys.stderr)
-            return 1
-        raise
+    except CliError as e:   # BenchError is one
+        print(f"mixgemm bench: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("mixgemm bench: interrupted", file=sys.stderr)
         return 130

@@ -37,6 +37,7 @@ from typing import Iterable, Optional, Sequence
 from . import paths
 from ._version import __version__
 from .codegen import GEMM_KINDS, KernelSpec, render
+from .errors import BuildError
 
 log = logging.getLogger("mixgemm")
 
@@ -52,10 +53,6 @@ HELPER_FLAGS = ("-O2", "-shared", "-Xcompiler=-fPIC", "-Xlinker=--strip-all", "-
 #: (Which nvcc runs is covered by its version text; its install path is not part of the key, so
 #: a cache built with one install of CUDA 13.0 serves another.)
 KEY_ENV_VARS = ("MIXGEMM_NVCC_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
-
-
-class BuildError(RuntimeError):
-    """nvcc failed, or no usable nvcc was found."""
 
 
 def cache_dir() -> Path:

@@ -16,12 +16,9 @@ import sys
 from types import MappingProxyType
 from typing import Callable, List, Optional, Sequence
 
+from .errors import CliError
+
 PROG = "mixgemm"
-
-
-class CliError(Exception):
-    """A user-facing error: :func:`main` prints ``mixgemm <command>: error: <message>`` on
-    stderr and returns 1."""
 
 
 def _fmt_bytes(n: int) -> str:

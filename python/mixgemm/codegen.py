@@ -502,9 +502,3 @@ def render(spec: KernelSpec) -> str:
             f"MIXGEMM_GEMM_ENTRY({spec.name}, {op_name})\n")
 
 
-if __name__ == "__main__":  # python -m mixgemm.codegen  ==  mixgemm generate
-    import sys
-
-    from .cli import main
-
-    sys.exit(main(["generate", *sys.argv[1:]]))

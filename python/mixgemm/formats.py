@@ -70,6 +70,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
+from .errors import FormatError, UnsupportedLayerError
 from .layout import ATOM_K, ATOM_N, prepack
 from .types import SUPPORTED_GROUP_SIZES, ActType, PackedWeight, QuantizedWeight
 
@@ -139,16 +140,6 @@ class GPTQCheckpointFormat(enum.Enum):
         except KeyError:
             raise ValueError(f"unknown GPTQ checkpoint_format {value!r}: mixgemm reads 'gptq' "
                              f"(v1, zeros stored minus one) and 'gptq_v2'") from None
-
-
-class FormatError(ValueError):
-    """Tensors that do not form a valid layer of the named format, or a layer the kernels
-    cannot run (N % 16, K % 64, group size). The message names the layer."""
-
-
-class UnsupportedLayerError(FormatError, NotImplementedError):
-    """A valid layer of the source format that mixgemm cannot represent (for example HQQ's
-    ``axis=0``, or 3-bit codes)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

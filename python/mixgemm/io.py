@@ -31,6 +31,7 @@ from typing import Dict, Optional, Union
 import torch
 
 from ._version import __version__
+from .errors import MixgemmFormatError
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight, WeightType
 
 __all__ = ["FORMAT_VERSION", "MixgemmFormatError", "save", "load", "read_metadata",
@@ -46,11 +47,6 @@ _VERSION_KEY = "mixgemm:format_version"
 _PACKED_FORMAT = "mixgemm.packed"
 
 TensorOrPacked = Union[torch.Tensor, PackedWeight]
-
-
-class MixgemmFormatError(ValueError):
-    """A file cannot be read as a (mixgemm) safetensors file: missing, corrupt, truncated,
-    inconsistent, or written by a newer mixgemm."""
 
 
 def _upgrade_hint() -> str:

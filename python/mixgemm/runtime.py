@@ -21,16 +21,9 @@ import torch
 
 from .build import Artifacts, load_artifacts
 from .codegen import GEMM_KINDS, KernelSpec
+from .errors import CudaError, KernelError
 
 ABI_VERSION = 4  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
-
-
-class CudaError(RuntimeError):
-    """A CUDA driver call failed."""
-
-
-class KernelError(ValueError):
-    """A kernel refused its arguments (the host helper's check / can_implement said no)."""
 
 
 def _driver():

@@ -1,0 +1,59 @@
+"""The errors mixgemm raises on purpose, in one small module that every other module (and the
+command line) can import without pulling in anything else.
+
+Every class derives from :class:`MixgemmError` and from the builtin exception a caller would
+expect for that kind of problem (``ValueError`` for bad input, ``RuntimeError`` for a failed
+build or driver call), so ``except ValueError`` keeps working where it did.
+
+The command line (:mod:`mixgemm.cli`) prints a :class:`UserError` as one line on stderr and exits
+with status 1; any other exception is a bug and gets a traceback only with ``--debug``.
+"""
+from __future__ import annotations
+
+__all__ = ["MixgemmError", "UserError", "CliError", "BuildError", "CudaError", "KernelError",
+           "MixgemmFormatError", "FormatError", "UnsupportedLayerError", "BenchError"]
+
+
+class MixgemmError(Exception):
+    """Base class of every error mixgemm raises on purpose."""
+
+
+class UserError(MixgemmError):
+    """A user-facing error of a command (bad option, missing file, no GPU): the command line
+    prints ``mixgemm <command>: error: <message>`` on stderr and exits with status 1."""
+
+
+#: The name the command line's runners have always raised.
+CliError = UserError
+
+
+class BenchError(UserError):
+    """A user-facing error of the benchmark (bad options, no GPU)."""
+
+
+class BuildError(MixgemmError, RuntimeError):
+    """nvcc failed, no usable nvcc was found, or a kernel's source is incomplete."""
+
+
+class CudaError(MixgemmError, RuntimeError):
+    """A CUDA driver call failed."""
+
+
+class KernelError(MixgemmError, ValueError):
+    """A kernel refused its arguments (the host helper's check said no), or a helper library
+    does not match the runtime."""
+
+
+class MixgemmFormatError(MixgemmError, ValueError):
+    """A file cannot be read as a (mixgemm) safetensors file: missing, corrupt, truncated,
+    inconsistent, or written by a newer mixgemm."""
+
+
+class FormatError(MixgemmError, ValueError):
+    """Tensors that do not form a valid layer of the named format, or a layer the kernels
+    cannot run (N % 16, K % 64, group size). The message names the layer."""
+
+
+class UnsupportedLayerError(FormatError, NotImplementedError):
+    """A valid layer of the source format that mixgemm cannot represent (for example HQQ's
+    ``axis=0``, or 3-bit codes)."""
