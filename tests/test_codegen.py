@@ -60,6 +60,29 @@ def test_invalid_specs_rejected(kw, match):
         GemmSpec(**args)
 
 
+def test_decode_kslices_in_name_and_validated():
+    """k-slices (warps per weight stripe) are a decode kernel field: in the name, in the rendered
+    Config, and checked (a power of two that divides the warps)."""
+    one = DecodeSpec(ActType.BF16, WeightType.U4, 8)
+    eight = DecodeSpec(ActType.BF16, WeightType.U4, 8, kslices=8)
+    assert one.name != eight.name and "_k8_" in eight.name and "_k1_" in one.name
+    assert parse_name(eight.name) == eight
+    assert render(eight).rstrip().splitlines()[-2].endswith("1024, 4, 8>;")
+    for bad in (3, 16, 0):
+        with pytest.raises(ValueError, match="kslices"):
+            DecodeSpec(ActType.BF16, WeightType.U4, 8, warps=8 if bad != 16 else 4, kslices=bad)
+
+
+def test_dec8_slices_only_8bit_codes():
+    """The heuristic's 8-token decode kernel uses 8 k-slices for 8-bit codes (measured faster,
+    NOTES 9b) and one warp per stripe for 4- and 2-bit codes; the 16- and 32-token tiles never slice."""
+    by_label = {tc.label: tc for tc in TILE_CONFIGS}
+    for wt in ALL_WEIGHTS:
+        assert by_label["dec8"].spec(ActType.BF16, wt).kslices == (8 if wt.bits == 8 else 1)
+        assert by_label["dec16"].spec(ActType.BF16, wt).kslices == 1
+        assert by_label["dec32"].spec(ActType.BF16, wt).kslices == 1
+
+
 def test_parse_name_rejects_garbage():
     with pytest.raises(ValueError):
         parse_name("cutlass3x_sm90_tensorop_gemm")

@@ -273,7 +273,42 @@ def test_decode_forced_splits(spec: DecodeSpec, splits):
         assert torch.equal(again, ys), "split-K reduction must be deterministic"
 
 
-@pytest.mark.parametrize("spec", [s for s in DECODE_SPECS if s.act is ActType.BF16 and s.weight is WeightType.U4],
+# k-sliced decode kernels beyond the default set (which slices 8-bit codes only): the folded zero
+# point's x-sums per (slice, group) are exercised by the bf16 4- and 2-bit codes, the in-register
+# subtraction by fp16
+KSLICE_SPECS = [DecodeSpec(act, wt, 8, kslices=ks) for act in ALL_ACTS for wt in (WeightType.U4, WeightType.S2)
+                for ks in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("group", (32, 128, "K"))
+@pytest.mark.parametrize("spec", KSLICE_SPECS, ids=lambda s: s.name)
+def test_decode_kslices(spec: DecodeSpec, group):
+    """The k-slices of a stripe (warps streaming parts of the CTA's k-range, their sums added in
+    shared memory) give the float64 result for odd shapes (97 stripes, 36 k-atoms: slices and
+    scale groups straddle each other), every token count, the kernel's own and forced split
+    factors (in a cluster, through global memory), and are deterministic."""
+    dev = _dev()
+    n, k = 1552, 2304
+    dtype = spec.act.torch_dtype
+    packed, deq = _weights(spec.act, spec.weight, group, n, k)
+    bias = torch.randn(n, device=dev, dtype=dtype)
+    for m in (1, 5, 8):
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        ref = x.double() @ deq.T + bias.double()
+        for splits in (0, 1, 3, 12):
+            y = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
+            ops.gemm_with_spec(x, packed, spec, bias=bias, out=y, splits=splits)
+            assert not torch.isnan(y).any(), f"M={m} splits={splits}: unwritten outputs"
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            _REPORT.append({"kernel": spec.name, "group": str(group), "n": n, "k": k, "m": m, "splits": splits,
+                            "rel_err": err})
+            assert err <= tolerance(k, dtype), f"M={m} splits={splits}: {err:.3e}"
+            again = ops.gemm_with_spec(x, packed, spec, bias=bias, splits=splits)
+            assert torch.equal(again, y), "the slice and split reductions must be deterministic"
+
+
+@pytest.mark.parametrize("spec", [s for s in DECODE_SPECS if s.act is ActType.BF16 and s.weight is WeightType.U4]
+                         + [s for s in DECODE_SPECS if s.act is ActType.BF16 and s.weight is WeightType.S8 and s.kslices > 1],
                          ids=lambda s: s.name)
 @pytest.mark.parametrize("splits", (1, 4, 12))
 def test_back_to_back_decode_launches_wait_for_each_other(spec: DecodeSpec, splits):
@@ -286,7 +321,7 @@ def test_back_to_back_decode_launches_wait_for_each_other(spec: DecodeSpec, spli
     n = k = 2048
     gen = torch.Generator(device=dev).manual_seed(3)
     w = torch.randn(n, k, device=dev, generator=gen) / math.sqrt(k)   # keeps the chain's values O(1)
-    packed = mixgemm.prepack(mixgemm.quantize(w, 4, 128, symmetric=False, dtype=torch.bfloat16))
+    packed = mixgemm.prepack(mixgemm.quantize(w, spec.weight.bits, 128, symmetric=spec.weight.signed, dtype=torch.bfloat16))
     x = torch.randn(spec.tokens, k, device=dev, dtype=torch.bfloat16, generator=gen)
     bufs = (torch.empty_like(x), torch.empty_like(x))
     h = x

@@ -32,8 +32,19 @@
 //   and made the MLP block 6% slower: benchmarks/NOTES.md section 4.) Launched without the
 //   attribute, both are no-ops.
 //
-// Layout of one CTA: W warps, warp w owns weight rows [16 * (W * blockIdx.x + w), +16) and the
-// k-atoms [blockIdx.y * atoms_per_split, +atoms_per_split).
+// * k-slices: the W warps of a CTA are W / KS stripes x KS slices of the CTA's k-range. The KS
+//   warps of a stripe stream its k-range side by side and add their float32 sums through shared
+//   memory (in slice order: deterministic) before the split-K reduction and the epilogue. A small
+//   layer (a few hundred stripes) so gets several times more warps in flight, with shorter
+//   chains per warp, than one warp per stripe gives, and without a cluster or a global
+//   reduction (benchmarks/NOTES.md section 9);
+// * constant data first: the weight stages and the scale / zero rows do not depend on the
+//   previous kernel, so their bulk copies are issued before griddepcontrol.wait, and their latency
+//   overlaps the previous kernel's tail; only the x tile waits for it.
+//
+// Layout of one CTA: W warps; warp w owns stripe (W / KS) * blockIdx.x + w / KS (weight rows
+// [16 * stripe, +16)) and slice w % KS of the CTA's k-atoms [blockIdx.y * atoms_per_split,
+// +atoms_per_split).
 #pragma once
 
 #include <cstdint>
@@ -77,11 +88,12 @@ struct Params {
   int32_t atoms_per_split;  // k-atoms (64 K each) per CTA
   int32_t splits;           // <= kMaxClusterSplits: the cluster's size along y
   int32_t groups_per_split; // group rows of scales/zeros staged per CTA
+  int32_t segments_per_slice; // (group, slice) x-sum segments per slice (kFold): groups a slice touches
   int64_t ldx, ldy;
 };
 
 // Compile-time shape of one kernel.
-template <class Code_, class Act_, int NTiles_, int Warps_, int StageBytes_, int Stages_>
+template <class Code_, class Act_, int NTiles_, int Warps_, int StageBytes_, int Stages_, int KSlices_ = 1>
 struct Config {
   using Code = Code_;
   using Act = Act_;
@@ -90,7 +102,9 @@ struct Config {
   static constexpr int kTokens = 8 * NTiles_;
   static constexpr int kWarps = Warps_;
   static constexpr int kThreads = 32 * Warps_;
-  static constexpr int kRowsPerCta = 16 * Warps_;
+  static constexpr int kKSlices = KSlices_;                  // warps per stripe (k-slices)
+  static constexpr int kStripesPerCta = Warps_ / KSlices_;
+  static constexpr int kRowsPerCta = 16 * kStripesPerCta;
   static constexpr int kBits = Dequant::kBits;
   static constexpr bool kHasZero = !Dequant::kSigned;
   static constexpr int kAtomBytes = 128 * kBits;             // one 16x64 atom
@@ -101,6 +115,7 @@ struct Config {
   static_assert(kNTiles == 1 || kNTiles == 2 || kNTiles == 4, "8, 16 or 32 tokens per CTA");
   static_assert(StageBytes_ % kAtomBytes == 0 && kAtomsPerStage >= 1, "a stage holds whole atoms");
   static_assert(kStages >= 2, "at least double buffering");
+  static_assert(KSlices_ >= 1 && Warps_ % KSlices_ == 0, "the k-slices divide the warps");
   // Folded offset (bf16, 2- and 4-bit codes): the MMA reads the decoded x = E + c as is (one
   // lop3 per register, no subtraction), and the flush takes (E + z) * sum(x over the group) off
   // the group's float32 partial sum: sum((c - z) x) = sum((E + c) x) - (E + z) sum(x). The
@@ -119,21 +134,21 @@ struct Config {
 
   // The carve-up of dynamic shared memory, shared by the host plan and the kernel:
   //   [weight rings: warps x stages x stage bytes, or the split sums][x: rows x x_row_bytes]
-  //   [scales][zeros][xsum: groups x tokens float32, kFold only][barriers]
+  //   [scales][zeros][xsum: slices x segments x tokens float32, kFold only][barriers]
   // x rows: min(M, tokens); x_row_bytes = 128 * atoms_per_split + 16 (16 mod 128: the 8 rows an
   // ldmatrix reads fall in distinct banks); scales/zeros: groups x rows-per-CTA.
   struct Carve {
     int x, scales, zeros, xsum, bars, total;
   };
   CUTLASS_HOST_DEVICE static int x_row_bytes(int atoms_per_split) { return atoms_per_split * 128 + 16; }
-  CUTLASS_HOST_DEVICE static Carve carve(int x_rows, int atoms_per_split, int groups) {
+  CUTLASS_HOST_DEVICE static Carve carve(int x_rows, int atoms_per_split, int groups, int segments) {
     Carve c;
     int const group_bytes = groups * kRowsPerCta * int(sizeof(Act));
     c.x = kRingRegion;
     c.scales = c.x + x_rows * x_row_bytes(atoms_per_split);
     c.zeros = c.scales + group_bytes;
     c.xsum = (c.zeros + (kHasZero ? group_bytes : 0) + 15) / 16 * 16;
-    c.bars = c.xsum + (kFold ? groups * kTokens * 4 : 0);
+    c.bars = c.xsum + (kFold ? kKSlices * segments * kTokens * 4 : 0);
     c.total = c.bars + 8 * (kWarps * kStages + 1) + 16;   // + the last-CTA flag of the global reduction
     return c;
   }
@@ -196,15 +211,18 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   constexpr int NT = Cfg::kNTiles;
   constexpr int S = Cfg::kStages;
   constexpr int APS = Cfg::kAtomsPerStage;
+  constexpr int KS = Cfg::kKSlices;
   constexpr Half H = half_of<Act>::value;
 
   int const warp = threadIdx.x / 32;
   int const lane = threadIdx.x % 32;
   int const g = lane / 4, t = lane % 4;
+  int const wstripe = warp / KS;   // the warp's stripe within the CTA
+  int const slice = warp % KS;     // and its slice of the CTA's k-range
 
   int const stripes = p.n / 16;
   int const k_atoms = p.k / 64;
-  int const stripe = blockIdx.x * Cfg::kWarps + warp;
+  int const stripe = blockIdx.x * Cfg::kStripesPerCta + wstripe;
   bool const has_stripe = stripe < stripes;
   int const row0 = blockIdx.x * Cfg::kRowsPerCta;                 // first weight row of the CTA
   int const rows_valid = min(Cfg::kRowsPerCta, p.n - row0);
@@ -213,10 +231,17 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   int const n_atoms = ka1 - ka0;
   int const grp0 = (ka0 * 64) >> p.group_shift;
   int const grp1 = ((ka1 * 64 - 1) >> p.group_shift) + 1;
+  // The warp's slice: atoms [wa0, wa0 + w_atoms) of the CTA's range (some slices may be empty).
+  int const per_slice = (n_atoms + KS - 1) / KS;
+  int const wa0 = min(slice * per_slice, n_atoms);
+  int const w_atoms = min(per_slice, n_atoms - wa0);
+  int const wk0 = ka0 + wa0;                                        // its first k-atom
+  int const sgrp0 = (wk0 * 64) >> p.group_shift;                    // its first group
+  bool const streams = has_stripe && w_atoms > 0;
 
   // ---- shared memory carve-up (Config::carve, as the host planned it) ----
   int const m_rows = min(p.m, Cfg::kTokens);
-  auto const carve = Cfg::carve(m_rows, p.atoms_per_split, p.groups_per_split);
+  auto const carve = Cfg::carve(m_rows, p.atoms_per_split, p.groups_per_split, p.segments_per_slice);
   char* ring = smem + warp * S * Cfg::kStageBytes;
   char* xs = smem + carve.x;
   int const x_pitch = Cfg::x_row_bytes(p.atoms_per_split);
@@ -233,13 +258,26 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     }
     cutlass::arch::fence_barrier_init();
   }
-  // Everything above overlaps the previous kernel's tail; every global access comes after.
-  wait_previous_grid();
   __syncthreads();
 
-  // ---- the CTA's x tile and scale/zero rows: one barrier, copies spread over warp 0 ----
+  // ---- constant data first, before waiting for the previous kernel: each warp's first weight
+  // stages (its slice of its stripe, in stages of APS atoms) and the CTA's scale/zero rows ----
+  int const n_stages = (w_atoms + APS - 1) / APS;
+  uint8_t const* wsrc = p.weight + (int64_t(stripe) * k_atoms + wk0) * Cfg::kAtomBytes;
+  auto issue = [&](int s) {
+    int const atoms = min(APS, w_atoms - s * APS);
+    Barrier::arrive_and_expect_tx(&wbar[s % S], uint32_t(atoms * Cfg::kAtomBytes));
+    cute::SM90_BULK_COPY_G2S::copy(wsrc + int64_t(s) * Cfg::kStageBytes, &wbar[s % S],
+                                   ring + (s % S) * Cfg::kStageBytes, atoms * Cfg::kAtomBytes);
+  };
+  if (streams && lane == 0) {
+    for (int s = 0; s < S && s < n_stages; ++s) {
+      issue(s);
+    }
+  }
+  // The x tile and the scale/zero rows complete one barrier; copies spread over warp 0's lanes.
+  int const x_bytes = n_atoms * 128;
   if (warp == 0) {
-    int const x_bytes = n_atoms * 128;
     int const g_bytes = rows_valid * int(sizeof(Act));
     int const n_groups = grp1 - grp0;
     if (lane == 0) {
@@ -247,9 +285,6 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       Barrier::arrive_and_expect_tx(xbar, total);
     }
     __syncwarp();
-    for (int r = lane; r < m_rows; r += 32) {
-      cute::SM90_BULK_COPY_G2S::copy(p.x + r * p.ldx + int64_t(ka0) * 64, xbar, xs + r * x_pitch, x_bytes);
-    }
     for (int i = lane; i < n_groups; i += 32) {
       int64_t src = int64_t(grp0 + i) * p.n + row0;
       cute::SM90_BULK_COPY_G2S::copy(p.scales + src, xbar, ss + i * Cfg::kRowsPerCta, g_bytes);
@@ -258,19 +293,11 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       }
     }
   }
-
-  // ---- each warp's weight stream: stages of APS atoms of its stripe ----
-  int const n_stages = (n_atoms + APS - 1) / APS;
-  uint8_t const* wsrc = p.weight + (int64_t(stripe) * k_atoms + ka0) * Cfg::kAtomBytes;
-  auto issue = [&](int s) {
-    int const atoms = min(APS, n_atoms - s * APS);
-    Barrier::arrive_and_expect_tx(&wbar[s % S], uint32_t(atoms * Cfg::kAtomBytes));
-    cute::SM90_BULK_COPY_G2S::copy(wsrc + int64_t(s) * Cfg::kStageBytes, &wbar[s % S],
-                                   ring + (s % S) * Cfg::kStageBytes, atoms * Cfg::kAtomBytes);
-  };
-  if (has_stripe && lane == 0) {
-    for (int s = 0; s < S && s < n_stages; ++s) {
-      issue(s);
+  // Everything above overlaps the previous kernel's tail; x (its output) comes after.
+  wait_previous_grid();
+  if (warp == 0) {
+    for (int r = lane; r < m_rows; r += 32) {
+      cute::SM90_BULK_COPY_G2S::copy(p.x + r * p.ldx + int64_t(ka0) * 64, xbar, xs + r * x_pitch, x_bytes);
     }
   }
 
@@ -302,19 +329,28 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     int const r = min(8 * i + lane % 8, p.m - 1);
     xs_row[i] = cute::cast_smem_ptr_to_uint(xs) + r * x_pitch + (lane / 8) * 16;
   }
+  // (the x tile starts at the CTA's first atom; the warp's atoms at wa0)
 
   Barrier::wait(xbar, 0);
 
-  // ---- kFold: sum(x) per (group, token) of the CTA's k-range, by the tensor cores (an all-ones
-  // A operand), warp w taking groups w, w + W, ...: xsum[group][token], float32 ----
+  // ---- kFold: sum(x) per (slice, group, token) over the part of the group that the slice
+  // streams, by the tensor cores (an all-ones A operand); segment j of slice s is the slice's
+  // j-th group, at xsum[s][j][token], float32. Warps take the segments round-robin. ----
   float* xsum = reinterpret_cast<float*>(smem + carve.xsum);
+  int const sps = p.segments_per_slice;
   if constexpr (Cfg::kFold) {
     uint32_t const ones[4] = {arith::splat(D::half_bits(1)), arith::splat(D::half_bits(1)),
                               arith::splat(D::half_bits(1)), arith::splat(D::half_bits(1))};
-    for (int gi = warp; gi < grp1 - grp0; gi += Cfg::kWarps) {
-      // the group's k-range within the CTA's x tile
-      int const k_lo = int(max(int64_t(grp0 + gi) << p.group_shift, int64_t(ka0) * 64)) - ka0 * 64;
-      int const k_hi = int(min(int64_t(grp0 + gi + 1) << p.group_shift, int64_t(ka1) * 64)) - ka0 * 64;
+    for (int seg = warp; seg < KS * sps; seg += Cfg::kWarps) {
+      int const s = seg / sps, j = seg % sps;
+      int const sa0 = min(s * per_slice, n_atoms), sa1 = min(sa0 + per_slice, n_atoms);
+      if (sa0 >= sa1) continue;
+      int const sg0 = ((ka0 + sa0) * 64) >> p.group_shift;
+      int const sg1 = (((ka0 + sa1) * 64 - 1) >> p.group_shift) + 1;
+      if (j >= sg1 - sg0) continue;
+      // the segment's k-range within the CTA's x tile
+      int const k_lo = int(max(int64_t(sg0 + j) << p.group_shift, int64_t(ka0 + sa0) * 64)) - ka0 * 64;
+      int const k_hi = int(min(int64_t(sg0 + j + 1) << p.group_shift, int64_t(ka0 + sa1) * 64)) - ka0 * 64;
       float sums[2][NT][4] = {};
       for (int k32 = k_lo; k32 < k_hi; k32 += 32) {        // group ranges are whole 32-k halves
         CUTLASS_PRAGMA_UNROLL
@@ -329,14 +365,15 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < NT; ++i) {
           float2 v{sums[0][i][0] + sums[1][i][0], sums[0][i][1] + sums[1][i][1]};
-          *reinterpret_cast<float2*>(xsum + gi * Cfg::kTokens + 8 * i + 2 * t) = v;
+          *reinterpret_cast<float2*>(xsum + seg * Cfg::kTokens + 8 * i + 2 * t) = v;
         }
       }
     }
     __syncthreads();
   }
 
-  int const lrow = warp * 16 + g;   // the lane's rows in the CTA's scale rows: lrow, lrow + 8
+  int const lrow = wstripe * 16 + g;   // the lane's rows in the CTA's scale rows: lrow, lrow + 8
+  float const* wxsum = xsum + slice * sps * Cfg::kTokens;   // the warp's slice's segments
   uint32_t bias2[2] = {0u, 0u};
   auto load_bias = [&](int grp) {
     if constexpr (Cfg::kFold) {
@@ -370,7 +407,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       float p0 = part[0][i][0] + part[1][i][0], p1 = part[0][i][1] + part[1][i][1];
       float p2 = part[0][i][2] + part[1][i][2], p3 = part[0][i][3] + part[1][i][3];
       if constexpr (Cfg::kFold) {
-        float2 const xv = *reinterpret_cast<float2 const*>(xsum + (grp - grp0) * Cfg::kTokens + 8 * i + 2 * t);
+        float2 const xv = *reinterpret_cast<float2 const*>(wxsum + (grp - sgrp0) * Cfg::kTokens + 8 * i + 2 * t);
         p0 = fmaf(-ez0, xv.x, p0); p1 = fmaf(-ez0, xv.y, p1);
         p2 = fmaf(-ez1, xv.x, p2); p3 = fmaf(-ez1, xv.y, p3);
       }
@@ -383,15 +420,15 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     }
   };
 
-  if (has_stripe) {
-    int cur = grp0;
+  if (streams) {
+    int cur = sgrp0;
     load_bias(cur);
     // One stage of the ring: APS atoms (Full), or the short last one.
     auto stage_body = [&](int s, auto full_const) {
       constexpr bool kFull = decltype(full_const)::value;
       Barrier::wait(&wbar[s % S], (s / S) & 1);
       char const* stage = ring + (s % S) * Cfg::kStageBytes;
-      int const atoms = kFull ? APS : n_atoms - s * APS;
+      int const atoms = kFull ? APS : w_atoms - s * APS;
       // All of the stage's chunks first, so their shared-memory latency overlaps (a short last
       // stage leaves stale bytes in its unused slots, never used).
       uint32_t chunks[APS][Cfg::kBits];
@@ -403,18 +440,18 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       for (int a = 0; a < APS; ++a) {
         if (kFull || a < atoms) {
           uint32_t const* chunk = chunks[a];
-          int const la = s * APS + a;          // atom index within the split
+          int const la = s * APS + a;          // atom index within the warp's slice
           // B fragments of the atom: [tile][k16 block][b0, b1]
           uint32_t b[NT][4][2];
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < NT; ++i) {
-            uint32_t const addr = xs_row[i] + la * 128;
+            uint32_t const addr = xs_row[i] + (wa0 + la) * 128;
             ldsm_x4(addr, b[i][0][0], b[i][0][1], b[i][1][0], b[i][1][1]);
             ldsm_x4(addr + 64, b[i][2][0], b[i][2][1], b[i][3][0], b[i][3][1]);
           }
           if constexpr (!Group32) {
             // one group spans whole atoms: flush the partial sum when the atom starts a new group
-            int const grp = ((ka0 + la) * 64) >> p.group_shift;
+            int const grp = ((wk0 + la) * 64) >> p.group_shift;
             if (grp != cur) {
               flush(cur);
               cur = grp;
@@ -425,7 +462,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
             constexpr int kb = decltype(kb_const)::value;
             if constexpr (Group32 && (kb == 0 || kb == 2)) {
               // 32-wide groups: k16 blocks 0-1 and 2-3 of an atom belong to different groups
-              int const grp = ((ka0 + la) * 64 + kb * 16) >> p.group_shift;
+              int const grp = ((wk0 + la) * 64 + kb * 16) >> p.group_shift;
               if (grp != cur) {
                 flush(cur);
                 cur = grp;
@@ -450,7 +487,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
         issue(s + S);
       }
     };
-    int const full_stages = n_atoms / APS;
+    int const full_stages = w_atoms / APS;
     for (int s = 0; s < full_stages; ++s) {
       stage_body(s, cute::true_type{});
     }
@@ -496,8 +533,10 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       p.y[y_row + out] = Act(silu(acc[i][e] + bias_g) * (acc[i][2 + e] + bias_u));
     });
   };
+  // Only the stripe's first slice holds its total after the slice reduction below.
+  bool const lead = slice == 0 && has_stripe;
   auto finish = [&](bool const mine) {
-    if (mine && has_stripe) {
+    if (mine && lead) {
       if constexpr (Act_ == Activation::kSwiglu) {
         store_gated();
       } else {
@@ -505,6 +544,28 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       }
     }
   };
+  if constexpr (KS > 1) {
+    // ---- the k-slices of a stripe: each warp publishes its sums in shared memory (the drained
+    // rings), and the stripe's first slice adds them in slice order ----
+    float* sums = reinterpret_cast<float*>(smem);
+    __syncthreads();                                 // every warp is done with its ring
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < NT; ++i) {
+      *reinterpret_cast<float4*>(sums + (threadIdx.x * NT + i) * 4) =
+          make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+    }
+    __syncthreads();
+    if (slice == 0) {
+      for (int s = 1; s < KS; ++s) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < NT; ++i) {
+          float4 const v = *reinterpret_cast<float4 const*>(sums + ((threadIdx.x + 32 * s) * NT + i) * 4);
+          acc[i][0] += v.x; acc[i][1] += v.y; acc[i][2] += v.z; acc[i][3] += v.w;
+        }
+      }
+    }
+    __syncthreads();                                 // the sums are read: the region is free again
+  }
   if (p.splits == 1) {
     finish(true);
     return;
@@ -520,8 +581,8 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       *reinterpret_cast<float4*>(sums + 4 * i) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
     }
     cute::cluster_sync();                            // release the sums, acquire the peers'
-    bool const mine = warp % p.splits == int(cute::block_rank_in_cluster());
-    if (mine && has_stripe) {
+    bool const mine = wstripe % p.splits == int(cute::block_rank_in_cluster());
+    if (mine && lead) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < NT; ++i) {
         CUTLASS_PRAGMA_UNROLL
@@ -541,7 +602,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   }
   // ---- split-K through global memory: publish this split's float32 partials, then the last CTA
   // of the row block adds all splits in order (deterministic) and runs the epilogue ----
-  if (has_stripe) {
+  if (lead) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < NT; ++i) {
       CUTLASS_PRAGMA_UNROLL
@@ -560,7 +621,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   __syncthreads();
   if (!*last_flag) return;
   __threadfence();
-  if (has_stripe) {
+  if (lead) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < NT; ++i) {
       CUTLASS_PRAGMA_UNROLL
@@ -602,6 +663,7 @@ struct Plan {
   int splits;
   int atoms_per_split;
   int groups_per_split;
+  int segments_per_slice;
   int smem_bytes;
   int row_blocks;
 };
@@ -617,12 +679,29 @@ template <class Cfg, Activation A = Activation::kNone>
 struct Host {
   using Act = typename Cfg::Act;
 
+  static int groups_in(int a0, int a1, int gshift) {   // groups that k-atoms [a0, a1) touch
+    return a0 >= a1 ? 0 : (((a1 * 64 - 1) >> gshift) + 1) - ((a0 * 64) >> gshift);
+  }
   static int max_groups(int k_atoms, int aps, int gshift) {
     int worst = 0;
     for (int ka0 = 0; ka0 < k_atoms; ka0 += aps) {
-      int ka1 = ka0 + aps < k_atoms ? ka0 + aps : k_atoms;
-      int n = (((ka1 * 64 - 1) >> gshift) + 1) - ((ka0 * 64) >> gshift);
+      int const n = groups_in(ka0, ka0 + aps < k_atoms ? ka0 + aps : k_atoms, gshift);
       worst = n > worst ? n : worst;
+    }
+    return worst;
+  }
+  // The most groups one k-slice touches, over every CTA split (run()'s slicing of a CTA's range).
+  static int max_segments(int k_atoms, int aps, int gshift) {
+    int worst = 0;
+    for (int ka0 = 0; ka0 < k_atoms; ka0 += aps) {
+      int const n_atoms = ka0 + aps < k_atoms ? aps : k_atoms - ka0;
+      int const per = (n_atoms + Cfg::kKSlices - 1) / Cfg::kKSlices;
+      for (int s = 0; s < Cfg::kKSlices; ++s) {
+        int const a0 = s * per < n_atoms ? s * per : n_atoms;
+        int const a1 = a0 + per < n_atoms ? a0 + per : n_atoms;
+        int const n = groups_in(ka0 + a0, ka0 + a1, gshift);
+        worst = n > worst ? n : worst;
+      }
     }
     return worst;
   }
@@ -648,23 +727,33 @@ struct Host {
     return nullptr;
   }
 
-  static int smem_for(abi::GemmArgs const& a, int aps, int groups) {
-    return Cfg::carve(a.m < Cfg::kTokens ? a.m : Cfg::kTokens, aps, groups).total;
+  static int smem_for(abi::GemmArgs const& a, int aps, int groups, int segments) {
+    return Cfg::carve(a.m < Cfg::kTokens ? a.m : Cfg::kTokens, aps, groups, segments).total;
   }
 
-  // Split-K factor. The kernel streams at a rate set per warp (latency bound, not a shared
-  // queue), so the time is about the largest per-SM share of work: the CTAs an SM gets
-  // (ceil(CTAs / SMs)) times each CTA's k-atoms plus a fixed start-up of ~2 atoms, plus, when
-  // split, the float32 partials (M/8 atoms' worth per CTA; 2 atoms more for the global
-  // reduction's fence and counter, beyond a cluster's 8 splits). Within the shared-memory
-  // budget, and with at least 2 CTAs fitting on an SM; ties go to fewer splits. An explicit
-  // a.splits >= 1 wins.
+  // Split-K factor, from a cost model in units of one atom's step on a warp's chain / 8 (about
+  // 90 cycles on an H100, measured: benchmarks/NOTES.md section 9). Each warp's chain is serial
+  // and latency-bound (ncu: ~100 instructions per atom at ~7.5 cycles each), so a launch takes
+  // about the waves of resident CTAs an SM runs times one warp's chain: 8 per atom of its slice,
+  // plus a start-up of 16, plus the split reductions (the k-slices' in shared memory, M/8 for
+  // the float32 partials of a cluster's splits, 16 more beyond a cluster's 8 splits for the
+  // global reduction's fence and counter). It is at least the time to move the SM's share of
+  // the bytes (~1.1 KB per unit and SM on an H100) and to issue its share of the instructions
+  // (~0.4 units per warp-atom at the ~2.8 instructions per cycle an SM sustains here). Within
+  // the shared-memory budget; ties go to fewer splits. An explicit a.splits >= 1 wins.
   static char const* plan(abi::GemmArgs const& a, Plan& out) {
+    constexpr int KS = Cfg::kKSlices;
+    constexpr long kMaxResident = 3;                  // 256-thread CTAs at <= 80 registers
+    constexpr long kBytesPerUnit = 1100;              // per SM
+    // issue cost per warp-atom: ~60 instructions of loop, loads and MMAs plus ~10 per bit of
+    // code width (the decode), more MMAs for more token tiles
+    constexpr long kIssueMilliUnits = 4L * (60 + 10 * Cfg::kBits) * (Cfg::kNTiles + 3) / 4;
     int const k_atoms = a.k / 64;
     int const gshift = group_shift_of(a.group_size, a.k);
-    int const row_blocks = (a.n / 16 + Cfg::kWarps - 1) / Cfg::kWarps;
+    int const row_blocks = (a.n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;
     long const sms = a.sm_count > 0 ? a.sm_count : 132;
     int const tokens = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
+    long const total_bytes = long(a.n / 16) * k_atoms * Cfg::kAtomBytes;
     long best_cost = -1;
     bool const forced = a.splits >= 1;
     int const lo = forced ? a.splits : 1;
@@ -674,17 +763,24 @@ struct Host {
       int const se = (k_atoms + aps - 1) / aps;
       if (!forced && se != s) continue;                // the same plan as a smaller s
       int const groups = max_groups(k_atoms, aps, gshift);
-      int const smem = smem_for(a, aps, groups);
+      int const segments = max_segments(k_atoms, aps, gshift);
+      int const smem = smem_for(a, aps, groups, segments);
       if (smem > Cfg::kMaxSmem) continue;
-      bool const two_fit = 2 * (smem + 1024) <= 228 * 1024;
-      if (!two_fit && !forced && best_cost >= 0) continue;
-      long const reduce = se == 1 ? 0 : se <= Cfg::kMaxClusterSplits ? tokens : tokens + 16;
+      long const fit = (228L * 1024) / (smem + 1024);
+      long const resident = fit < kMaxResident ? fit : kMaxResident;
+      int const apw = (aps + KS - 1) / KS;              // atoms on one warp's chain
+      long const reduce = (KS > 1 ? 2 : 0) + (se == 1 ? 0 : se <= Cfg::kMaxClusterSplits ? tokens : tokens + 16);
       long const ctas = long(row_blocks) * se;
-      long const per_sm = (ctas + sms - 1) / sms;
-      long const cost = per_sm * (8L * aps + 16 + reduce) * (two_fit ? 1 : 2);
+      long const per_sm = (ctas + sms - 1) / sms;       // CTAs of the busiest SM
+      long const waves = (per_sm + resident - 1) / resident;
+      long const chain = waves * (8L * apw + 16 + reduce);
+      long const dram = (total_bytes / sms) / kBytesPerUnit;
+      long const issue = per_sm * Cfg::kWarps * apw * kIssueMilliUnits / 1000;
+      long cost = chain > dram ? chain : dram;
+      cost = cost > issue ? cost : issue;
       if (best_cost < 0 || cost < best_cost) {
         best_cost = cost;
-        out = Plan{se, aps, groups, smem, row_blocks};
+        out = Plan{se, aps, groups, segments, smem, row_blocks};
       }
     }
     if (best_cost < 0) return "no split of K fits this decode kernel's shared memory (too many tokens x K)";
@@ -742,6 +838,7 @@ struct Host {
     p.atoms_per_split = pl.atoms_per_split;
     p.splits = pl.splits;
     p.groups_per_split = pl.groups_per_split;
+    p.segments_per_slice = pl.segments_per_slice;
     p.ldx = a->ldx; p.ldy = a->ldy;
     std::memcpy(dst, &p, sizeof(p));
     out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = 1;

@@ -167,9 +167,11 @@ class GemmSpec:
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
     """One decode kernel (``cutlass_ext/mixgemm/decode_kernel.hpp``): ``y = x @ dequant(W)^T``
-    for at most ``tokens`` rows of x, one warp per 16-row weight band, mma.sync m16n8k16,
-    weights streamed through a per-warp ring of ``stages`` shared-memory stages of
-    ``stage_bytes`` filled by bulk copies, split-K across CTAs chosen at launch.
+    for at most ``tokens`` rows of x, mma.sync m16n8k16, weights streamed through a per-warp ring
+    of ``stages`` shared-memory stages of ``stage_bytes`` filled by bulk copies. ``kslices``
+    warps share each 16-row weight stripe, each streaming a slice of the CTA's k-range (their
+    sums are added in shared memory), so a CTA holds ``warps / kslices`` stripes; split-K across
+    CTAs is chosen at launch.
     """
 
     act: ActType
@@ -179,6 +181,7 @@ class DecodeSpec:
     stage_bytes: int = 1024
     stages: int = 4
     activation: Activation = Activation.NONE
+    kslices: int = 1
 
     kind = KernelKind.DECODE
     programmatic_launch = True   # decode_kernel.hpp: wait_previous_grid() precedes every global access
@@ -196,6 +199,8 @@ class DecodeSpec:
             raise ValueError(f"stages must be >= 2, got {self.stages}")
         if self.warps * self.stages * self.stage_bytes > 160 * 1024:
             raise ValueError("the weight rings (warps x stages x stage_bytes) exceed 160 KiB of shared memory")
+        if self.kslices not in (1, 2, 4, 8, 16) or self.warps % self.kslices:
+            raise ValueError(f"kslices must be 1, 2, 4, 8 or 16 and divide warps={self.warps}, got {self.kslices}")
 
     @property
     def fixed_activation(self) -> Activation:
@@ -205,7 +210,7 @@ class DecodeSpec:
     @property
     def name(self) -> str:
         return (f"mixgemm_decode_{self.act.value}_{self.weight.value}_m{self.tokens}_w{self.warps}_"
-                f"b{self.stage_bytes}_s{self.stages}_{self.activation.value}")
+                f"b{self.stage_bytes}_s{self.stages}_k{self.kslices}_{self.activation.value}")
 
     @property
     def max_tokens(self) -> int:
@@ -235,7 +240,7 @@ _GEMM_NAME = re.compile(
     r"(?P<schedule>\w+?)_(?P<scheduler>persistent|streamk)_(?P<epilogue>\w+)_s(?P<stages>\d+)$")
 _DECODE_NAME = re.compile(
     r"^mixgemm_decode_(?P<act>bf16|fp16)_(?P<weight>[su][248])_m(?P<tokens>\d+)_w(?P<warps>\d+)_"
-    r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_(?P<activation>none|silu|gelu|swiglu)$")
+    r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_k(?P<kslices>\d+)_(?P<activation>none|silu|gelu|swiglu)$")
 _DEQUANT_NAME = re.compile(r"^mixgemm_dequant_(?P<act>bf16|fp16)_(?P<weight>[su][248])$")
 
 
@@ -249,7 +254,7 @@ def parse_name(name: str) -> KernelSpec:
     m = _DECODE_NAME.match(name)
     if m:
         return DecodeSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["tokens"]), int(m["warps"]),
-                          int(m["stage_bytes"]), int(m["stages"]), Activation(m["activation"]))
+                          int(m["stage_bytes"]), int(m["stages"]), Activation(m["activation"]), int(m["kslices"]))
     m = _DEQUANT_NAME.match(name)
     if m:
         return DequantSpec(ActType(m["act"]), WeightType(m["weight"]))
@@ -303,6 +308,8 @@ class DecodeConfig:
     warps: int = 8
     stage_bytes: int = 1024
     stages: int = 4
+    #: k-slices (warps per weight stripe) for 8-bit codes; the narrower codes use one warp per stripe
+    int8_kslices: int = 1
 
     @property
     def max_tokens(self) -> int:
@@ -310,11 +317,13 @@ class DecodeConfig:
 
     def spec(self, act: ActType, weight: WeightType, activation: Activation = Activation.NONE) -> DecodeSpec:
         stage_bytes = max(self.stage_bytes, 128 * weight.bits)
-        return DecodeSpec(act, weight, self.tokens, self.warps, stage_bytes, self.stages, activation)
+        kslices = self.int8_kslices if weight.bits == 8 else 1
+        return DecodeSpec(act, weight, self.tokens, self.warps, stage_bytes, self.stages, activation, kslices)
 
 
 #: The kernel configs the heuristic (mixgemm.ops.select_tile) chooses from, by token count M:
-#:   M <= 8   : "dec8"    decode kernel, 8-token tile
+#:   M <= 8   : "dec8"    decode kernel, 8-token tile (8-bit codes: 8 k-slices, one stripe per CTA:
+#:                        measured 2-13% faster at M = 1 on 5 of 6 layers, NOTES 9b)
 #:   M <= 16  : "dec16"   decode kernel, 16-token tile
 #:   M <= 32  : "dec32"   decode kernel, 32-token tile, on layers of at most 2**25 weights
 #:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K, on small layers (M <= 64: at most 2**26
@@ -329,7 +338,7 @@ class DecodeConfig:
 #: The GEMM kernels fuse bias + none / silu / gelu (chosen per call), and each config has a second
 #: kernel with the gated epilogue for swiglu; the decode kernels fix their activation.
 TILE_CONFIGS = (
-    DecodeConfig("dec8", 8),
+    DecodeConfig("dec8", 8, int8_kslices=8),
     DecodeConfig("dec16", 16),
     DecodeConfig("dec32", 32),
     TileConfig("mid", 128, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
@@ -479,7 +488,7 @@ def render(spec: KernelSpec) -> str:
         ntiles = spec.tokens // 8
         return (head + '#include "mixgemm/decode_kernel.hpp"\n\n'
                 f"using {spec.name}_config = mixgemm::decode::Config<{code}, {act}, {ntiles}, {spec.warps}, "
-                f"{spec.stage_bytes}, {spec.stages}>;\n"
+                f"{spec.stage_bytes}, {spec.stages}, {spec.kslices}>;\n"
                 f"MIXGEMM_DECODE_ENTRY({spec.name}, {spec.name}_config, mixgemm::Activation::{spec.activation.cpp})\n")
     if isinstance(spec, DequantSpec):
         L, _ = _cutlass_library()
