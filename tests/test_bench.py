@@ -1,59 +1,23 @@
-"""The benchmark harness's GPU-free parts: byte counting, derived metrics, the best-peer choice,
-failure flagging, the table, JSON and plot outputs, the timing loop's median (with a fake clock),
-the peers' weight conventions, argument parsing, and the no-GPU exit."""
+"""The benchmark harness's grid without a GPU: byte counting, derived metrics, the best-peer
+choice, failure flagging, the timing loop's median (with a fake clock), the correctness helpers
+and the peers' weight conventions. (Reports: test_bench_report.py; options: test_bench_options.py;
+--model, --host and the decoder layer: test_bench_model.py, test_bench_host.py,
+test_bench_decoder.py.)"""
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from mixgemm import bench
-from mixgemm.bench import (BASELINE, DEFAULT_MS, DEFAULT_SHAPES, FAIL, MIN_ITERS, OK, UNAVAILABLE,
-                           BenchError, BenchReport, MachineInfo, Measurement, analyze,
-                           expected_weight_bytes, summarize_times)
+from mixgemm.bench import FAIL, OK, UNAVAILABLE, BenchReport, analyze, expected_weight_bytes, summarize_times
 from mixgemm.layout import prepack
 from mixgemm.quantize import dequantize_reference, quantize
 from mixgemm.types import WeightType
 
-ROOT = Path(__file__).resolve().parents[1]
-
-# N = K = 4096, group 128: G = 32 groups, so one [G, N] table of 16-bit scales is 262,144 bytes.
-N = K = 4096
-G_TABLE = 32 * 4096 * 2
-
-
-def stats(us: float, iters: int = 100) -> bench.TimingStats:
-    return summarize_times([us / 1e3] * iters)
-
-
-def meas(impl, us=None, m=16, n=N, k=K, err_impl=1e-3, err_float=0.05, **kw) -> Measurement:
-    if us is None:
-        return Measurement(impl, n, k, m, **kw)
-    return Measurement(impl, n, k, m, weight_bytes=kw.pop("weight_bytes", None), timing=stats(us),
-                       err_impl=err_impl, err_float=err_float, **kw)
-
-
-def machine(**kw) -> MachineInfo:
-    base = dict(gpu_name="NVIDIA H100 80GB HBM3", device_name="NVIDIA H100 80GB HBM3",
-                compute_capability="9.0", sm_count=132, l2_cache_bytes=50 << 20,
-                memory_bytes=80 << 30, torch_version="2.11.0+cu130", cuda_version="13.0",
-                triton_version="3.6.0", gemlite_version="0.6.0.post2", mixgemm_version="0.1.0",
-                python_version="3.12.3", copy_bw_gbps=3000.0, dense_bf16_tflops=790.0,
-                timestamp="2026-01-01T00:00:00+00:00")
-    base.update(kw)
-    return MachineInfo(**base)
-
-
-def by_impl(results, m=16):
-    return {r.impl: r for r in results if r.m == m}
-
+from bench_helpers import G_TABLE, K, N, by_impl, machine, meas
 
 # ------------------------------------------------------------------------------------ bytes
 @pytest.mark.parametrize("impl,expected", [
@@ -229,162 +193,6 @@ def test_peers_have_their_own_error_bar():
     assert strict[0].status == FAIL
 
 
-# ------------------------------------------------------------------------- JSON round trip
-def test_json_round_trip(tmp_path):
-    res = analyze([meas("cublas", 100.0), meas("torch_int4", 50.0), meas("mixgemm-u4", 20.0),
-                   meas("mixgemm-s2", 10.0, err_impl=float("nan")),
-                   meas("gemlite-u2", error="gemlite is not importable", unavailable=True)],
-                  copy_bw_gbps=3000.0)
-    cfg = bench.BenchConfig(shapes=((N, K),), ms=(16,), impls=("cublas", "torch_int4"))
-    report = BenchReport(machine(), cfg.to_json(), res)
-    path = bench.write_json(tmp_path / "sub" / "bench.json", report)
-    back = bench.read_json(path)
-    assert back == report
-    doc = json.loads(path.read_text())
-    assert doc["schema"] == bench.JSON_SCHEMA
-    mach = doc["machine"]
-    for key in ("gpu_name", "torch_version", "triton_version", "cuda_version", "copy_bw_gbps",
-                "dense_bf16_tflops"):
-        assert key in mach
-    assert mach["copy_bw_gbps"] == 3000.0 and mach["dense_bf16_tflops"] == 790.0
-    assert doc["config"]["shapes"] == [[N, K]] and doc["config"]["iters"] == MIN_ITERS
-    pts = {p["impl"]: p for p in doc["points"]}
-    assert set(pts) == {"cublas", "torch_int4", "mixgemm-u4", "mixgemm-s2", "gemlite-u2"}
-    assert pts["mixgemm-u4"]["speedup_vs_cublas"] == pytest.approx(5.0)
-    assert pts["mixgemm-u4"]["speedup_vs_best_peer"] == pytest.approx(2.5)
-    assert pts["mixgemm-s2"]["status"] == "FAIL" and pts["mixgemm-s2"]["err_impl"] is None
-    assert pts["gemlite-u2"]["status"] == "n/a"
-    with pytest.raises(ValueError):
-        bench.report_from_dict({**doc, "schema": "other"})
-
-
-def test_merge_reports_joins_split_runs(tmp_path):
-    """A grid split by M across two processes comes back as one report, each point as measured."""
-    a = BenchReport(machine(timestamp="t1"), bench.BenchConfig(ms=(1, 16), impls=("cublas", "mixgemm-u4")).to_json(),
-                    analyze([meas("cublas", 100.0, m=1), meas("mixgemm-u4", 25.0, m=1),
-                             meas("cublas", 100.0, m=16), meas("mixgemm-u4", 50.0, m=16)], 3000.0))
-    b = BenchReport(machine(timestamp="t2", copy_bw_gbps=2900.0),
-                    bench.BenchConfig(ms=(4096,), impls=("cublas", "mixgemm-u4", "mixgemm-u2")).to_json(),
-                    analyze([meas("cublas", 900.0, m=4096), meas("mixgemm-u4", 1000.0, m=4096),
-                             meas("mixgemm-u2", 950.0, m=4096)], 2900.0))
-    merged = bench.merge_reports([a, b])
-    assert len(merged.results) == 7 and merged.machine == a.machine
-    assert merged.config["ms"] == [1, 16, 4096]
-    assert merged.config["impls"] == ["cublas", "mixgemm-u4", "mixgemm-u2"]
-    assert [r["timestamp"] for r in merged.config["runs"]] == ["t1", "t2"]
-    assert merged.config["runs"][1]["copy_bw_gbps"] == 2900.0
-    by = {(r.impl, r.m): r for r in merged.results}
-    assert by[("mixgemm-u4", 1)].speedup_vs_cublas == pytest.approx(4.0)
-    assert by[("mixgemm-u4", 4096)].speedup_vs_cublas == pytest.approx(0.9)
-    # the merged document is a report like any other
-    path = bench.write_json(tmp_path / "merged.json", merged)
-    assert bench.read_json(path) == merged
-    with pytest.raises(ValueError, match="more than one run"):
-        bench.merge_reports([a, a])
-    with pytest.raises(ValueError, match="different GPUs"):
-        bench.merge_reports([a, BenchReport(machine(gpu_name="other"), a.config, [])])
-    with pytest.raises(ValueError, match="different dtype"):
-        bench.merge_reports([a, BenchReport(machine(), {**a.config, "dtype": "fp16"}, [])])
-    with pytest.raises(ValueError, match="nothing"):
-        bench.merge_reports([])
-
-
-def test_merge_cli_writes_one_report(tmp_path, capsys):
-    parts = []
-    for i, m in enumerate((1, 64)):
-        rep = BenchReport(machine(timestamp=f"t{i}"), bench.BenchConfig(ms=(m,), impls=("cublas", "mixgemm-u4")).to_json(),
-                          analyze([meas("cublas", 100.0, m=m), meas("mixgemm-u4", 40.0, m=m)], 3000.0))
-        parts.append(str(bench.write_json(tmp_path / f"part{i}.json", rep)))
-    out = tmp_path / "all.json"
-    assert bench.main(["--merge", *parts, "--json", str(out)]) == 0
-    merged = bench.read_json(out)
-    assert sorted({r.m for r in merged.results}) == [1, 64] and merged.config["ms"] == [1, 64]
-    capsys.readouterr()
-    assert bench.main(["--merge", *parts]) != 0
-    assert "--merge needs --json" in capsys.readouterr().err
-    (tmp_path / "bad.json").write_text("{")
-    assert bench.main(["--merge", str(tmp_path / "bad.json"), "--json", str(out)]) != 0
-    assert "--merge:" in capsys.readouterr().err
-
-
-# ----------------------------------------------------------------------------------- table
-def test_table_lists_every_implementation_and_shape():
-    shapes = [(4096, 4096), (28672, 8192)]
-    names = bench.impl_names()
-    ms = []
-    for n, k in shapes:
-        for m in (1, 128):
-            for i, name in enumerate(names):
-                if name == "gemlite-u2":
-                    ms.append(meas(name, m=m, n=n, k=k, error="gemlite is not importable: X",
-                                   unavailable=True))
-                else:
-                    ms.append(meas(name, 10.0 + i, m=m, n=n, k=k))
-    res = analyze(ms, copy_bw_gbps=3000.0)
-    text = bench.format_table(res, machine(), {"dtype": "bf16", "group_size": 128, "iters": 100})
-    for n, k in shapes:
-        assert f"N={n} K={k}" in text
-    for name in names:
-        assert name in text
-    assert "gemlite-u2: n/a: gemlite is not importable: X" in text
-    assert "NVIDIA H100 80GB HBM3" in text and "3000 GB/s" in text
-    lines = text.splitlines()
-    header = next(line for line in lines if line.lstrip().startswith("M "))
-    for col in ("time us", "GB/s", "%copyBW", "TFLOP/s", "x cuBLAS", "x peer", "err(own)",
-                "err(float)", "status"):
-        assert col in header
-    # every data row is aligned to the header width of its block
-    rows = [line for line in lines if line.split() and line.split()[0].isdigit()]
-    assert len(rows) == len(shapes) * 2 * len(names)
-
-
-def test_table_marks_quick_runs():
-    text = bench.format_table(analyze([meas("cublas", 1.0)], None), None, {"quick": True, "iters": 10})
-    assert "QUICK" in text
-
-
-# ------------------------------------------------------------------------------------ plot
-def test_plot_written_when_matplotlib_is_available(tmp_path):
-    pytest.importorskip("matplotlib")
-    ms = [meas(name, 100.0 / (1 + i), m=m, n=n)
-          for n in (4096, 8192, 28672) for m in (1, 16, 256, 4096)
-          for i, name in enumerate(["cublas", "torch_int4", "gemlite-u4", "mixgemm-u4"])]
-    ok, where = bench.write_plot(analyze(ms, 3000.0), tmp_path / "p" / "bench.png", title="t")
-    assert ok, where
-    data = Path(where).read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-
-
-def test_plot_degrades_gracefully_without_matplotlib(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    ok, why = bench.write_plot(analyze([meas("cublas", 1.0)], None), tmp_path / "x.png")
-    assert not ok and "matplotlib" in why
-    assert not (tmp_path / "x.png").exists()
-
-
-def test_save_writes_to_the_gpu_folder(tmp_path):
-    res = analyze([meas("cublas", 100.0), meas("mixgemm-u4", 20.0)], 3000.0)
-    cfg = bench.BenchConfig(save=True, results_root=str(tmp_path), json_path=str(tmp_path / "a.json"))
-    logs = []
-    written = bench.write_outputs(BenchReport(machine(gpu_name="My H200!"), cfg.to_json(), res), cfg,
-                                  log=logs.append)
-    folder = tmp_path / "my-h200"
-    assert (folder / "bench.json").is_file() and (tmp_path / "a.json").is_file()
-    assert folder / "bench.json" in written
-    try:
-        import matplotlib  # noqa: F401
-        assert (folder / "bench.png").is_file()
-    except ImportError:
-        assert any("plot not written" in line for line in logs)
-
-
-def test_slug_and_results_dir():
-    assert bench.slugify("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
-    assert bench.slugify("  ") == "unknown-gpu"
-    assert bench.results_dir(Path("/r"), "NVIDIA H200") == Path("/r/nvidia-h200")
-
-
 # ---------------------------------------------------------------------------------- timing
 class FakeClock:
     """A clock whose time only moves when the timed function runs (by scripted amounts)."""
@@ -545,119 +353,6 @@ def test_make_impls():
         bench.make_impls(["mixgemm-u4@nope"], 128, bench.QuantCache())
     assert all(bench.is_peer(n) for n in bench.PEER_NAMES) and not bench.is_peer("mixgemm-u4")
 
-
-# --------------------------------------------------------------------------------- options
-def parse(*argv):
-    return bench.build_parser().parse_args(list(argv))
-
-
-def test_defaults_are_the_issues_shapes_and_ms():
-    args = parse()
-    assert args.shapes == ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
-                           (10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672))
-    assert args.shapes == DEFAULT_SHAPES
-    assert args.m == DEFAULT_MS == (1, 4, 16, 32, 64, 128, 256, 1024, 4096, 16384)
-    cfg = bench.config_from_args(args)
-    assert cfg.iters == 100 and cfg.dtype == "bf16" and cfg.group_size == 128
-    assert cfg.max_error == 1e-2 and cfg.peer_max_error == 1e-1 and cfg.check_rows == 1024
-    assert cfg.impls == tuple(bench.impl_names()) and not cfg.all_configs and not cfg.save
-    assert cfg.impls[0] == BASELINE
-    assert {"cublas", "torch_int4", "gemlite-u4", "gemlite-u2", "mixgemm-s8", "mixgemm-u8",
-            "mixgemm-s4", "mixgemm-u4", "mixgemm-s2", "mixgemm-u2"} == set(cfg.impls)
-
-
-def test_overrides_parse():
-    args = parse("--shapes", "4096x4096, 28672x8192", "--m", "1,16,4096", "--impls", "mixgemm-u4,gemlite",
-                 "--dtype", "fp16", "--group-size", "64", "--iters", "250", "--warmup", "5",
-                 "--json", "out.json", "--plot", "out.png", "--gpu-name", "H200 test", "--save",
-                 "--results-dir", "/tmp/r", "--max-error", "0.02", "--check-rows", "64", "--seed", "7",
-                 "--peer-max-error", "0.1")
-    cfg = bench.config_from_args(args)
-    assert cfg.shapes == ((4096, 4096), (28672, 8192)) and cfg.ms == (1, 16, 4096)
-    assert cfg.impls == ("cublas", "gemlite-u4", "gemlite-u2", "mixgemm-u4")
-    assert (cfg.dtype, cfg.group_size, cfg.iters, cfg.warmup) == ("fp16", 64, 250, 5)
-    assert (cfg.json_path, cfg.plot_path, cfg.gpu_name, cfg.save) == ("out.json", "out.png", "H200 test", True)
-    assert (cfg.results_root, cfg.max_error, cfg.check_rows, cfg.seed) == ("/tmp/r", 0.02, 64, 7)
-    assert cfg.peer_max_error == 0.1
-    assert cfg.torch_dtype == torch.float16
-
-
-def test_all_configs_adds_every_tile_config():
-    from mixgemm.codegen import TILE_CONFIGS
-
-    cfg = bench.config_from_args(parse("--all-configs", "--impls", "mixgemm-s4"))
-    assert cfg.impls == ("cublas", "mixgemm-s4") + tuple(f"mixgemm-s4@{tc.label}" for tc in TILE_CONFIGS)
-
-
-@pytest.mark.parametrize("bad", ["4096", "4096x", "x4096", "ax4096", "0x4096", "4096x-1", "4096x4096x2",
-                                 "", ",", "4096x4096;8192x8192"])
-def test_bad_shapes_give_a_clear_error(bad, capsys):
-    with pytest.raises(argparse.ArgumentTypeError, match="NxK"):
-        bench.parse_shapes(bad)
-    with pytest.raises(SystemExit) as e:
-        parse("--shapes", bad)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "--shapes" in err and "NxK" in err
-
-
-@pytest.mark.parametrize("bad", ["", "a", "0", "-4", "1,,x"])
-def test_bad_m_gives_a_clear_error(bad):
-    with pytest.raises(argparse.ArgumentTypeError, match="positive integer"):
-        bench.parse_int_list(bad)
-
-
-def test_iteration_minimum_unless_quick():
-    with pytest.raises(BenchError, match="--quick"):
-        bench.config_from_args(parse("--iters", "99"))
-    assert bench.config_from_args(parse("--iters", "100")).iters == 100
-    quick = bench.config_from_args(parse("--quick"))
-    assert quick.quick and quick.iters == bench.QUICK_ITERS and quick.warmup == bench.QUICK_WARMUP
-    assert bench.config_from_args(parse("--quick", "--iters", "3")).iters == 3
-    with pytest.raises(BenchError):
-        bench.config_from_args(parse("--quick", "--iters", "0"))
-    with pytest.raises(BenchError):
-        bench.config_from_args(parse("--warmup", "-1"))
-
-
-def test_impls_filter_errors():
-    with pytest.raises(BenchError, match="'cutlass'.*match no implementation"):
-        bench.config_from_args(parse("--impls", "cutlass"))
-    with pytest.raises(BenchError, match="--all-configs"):
-        bench.config_from_args(parse("--impls", "mixgemm-u4@dec8"))
-    assert bench.config_from_args(parse("--impls", "cublas")).impls == ("cublas",)
-    assert bench.config_from_args(parse("--impls", "mixgemm-s")).impls == (
-        "cublas", "mixgemm-s8", "mixgemm-s4", "mixgemm-s2")
-
-
-def test_add_arguments_on_a_subcommand_parser():
-    """The `mixgemm` CLI wires `bench` as a subcommand with add_arguments + run_cli."""
-    top = argparse.ArgumentParser(prog="mixgemm")
-    sub = top.add_subparsers(dest="command")
-    p = bench.add_arguments(sub.add_parser("bench"))
-    p.set_defaults(func=bench.run_cli)
-    args = top.parse_args(["bench", "--m", "1,2", "--quick"])
-    assert args.func is bench.run_cli and args.m == (1, 2) and args.quick
-
-
-# -------------------------------------------------------------------------------- no GPU
-def test_cli_without_gpu_exits_nonzero_with_a_clear_message(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench.main(["--quick", "--shapes", "256x512", "--m", "1"]) == 1
-    err = capsys.readouterr().err
-    assert "no CUDA GPU" in err and "Traceback" not in err
-    from mixgemm.cli import CliError
-
-    with pytest.raises(CliError, match="no CUDA GPU"):
-        bench.run_cli(parse("--quick"))
-
-
-def test_module_entry_without_gpu_exits_nonzero():
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT / "python"))
-    proc = subprocess.run([sys.executable, "-m", "mixgemm.bench", "--quick"], capture_output=True,
-                          text=True, env=env, timeout=120)
-    assert proc.returncode == 1
-    assert "no CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_kernel_specs_prebuild_what_the_heuristic_can_pick():

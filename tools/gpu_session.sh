@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call of the device tool: set up, then run the GPU work named by the arguments.
-#   tools/gpu_session.sh [build] [tests] [quick-tests] [sanitize] [bench] [bench-quick]
+#   tools/gpu_session.sh [build] [tests] [quick-tests] [sanitize] [bench] [bench-quick] [bench-model]
+#                        [bench-model-smoke] [bench-host] [script] ...   (each step is a case below)
 # Carry `.whl` (wheels from ../shared/gpu/wheels.sh) and `.gpu` (the kernel cache as
 # .gpu/cache.tgz or its 15 MiB parts .gpu/cache.part.*). Everything it writes goes under $OUT.
 set -uo pipefail
@@ -79,7 +80,17 @@ for step in "$@"; do
     bench-quick)
       timeout 110 python3 -m mixgemm bench --iters 100 --shapes 28672x8192,4096x4096 --m 1,16,4096 \
         --impls mixgemm-u4,mixgemm-u2,mixgemm-s8,torch_int4 --json "$OUT/bench.json" 2>&1 | tail -40 | tee "$OUT/bench.log" || rc=1 ;;
-    script)   # a one-off experiment: python3 $MIXGEMM_SCRIPT, its output under $OUT
+    bench-model-smoke)   # the decoder stack, 2 layers, batch 1 and the prefill, every variant: structure and checks
+      timeout 300 python3 -m mixgemm bench --model llama3-8b --layers 2 --batch 1 --quick --iters 5 \
+        --json "$OUT/model-smoke.json" 2>&1 | grep -v "mixgemm build" | tail -45 | tee "$OUT/model-smoke.log" || rc=1 ;;
+    bench-model)   # the decoder stack of $MIXGEMM_MODEL (default llama3-8b; a list or all), saved per preset
+      timeout ${MIXGEMM_MODEL_TIMEOUT:-570} python3 -m mixgemm bench --model ${MIXGEMM_MODEL:-llama3-8b} \
+        ${MIXGEMM_MODEL_ARGS:-} --save --results-dir "$OUT" 2>&1 | grep -v "mixgemm build" | tail -80 \
+        | tee "$OUT/model.log" || rc=1 ;;
+    bench-host)   # host us per call (mixgemm.gemm, QuantLinear, F.linear, torch int4) and the eager decode step
+      timeout 300 python3 -m mixgemm bench --host --save --results-dir "$OUT" 2>&1 | grep -v "mixgemm build" \
+        | tail -40 | tee "$OUT/host.log" || rc=1 ;;
+    script)   # a one-off experiment: python3 $MIXGEMM_SCRIPT (e.g. benchmarks/experiments/exp_pdl.py), output under $OUT
       timeout ${MIXGEMM_SCRIPT_TIMEOUT:-300} python3 $MIXGEMM_SCRIPT 2>&1 | grep -v "mixgemm build" | tee "$OUT/script.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac

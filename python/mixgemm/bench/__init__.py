@@ -1,0 +1,86 @@
+"""The benchmark harness (``mixgemm bench``): mixgemm against cuBLAS and its peers.
+
+Every implementation runs in one process, on the same GPU, on the same random inputs:
+
+* ``cublas``: ``torch.nn.functional.linear(x, W)`` on the dense weight (the float weight rounded
+  to the activation dtype): the baseline every speedup is measured against. Always run.
+* ``torch_int4``: PyTorch's tinygemm kernel (``aten._convert_weight_to_int4pack`` +
+  ``aten._weight_int4pack_mm``), bf16 activations, asymmetric int4.
+* ``gemlite-u4``, ``gemlite-u2``: gemlite's Triton kernels (``GemLiteLinearTriton`` through
+  ``gemlite.helper.A16Wn``), asymmetric 4- and 2-bit.
+* ``mixgemm-<wt>`` for wt in s8, u8, s4, u4, s2, u2: :func:`mixgemm.ops.gemm` (the heuristic's
+  kernel); with ``--all-configs`` also ``mixgemm-<wt>@<label>``, one per
+  :data:`mixgemm.codegen.TILE_CONFIGS` entry, through :func:`mixgemm.ops.gemm_with_spec`.
+
+One module per concern:
+
+* :mod:`.timing`: CUDA-event timing with the L2 flushed, the copy / read bandwidth and the dense
+  rate measured in the same process;
+* :mod:`.peers`: the implementations' adapters and the peers' weight conventions;
+* :mod:`.grid`: the default mode, every implementation x layer shape x token count, and its
+  analysis (bytes, GB/s, speedups, FAIL flags);
+* :mod:`.block`: ``--block``, a LLaMA MLP block under CUDA graphs;
+* :mod:`.decoder`, :mod:`.variants`, :mod:`.model`, :mod:`.model_run`: ``--model``, a decoder
+  layer stack with a real model's shapes (the layer, the bf16 / mixgemm / torch int4 variants,
+  what is reported, the GPU run);
+* :mod:`.host`: ``--host``, the host's microseconds per call and the eager decode step;
+* :mod:`.report` and :mod:`.plots`: tables, JSON, merges and plots;
+* :mod:`.options` and :mod:`.command`: the command line (``add_arguments``; ``run_cli``, ``main``).
+
+Everything that needs no GPU (byte counting, bandwidth, speedups, the best-peer choice, the
+tables, the JSON, the plots, the decoder layer's math) is a pure function of its inputs, tested
+on the CPU. The package never imports :mod:`mixgemm.cli`; its errors come from
+:mod:`mixgemm.errors`.
+"""
+from ..errors import BenchError, CliError
+from .block import BLOCK_HIDDEN, BLOCK_INTERMEDIATE, BlockResult, bench_block, run_block_cli
+from .command import NO_GPU_MESSAGE, list_kernels, main, require_cuda, run_cli, write_model_outputs, write_outputs
+from .options import (add_arguments, build_parser, config_from_args, host_step_config, model_config_from_args,
+                      parse_int_list, parse_name_list, parse_presets, parse_shapes)
+from .decoder import PRESETS, DecoderStack, DenseProjections, LayerState, ModelPreset, Projections, Rotary
+from .grid import (ACT_BYTES, DEFAULT_CHECK_ROWS, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ERROR, DEFAULT_MS,
+                   DEFAULT_PEER_MAX_ERROR, DEFAULT_SEED, DEFAULT_SHAPES, DEFAULT_WARMUP, ERROR, FAIL, MIN_ITERS, OK,
+                   QUICK_ITERS, QUICK_WARMUP, UNAVAILABLE, WEIGHT_STD, BenchConfig, Measurement, PointResult, analyze,
+                   check_rows, classify, expected_weight_bytes, reference_matmul, relative_error, run_benchmark,
+                   traffic_bytes)
+from .host import HOST_SCHEMA, HostPoint, HostReport, format_host_table, host_report_from_dict, host_report_to_dict
+from .model import (MODEL_SCHEMA, LayerTraffic, ModelConfig, ModelPoint, ModelReport, StepMeasurement, StepShape,
+                    analyze_model, format_model_table, layer_traffic, merge_model_reports, model_report_from_dict,
+                    model_report_to_dict, split_by_preset)
+from .peers import (BASELINE, MIXGEMM_TYPES, PEER_NAMES, TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES,
+                    CublasImpl, GemliteImpl, Impl, ImplUnavailable, MixgemmImpl, QuantCache, TorchInt4Impl,
+                    gemlite_dequant, impl_names, is_peer, make_impls, select_impl_names, torch_int4_dequant,
+                    torch_int4_mm, torch_int4_pack, torch_int4_params)
+from .plots import write_model_plot, write_plot
+from .report import (JSON_SCHEMA, BenchReport, MachineInfo, default_results_root, format_table, machine_info,
+                     merge_reports, read_json, report_from_dict, report_to_dict, results_dir, slugify, write_json)
+from .timing import (COPY_BYTES, DENSE_N, FLUSH_L2_MULTIPLE, HOST_LEAD_CYCLES, Clock, CudaEventClock, TimingStats,
+                     effective_gbps, flush_size, measure_copy_bandwidth, measure_dense_tflops, measure_read_bandwidth,
+                     summarize_times, tflops, time_cuda)
+from .variants import Variant, VariantKind, layer_weight_bytes, parse_variants
+
+#: Every name above: the public API of ``mixgemm.bench`` (tests and tools import them from here).
+__all__ = [
+    "BenchError", "CliError", "BLOCK_HIDDEN", "BLOCK_INTERMEDIATE", "BlockResult", "bench_block",
+    "run_block_cli", "NO_GPU_MESSAGE", "add_arguments", "build_parser", "config_from_args", "host_step_config",
+    "list_kernels", "main", "model_config_from_args", "parse_int_list", "parse_name_list", "parse_presets",
+    "parse_shapes", "require_cuda", "run_cli", "write_model_outputs", "write_outputs", "PRESETS",
+    "DecoderStack", "DenseProjections", "LayerState", "ModelPreset", "Projections", "Rotary", "ACT_BYTES",
+    "DEFAULT_CHECK_ROWS", "DEFAULT_GROUP_SIZE", "DEFAULT_MAX_ERROR", "DEFAULT_MS", "DEFAULT_PEER_MAX_ERROR",
+    "DEFAULT_SEED", "DEFAULT_SHAPES", "DEFAULT_WARMUP", "ERROR", "FAIL", "MIN_ITERS", "OK", "QUICK_ITERS",
+    "QUICK_WARMUP", "UNAVAILABLE", "WEIGHT_STD", "BenchConfig", "Measurement", "PointResult", "analyze",
+    "check_rows", "classify", "expected_weight_bytes", "reference_matmul", "relative_error", "run_benchmark",
+    "traffic_bytes", "HOST_SCHEMA", "HostPoint", "HostReport", "format_host_table", "host_report_from_dict",
+    "host_report_to_dict", "MODEL_SCHEMA", "LayerTraffic", "ModelConfig", "ModelPoint", "ModelReport",
+    "StepMeasurement", "StepShape", "analyze_model", "format_model_table", "layer_traffic",
+    "merge_model_reports", "model_report_from_dict", "model_report_to_dict", "split_by_preset", "BASELINE",
+    "MIXGEMM_TYPES", "PEER_NAMES", "TORCH_INT4_GROUP_SIZES", "TORCH_INT4_INNER_K_TILES", "CublasImpl",
+    "GemliteImpl", "Impl", "ImplUnavailable", "MixgemmImpl", "QuantCache", "TorchInt4Impl", "gemlite_dequant",
+    "impl_names", "is_peer", "make_impls", "select_impl_names", "torch_int4_dequant", "torch_int4_mm",
+    "torch_int4_pack", "torch_int4_params", "write_model_plot", "write_plot", "JSON_SCHEMA", "BenchReport",
+    "MachineInfo", "default_results_root", "format_table", "machine_info", "merge_reports", "read_json",
+    "report_from_dict", "report_to_dict", "results_dir", "slugify", "write_json", "COPY_BYTES", "DENSE_N",
+    "FLUSH_L2_MULTIPLE", "HOST_LEAD_CYCLES", "Clock", "CudaEventClock", "TimingStats", "effective_gbps",
+    "flush_size", "measure_copy_bandwidth", "measure_dense_tflops", "measure_read_bandwidth", "summarize_times",
+    "tflops", "time_cuda", "Variant", "VariantKind", "layer_weight_bytes", "parse_variants",
+]

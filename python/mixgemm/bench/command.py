@@ -1,0 +1,316 @@
+"""The command line of ``mixgemm bench`` (and ``python -m mixgemm.bench``): the dispatch to a
+mode (the options and their validation: :mod:`.options`), and each mode's outputs:
+
+* the grid (default): :mod:`.grid`, every implementation x layer shape x token count;
+* ``--block``: :mod:`.block`, a LLaMA MLP block under CUDA graphs;
+* ``--model NAME``: :mod:`.model` / :mod:`.model_run`, a decoder layer stack's decode and prefill
+  steps;
+* ``--host``: :mod:`.host`, the host's time per call and the eager decode step;
+* ``--merge``: no GPU, one report from the JSON of runs that split a grid (or a set of presets);
+* ``--list-kernels``: no GPU, the mixgemm kernels a run would launch.
+
+User errors (bad options, no GPU) raise :class:`mixgemm.errors.CliError`, which ``mixgemm``
+prints as one line (exit status 1).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..errors import BenchError, CliError
+from .block import run_block_cli
+from .decoder import PRESETS
+from .grid import FAIL, BenchConfig, analyze, run_benchmark
+from .model import (MODEL_SCHEMA, ModelConfig, ModelReport, analyze_model, failed, format_model_table,
+                    merge_model_reports, model_report_from_dict, split_by_preset, write_model_json)
+from .options import build_parser, config_from_args, host_step_config, model_config_from_args
+from .peers import QuantCache, make_impls
+from .plots import write_model_plot, write_plot
+from .report import (JSON_SCHEMA, BenchReport, default_results_root, format_table, machine_info, merge_reports,
+                     report_from_dict, results_dir, write_json)
+from .timing import measure_copy_bandwidth, measure_dense_tflops, measure_read_bandwidth
+
+NO_GPU_MESSAGE = ("no CUDA GPU is visible to PyTorch: `mixgemm bench` times kernels on an "
+                  "NVIDIA GPU (mixgemm's own kernels need an sm_90 H100/H200)")
+
+Log = Callable[[str], None]
+
+def require_cuda() -> torch.device:
+    """The current CUDA device; :class:`BenchError` with a clear message when there is none."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        raise BenchError(NO_GPU_MESSAGE)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _user_error(message: str) -> Exception:
+    """A :class:`mixgemm.errors.CliError`, which ``mixgemm`` prints as one line."""
+    return CliError(message)
+
+
+# ------------------------------------------------------------------------------------------
+# Outputs
+# ------------------------------------------------------------------------------------------
+def _save_folder(cfg, gpu_name: str) -> Path:
+    return results_dir(Path(cfg.results_root) if cfg.results_root else default_results_root(), gpu_name)
+
+
+def write_outputs(report: BenchReport, cfg: BenchConfig, log: Log = print) -> list[Path]:
+    """Write the grid's JSON and plot files that ``cfg`` asks for; returns the paths written."""
+    written: list[Path] = []
+    targets_json = [Path(cfg.json_path)] if cfg.json_path else []
+    targets_plot = [Path(cfg.plot_path)] if cfg.plot_path else []
+    if cfg.save:
+        folder = _save_folder(cfg, report.machine.gpu_name)
+        targets_json.append(folder / "bench.json")
+        targets_plot.append(folder / "bench.png")
+    for path in targets_json:
+        written.append(write_json(path, report))
+        log(f"wrote {path}")
+    title = (f"{report.machine.gpu_name}: speedup over cuBLAS ({report.config.get('dtype')}, "
+             f"group {report.config.get('group_size')})")
+    for path in targets_plot:
+        ok, what = write_plot(report.results, path, title=title)
+        if ok:
+            written.append(Path(what))
+            log(f"wrote {what}")
+        else:
+            log(f"plot not written: {what}")
+    return written
+
+
+def write_model_outputs(report: ModelReport, cfg: ModelConfig, log: Log = print) -> list[Path]:
+    """``--json`` and ``--plot`` with every preset; ``--save``: ``model-<preset>.json`` and
+    ``.png`` per preset in the GPU's results folder. Returns the paths written."""
+    jobs: list[tuple[Path, ModelReport]] = []
+    plots: list[tuple[Path, ModelReport]] = []
+    if cfg.json_path:
+        jobs.append((Path(cfg.json_path), report))
+    if cfg.plot_path:
+        plots.append((Path(cfg.plot_path), report))
+    if cfg.save:
+        folder = _save_folder(cfg, report.machine.gpu_name)
+        for name, part in split_by_preset(report).items():
+            jobs.append((folder / f"model-{name}.json", part))
+            plots.append((folder / f"model-{name}.png", part))
+    written = []
+    for path, part in jobs:
+        written.append(write_model_json(path, part))
+        log(f"wrote {path}")
+    for path, part in plots:
+        layers = part.config.get("layers")
+        ok, what = write_model_plot(part.points, path, title=f"{report.machine.gpu_name}: decode step of "
+                                    f"{layers} layers (context {part.config.get('context')}) and prefill, "
+                                    f"speedup over bf16 and fraction of the byte floor")
+        if ok:
+            written.append(Path(what))
+            log(f"wrote {what}")
+        else:
+            log(f"plot not written: {what}")
+    return written
+
+
+# ------------------------------------------------------------------------------------------
+# Modes
+# ------------------------------------------------------------------------------------------
+def _merge_cli(args: argparse.Namespace, log: Log) -> int:
+    """``mixgemm bench --merge A.json B.json ...``: one report from split runs (grid or --model)."""
+    if not (args.json or args.plot or args.save):
+        raise _user_error("--merge needs --json, --plot or --save")
+    try:
+        docs = [json.loads(Path(p).read_text(encoding="utf-8")) for p in args.merge]
+        schemas = {d.get("schema") if isinstance(d, dict) else None for d in docs}
+        if schemas == {MODEL_SCHEMA}:
+            report = merge_model_reports([model_report_from_dict(d) for d in docs])
+        elif schemas == {JSON_SCHEMA}:
+            report = merge_reports([report_from_dict(d) for d in docs])
+        else:
+            raise ValueError(f"expected reports of one kind ({JSON_SCHEMA} or {MODEL_SCHEMA}), got schemas "
+                             f"{sorted(map(str, schemas))}")
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise _user_error(f"--merge: {e}") from None
+    if isinstance(report, ModelReport):
+        cfg = ModelConfig(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
+        log(format_model_table(report.points, report.machine, report.config))
+        write_model_outputs(report, cfg, log=log)
+        return 1 if failed(report.points) else 0
+    cfg = BenchConfig(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
+    log(format_table(report.results, report.machine, report.config))
+    write_outputs(report, cfg, log=log)
+    return 1 if any(r.status == FAIL for r in report.results) else 0
+
+
+def list_kernels(args: argparse.Namespace) -> list[str]:
+    """The names of the mixgemm kernels the run that ``args`` describe would launch."""
+    from .host import host_kernel_specs
+    from .model_run import run_kernel_specs
+
+    if args.model:
+        cfg = model_config_from_args(args)
+        specs = run_kernel_specs(cfg, [PRESETS[p] for p in cfg.presets])
+    elif args.host:
+        cfg = host_step_config(args)
+        specs = host_kernel_specs() + run_kernel_specs(cfg, [PRESETS[p] for p in cfg.presets])
+    elif args.block:
+        raise BenchError("--list-kernels takes the grid, --model or --host")
+    else:
+        cfg = config_from_args(args)
+        impls = make_impls(cfg.impls, cfg.group_size, QuantCache())
+        specs = [s for i in impls if hasattr(i, "kernel_specs") for s in i.kernel_specs(cfg.torch_dtype, cfg.ms)]
+    return sorted({s.name for s in specs})
+
+
+def _ceilings(device: torch.device, iters: int, warmup: int, log: Log, read: bool) -> tuple:
+    log("measuring the device copy" + (" and read" if read else "") + " bandwidth and the dense bf16 matmul rate ...")
+    copy_bw = measure_copy_bandwidth(device, iters=iters, warmup=warmup)
+    read_bw = measure_read_bandwidth(device, iters=iters, warmup=warmup) if read else None
+    dense = measure_dense_tflops(device, iters=iters, warmup=warmup)
+    log(f"device copy {copy_bw:.0f} GB/s (read+write)" + (f", read {read_bw:.0f} GB/s" if read else "")
+        + f", dense bf16 {dense:.0f} TFLOP/s")
+    return copy_bw, read_bw, dense
+
+
+def run_model_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int:
+    from .model_run import run_model
+
+    try:
+        cfg = model_config_from_args(args)
+    except BenchError as e:
+        raise _user_error(str(e)) from None
+    log(f"mixgemm bench --model {','.join(cfg.presets)} on {torch.cuda.get_device_name(device)}: {cfg.layers} layers, "
+        f"decode batches {','.join(map(str, cfg.batches))} after {cfg.context} tokens"
+        f"{f', prefill {cfg.prefill}' if cfg.prefill else ''}; {', '.join(v.name for v in cfg.variants)}; "
+        f"{', '.join(cfg.modes)}; median of {cfg.iters} runs{' (QUICK)' if cfg.quick else ''}")
+    copy_bw, read_bw, dense = _ceilings(device, cfg.iters, cfg.warmup, log, read=True)
+    machine = machine_info(device, cfg.gpu_name, copy_bw, dense, read_bw)
+    points = analyze_model(run_model(cfg, device, log), read_bw, cfg.max_error, cfg.group_size)
+    report = ModelReport(machine, cfg.to_json(), {n: dataclasses.asdict(PRESETS[n]) for n in cfg.presets}, points)
+    log(format_model_table(points, machine, report.config))
+    write_model_outputs(report, cfg, log=log)
+    return _exit_status(points, lambda p: f"{p.preset} {p.variant} {p.mode}")
+
+
+def run_host_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int:
+    from .host import (HOST_CALLS, HOST_MS, HOST_REPEATS, HOST_SHAPE, HostReport, format_host_table, run_host,
+                       write_host_json)
+
+    try:
+        step = host_step_config(args)
+    except BenchError as e:
+        raise _user_error(str(e)) from None
+    log(f"mixgemm bench --host on {torch.cuda.get_device_name(device)}")
+    copy_bw, read_bw, dense = _ceilings(device, step.iters, step.warmup, log, read=True)
+    machine = machine_info(device, step.gpu_name, copy_bw, dense, read_bw)
+    calls, step_points = run_host(device, step, step.iters, step.warmup, step.seed, read_bw, log)
+    config = {"shape": list(HOST_SHAPE), "ms": list(HOST_MS), "weight": "u4", "group_size": 128, "calls": HOST_CALLS,
+              "repeats": HOST_REPEATS, "iters": step.iters, "quick": step.quick, "step": step.to_json()}
+    report = HostReport(machine, config, calls, step_points)
+    log(format_host_table(report))
+    targets = [Path(args.json)] if args.json else []
+    if args.save:
+        targets.append(_save_folder(step, machine.gpu_name) / "host.json")
+    for path in targets:
+        write_host_json(path, report)
+        log(f"wrote {path}")
+    return _exit_status(step_points, lambda p: f"step {p.variant} {p.mode}")
+
+
+def _exit_status(points: Sequence, name: Callable) -> int:
+    bad = failed(points)
+    errors = [p for p in points if p.status == "error"]
+    if errors:
+        print("mixgemm bench: errors (not measured): " + "; ".join(f"{name(p)}: {p.note}" for p in errors[:5]),
+              file=sys.stderr)
+    if bad:
+        print(f"mixgemm bench: {len(bad)} point(s) FAILED (wrong or non-finite results): "
+              + ", ".join(sorted({name(p) for p in bad})), file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``mixgemm bench`` with parsed ``args``; the exit status.
+
+    Returns 0 when every point that ran is correct, 1 when any point FAILed (a wrong or
+    non-finite result). User errors (no GPU, bad options) raise ``mixgemm.errors.CliError``.
+    """
+    log = print
+    if getattr(args, "list_kernels", False):
+        try:
+            for name in list_kernels(args):
+                print(name)
+        except BenchError as e:
+            raise _user_error(str(e)) from None
+        return 0
+    if getattr(args, "merge", None):
+        return _merge_cli(args, log)
+    try:                                # the options first: a bad one is reported even without a GPU
+        if getattr(args, "model", None):
+            model_config_from_args(args)
+        elif getattr(args, "host", False):
+            host_step_config(args)
+            if args.plot:
+                raise BenchError("--host draws no plot (its table and --json are the report)")
+        else:
+            config_from_args(args)
+        device = require_cuda()
+    except BenchError as e:
+        raise _user_error(str(e)) from None
+    torch.cuda.set_device(device)
+    if getattr(args, "model", None):
+        return run_model_cli(args, device, log)
+    if getattr(args, "host", False):
+        return run_host_cli(args, device, log)
+    cfg = config_from_args(args)
+    if getattr(args, "block", False):
+        return run_block_cli(cfg, device, log)
+    return run_grid_cli(cfg, device, log)
+
+
+def run_grid_cli(cfg: BenchConfig, device: torch.device, log: Log) -> int:
+    props = torch.cuda.get_device_properties(device)
+    log(f"mixgemm bench on {props.name}: {len(cfg.shapes)} shapes x {len(cfg.ms)} M x "
+        f"{len(cfg.impls)} implementations, {cfg.dtype}, group {cfg.group_size}, "
+        f"median of {cfg.iters} runs{' (QUICK)' if cfg.quick else ''}")
+    copy_bw, read_bw, dense = _ceilings(device, cfg.iters, cfg.warmup, log, read=True)
+    machine = machine_info(device, cfg.gpu_name, copy_bw, dense, read_bw)
+    cache = QuantCache()
+    impls = make_impls(cfg.impls, cfg.group_size, cache)
+    measurements = run_benchmark(cfg, impls, device, log=log)
+    cache.clear()
+    results = analyze(measurements, copy_bw, cfg.max_error, cfg.group_size, cfg.peer_max_error)
+    report = BenchReport(machine=machine, config=cfg.to_json(), results=results)
+    log(format_table(results, machine, report.config))
+    write_outputs(report, cfg, log=log)
+    failed_points = [r for r in results if r.status == FAIL]
+    if failed_points:
+        print(f"mixgemm bench: {len(failed_points)} point(s) FAILED (wrong or non-finite results): "
+              + ", ".join(sorted({r.impl for r in failed_points})), file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m mixgemm.bench [options]``: parse, run, return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    try:
+        return run_cli(args)
+    except CliError as e:   # BenchError is one
+        print(f"mixgemm bench: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("mixgemm bench: interrupted", file=sys.stderr)
+        return 130
+
+
+__all__ = ["NO_GPU_MESSAGE", "require_cuda", "write_outputs", "write_model_outputs", "list_kernels", "run_model_cli", "run_host_cli", "run_cli",
+           "run_grid_cli", "main"]

@@ -1,0 +1,438 @@
+"""``mixgemm bench --model``: what is measured and how it is reported (everything here is a pure
+function of the measurements, tested on the CPU; the GPU run is :mod:`.model_run`).
+
+One decode step of a stack of decoder layers with a real model's shapes (:mod:`.decoder`), for
+each batch size, and one prefill, for each variant (:mod:`.variants`) and mode (``graph``: the
+whole step captured in a CUDA graph and replayed; ``eager``: plain Python calls on an idle GPU).
+Each point reports:
+
+* ``us_per_layer``: the step's median time divided by the number of layers;
+* ``bytes_per_layer`` (:func:`layer_traffic`): the weights the variant reads (codes + scales +
+  zeros + biases + norms, as held), the KV cache read (``B * 2 * kv_heads * (context + T) *
+  head_dim * 2`` bytes) and written (``B * 2 * kv_heads * T * head_dim * 2``), and the
+  activations (see :func:`layer_traffic`);
+* ``floor_us_per_layer``: those bytes over the read bandwidth measured in the same run, and
+  ``frac_of_floor`` = floor / time (1.0 would stream at the measured read rate). A prefill is
+  compute-bound, so its fraction of the byte floor is small by nature;
+* ``speedup_vs_bf16``: the bf16 step's time over this one's, in the same mode;
+* ``err``: ``||y - y_ref|| / ||y_ref - x||``, the step's output ``y`` against the bf16 step run
+  on the variant's own dequantized weights (``y_ref``), relative to what the layers add to their
+  input ``x``; ``kv_err``: the largest relative error of the keys and values the step wrote, over
+  the layers; ``replay_err``: the graph's replayed output against the eager step's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+from .decoder import PRESETS, ModelPreset
+from .grid import ERROR, FAIL, OK, UNAVAILABLE
+from .report import MachineInfo, align, fmt, gpu_line, machine_line, write_json_doc
+from .timing import TimingStats
+from .variants import ELEMENT_BYTES, BF16, DEFAULT_VARIANTS, Variant, parse_variants
+
+MODEL_SCHEMA = "mixgemm.bench.model/1"
+DEFAULT_LAYERS = 8
+DEFAULT_BATCHES = (1, 16, 64, 256)
+#: Tokens already in each sequence's KV cache at the decode step.
+DEFAULT_CONTEXT = 1024
+#: Tokens of the prefill (batch 1, from position 0); 0 skips it.
+DEFAULT_PREFILL = 2048
+#: Timed replays (graph) or calls (eager) per point, and the fewest without --quick.
+MODEL_ITERS = 50
+MODEL_WARMUP = 5
+#: A slow point gets fewer runs than --iters to stay within this many seconds (at least 10):
+#: the prefill of a 70B-sized stack through torch's int4 kernel takes about a second per step.
+DEFAULT_POINT_BUDGET_S = 4.0
+#: The check's bar on ``err``, ``kv_err`` and ``replay_err``. Each quantized linear differs from
+#: the bf16 linear on the same (dequantized) weights by ~1e-3 (float32 accumulation in another
+#: order, one rounding) and the fused swiglu by ~5e-3 (bf16 rounds gate and up before
+#: silu * up: the MLP block of ``--block`` measures 5e-3); over 8 layers that stays near 1e-2
+#: (the errors add up roughly like sqrt(layers), and the residual stream carries them). A wrong
+#: kernel, layout, bias or gate/up pairing is off by > 0.3. Deeper stacks may need a larger bar.
+DEFAULT_MODEL_MAX_ERROR = 5e-2
+MODES = ("graph", "eager")
+DECODE, PREFILL = "decode", "prefill"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """One step: ``batch`` sequences of ``tokens`` new tokens each, after ``context`` cached ones."""
+
+    phase: str
+    batch: int
+    tokens: int
+    context: int
+
+    @property
+    def m(self) -> int:
+        """Rows of every linear's input (tokens in the step)."""
+        return self.batch * self.tokens
+
+    @property
+    def cache_length(self) -> int:
+        """KV cache positions the step reads (its own included)."""
+        return self.context + self.tokens
+
+    @property
+    def label(self) -> str:
+        return f"decode b{self.batch}" if self.phase == DECODE else f"prefill {self.tokens}"
+
+
+def step_shapes(batches: Sequence[int], context: int, prefill: int) -> list[StepShape]:
+    """The decode steps (one token per sequence after ``context``) for every batch size, then the
+    prefill of ``prefill`` tokens at batch 1 (none when 0)."""
+    shapes = [StepShape(DECODE, b, 1, context) for b in batches]
+    if prefill:
+        shapes.append(StepShape(PREFILL, 1, prefill, 0))
+    return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Validated options of one ``--model`` run."""
+
+    presets: tuple[str, ...] = ("llama3-8b",)
+    layers: int = DEFAULT_LAYERS
+    batches: tuple[int, ...] = DEFAULT_BATCHES
+    context: int = DEFAULT_CONTEXT
+    prefill: int = DEFAULT_PREFILL
+    variants: tuple[Variant, ...] = dataclasses.field(default_factory=lambda: parse_variants(DEFAULT_VARIANTS))
+    modes: tuple[str, ...] = MODES
+    group_size: int = 128
+    iters: int = MODEL_ITERS
+    warmup: int = MODEL_WARMUP
+    quick: bool = False
+    max_error: float = DEFAULT_MODEL_MAX_ERROR
+    point_budget_s: float = DEFAULT_POINT_BUDGET_S
+    seed: int = 0
+    json_path: Optional[str] = None
+    plot_path: Optional[str] = None
+    save: bool = False
+    results_root: Optional[str] = None
+    gpu_name: Optional[str] = None
+
+    def shapes(self) -> list[StepShape]:
+        return step_shapes(self.batches, self.context, self.prefill)
+
+    def to_json(self) -> dict:
+        return {"presets": list(self.presets), "layers": self.layers, "batches": list(self.batches),
+                "context": self.context, "prefill": self.prefill, "variants": [v.name for v in self.variants],
+                "modes": list(self.modes), "group_size": self.group_size, "iters": self.iters,
+                "warmup": self.warmup, "quick": self.quick, "max_error": self.max_error,
+                "point_budget_s": self.point_budget_s, "seed": self.seed, "dtype": "bf16",
+                "weights": "randn * 0.02 (float32), quantized on the GPU", "keys": "cache randn * 2",
+                "flush": "2x L2 written before every run"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes per layer
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LayerTraffic:
+    """Bytes one layer moves at least in one step."""
+
+    weights: int
+    kv_read: int
+    kv_write: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_read + self.kv_write + self.activations
+
+
+def layer_traffic(preset: ModelPreset, shape: StepShape, weight_bytes: int) -> LayerTraffic:
+    """The bytes one layer moves in ``shape``'s step, ``weight_bytes`` being its weights.
+
+    * KV read: ``B * 2 (k, v) * kv_heads * (context + T) * head_dim * 2`` bytes (every cached
+      position once, the step's own included);
+    * KV write: ``B * 2 * kv_heads * T * head_dim * 2``;
+    * activations, ``2`` bytes per element of ``M = B * T`` rows: the layer's input and output
+      (``2 * hidden``), each linear's input and output (qkv: ``hidden + q + 2 kv``; o:
+      ``q + hidden``; gate/up with its activation fused: ``hidden + intermediate``; down:
+      ``intermediate + hidden``). Written once and read once by a fused implementation; an
+      unfused one (bf16's separate silu * up) moves more, which is its own cost.
+    """
+    kv_row = 2 * preset.kv_heads * preset.head_dim * ELEMENT_BYTES
+    per_token = (2 * preset.hidden + (preset.hidden + preset.qkv_rows) + (preset.q_size + preset.hidden)
+                 + (preset.hidden + preset.intermediate) + (preset.intermediate + preset.hidden))
+    return LayerTraffic(weights=int(weight_bytes), kv_read=shape.batch * shape.cache_length * kv_row,
+                        kv_write=shape.batch * shape.tokens * kv_row,
+                        activations=shape.m * per_token * ELEMENT_BYTES)
+
+
+def floor_us(nbytes: int, read_bw_gbps: float) -> float:
+    """Microseconds to read ``nbytes`` at ``read_bw_gbps`` (10^9 bytes per second)."""
+    return nbytes / (read_bw_gbps * 1e9) * 1e6
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements and their analysis
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StepMeasurement:
+    """What was measured for one (preset, step, variant, mode). ``timing`` is None when it did
+    not run (``error`` says why; ``unavailable``: not supported here)."""
+
+    preset: str
+    phase: str
+    batch: int
+    tokens: int
+    context: int
+    layers: int
+    variant: str
+    mode: str
+    weight_bytes: Optional[int] = None      # per layer, the tensors the variant holds
+    timing: Optional[TimingStats] = None
+    err: Optional[float] = None
+    kv_err: Optional[float] = None
+    replay_err: Optional[float] = None
+    output_finite: bool = True
+    error: Optional[str] = None
+    unavailable: bool = False
+
+    @property
+    def shape(self) -> StepShape:
+        return StepShape(self.phase, self.batch, self.tokens, self.context)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPoint:
+    """One row of the report (see the module docstring for the columns)."""
+
+    preset: str
+    phase: str
+    batch: int
+    tokens: int
+    context: int
+    layers: int
+    variant: str
+    mode: str
+    status: str
+    note: str = ""
+    time_us: Optional[float] = None
+    us_per_layer: Optional[float] = None
+    min_us: Optional[float] = None
+    p90_us: Optional[float] = None
+    iters: Optional[int] = None
+    weight_bytes: Optional[int] = None
+    kv_read_bytes: Optional[int] = None
+    kv_write_bytes: Optional[int] = None
+    act_bytes: Optional[int] = None
+    bytes_per_layer: Optional[int] = None
+    floor_us_per_layer: Optional[float] = None
+    frac_of_floor: Optional[float] = None
+    speedup_vs_bf16: Optional[float] = None
+    err: Optional[float] = None
+    kv_err: Optional[float] = None
+    replay_err: Optional[float] = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.preset, self.phase, self.batch, self.tokens, self.context, self.variant, self.mode)
+
+
+def _finite(x: Optional[float]) -> Optional[float]:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def classify_step(meas: StepMeasurement, max_error: float) -> tuple[str, str]:
+    """Status and note: ``n/a`` / ``error`` when it did not run; ``FAIL`` for a non-finite output
+    or an error (any of err, kv_err, replay_err) that is not finite or above ``max_error``; the
+    quantized variants must have ``err`` and ``kv_err`` measured."""
+    if meas.timing is None:
+        return (UNAVAILABLE if meas.unavailable else ERROR), (meas.error or "did not run")
+    problems = [] if meas.output_finite else ["output has NaN/inf"]
+    needed = ("err", "kv_err") if meas.variant != BF16.name else ()
+    for label in ("err", "kv_err", "replay_err"):
+        value = getattr(meas, label)
+        if value is None:
+            if label in needed:
+                problems.append(f"{label} not measured")
+        elif not math.isfinite(value):
+            problems.append(f"{label} is {value}")
+        elif value > max_error:
+            problems.append(f"{label} {value:.2e} > {max_error:.0e}")
+    return (FAIL, "; ".join(problems)) if problems else (OK, "")
+
+
+def analyze_model(measurements: Iterable[StepMeasurement], read_bw_gbps: Optional[float],
+                  max_error: float = DEFAULT_MODEL_MAX_ERROR, group_size: int = 128,
+                  presets: Mapping[str, ModelPreset] = PRESETS) -> list[ModelPoint]:
+    """Every reported number from the raw measurements (same order). Speedups are given for ok
+    points over the ok bf16 point of the same preset, step and mode; the weight bytes are the
+    measured ones, else the formula's (:func:`.variants.layer_weight_bytes`)."""
+    from .variants import layer_weight_bytes, parse_variant
+
+    meas = list(measurements)
+    status = {id(m): classify_step(m, max_error) for m in meas}
+    base: dict[tuple, float] = {}
+    for m in meas:
+        if m.variant == BF16.name and status[id(m)][0] == OK and m.timing is not None:
+            base[(m.preset, m.phase, m.batch, m.tokens, m.context, m.mode)] = m.timing.median_us
+    out = []
+    for m in meas:
+        st, note = status[id(m)]
+        preset = presets[m.preset]
+        wbytes = m.weight_bytes
+        if wbytes is None:
+            wbytes = layer_weight_bytes(preset, parse_variant(m.variant), group_size)
+        traffic = layer_traffic(preset, m.shape, wbytes)
+        row: dict[str, Any] = dict(
+            preset=m.preset, phase=m.phase, batch=m.batch, tokens=m.tokens, context=m.context, layers=m.layers,
+            variant=m.variant, mode=m.mode, status=st, note=note, weight_bytes=traffic.weights,
+            kv_read_bytes=traffic.kv_read, kv_write_bytes=traffic.kv_write, act_bytes=traffic.activations,
+            bytes_per_layer=traffic.total, err=_finite(m.err), kv_err=_finite(m.kv_err),
+            replay_err=_finite(m.replay_err))
+        if read_bw_gbps:
+            row["floor_us_per_layer"] = floor_us(traffic.total, read_bw_gbps)
+        if m.timing is not None and m.timing.median_us > 0:
+            t = m.timing.median_us
+            row.update(time_us=t, us_per_layer=t / m.layers, min_us=m.timing.min_us, p90_us=m.timing.p90_us,
+                       iters=m.timing.iters)
+            if read_bw_gbps:
+                row["frac_of_floor"] = row["floor_us_per_layer"] / row["us_per_layer"]
+            ref = base.get((m.preset, m.phase, m.batch, m.tokens, m.context, m.mode))
+            if st == OK and ref is not None:
+                row["speedup_vs_bf16"] = ref / t
+        out.append(ModelPoint(**row))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The report: JSON, merge, table
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelReport:
+    """A whole ``--model`` run: where, how, the presets' shapes and every point."""
+
+    machine: MachineInfo
+    config: dict
+    presets: dict
+    points: list
+
+
+def model_report_to_dict(report: ModelReport) -> dict:
+    """The JSON document of a ``--model`` report (standard JSON only: no NaN)."""
+    return {"schema": MODEL_SCHEMA, "machine": dataclasses.asdict(report.machine), "config": dict(report.config),
+            "presets": {k: dict(v) for k, v in report.presets.items()},
+            "points": [dataclasses.asdict(p) for p in report.points]}
+
+
+def model_report_from_dict(data: Mapping[str, Any]) -> ModelReport:
+    """Inverse of :func:`model_report_to_dict` (ValueError for another document)."""
+    if data.get("schema") != MODEL_SCHEMA:
+        raise ValueError(f"not a {MODEL_SCHEMA} document (schema {data.get('schema')!r})")
+    return ModelReport(machine=MachineInfo(**data["machine"]), config=dict(data["config"]),
+                       presets={k: dict(v) for k, v in data["presets"].items()},
+                       points=[ModelPoint(**p) for p in data["points"]])
+
+
+def write_model_json(path: Path, report: ModelReport) -> Path:
+    """Write the report as JSON, atomically (creating the folder); returns the path."""
+    return write_json_doc(path, model_report_to_dict(report))
+
+
+def split_by_preset(report: ModelReport) -> dict[str, ModelReport]:
+    """One report per preset (``--save`` writes ``model-<preset>.json``)."""
+    names = list(dict.fromkeys(p.preset for p in report.points))
+    return {name: ModelReport(report.machine, {**report.config, "presets": [name]},
+                              {name: report.presets[name]} if name in report.presets else {},
+                              [p for p in report.points if p.preset == name])
+            for name in names}
+
+
+def merge_model_reports(reports: Sequence[ModelReport]) -> ModelReport:
+    """One report from ``--model`` runs on the same GPU (e.g. one preset per process): the
+    points of all, each as its run measured it; ``config["runs"]`` lists each run's timestamp,
+    read bandwidth and presets.
+
+    Raises
+    ------
+    ValueError
+        No reports, different GPUs, or a point measured twice.
+    """
+    if not reports:
+        raise ValueError("nothing to merge")
+    first = reports[0]
+    seen: set = set()
+    points: list = []
+    presets: dict = {}
+    for r in reports:
+        if r.machine.gpu_name != first.machine.gpu_name:
+            raise ValueError(f"runs on different GPUs: {first.machine.gpu_name!r} and {r.machine.gpu_name!r}")
+        for p in r.points:
+            if p.key in seen:
+                raise ValueError(f"{p.variant} {p.mode} {p.preset} {p.phase} b{p.batch} is in more than one run")
+            seen.add(p.key)
+            points.append(p)
+        presets.update(r.presets)
+    config = {**first.config, "presets": list(presets),
+              "runs": [{"timestamp": r.machine.timestamp, "read_bw_gbps": r.machine.read_bw_gbps,
+                        "presets": list(r.presets)} for r in reports]}
+    return ModelReport(first.machine, config, presets, points)
+
+
+MODEL_TABLE_HEADER = ("step", "variant", "mode", "us/layer", "floor us", "%floor", "x bf16", "MB/layer",
+                      "err", "kv err", "iters", "status")
+
+
+def format_model_table(points: Sequence[ModelPoint], machine: Optional[MachineInfo] = None,
+                       config: Optional[Mapping[str, Any]] = None,
+                       presets: Mapping[str, ModelPreset] = PRESETS) -> str:
+    """The report as aligned text: one block per preset, rows by step, variant, then mode; the
+    reasons for any status but ok listed under each block."""
+    lines: list[str] = []
+    if machine is not None:
+        lines += [gpu_line(machine), machine_line(machine)]
+    if config:
+        quick = "  QUICK RUN (fewer iterations: not a measurement)" if config.get("quick") else ""
+        lines.append(f"bf16 activations, group size {config.get('group_size')}, median of up to "
+                     f"{config.get('iters')} runs (L2 flushed before each); floor = bytes / read bandwidth{quick}")
+    by_preset: dict[str, list[ModelPoint]] = {}
+    for p in points:
+        by_preset.setdefault(p.preset, []).append(p)
+    for name, rows_in in by_preset.items():
+        preset = presets.get(name)
+        lines.append("")
+        if preset is not None:
+            lines.append(f"{name}: hidden {preset.hidden}, intermediate {preset.intermediate}, heads "
+                         f"{preset.heads}/{preset.kv_heads} x {preset.head_dim}{', qkv bias' if preset.qkv_bias else ''}; "
+                         f"{rows_in[0].layers} of its {preset.model_layers} layers; context {rows_in[0].context} "
+                         f"(decode)")
+        else:
+            lines.append(name)
+        variants = list(dict.fromkeys(p.variant for p in rows_in))
+        steps = list(dict.fromkeys((p.phase, p.batch, p.tokens) for p in rows_in))
+        rows = [list(MODEL_TABLE_HEADER)]
+        notes: dict[str, str] = {}
+        for p in sorted(rows_in, key=lambda p: (steps.index((p.phase, p.batch, p.tokens)),
+                                                variants.index(p.variant), MODES.index(p.mode) if p.mode in MODES else 9)):
+            label = f"decode b{p.batch}" if p.phase == DECODE else f"prefill {p.tokens}"
+            rows.append([label, p.variant, p.mode, fmt(p.us_per_layer, ".1f"), fmt(p.floor_us_per_layer, ".1f"),
+                         fmt(None if p.frac_of_floor is None else 100 * p.frac_of_floor, ".0f", "%"),
+                         fmt(p.speedup_vs_bf16, ".2f", "x"),
+                         fmt(None if p.bytes_per_layer is None else p.bytes_per_layer / 1e6, ".1f"),
+                         fmt(p.err, ".1e"), fmt(p.kv_err, ".1e"), fmt(p.iters, "d"), p.status])
+            if p.status != OK and p.note:
+                key = p.variant if p.status == UNAVAILABLE else f"{p.variant} {p.mode} {label}"
+                notes.setdefault(key, f"{p.status}: {p.note}")
+        lines += align(rows, [False, False, False, True, True, True, True, True, True, True, True, False])
+        lines += [f"  {k}: {v}" for k, v in notes.items()]
+    return "\n".join(lines)
+
+
+def failed(points: Iterable[ModelPoint]) -> list[ModelPoint]:
+    """The points that FAILed (wrong or non-finite results)."""
+    return [p for p in points if p.status == FAIL]
+
+
+__all__ = ["MODEL_SCHEMA", "DEFAULT_LAYERS", "DEFAULT_BATCHES", "DEFAULT_CONTEXT", "DEFAULT_PREFILL", "MODEL_ITERS",
+           "MODEL_WARMUP", "DEFAULT_POINT_BUDGET_S", "DEFAULT_MODEL_MAX_ERROR", "MODES", "DECODE", "PREFILL",
+           "StepShape", "step_shapes", "ModelConfig", "LayerTraffic", "layer_traffic", "floor_us", "StepMeasurement",
+           "ModelPoint", "classify_step", "analyze_model", "ModelReport", "model_report_to_dict",
+           "model_report_from_dict", "write_model_json", "split_by_preset", "merge_model_reports",
+           "MODEL_TABLE_HEADER", "format_model_table", "failed"]

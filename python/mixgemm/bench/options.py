@@ -1,0 +1,322 @@
+"""The options of ``mixgemm bench`` and their validation into a run's config (no GPU needed:
+a bad option is reported before anything else)."""
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Optional, Sequence
+
+from ..errors import BenchError
+from .block import BLOCK_HIDDEN, BLOCK_INTERMEDIATE
+from .decoder import PRESETS
+from .grid import (DEFAULT_CHECK_ROWS, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ERROR, DEFAULT_MS, DEFAULT_PEER_MAX_ERROR,
+                   DEFAULT_SEED, DEFAULT_SHAPES, DEFAULT_WARMUP, MIN_ITERS, QUICK_ITERS, QUICK_WARMUP, BenchConfig)
+from .model import (DEFAULT_BATCHES, DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_MODEL_MAX_ERROR, DEFAULT_POINT_BUDGET_S,
+                    DEFAULT_PREFILL, MODEL_ITERS, MODEL_WARMUP, MODES, ModelConfig)
+from .peers import BASELINE, impl_names, select_impl_names
+from .variants import DEFAULT_VARIANTS, parse_variants
+
+# ------------------------------------------------------------------------------------------
+# Argument parsing helpers (pure)
+# ------------------------------------------------------------------------------------------
+_SHAPE_RE = re.compile(r"^\s*(\d+)\s*[xX*]\s*(\d+)\s*$")
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """Parse ``"4096x4096,28672x8192"`` (NxK, comma separated) into ``((4096, 4096), ...)``.
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        An entry is not ``NxK`` with positive integers, or the list is empty.
+    """
+    entries = [e for e in text.split(",") if e.strip()]
+    if not entries:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of NxK shapes, "
+                                         "e.g. 4096x4096,28672x8192; got an empty list")
+    shapes = []
+    for entry in entries:
+        m = _SHAPE_RE.match(entry)
+        if not m or int(m[1]) <= 0 or int(m[2]) <= 0:
+            raise argparse.ArgumentTypeError(
+                f"bad shape {entry.strip()!r}: expected NxK (out_features x in_features) with "
+                f"positive integers, e.g. 4096x4096,28672x8192")
+        shapes.append((int(m[1]), int(m[2])))
+    return tuple(shapes)
+
+
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """Parse ``"1,16,128"`` into ``(1, 16, 128)`` (positive integers).
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        An entry is not a positive integer, or the list is empty.
+    """
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    if not entries:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of positive integers, "
+                                         "e.g. 1,16,128; got an empty list")
+    out = []
+    for entry in entries:
+        try:
+            value = int(entry)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad value {entry!r}: expected a positive integer") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"bad value {entry!r}: expected a positive integer")
+        out.append(value)
+    return tuple(out)
+
+
+def parse_name_list(text: str) -> tuple[str, ...]:
+    """Parse ``"cublas,mixgemm-u4"`` into ``("cublas", "mixgemm-u4")``."""
+    names = tuple(e.strip() for e in text.split(",") if e.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of names, e.g. mixgemm-u4,gemlite")
+    return names
+
+
+def parse_presets(text: str) -> tuple[str, ...]:
+    """``"llama3-8b,qwen2.5-7b"`` or ``"all"`` into preset names (known ones, no repeats).
+
+    Raises
+    ------
+    argparse.ArgumentTypeError
+        An unknown name, or an empty list.
+    """
+    names = [e.strip().lower() for e in text.split(",") if e.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected preset names or all; known: {', '.join(PRESETS)}")
+    if "all" in names:
+        return tuple(PRESETS)
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown model preset {', '.join(map(repr, unknown))}; known: "
+                                         f"{', '.join(PRESETS)} (or all)")
+    return tuple(dict.fromkeys(names))
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad value {text!r}: expected an integer >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"bad value {text!r}: expected an integer >= 0")
+    return value
+
+
+# ------------------------------------------------------------------------------------------
+# Options
+# ------------------------------------------------------------------------------------------
+#: Options that only --model and --host take (None unless given).
+_MODEL_OPTIONS = ("layers", "batch", "context", "prefill", "variants", "modes", "point_budget", "model_max_error")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``mixgemm bench`` options to ``parser`` (the caller sets ``func=run_cli``)."""
+    shapes = ",".join(f"{n}x{k}" for n, k in DEFAULT_SHAPES)
+    grid = parser.add_argument_group("the grid (default mode)")
+    grid.add_argument("--shapes", type=parse_shapes, default=DEFAULT_SHAPES, metavar="NxK,...",
+                      help=f"weight shapes N x K (out x in features), comma separated "
+                           f"(default: LLaMA-3 8B/70B layers {shapes})")
+    grid.add_argument("--m", type=parse_int_list, default=DEFAULT_MS, metavar="M,...", dest="m",
+                      help=f"token counts (default {','.join(map(str, DEFAULT_MS))}; --block: 1)")
+    grid.add_argument("--impls", type=parse_name_list, default=None, metavar="NAME,...",
+                      help=f"implementations to run: names or prefixes, comma separated "
+                           f"(default all: {', '.join(impl_names())}); {BASELINE} always runs")
+    grid.add_argument("--all-configs", action="store_true",
+                      help="also time every mixgemm tile config (mixgemm-<wt>@<label>), to tune the heuristic")
+    grid.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
+                      help="activation dtype (default bf16; torch_int4 needs bf16; --model and --host: bf16)")
+    grid.add_argument("--max-error", type=float, default=DEFAULT_MAX_ERROR,
+                      help=f"relative error vs the implementation's own weight above which a "
+                           f"mixgemm or cuBLAS point FAILs (default {DEFAULT_MAX_ERROR:g})")
+    grid.add_argument("--peer-max-error", type=float, default=DEFAULT_PEER_MAX_ERROR,
+                      help=f"the same for torch_int4 and gemlite (default "
+                           f"{DEFAULT_PEER_MAX_ERROR:g}: gemlite's GEMV accumulates in bf16)")
+    grid.add_argument("--check-rows", type=int, default=DEFAULT_CHECK_ROWS,
+                      help=f"output rows compared with the float64 reference (all when M is "
+                           f"at most this; default {DEFAULT_CHECK_ROWS})")
+
+    common = parser.add_argument_group("every mode")
+    common.add_argument("--group-size", type=int, choices=(32, 64, 128, 256), default=DEFAULT_GROUP_SIZE,
+                        help="quantization group size (default 128)")
+    common.add_argument("--iters", type=int, default=None,
+                        help=f"timed runs per point, the median is reported (default and minimum unless "
+                             f"--quick: {MIN_ITERS} for the grid and --block, {MODEL_ITERS} for --model and --host)")
+    common.add_argument("--warmup", type=int, default=None,
+                        help=f"untimed runs before timing (default {DEFAULT_WARMUP}; --model {MODEL_WARMUP})")
+    common.add_argument("--quick", action="store_true",
+                        help=f"smoke run: {QUICK_ITERS} iterations by default and no minimum "
+                             f"(the numbers are not measurements)")
+    common.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random seed (default 0)")
+    common.add_argument("--json", metavar="PATH", default=None, help="write the results as JSON")
+    common.add_argument("--plot", metavar="PATH", default=None,
+                        help="write the plot as PNG (needs matplotlib; not for --block / --host)")
+    common.add_argument("--save", action="store_true",
+                        help="write the results to <results-dir>/<gpu-name-slug>/: bench.json and bench.png "
+                             "(grid), model-<preset>.json and .png (--model), host.json (--host)")
+    common.add_argument("--results-dir", metavar="DIR", default=None,
+                        help="root of --save's folders (default benchmarks/results)")
+    common.add_argument("--gpu-name", metavar="NAME", default=None,
+                        help="GPU name for the report and the results folder (default: the device's name)")
+    common.add_argument("--list-kernels", action="store_true",
+                        help="no GPU: print the mixgemm kernels the run would launch (for `mixgemm generate "
+                             "--build --kernels`) and exit")
+
+    modes = parser.add_argument_group("modes (at most one)").add_mutually_exclusive_group()
+    modes.add_argument("--block", action="store_true",
+                       help=f"a LLaMA-style MLP block (hidden {BLOCK_HIDDEN}, intermediate {BLOCK_INTERMEDIATE}, "
+                            "int4 asymmetric) at batch 1 (or --m), bf16 vs mixgemm, both under CUDA graphs")
+    modes.add_argument("--model", type=parse_presets, default=None, metavar="NAME,...",
+                       help=f"one decode step (and a prefill) of a decoder layer stack with a model's shapes: "
+                            f"{', '.join(PRESETS)}, or all; bf16 vs mixgemm and torch's int4, graph and eager")
+    modes.add_argument("--host", action="store_true",
+                       help="host microseconds per call of mixgemm.gemm / QuantLinear beside F.linear and torch's "
+                            "int4 (4096x4096, M = 1, 16, 256), and the eager llama3-8b decode step")
+    modes.add_argument("--merge", metavar="JSON", nargs="+", default=None,
+                       help="no GPU run: merge the JSON reports of runs that split a grid (same GPU, dtype and "
+                            "group size), or --model reports, into one; then write --json / --plot / --save")
+
+    model = parser.add_argument_group("--model and --host")
+    model.add_argument("--layers", type=int, default=None,
+                       help=f"decoder layers in the stack (default {DEFAULT_LAYERS})")
+    model.add_argument("--batch", type=parse_int_list, default=None, metavar="B,...",
+                       help=f"decode batch sizes (default {','.join(map(str, DEFAULT_BATCHES))}; --host: 1)")
+    model.add_argument("--context", type=_non_negative_int, default=None,
+                       help=f"tokens already in each sequence's KV cache at the decode step (default {DEFAULT_CONTEXT})")
+    model.add_argument("--prefill", type=_non_negative_int, default=None, metavar="TOKENS",
+                       help=f"tokens of the prefill at batch 1 (default {DEFAULT_PREFILL}; 0: no prefill)")
+    model.add_argument("--variants", type=parse_name_list, default=None, metavar="NAME,...",
+                       help=f"variants (default {','.join(DEFAULT_VARIANTS)}; int4/int2/int8 = mixgemm u4/u2/s8, "
+                            f"or mixgemm-<type>); bf16 always runs")
+    model.add_argument("--modes", type=parse_name_list, default=None, metavar="MODE,...",
+                       help="graph, eager or both (default both)")
+    model.add_argument("--point-budget", type=float, default=None, metavar="SECONDS",
+                       help=f"a point whose runs would take longer gets fewer (at least 10; default "
+                            f"{DEFAULT_POINT_BUDGET_S:g} s: the 70B prefill through torch's int4 kernel)")
+    model.add_argument("--model-max-error", type=float, default=None,
+                       help=f"the step's error bar (output, KV written, graph replay) vs bf16 on the same "
+                            f"dequantized weights (default {DEFAULT_MODEL_MAX_ERROR:g})")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A standalone parser (``python -m mixgemm.bench``)."""
+    parser = argparse.ArgumentParser(
+        prog="mixgemm bench",
+        description="Time mixgemm's GEMMs against cuBLAS, torch's int4 kernel and gemlite on "
+                    "LLaMA-3 layer shapes, a decoder layer stack (--model), or the host's cost "
+                    "per call (--host). See benchmarks/README.md.")
+    return add_arguments(parser)
+
+
+def _iterations(args: argparse.Namespace, minimum: int, warmup_default: int) -> tuple[int, int, bool]:
+    quick = bool(args.quick)
+    iters = args.iters if args.iters is not None else (QUICK_ITERS if quick else minimum)
+    warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if quick else warmup_default)
+    if iters < 1:
+        raise BenchError(f"--iters must be at least 1, got {iters}")
+    if iters < minimum and not quick:
+        raise BenchError(f"--iters {iters} is below the minimum of {minimum} timed runs per "
+                         f"point; pass --quick for a smoke run with fewer")
+    if warmup < 0:
+        raise BenchError(f"--warmup must be >= 0, got {warmup}")
+    return iters, warmup, quick
+
+
+def _check_model_only(args: argparse.Namespace) -> None:
+    given = [name for name in _MODEL_OPTIONS if getattr(args, name, None) is not None]
+    if given and not (getattr(args, "model", None) or getattr(args, "host", False)):
+        raise BenchError(f"{', '.join('--' + g.replace('_', '-') for g in given)} only apply to --model and --host")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """Validate parsed options into the grid's (and --block's) :class:`BenchConfig`.
+
+    Raises
+    ------
+    BenchError
+        Too few iterations without ``--quick``, a negative warm-up, a bad ``--impls``,
+        ``--check-rows`` below 1, a non-positive ``--max-error`` / ``--peer-max-error``, or a
+        ``--model`` option without ``--model``.
+    """
+    _check_model_only(args)
+    iters, warmup, quick = _iterations(args, MIN_ITERS, DEFAULT_WARMUP)
+    if args.check_rows < 1:
+        raise BenchError(f"--check-rows must be at least 1, got {args.check_rows}")
+    if not args.max_error > 0:
+        raise BenchError(f"--max-error must be positive, got {args.max_error}")
+    if not args.peer_max_error > 0:
+        raise BenchError(f"--peer-max-error must be positive, got {args.peer_max_error}")
+    try:
+        names = select_impl_names(impl_names(args.all_configs), args.impls)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    return BenchConfig(
+        shapes=tuple(args.shapes), ms=tuple(args.m), impls=tuple(names), dtype=args.dtype,
+        group_size=args.group_size, iters=iters, warmup=warmup, quick=quick,
+        all_configs=bool(args.all_configs), max_error=float(args.max_error),
+        peer_max_error=float(args.peer_max_error),
+        check_rows=int(args.check_rows), seed=int(args.seed), json_path=args.json,
+        plot_path=args.plot, save=bool(args.save), results_root=args.results_dir,
+        gpu_name=args.gpu_name)
+
+
+def model_config_from_args(args: argparse.Namespace, presets: Optional[Sequence[str]] = None,
+                           default_batches: Sequence[int] = DEFAULT_BATCHES,
+                           default_prefill: int = DEFAULT_PREFILL,
+                           default_variants: Sequence[str] = DEFAULT_VARIANTS) -> ModelConfig:
+    """Validate parsed options into a :class:`.model.ModelConfig` (``--model``, or the step of
+    ``--host`` with its own defaults).
+
+    Raises
+    ------
+    BenchError
+        Too few iterations without ``--quick``, fewer than one layer, an unknown variant or
+        mode, a non-positive error bar or point budget, fp16 activations.
+    """
+    iters, warmup, quick = _iterations(args, MODEL_ITERS, MODEL_WARMUP)
+    layers = DEFAULT_LAYERS if args.layers is None else args.layers
+    if layers < 1:
+        raise BenchError(f"--layers must be at least 1, got {layers}")
+    if args.dtype != "bf16":
+        raise BenchError("--model and --host run bf16 activations (torch's int4 kernel takes nothing else)")
+    try:
+        variants = parse_variants(args.variants if args.variants is not None else default_variants)
+    except ValueError as e:
+        raise BenchError(f"--variants: {e}") from None
+    modes = tuple(m.lower() for m in (args.modes or MODES))
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise BenchError(f"--modes: unknown {', '.join(map(repr, bad))}; expected graph and/or eager")
+    max_error = DEFAULT_MODEL_MAX_ERROR if args.model_max_error is None else args.model_max_error
+    if not max_error > 0:
+        raise BenchError(f"--model-max-error must be positive, got {max_error}")
+    budget = DEFAULT_POINT_BUDGET_S if args.point_budget is None else args.point_budget
+    if not budget > 0:
+        raise BenchError(f"--point-budget must be positive, got {budget}")
+    return ModelConfig(
+        presets=tuple(presets if presets is not None else args.model), layers=layers,
+        batches=tuple(args.batch) if args.batch is not None else tuple(default_batches),
+        context=DEFAULT_CONTEXT if args.context is None else args.context,
+        prefill=default_prefill if args.prefill is None else args.prefill,
+        variants=variants, modes=tuple(dict.fromkeys(modes)), group_size=args.group_size, iters=iters,
+        warmup=warmup, quick=quick, max_error=float(max_error), point_budget_s=float(budget), seed=int(args.seed),
+        json_path=args.json, plot_path=args.plot, save=bool(args.save), results_root=args.results_dir,
+        gpu_name=args.gpu_name)
+
+
+def host_step_config(args: argparse.Namespace) -> ModelConfig:
+    """The decode step of ``--host``: llama3-8b, batch 1 (or ``--batch``), no prefill, bf16 and
+    mixgemm int4 (or ``--variants``), both modes."""
+    from .host import STEP_PRESET, STEP_VARIANTS
+
+    return model_config_from_args(args, presets=(STEP_PRESET,), default_batches=(1,), default_prefill=0,
+                                  default_variants=[v.name for v in STEP_VARIANTS])
+
+
+__all__ = ["parse_shapes", "parse_int_list", "parse_name_list", "parse_presets", "add_arguments", "build_parser",
+           "config_from_args", "model_config_from_args", "host_step_config"]

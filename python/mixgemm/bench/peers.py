@@ -1,0 +1,541 @@
+"""The implementations the grid times (``mixgemm bench``), each behind a small adapter
+(:class:`Impl`): cuBLAS (the baseline), PyTorch's int4 kernel, gemlite and mixgemm; and the
+conversions of mixgemm's quantized weight to the peers' conventions.
+
+The quantized implementations share one quantization per bit width (:class:`QuantCache`:
+mixgemm's round-to-nearest, :func:`mixgemm.quantize`): torch_int4, gemlite-u4 and mixgemm-u4
+multiply the same integer codes with the same scales, each converted to the implementation's
+own zero-point convention, so their errors against the float weight are comparable.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..codegen import TILE_CONFIGS
+from ..types import ActType, PackedWeight, QuantizedWeight, WeightType
+
+#: The baseline implementation: always run, the denominator of "speedup over cuBLAS".
+BASELINE = "cublas"
+#: Names of the peer implementations (the "best peer" is the fastest of these at a point).
+PEER_NAMES: tuple[str, ...] = ("torch_int4", "gemlite-u4", "gemlite-u2")
+#: Weight types benchmarked for mixgemm, in table order.
+MIXGEMM_TYPES: tuple[WeightType, ...] = (WeightType.S8, WeightType.U8, WeightType.S4,
+                                         WeightType.U4, WeightType.S2, WeightType.U2)
+#: torch_int4 packs this many 16-wide k-tiles together (gpt-fast's and torchao's choice).
+TORCH_INT4_INNER_K_TILES = 8
+#: Group sizes tinygemm supports.
+TORCH_INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class ImplUnavailable(Exception):
+    """An implementation cannot run this configuration (dtype, group size, shape); the
+    message says why and is reported in place of its numbers."""
+
+
+def mixgemm_available() -> tuple[bool, str]:
+    """Whether mixgemm's kernels can run here (an sm_90 GPU and an importable ``mixgemm.ops``);
+    ``(False, reason)`` if not."""
+    if not torch.cuda.is_available():
+        return False, "needs a CUDA GPU"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return False, f"mixgemm's kernels need an sm_90 GPU, this one is sm_{cap[0]}{cap[1]}"
+    try:
+        from .. import ops  # noqa: F401
+    except Exception as e:
+        return False, f"mixgemm.ops is not importable: {type(e).__name__}: {e}"
+    return True, ""
+
+
+def torch_int4_available() -> tuple[bool, str]:
+    """Whether PyTorch's tinygemm int4 kernel can run here; ``(False, reason)`` if not."""
+    for op in ("_convert_weight_to_int4pack", "_weight_int4pack_mm"):
+        if not hasattr(torch.ops.aten, op):
+            return False, f"this PyTorch ({torch.__version__}) has no aten.{op}"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+        return False, "tinygemm needs an sm_80+ GPU"
+    return True, ""
+
+
+def impl_names(all_configs: bool = False) -> list[str]:
+    """Names of every implementation the harness knows, in table order.
+
+    Parameters
+    ----------
+    all_configs : bool
+        Also list ``mixgemm-<wt>@<label>`` for every tile config.
+    """
+    names = [BASELINE, *PEER_NAMES] + [f"mixgemm-{wt.value}" for wt in MIXGEMM_TYPES]
+    if all_configs:
+        names += [f"mixgemm-{wt.value}@{tc.label}" for wt in MIXGEMM_TYPES for tc in TILE_CONFIGS]
+    return names
+
+
+def select_impl_names(candidates: Sequence[str], patterns: Optional[Sequence[str]]) -> list[str]:
+    """The candidates matching any pattern (an exact name or a name prefix), in candidate
+    order, always with the baseline (``cublas``) first.
+
+    Raises
+    ------
+    ValueError
+        A pattern matches no candidate.
+    """
+    if not patterns:
+        chosen = list(candidates)
+    else:
+        unmatched = [p for p in patterns if not any(c == p or c.startswith(p) for c in candidates)]
+        if unmatched:
+            hint = " (the @<config> variants need --all-configs)" if any("@" in p for p in unmatched) else ""
+            raise ValueError(f"--impls: {', '.join(repr(p) for p in unmatched)} match no "
+                             f"implementation{hint}; known: {', '.join(candidates)}")
+        chosen = [c for c in candidates if any(c == p or c.startswith(p) for p in patterns)]
+    if BASELINE in candidates and BASELINE not in chosen:
+        chosen.insert(0, BASELINE)
+    return chosen
+
+
+def is_peer(impl: str) -> bool:
+    """Whether ``impl`` is one of the peers (torch_int4, gemlite-*)."""
+    return impl in PEER_NAMES or impl.startswith("gemlite")
+
+
+def base_name(impl: str) -> str:
+    """``"mixgemm-u4@dec8"`` -> ``"mixgemm-u4"``."""
+    return impl.split("@", 1)[0]
+
+
+class QuantCache:
+    """The quantizations of the current float weight, shared by the implementations that use
+    the same bit width and convention (so that e.g. torch_int4, gemlite-u4 and mixgemm-u4
+    multiply the same codes). Switching to another weight drops everything."""
+
+    def __init__(self) -> None:
+        self._weight_id: Optional[tuple] = None
+        self._store: dict[tuple, Any] = {}
+
+    def _get(self, w: torch.Tensor, key: tuple, make: Callable[[], Any]) -> Any:
+        wid = (w.data_ptr(), tuple(w.shape), w.dtype, str(w.device))
+        if wid != self._weight_id:
+            self.clear()
+            self._weight_id = wid
+        if key not in self._store:
+            self._store[key] = make()
+        return self._store[key]
+
+    def quantized(self, w: torch.Tensor, bits: int, symmetric: bool, group_size: int,
+                  dtype: torch.dtype) -> QuantizedWeight:
+        """:func:`mixgemm.quantize` of ``w`` (cached)."""
+        from ..quantize import quantize
+
+        return self._get(w, ("q", bits, symmetric, group_size, dtype),
+                         lambda: quantize(w, bits, group_size, symmetric=symmetric, dtype=dtype))
+
+    def packed(self, w: torch.Tensor, bits: int, symmetric: bool, group_size: int,
+               dtype: torch.dtype) -> PackedWeight:
+        """:func:`mixgemm.prepack` of the quantized ``w`` (cached)."""
+        from ..layout import prepack
+
+        return self._get(w, ("p", bits, symmetric, group_size, dtype),
+                         lambda: prepack(self.quantized(w, bits, symmetric, group_size, dtype)))
+
+    def dequantized(self, w: torch.Tensor, bits: int, symmetric: bool, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """:func:`mixgemm.dequantize_reference` of the quantized ``w`` (cached)."""
+        from ..quantize import dequantize_reference
+
+        return self._get(w, ("d", bits, symmetric, group_size, dtype),
+                         lambda: dequantize_reference(self.quantized(w, bits, symmetric, group_size, dtype)))
+
+    def clear(self) -> None:
+        self._store.clear()
+        self._weight_id = None
+
+
+def _tensor_bytes(*tensors: Optional[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class Impl(abc.ABC):
+    """One implementation of ``y = x @ W^T``, behind a small adapter.
+
+    Attributes
+    ----------
+    name : str
+        Its name in tables, JSON and ``--impls``.
+    kind : str
+        ``"baseline"``, ``"peer"`` or ``"mixgemm"``.
+    dequantized : torch.Tensor or None
+        After :meth:`prepare`: the ``[N, K]`` weight (activation dtype) this implementation
+        multiplies by, reconstructed from its own quantization parameters: its results are
+        compared with ``x @ dequantized^T`` in float64.
+    weight_bytes : int or None
+        After :meth:`prepare`: bytes of the weight tensors it reads (codes, scales, zeros).
+    """
+
+    name: str = ""
+    kind: str = ""
+
+    def __init__(self) -> None:
+        self.dequantized: Optional[torch.Tensor] = None
+        self.weight_bytes: Optional[int] = None
+
+    def available(self) -> tuple[bool, str]:
+        """Whether this implementation can run in this environment; ``(False, reason)`` if not."""
+        return True, ""
+
+    def why_not_m(self, m: int) -> Optional[str]:
+        """Why this implementation does not take ``m`` tokens (None: it does)."""
+        del m
+        return None
+
+    @abc.abstractmethod
+    def prepare(self, w_float: torch.Tensor, x_dtype: torch.dtype) -> None:
+        """Quantize and pack ``w_float [N, K]`` (not timed); raise :class:`ImplUnavailable` for
+        a configuration this implementation does not support."""
+
+    @abc.abstractmethod
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """``y [M, N] = x [M, K] @ W^T``: the timed call."""
+
+    def release(self) -> None:
+        """Drop the prepared weight."""
+        self.dequantized = None
+        self.weight_bytes = None
+
+
+class CublasImpl(Impl):
+    """``F.linear(x, W)`` with the dense weight in the activation dtype (cuBLAS)."""
+
+    name = BASELINE
+    kind = "baseline"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._w: Optional[torch.Tensor] = None
+
+    def prepare(self, w_float: torch.Tensor, x_dtype: torch.dtype) -> None:
+        self._w = w_float.to(x_dtype).contiguous()
+        self.dequantized = self._w
+        self.weight_bytes = _tensor_bytes(self._w)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self._w)
+
+    def release(self) -> None:
+        super().release()
+        self._w = None
+
+
+def torch_int4_params(q: torch.Tensor, scales: torch.Tensor,
+                      zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Convert mixgemm's asymmetric 4-bit weight to tinygemm's inputs.
+
+    mixgemm: ``w = (q - z) * s`` with ``q, z`` in ``[0, 15]``. tinygemm: ``w = (q - 8) * s + zf``,
+    so ``zf = (8 - z) * s`` (rounded once to the scales' dtype).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        uint8 codes ``[N, K]`` in ``[0, 15]``.
+    scales, zeros : torch.Tensor
+        ``[N, K/g]``, bf16 (zeros integer-valued).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        ``packed`` uint8 ``[N, K/2]`` (element ``2i`` in the high nibble of byte ``i``, the
+        input ``aten._convert_weight_to_int4pack`` takes since PyTorch 2.5) and
+        ``scale_and_zeros`` ``[K/g, N, 2]`` (``[..., 0]`` scale, ``[..., 1]`` zero).
+    """
+    if q.shape[1] % 2:
+        raise ValueError(f"K={q.shape[1]} must be even for int4 packing")
+    qi = q.to(torch.uint8)
+    packed = ((qi[:, ::2] << 4) | qi[:, 1::2]).contiguous()
+    zero_f = ((8.0 - zeros.double()) * scales.double()).to(scales.dtype)
+    scale_and_zeros = torch.stack([scales, zero_f], dim=-1).transpose(0, 1).contiguous()
+    return packed, scale_and_zeros
+
+
+def torch_int4_dequant(q: torch.Tensor, scale_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """tinygemm's weight: ``fl((q - 8) * scale + zero)`` (one rounding, as its bf16 ``fma``),
+    from the codes ``q [N, K]`` and ``scale_and_zeros [K/g, N, 2]``; ``[N, K]`` in the scales'
+    dtype."""
+    s = scale_and_zeros[..., 0].t().double().repeat_interleave(group_size, dim=1)
+    z = scale_and_zeros[..., 1].t().double().repeat_interleave(group_size, dim=1)
+    return ((q.double() - 8.0) * s + z).to(scale_and_zeros.dtype)
+
+
+def torch_int4_pack(qw: QuantizedWeight, inner_k_tiles: int = TORCH_INT4_INNER_K_TILES
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """tinygemm's weight from mixgemm's asymmetric 4-bit ``qw``: ``(packed, scale_and_zeros)``
+    for ``aten._weight_int4pack_mm`` (CUDA tensors), or for ``aten._weight_int4pack_mm_for_cpu``
+    (CPU tensors). ``packed`` holds ``N*K/2`` bytes in either layout.
+
+    Raises
+    ------
+    ImplUnavailable
+        ``qw`` is not asymmetric 4-bit, or PyTorch cannot pack it (its message says why).
+    """
+    if qw.bits != 4 or qw.symmetric:
+        raise ImplUnavailable(f"tinygemm takes asymmetric 4-bit weights, not {qw.weight_type.value}")
+    packed_u8, sz = torch_int4_params(qw.qweight, qw.scales, qw.zeros)
+    if qw.qweight.device.type == "cpu":
+        op = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+        if op is None:
+            raise ImplUnavailable(f"this PyTorch ({torch.__version__}) has no CPU int4 kernel")
+        return op(qw.qweight.to(torch.int32).contiguous(), inner_k_tiles), sz
+    try:  # PyTorch >= 2.5: uint8 [N, K/2]
+        packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8, inner_k_tiles)
+    except RuntimeError as first:
+        try:  # older PyTorch: int32 [N, K] codes
+            packed = torch.ops.aten._convert_weight_to_int4pack(
+                qw.qweight.to(torch.int32).contiguous(), inner_k_tiles)
+        except RuntimeError:
+            raise ImplUnavailable(f"aten._convert_weight_to_int4pack failed: {first}") from None
+    return packed, sz
+
+
+def torch_int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int,
+                  scale_and_zeros: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ W^T`` through tinygemm (``aten._weight_int4pack_mm``, or its CPU twin for
+    CPU tensors), for a weight from :func:`torch_int4_pack`."""
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scale_and_zeros)
+
+
+class TorchInt4Impl(Impl):
+    """PyTorch's tinygemm int4 kernel: asymmetric 4-bit, bf16 activations only."""
+
+    name = "torch_int4"
+    kind = "peer"
+
+    def __init__(self, group_size: int, cache: QuantCache,
+                 inner_k_tiles: int = TORCH_INT4_INNER_K_TILES) -> None:
+        super().__init__()
+        self.group_size = group_size
+        self.inner_k_tiles = inner_k_tiles
+        self._cache = cache
+        self._packed: Optional[torch.Tensor] = None
+        self._sz: Optional[torch.Tensor] = None
+
+    def available(self) -> tuple[bool, str]:
+        return torch_int4_available()
+
+    def prepare(self, w_float: torch.Tensor, x_dtype: torch.dtype) -> None:
+        if x_dtype != torch.bfloat16:
+            raise ImplUnavailable("_weight_int4pack_mm takes bf16 activations only")
+        if self.group_size not in TORCH_INT4_GROUP_SIZES:
+            raise ImplUnavailable(f"tinygemm supports group sizes {TORCH_INT4_GROUP_SIZES}, "
+                                  f"not {self.group_size}")
+        n, k = w_float.shape
+        if n % 8 or k % (self.inner_k_tiles * 16):
+            raise ImplUnavailable(f"tinygemm needs N % 8 == 0 and K % {self.inner_k_tiles * 16} == 0")
+        qw = self._cache.quantized(w_float, 4, False, self.group_size, x_dtype)
+        packed, sz = torch_int4_pack(qw, self.inner_k_tiles)
+        self._packed, self._sz = packed, sz
+        self.dequantized = torch_int4_dequant(qw.qweight, sz, self.group_size)
+        self.weight_bytes = _tensor_bytes(packed, sz)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch_int4_mm(x, self._packed, self.group_size, self._sz)
+
+    def release(self) -> None:
+        super().release()
+        self._packed = self._sz = None
+
+
+def gemlite_dequant(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    mode: int, dtype: torch.dtype) -> torch.Tensor:
+    """gemlite's weight from its own parameters, as its Triton ``dequantize`` computes it.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Codes ``[N, K]`` (unsigned).
+    scales, zeros : torch.Tensor
+        ``[N, K/g]``: gemlite's stored ``scales`` and ``zeros``, transposed back.
+    group_size : int
+        K elements per group.
+    mode : int
+        gemlite's ``W_group_mode``: 4 (``fma(q, s, zeros)``, its default for asymmetric groups,
+        with ``zeros = -z*s``) or 3 (``(q - zeros) * s``).
+    dtype : torch.dtype
+        The activation dtype (one final rounding).
+    """
+    s = scales.double().repeat_interleave(group_size, dim=1)
+    z = zeros.double().repeat_interleave(group_size, dim=1)
+    if mode == 4:
+        return (q.double() * s + z).to(dtype)
+    if mode == 3:
+        return (q.double() - z).to(dtype).double().mul(s).to(dtype)
+    raise ValueError(f"unsupported gemlite W_group_mode {mode} (expected 3 or 4)")
+
+
+class GemliteImpl(Impl):
+    """gemlite's Triton kernels (``GemLiteLinearTriton`` via ``gemlite.helper.A16Wn``),
+    asymmetric ``bits``-bit with group-wise scales and zeros."""
+
+    kind = "peer"
+
+    def __init__(self, bits: int, group_size: int, cache: QuantCache) -> None:
+        super().__init__()
+        self.bits = bits
+        self.group_size = group_size
+        self.name = f"gemlite-u{bits}"
+        self._cache = cache
+        self._layer: Any = None
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            import gemlite  # noqa: F401
+            from gemlite.helper import A16Wn  # noqa: F401
+        except Exception as e:  # ImportError, or its import-time GPU probing failing
+            return False, f"gemlite is not importable: {type(e).__name__}: {e}"
+        return True, ""
+
+    def prepare(self, w_float: torch.Tensor, x_dtype: torch.dtype) -> None:
+        from gemlite.helper import A16Wn
+
+        qw = self._cache.quantized(w_float, self.bits, False, self.group_size, x_dtype)
+        try:
+            layer = A16Wn(device=str(w_float.device), dtype=x_dtype).from_weights(
+                qw.qweight, qw.scales, qw.zeros, W_nbits=self.bits, group_size=self.group_size)
+        except (AssertionError, NotImplementedError, ValueError) as e:
+            raise ImplUnavailable(f"gemlite cannot pack this weight: {type(e).__name__}: {e}") from None
+        mode = int(layer.W_group_mode)
+        self.dequantized = gemlite_dequant(qw.qweight, layer.scales.t(), layer.zeros.t(),
+                                           self.group_size, mode, x_dtype)
+        self.weight_bytes = _tensor_bytes(layer.W_q, layer.scales, layer.zeros)
+        self._layer = layer
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self._layer(x)
+
+    def release(self) -> None:
+        super().release()
+        self._layer = None
+
+
+class MixgemmImpl(Impl):
+    """:func:`mixgemm.ops.gemm` (heuristic kernel), or one tile config through
+    :func:`mixgemm.ops.gemm_with_spec` when ``tile_label`` is given."""
+
+    kind = "mixgemm"
+
+    def __init__(self, weight_type: WeightType, group_size: int, cache: QuantCache,
+                 tile_label: Optional[str] = None) -> None:
+        super().__init__()
+        self.weight_type = weight_type
+        self.group_size = group_size
+        self.tile_label = tile_label
+        self.name = f"mixgemm-{weight_type.value}" + (f"@{tile_label}" if tile_label else "")
+        self._cache = cache
+        self._packed: Optional[PackedWeight] = None
+        self._spec: Any = None
+
+    def available(self) -> tuple[bool, str]:
+        return mixgemm_available()
+
+    def why_not_m(self, m: int) -> Optional[str]:
+        if self.tile_label is None:
+            return None
+        tc = next(tc for tc in TILE_CONFIGS if tc.label == self.tile_label)
+        if tc.max_tokens is not None and m > tc.max_tokens:
+            return f"the {tc.label} kernels take at most {tc.max_tokens} tokens"
+        return None
+
+    def kernel_specs(self, x_dtype: torch.dtype, ms: Optional[Sequence[int]] = None) -> list:
+        """The GEMM kernel specs this implementation may launch for ``ms`` tokens (all token
+        counts if None), to build them up front."""
+        from ..ops import tile_labels
+
+        act = ActType.from_torch(x_dtype)
+        if self.tile_label is None and ms is not None:
+            labels = set().union(*(tile_labels(m) for m in ms))   # the choice also depends on the layer's size
+        else:
+            labels = {tc.label for tc in TILE_CONFIGS}
+        return [tc.spec(act, self.weight_type) for tc in TILE_CONFIGS
+                if tc.label in labels and (self.tile_label is None or tc.label == self.tile_label)]
+
+    def prepare(self, w_float: torch.Tensor, x_dtype: torch.dtype) -> None:
+        bits, sym = self.weight_type.bits, self.weight_type.signed
+        try:
+            self._packed = self._cache.packed(w_float, bits, sym, self.group_size, x_dtype)
+        except ValueError as e:
+            raise ImplUnavailable(f"cannot quantize/prepack this weight: {e}") from None
+        self.dequantized = self._cache.dequantized(w_float, bits, sym, self.group_size, x_dtype)
+        self.weight_bytes = self._packed.nbytes
+        if self.tile_label is not None:
+            self._spec = self.kernel_specs(x_dtype)[0]
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        from .. import ops
+
+        if self._spec is None:
+            return ops.gemm(x, self._packed)
+        return ops.gemm_with_spec(x, self._packed, self._spec)
+
+    def release(self) -> None:
+        super().release()
+        self._packed = None
+        self._spec = None
+
+
+def make_impls(names: Sequence[str], group_size: int, cache: QuantCache) -> list[Impl]:
+    """The adapters for ``names`` (from :func:`impl_names`), in that order."""
+    out: list[Impl] = []
+    labels = {tc.label for tc in TILE_CONFIGS}
+    for name in names:
+        base, _, label = name.partition("@")
+        if name == BASELINE:
+            out.append(CublasImpl())
+        elif name == "torch_int4":
+            out.append(TorchInt4Impl(group_size, cache))
+        elif base in ("gemlite-u4", "gemlite-u2") and not label:
+            out.append(GemliteImpl(int(base[-1]), group_size, cache))
+        elif base.startswith("mixgemm-") and (not label or label in labels):
+            out.append(MixgemmImpl(WeightType(base[len("mixgemm-"):]), group_size, cache, label or None))
+        else:
+            raise ValueError(f"unknown implementation {name!r}")
+    return out
+
+
+def prebuild_kernels(specs: Sequence[Any], log: Callable[[str], None]) -> Optional[str]:
+    """Build the mixgemm kernels ``specs`` in parallel, before anything is timed (a no-op for
+    the cached ones). Returns None, or why the build failed (the failures are logged)."""
+    specs = list({s.name: s for s in specs}.values())
+    if not specs:
+        return None
+    try:
+        from .. import build
+    except Exception as e:  # pragma: no cover - depends on the environment
+        return f"mixgemm.build is not importable: {e}"
+    try:
+        build.build_many(specs, progress=True)
+        return None
+    except Exception as e:
+        log(f"mixgemm kernels failed to build: {type(e).__name__}: {str(e)[:2000]}")
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def kernel_is_cached(spec: Any) -> tuple[bool, str]:
+    """Whether ``spec`` is in the kernel cache; ``(False, reason)`` when it is not or the check
+    fails."""
+    try:
+        from .. import build
+        if build.is_cached(spec):
+            return True, ""
+        return False, f"kernel {spec.name} failed to build (see the log above)"
+    except Exception as e:
+        return False, f"cannot check kernel {spec.name}: {e}"
+
+
+__all__ = ["BASELINE", "PEER_NAMES", "MIXGEMM_TYPES", "TORCH_INT4_INNER_K_TILES", "TORCH_INT4_GROUP_SIZES",
+           "ImplUnavailable", "mixgemm_available", "torch_int4_available", "impl_names", "select_impl_names",
+           "is_peer", "base_name", "QuantCache", "Impl", "CublasImpl", "torch_int4_params", "torch_int4_dequant",
+           "torch_int4_pack", "torch_int4_mm", "TorchInt4Impl", "gemlite_dequant", "GemliteImpl", "MixgemmImpl", "make_impls",
+           "prebuild_kernels", "kernel_is_cached"]

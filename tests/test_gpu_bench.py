@@ -1,0 +1,59 @@
+"""``mixgemm bench --model`` and ``--host`` on the GPU: quick runs whose reports must have every
+point, measured, and no variant FAILing (a wrong step output, KV write or graph replay)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mixgemm import bench
+from mixgemm.bench import host as H
+from mixgemm.bench import model as M
+
+pytestmark = pytest.mark.gpu
+
+
+def test_model_smoke(requires_gpu, tmp_path):
+    out = tmp_path / "model.json"
+    rc = bench.main(["--model", "llama3-8b", "--layers", "2", "--batch", "1", "--iters", "5", "--quick",
+                     "--json", str(out)])
+    rep = M.model_report_from_dict(json.loads(out.read_text()))
+    assert rc == 0
+    assert rep.machine.read_bw_gbps and rep.machine.read_bw_gbps > 100
+    assert set(rep.presets) == {"llama3-8b"}
+    variants = ["bf16", "mixgemm-u4", "mixgemm-u2", "mixgemm-s8", "torch-int4"]
+    keys = {(p.variant, p.phase, p.mode) for p in rep.points}
+    assert keys == {(v, ph, mode) for v in variants for ph in ("decode", "prefill") for mode in ("graph", "eager")}
+    for p in rep.points:
+        assert p.status != bench.FAIL, (p.variant, p.phase, p.mode, p.note)
+        if p.variant == "torch-int4" and p.status == bench.UNAVAILABLE:
+            continue
+        assert p.status == bench.OK, (p.variant, p.phase, p.mode, p.note)
+        assert p.us_per_layer > 0 and p.layers == 2 and p.bytes_per_layer > p.weight_bytes > 0
+        assert 0 < p.frac_of_floor and p.speedup_vs_bf16 > 0
+        if p.variant != "bf16":
+            assert p.err is not None and p.err < M.DEFAULT_MODEL_MAX_ERROR
+            assert p.kv_err is not None and p.kv_err < M.DEFAULT_MODEL_MAX_ERROR
+        if p.mode == "graph":
+            assert p.replay_err is not None and p.replay_err < M.DEFAULT_MODEL_MAX_ERROR
+    # the measured weight bytes are the formula's
+    from mixgemm.bench.decoder import PRESETS
+    from mixgemm.bench.variants import layer_weight_bytes, parse_variant
+    for p in rep.points:
+        assert p.weight_bytes == layer_weight_bytes(PRESETS["llama3-8b"], parse_variant(p.variant), 128)
+
+
+def test_host_smoke(requires_gpu, tmp_path):
+    out = tmp_path / "host.json"
+    rc = bench.main(["--host", "--layers", "2", "--iters", "5", "--quick", "--json", str(out)])
+    rep = H.host_report_from_dict(json.loads(out.read_text()))
+    assert rc == 0
+    assert {(c.impl, c.m) for c in rep.calls} == {(i, m) for i in H.HOST_IMPLS for m in H.HOST_MS}
+    for c in rep.calls:
+        if c.impl == "torch-int4" and c.status == bench.UNAVAILABLE:
+            continue
+        assert c.status == bench.OK, (c.impl, c.m, c.note)
+        assert c.host_us > 0 and c.gpu_us > 0 and c.gpu_loop_us > 0 and c.bound in ("host", "gpu")
+    assert {(p.variant, p.mode) for p in rep.step} == {(v, m) for v in ("bf16", "mixgemm-u4")
+                                                        for m in ("graph", "eager")}
+    assert all(p.status == bench.OK and p.time_us > 0 for p in rep.step), [(p.variant, p.mode, p.note) for p in rep.step]
