@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixgemm.codegen import TILE_CONFIGS, Activation
+from mixgemm.types import ActType, WeightType
+
 from mixgemm import bench
 from mixgemm.bench import model as M
 from mixgemm.bench import variants as V
@@ -383,7 +386,9 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
                        "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
     # batch 1: every linear through the 8-token decode kernel, gate/up with the swiglu epilogue
-    assert names == ["mixgemm_decode_bf16_u4_m8_w8_b1024_s4_none", "mixgemm_decode_bf16_u4_m8_w8_b1024_s4_swiglu"]
+    dec8 = next(tc for tc in TILE_CONFIGS if tc.label == "dec8")
+    assert names == [dec8.spec(ActType.BF16, WeightType.U4).name,
+                     dec8.spec(ActType.BF16, WeightType.U4, Activation.SWIGLU).name]
     assert bench.main(["--model", "llama3-70b", "--batch", "256", "--prefill", "2048", "--variants", "int2",
                        "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
@@ -392,11 +397,12 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
     assert bench.main(["--host", "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
     assert "mixgemm_gemm_bf16_u4_t128x256x64_coop_streamk_biasact_s0" in names      # M = 256
-    assert "mixgemm_decode_bf16_u4_m16_w8_b1024_s4_none" in names                   # M = 16
-    assert "mixgemm_decode_bf16_u4_m8_w8_b1024_s4_swiglu" in names                  # the step at batch 1
+    dec16 = next(tc for tc in TILE_CONFIGS if tc.label == "dec16")
+    assert dec16.spec(ActType.BF16, WeightType.U4).name in names                    # M = 16
+    assert dec8.spec(ActType.BF16, WeightType.U4, Activation.SWIGLU).name in names   # the step at batch 1
     assert not any("_u2_" in n or "_s8_" in n for n in names)
     assert bench.main(["--m", "1", "--impls", "mixgemm-s8", "--list-kernels"]) == 0
-    assert capsys.readouterr().out.split() == ["mixgemm_decode_bf16_s8_m8_w8_b1024_s4_none"]
+    assert capsys.readouterr().out.split() == [dec8.spec(ActType.BF16, WeightType.S8).name]
 
 
 def test_add_arguments_on_a_subcommand_parser_takes_the_new_modes():

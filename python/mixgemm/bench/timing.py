@@ -114,11 +114,16 @@ class Clock(Protocol):
 class CudaEventClock:
     """CUDA events on the current stream, with an L2 flush before each run.
 
+    The flush rewrites a buffer (with a changing non-zero byte), then reads another buffer of
+    the same size, so that the timed run finds the L2 full of clean lines, as it would after the
+    previous layer's weight reads. (A write alone leaves the L2 full of dirty lines, whose
+    write-back the timed kernel then pays for: on an H100 that made a 4096x4096 cuBLAS GEMV 15%
+    slower, 22.3 against 18.8 us, benchmarks/NOTES.md section 9a.)
+
     Parameters
     ----------
     flush_bytes : int
-        Size of the buffer rewritten (with a changing non-zero byte) before each run; 0 for
-        no flush.
+        Size of each of the two flush buffers; 0 for no flush.
     device : torch.device
         The CUDA device.
     lead_cycles : int
@@ -133,6 +138,9 @@ class CudaEventClock:
                  idle_start: bool = False):
         self._buffer = (torch.empty(int(flush_bytes), dtype=torch.uint8, device=device)
                         if flush_bytes > 0 else None)
+        self._clean = (torch.ones(int(flush_bytes) // 4, dtype=torch.float32, device=device)
+                       if flush_bytes > 0 else None)
+        self._sink = torch.empty((), dtype=torch.float32, device=device) if flush_bytes > 0 else None
         self._value = 0
         self._idle_start = bool(idle_start)
         self._lead = 0 if idle_start or not hasattr(torch.cuda, "_sleep") else int(lead_cycles)
@@ -143,6 +151,7 @@ class CudaEventClock:
         if self._buffer is not None:
             self._value = self._value % 255 + 1
             self._buffer.fill_(self._value)
+            self._sink.copy_(self._clean.sum())     # evicts the dirty lines: clean ones stay
         if self._idle_start:
             torch.cuda.synchronize()
 
