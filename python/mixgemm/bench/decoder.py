@@ -106,11 +106,10 @@ PRESETS: dict[str, ModelPreset] = {p.name: p for p in (
 # The layer's pieces
 # ---------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LLaMA's RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps))``, the normalization in float32
-    (float64 for a float64 x), rounded to x's dtype before the weight multiplies it."""
-    h = x.to(torch.promote_types(x.dtype, torch.float32))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    """RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps))`` through ``F.rms_norm`` (one fused
+    kernel on recent PyTorch GPUs; it computes in float32 for a bf16 x and rounds once, where
+    LLaMA's code rounds the normalized x before the weight multiplies it: at most an ulp apart)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Rotary:
@@ -269,9 +268,10 @@ def decoder_layer(x: torch.Tensor, pos: int, preset: ModelPreset, proj: Projecti
     d = preset.head_dim
     h = rms_norm(x, state.attn_norm, preset.rms_eps)
     qkv = proj.qkv(h.reshape(b * t, hidden))
-    q, k, v = qkv.split((preset.q_size, preset.kv_size, preset.kv_size), dim=-1)
-    q = rotary(q.reshape(b, t, preset.heads, d), pos)
-    k = rotary(k.reshape(b, t, preset.kv_heads, d), pos)
+    # q and k turn together (one rotary pass over their heads), v as is
+    qk, v = qkv.split((preset.q_size + preset.kv_size, preset.kv_size), dim=-1)
+    qk = rotary(qk.reshape(b, t, preset.heads + preset.kv_heads, d), pos)
+    q, k = qk[:, :, :preset.heads], qk[:, :, preset.heads:]
     k_cache, v_cache = state.k_cache[:b], state.v_cache[:b]
     k_cache[:, :, pos:pos + t] = k.transpose(1, 2)
     v_cache[:, :, pos:pos + t] = v.reshape(b, t, preset.kv_heads, d).transpose(1, 2)
