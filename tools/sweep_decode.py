@@ -25,7 +25,7 @@ import sys
 import torch
 
 import mixgemm
-from mixgemm import ops, tuning
+from mixgemm import build, ops, tuning
 from mixgemm.codegen import TILE_CONFIGS, DecodeConfig
 from mixgemm.types import ActType, WeightType
 
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         return next(tc for tc in TILE_CONFIGS if isinstance(tc, DecodeConfig) and m <= tc.tokens)
 
     specs = {(w, m): config(m).spec(ActType.BF16, w) for w in weights for m in ms}
-    mixgemm.build.build_many(sorted(set(specs.values()), key=lambda s: s.name), progress=False)
+    build.build_many(sorted(set(specs.values()), key=lambda s: s.name), progress=False)
     best: dict[tuple, float] = {}
     for p in range(a.passes):
         order = shapes if p % 2 == 0 else shapes[::-1]

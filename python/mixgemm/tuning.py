@@ -71,17 +71,18 @@ def decode_splits(gpu_name: str, n: int, k: int, tokens: int, bits: int) -> int:
     return _table(gpu_name).get(SplitKey(n, k, tokens, bits), 0)
 
 
-def table_from_sweep(rows: Iterable[Mapping], stage_bytes: int = 1024, warps: int = 8,
+def table_from_sweep(rows: Iterable[Mapping], stage_bytes: Optional[int] = 1024, warps: int = 8,
                      stages: int = 4, min_gain: float = 0.02) -> list[dict]:
     """The best measured factor per (N, K, token tile, bits) from ``tools/sweep_decode.py`` rows
-    (the default kernel config only, at the tile's representative M). A forced factor enters the
-    table only when it beats the planner's own pick (``splits == 0``, measured in the same run)
-    by more than ``min_gain`` (run-to-run noise is about 1%)."""
+    (the default kernel config only, at the tile's representative M; ``stage_bytes=None``: every
+    row, for sweeps of the heuristic's own kernels). A forced factor enters the table only when
+    it beats the planner's own pick (``splits == 0``, measured in the same run) by more than
+    ``min_gain`` (run-to-run noise is about 1%)."""
     from .types import WeightType
 
     by_key: dict[SplitKey, dict[int, float]] = {}
     for r in rows:
-        if (r["stage_bytes"], r.get("warps", 8), r["stages"]) != (stage_bytes, warps, stages):
+        if stage_bytes is not None and (r["stage_bytes"], r.get("warps", 8), r["stages"]) != (stage_bytes, warps, stages):
             continue
         tokens = next((t for t, m in TILE_M.items() if m == r["m"]), None)
         if tokens is None:
