@@ -5,6 +5,12 @@
 implementation, so ``torch.compile(model, fullgraph=True)`` traces a model that uses
 :class:`QuantLinear` without graph breaks, and CUDA graphs capture it (after a warm-up call has
 loaded the kernel: loading never happens during capture).
+
+In eager mode :meth:`QuantLinear.forward` calls the GEMM directly (:func:`mixgemm.ops.gemm_tensors`,
+the cached launch plan) instead of through the op, whose dispatch (autograd wrapper, torch.compile
+guard, aliasing checks) costs several times the launch itself: whenever nothing needs the op --
+no tracing (``torch.compiler.is_compiling()``), no tensor subclass or dispatch mode (fake tensors,
+FlopCounterMode, ...), no autograd recording. Both run the same kernel with the same arguments.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import torch
 from torch import nn
 
 from .layout import ATOM_K, ATOM_N, prepack
+from .ops import gemm_tensors
 from .quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
 from .types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
 
@@ -24,15 +31,16 @@ from .types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, ch
 # ---------------------------------------------------------------------------------------------
 # The custom op
 # ---------------------------------------------------------------------------------------------
+_WEIGHT_TYPES = {wt.value: wt for wt in WeightType}
+
+
 @torch.library.custom_op("mixgemm::gemm", mutates_args=())
 def _gemm_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
              zero_offsets: Optional[torch.Tensor], bias: Optional[torch.Tensor], weight_type: str,
              group_size: int, n: int, k: int, activation: str = "none") -> torch.Tensor:
-    from .ops import gemm
-
-    packed = PackedWeight(qdata, scales, zeros, WeightType(weight_type), group_size, n, k,
-                          zero_offsets=zero_offsets)
-    return gemm(x, packed, bias=bias, activation=None if activation == "none" else activation)
+    wt = _WEIGHT_TYPES.get(weight_type) or WeightType(weight_type)   # the enum's error for a bad name
+    return gemm_tensors(x, qdata, scales, zeros, zero_offsets, bias, wt, group_size, n, k,
+                        None if activation == "none" else activation)
 
 
 @_gemm_op.register_fake
@@ -137,6 +145,23 @@ class QuantLinear(nn.Module):
                             self.weight_rows, self.in_features, zero_offsets=self.zero_offsets)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._forward_op(x)
+        bias = self.bias
+        if (type(x) is not torch.Tensor or torch._C._len_torch_dispatch_stack()
+                or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
+            return self._forward_op(x)   # a subclass or a dispatch mode sees the op; autograd records it
+        buffers = self._buffers   # read directly, not through nn.Module.__getattr__: this is the hot path
+        perm = buffers.get("perm")
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        activation = self.activation
+        return gemm_tensors(x, buffers["qdata"], buffers["scales"], buffers["zeros"], buffers.get("zero_offsets"),
+                            bias, self.weight_type, self.group_size, self.weight_rows, self.in_features,
+                            None if activation == "none" else activation)
+
+    def _forward_op(self, x: torch.Tensor) -> torch.Tensor:
+        """forward through the custom op (what torch.compile traces)."""
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         return torch.ops.mixgemm.gemm(x, self.qdata, self.scales, self.zeros, self.zero_offsets, self.bias,
