@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .layout import ATOM_K, ATOM_N, prepack
-from .ops import gemm_tensors
+from . import plans
+from .ops import TOKEN_BUCKETS, gemm_tensors, gemm_tensors_full
 from .quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
 from .types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
 
@@ -147,18 +148,25 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self._forward_op(x)
-        bias = self.bias
-        if (type(x) is not torch.Tensor or torch._C._len_torch_dispatch_stack()
+        # (attributes read without nn.Module.__getattr__: this is the hot path)
+        params = self._parameters
+        bias = params["bias"] if "bias" in params else self.bias
+        if (type(x) is not torch.Tensor or x.is_meta or torch._C._len_torch_dispatch_stack()
                 or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
-            return self._forward_op(x)   # a subclass or a dispatch mode sees the op; autograd records it
-        buffers = self._buffers   # read directly, not through nn.Module.__getattr__: this is the hot path
+            return self._forward_op(x)   # a subclass, meta or a dispatch mode sees the op; autograd records it
+        buffers = self._buffers
         perm = buffers.get("perm")
         if perm is not None:
             x = x.index_select(-1, perm)
-        activation = self.activation
-        return gemm_tensors(x, buffers["qdata"], buffers["scales"], buffers["zeros"], buffers.get("zero_offsets"),
-                            bias, self.weight_type, self.group_size, self.weight_rows, self.in_features,
-                            None if activation == "none" else activation)
+        activation = None if self.activation == "none" else self.activation
+        qdata, scales, zeros, offsets = buffers["qdata"], buffers["scales"], buffers["zeros"], buffers.get("zero_offsets")
+        n = self.weight_rows
+        y = plans.run(x, qdata, scales, zeros, offsets, bias, None, self.weight_type, self.group_size, n,
+                      self.in_features, activation, TOKEN_BUCKETS)
+        if y is None:   # no plan yet, or something unusual: the full path (checks, errors, a new plan)
+            y = gemm_tensors_full(x, qdata, scales, zeros, offsets, bias, self.weight_type, self.group_size, n,
+                                  self.in_features, activation)
+        return y
 
     def _forward_op(self, x: torch.Tensor) -> torch.Tensor:
         """forward through the custom op (what torch.compile traces)."""

@@ -94,13 +94,13 @@ def _token_buckets() -> tuple[int, ...]:
 
 
 #: see _token_buckets (the launch plans are cached per bucket)
-_TOKEN_BUCKETS = _token_buckets()
+TOKEN_BUCKETS = _token_buckets()
 
 
 def token_bucket(m: int) -> int:
     """The heuristic's token-count bucket of ``m`` (0 for M <= 8, 1 for M <= 16, ...): the plan
     cache's M key (:mod:`mixgemm.plans`)."""
-    return _TOKEN_BUCKETS[m] if m < len(_TOKEN_BUCKETS) else _TOKEN_BUCKETS[-1]
+    return TOKEN_BUCKETS[m] if m < len(TOKEN_BUCKETS) else TOKEN_BUCKETS[-1]
 
 
 def select_spec(m: int, w: PackedWeight, activation: Optional[str] = None) -> "GemmSpec | DecodeSpec":
@@ -278,7 +278,7 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     """
     if type(w) is PackedWeight:
         y = plans.run(x, w.qdata, w.scales, w.zeros, w.zero_offsets, bias, out, w.weight_type, w.group_size,
-                      w.n, w.k, activation, _TOKEN_BUCKETS)
+                      w.n, w.k, activation, TOKEN_BUCKETS)
         if y is not None:
             return y
     return _gemm_planned(x, w, bias, out, activation)
@@ -291,9 +291,15 @@ def gemm_tensors(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zer
     :class:`mixgemm.nn.QuantLinear`): a :class:`PackedWeight` is built (and checked) only when the
     call misses its plan."""
     y = plans.run(x, qdata, scales, zeros, zero_offsets, bias, None, weight_type, group_size, n, k, activation,
-                  _TOKEN_BUCKETS)
+                  TOKEN_BUCKETS)
     if y is not None:
         return y
+    return gemm_tensors_full(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation)
+
+
+def gemm_tensors_full(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k,
+                      activation=None) -> torch.Tensor:
+    """:func:`gemm_tensors` without trying the cached plan first (its caller did)."""
     w = PackedWeight(qdata, scales, zeros, weight_type, group_size, n, k, zero_offsets=zero_offsets)
     return _gemm_planned(x, w, bias, None, activation)
 

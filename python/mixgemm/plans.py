@@ -14,7 +14,8 @@ Plans are cached in :data:`PLANS`, keyed by everything that decides the launch:
   size, N and K: a buffer replaced or moved (``module.to(...)``, a new tensor, ``.data = ...``)
   misses, and a plan is dropped when its ``qdata`` is freed;
 * the token-count bucket (:func:`mixgemm.ops.token_bucket`: the heuristic's choice is the same
-  for every M of a bucket), the activation, x's dtype and device;
+  for every M of a bucket), the activation, x's dtype and device index (and the plan checks the
+  device type: CUDA);
 * whether the current stream is capturing a CUDA graph: a captured launch takes its workspace
   from torch's allocator (the graph's pool owns it for the graph's life); an eager launch takes
   the stream's reusable workspace (:data:`WORKSPACES`), which may be freed and regrown later.
@@ -70,10 +71,10 @@ class LaunchPlan:
     """One cached launch decision (see the module docstring). ``launch`` is bound to the kernel
     and the weight; ``backend`` says which launcher it is ("compiled" or "python")."""
 
-    __slots__ = ("key", "spec", "kernel", "device", "device_index", "dtype", "weight_type", "group_size", "n",
-                 "k", "n_out", "activation", "splits", "raster", "swizzle", "capturing", "bias_shape",
-                 "qdata_ref", "scales_ref", "zeros_ref", "offsets_ref", "qdata_ptr", "scales_ptr", "zeros_ptr",
-                 "args", "launch", "backend", "__weakref__")
+    __slots__ = ("key", "spec", "kernel", "device", "device_index", "is_cuda", "dtype", "weight_type",
+                 "group_size", "n", "k", "n_out", "activation", "splits", "raster", "swizzle", "capturing",
+                 "bias_shape", "qdata_ref", "scales_ref", "zeros_ref", "offsets_ref", "qdata_ptr", "scales_ptr",
+                 "zeros_ptr", "signature", "args", "launch", "backend", "__weakref__")
 
     def made_for(self, w: PackedWeight, spec, splits: int) -> bool:
         """Whether this plan launches ``spec`` with ``splits`` on exactly ``w``'s tensors."""
@@ -101,7 +102,8 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
 
     p = LaunchPlan()
     p.key, p.spec, p.kernel = key, spec, kernel
-    p.device, p.device_index, p.dtype = device, device.index if device.index is not None else -1, dtype
+    p.device, p.dtype, p.is_cuda = device, dtype, device.type == "cuda"
+    p.device_index = device.index if device.index is not None else -1   # as Tensor.get_device()
     p.weight_type, p.group_size, p.n, p.k = w.weight_type, w.group_size, w.n, w.k
     p.n_out = w.n // 2 if activation == "swiglu" else w.n
     p.activation, p.splits, p.raster, p.swizzle, p.capturing = activation, splits, raster, swizzle, capturing
@@ -112,6 +114,8 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
     p.offsets_ref = _no_tensor if w.zero_offsets is None else weakref.ref(w.zero_offsets)
     p.qdata_ptr, p.scales_ptr = w.qdata.data_ptr(), w.scales.data_ptr()
     p.zeros_ptr = 0 if w.zeros is None else w.zeros.data_ptr()
+    # what run() compares a call's weight with, in one tuple
+    p.signature = (p.qdata_ptr, p.scales_ptr, p.zeros_ptr, p.weight_type, p.group_size, p.n, p.k)
     a = GemmArgs()
     a.abi_version = ABI_VERSION
     a.n, a.k, a.group_size, a.sm_count = w.n, w.k, w.group_size, sm_count
@@ -127,9 +131,9 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
 def plan_key(qdata: torch.Tensor, bucket: int, activation: Optional[str], dtype: torch.dtype,
              device: torch.device) -> tuple:
     """The cache key of a plan (as :func:`run` builds it): the weight (its ``qdata``'s identity;
-    the plan checks the rest), the token-count bucket, the activation, x's dtype and device. The
-    capture state picks one of the entry's two plans."""
-    return (id(qdata), bucket, activation, dtype, device)
+    the plan checks the rest), the token-count bucket, the activation, x's dtype and device index
+    (the plan checks the device type). The capture state picks one of the entry's two plans."""
+    return (id(qdata), bucket, activation, dtype, device.index if device.index is not None else -1)
 
 
 class PlanCache:
@@ -305,7 +309,7 @@ def run(x, qdata, scales, zeros, zero_offsets, bias, out, weight_type: WeightTyp
     """The cached-plan path of :func:`mixgemm.ops.gemm`: the call checked against its plan with a
     few attribute reads and launched, or None when anything is unusual or no plan exists (the
     caller then takes the full path, which validates, raises the errors, and makes the plan).
-    ``buckets`` is :data:`mixgemm.ops._TOKEN_BUCKETS` (M -> bucket; its last entry for larger M)."""
+    ``buckets`` is :data:`mixgemm.ops.TOKEN_BUCKETS` (M -> bucket; its last entry for larger M)."""
     if type(x) is not _Tensor or (activation is not None and type(activation) is not str):
         return None
     shape = x.shape
@@ -320,23 +324,28 @@ def run(x, qdata, scales, zeros, zero_offsets, bias, out, weight_type: WeightTyp
         return None
     if shape[-1] != k or m <= 0 or m >= 2 ** 31:
         return None
-    device = x.device
+    index = x.get_device()
     entry = PLANS._plans.get((id(qdata), buckets[m] if m < len(buckets) else buckets[-1], activation, x.dtype,
-                              device))
+                              index))
     if entry is None:
         return None
     plan = entry[capturing()]
-    if (plan is None or plan.qdata_ref() is not qdata or plan.scales_ref() is not scales
-            or plan.zeros_ref() is not zeros or plan.offsets_ref() is not zero_offsets
-            or qdata.data_ptr() != plan.qdata_ptr or scales.data_ptr() != plan.scales_ptr
-            or (zeros is not None and zeros.data_ptr() != plan.zeros_ptr)
-            or weight_type is not plan.weight_type or group_size != plan.group_size or n != plan.n or k != plan.k):
+    # the weight: the same tensors (identity), at the same addresses, with the same fields
+    if (plan is None or not (x.is_cuda if plan.is_cuda else x.device == plan.device) or plan.qdata_ref() is not qdata
+            or plan.scales_ref() is not scales or plan.zeros_ref() is not zeros
+            or plan.offsets_ref() is not zero_offsets
+            or (qdata.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), weight_type,
+                group_size, n, k) != plan.signature):
         return None
-    if bias is not None and (not isinstance(bias, _Tensor) or bias.dtype is not plan.dtype or bias.device != device
+    if bias is not None and (not isinstance(bias, _Tensor) or bias.dtype is not plan.dtype
+                             or bias.get_device() != index
+                             or not (bias.is_cuda if plan.is_cuda else bias.device == plan.device)
                              or bias.shape != plan.bias_shape or not bias.is_contiguous()):
         return None
     y_shape = (m, plan.n_out) if ndim == 2 else (*shape[:-1], plan.n_out)
-    if out is not None and (not isinstance(out, _Tensor) or out.dtype is not plan.dtype or out.device != device
+    if out is not None and (not isinstance(out, _Tensor) or out.dtype is not plan.dtype
+                            or out.get_device() != index
+                            or not (out.is_cuda if plan.is_cuda else out.device == plan.device)
                             or out.shape != y_shape or not out.is_contiguous() or out.data_ptr() & 15):
         return None
     return execute(plan, x, m, y_shape, bias, out, zero_offsets)
