@@ -414,12 +414,18 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     y = out if out is not None else torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    # a plan of its own (not cached: the spec and the launch choices are the caller's), launched
-    # like gemm's; the helper checks the problem before anything launches
-    kernel = runtime.KERNELS.get(spec, x.device)
-    plan = plans.make_plan(spec, kernel, w, dtype=x.dtype, device=x.device, activation=activation,
-                           splits=splits, raster=raster, swizzle=swizzle, sm_count=_sm_count(x.device.index),
-                           capturing=plans.capturing())
+    # a launch plan like gemm's, cached under the caller's choice of kernel and launch order in
+    # the place of the token bucket; the helper checks the problem before anything launches
+    splits = max(0, int(splits))
+    capturing = plans.capturing()
+    key = plans.plan_key(w.qdata, ("spec", spec, splits, raster, swizzle), activation, x.dtype, x.device)
+    plan = plans.PLANS.get(key, capturing)
+    if plan is None or not plan.made_for(w, spec, splits):
+        kernel = runtime.KERNELS.get(spec, x.device)
+        plan = plans.make_plan(spec, kernel, w, dtype=x.dtype, device=x.device, activation=activation,
+                               splits=splits, raster=raster, swizzle=swizzle, sm_count=_sm_count(x.device.index),
+                               capturing=capturing, key=key)
+        plans.PLANS.put(plan)
     return plans.execute(plan, x, m, (*lead, n_out), bias, y, w.zero_offsets)
 
 

@@ -78,7 +78,7 @@ class LaunchPlan:
 
     def made_for(self, w: PackedWeight, spec, splits: int) -> bool:
         """Whether this plan launches ``spec`` with ``splits`` on exactly ``w``'s tensors."""
-        return (self.spec == spec and self.splits == splits and self.qdata_ref() is w.qdata
+        return (self.spec == spec and self.splits == max(0, int(splits)) and self.qdata_ref() is w.qdata
                 and self.scales_ref() is w.scales and self.zeros_ref() is w.zeros
                 and self.offsets_ref() is w.zero_offsets and self.qdata_ptr == w.qdata.data_ptr()
                 and self.scales_ptr == w.scales.data_ptr()
@@ -106,7 +106,8 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
     p.device_index = device.index if device.index is not None else -1   # as Tensor.get_device()
     p.weight_type, p.group_size, p.n, p.k = w.weight_type, w.group_size, w.n, w.k
     p.n_out = w.n // 2 if activation == "swiglu" else w.n
-    p.activation, p.splits, p.raster, p.swizzle, p.capturing = activation, splits, raster, swizzle, capturing
+    p.activation, p.raster, p.swizzle, p.capturing = activation, raster, swizzle, capturing
+    p.splits = max(0, int(splits))
     p.bias_shape = (w.n,)
     p.qdata_ref = weakref.ref(w.qdata)
     p.scales_ref = weakref.ref(w.scales)
@@ -119,7 +120,7 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
     a = GemmArgs()
     a.abi_version = ABI_VERSION
     a.n, a.k, a.group_size, a.sm_count = w.n, w.k, w.group_size, sm_count
-    a.splits = max(0, int(splits))
+    a.splits = p.splits
     a.raster, a.swizzle = raster.abi, swizzle
     a.activation = Activation(activation or "none").abi
     a.weight, a.scales, a.zeros = p.qdata_ptr, p.scales_ptr, p.zeros_ptr
@@ -128,11 +129,13 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
     return p
 
 
-def plan_key(qdata: torch.Tensor, bucket: int, activation: Optional[str], dtype: torch.dtype,
+def plan_key(qdata: torch.Tensor, bucket, activation: Optional[str], dtype: torch.dtype,
              device: torch.device) -> tuple:
     """The cache key of a plan (as :func:`run` builds it): the weight (its ``qdata``'s identity;
     the plan checks the rest), the token-count bucket, the activation, x's dtype and device index
-    (the plan checks the device type). The capture state picks one of the entry's two plans."""
+    (the plan checks the device type). The capture state picks one of the entry's two plans.
+    :func:`mixgemm.ops.gemm_with_spec` puts its caller's kernel and launch order (a tuple) in
+    the bucket's place."""
     return (id(qdata), bucket, activation, dtype, device.index if device.index is not None else -1)
 
 
