@@ -388,6 +388,7 @@ def test_launcher_library_is_cached_and_validated(tmp_path, monkeypatch):
     first = launcher.load_compiled()
     assert len(runs) == 1 and first.path.parent.parent == tmp_path / "host"
     assert launcher.load_compiled().path == first.path and len(runs) == 1, "the second load builds nothing"
+    assert launcher.build_compiled() == first.path and len(runs) == 1     # `mixgemm generate --build`'s step
     damaged = first.path.with_name("damaged")        # a damaged entry is rebuilt (a new file: the
     damaged.write_bytes(b"corrupt")                  # loaded one stays mapped in this process)
     os.replace(damaged, first.path)

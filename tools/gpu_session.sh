@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call of the device tool: set up, then run the GPU work named by the arguments.
-#   tools/gpu_session.sh [build] [tests] [quick-tests] [sanitize] [bench] [bench-quick]
+#   tools/gpu_session.sh [build] [tests] [quick-tests] [sanitize] [bench] [bench-quick] [host]
 # Carry `.whl` (wheels from ../shared/gpu/wheels.sh) and `.gpu` (the kernel cache as
 # .gpu/cache.tgz or its 15 MiB parts .gpu/cache.part.*). Everything it writes goes under $OUT.
 set -uo pipefail
@@ -79,6 +79,9 @@ for step in "$@"; do
     bench-quick)
       timeout 110 python3 -m mixgemm bench --iters 100 --shapes 28672x8192,4096x4096 --m 1,16,4096 \
         --impls mixgemm-u4,mixgemm-u2,mixgemm-s8,torch_int4 --json "$OUT/bench.json" 2>&1 | tail -40 | tee "$OUT/bench.log" || rc=1 ;;
+    host)      # host time per GEMM call and per step, and the 8B-shaped eager decode stack (benchmarks/NOTES.md 9)
+      timeout ${MIXGEMM_HOST_TIMEOUT:-500} python3 tools/profile_host.py --stack --json "$OUT/host-profile.json" 2>&1 \
+        | grep -v "mixgemm build" | tee "$OUT/host-profile.log" || rc=1 ;;
     script)   # a one-off experiment: python3 $MIXGEMM_SCRIPT, its output under $OUT
       timeout ${MIXGEMM_SCRIPT_TIMEOUT:-300} python3 $MIXGEMM_SCRIPT 2>&1 | grep -v "mixgemm build" | tee "$OUT/script.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;

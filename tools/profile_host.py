@@ -150,6 +150,7 @@ def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
             t("calls", "F.linear (bf16)", lambda: torch.nn.functional.linear(x, weight, bias))
             t("calls", "nn.Linear module (bf16)", lambda: linear(x))
         t("calls", "QuantLinear.forward (eager, planned)", lambda: layer(x))
+        legacy_layer = _LegacyQuantLinear(layer)
         op = torch.ops.mixgemm.gemm
         t("calls", "torch.ops.mixgemm.gemm (the custom op)",
           lambda: op(x, layer.qdata, layer.scales, layer.zeros, None, bias, "u4", 128, n, k, "none"))
@@ -158,13 +159,15 @@ def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
             t("calls", "mixgemm.gemm (planned, Python launcher)", lambda: mixgemm.gemm(x, packed, bias=bias))
         t("calls", "gemm_with_spec (a plan per call)", lambda: ops.gemm_with_spec(x, packed, spec, bias=bias))
         t("calls", "reference: checks + choice + runtime.launch_gemm", lambda: reference_gemm(x, packed, bias))
+        t("calls", "reference: QuantLinear.forward as before (op + PackedWeight + reference)",
+          lambda: legacy_layer(x))
         if not fake:
             out["kernel_gpu_us"] = gpu_time(lambda: mixgemm.gemm(x, packed, bias=bias))
             out["f_linear_gpu_us"] = gpu_time(lambda: torch.nn.functional.linear(x, weight, bias))
 
         # -- the planned path, step by step
         mixgemm.gemm(x, packed, bias=bias)
-        (plan,) = [p for p in plans.PLANS.plans() if p.spec == spec and not p.capturing]
+        plan = plans.PLANS.get(plans.plan_key(packed.qdata, ops.token_bucket(1), None, x.dtype, x.device), False)
         y = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
         real_execute = plans.execute
         plans.execute = lambda *a: None
@@ -209,6 +212,36 @@ def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
         t("steps", "ref: runtime.launch_gemm (whole launch)", lambda: runtime.launch_gemm(kernel, args))
         t("steps", "custom op dispatch alone (same schema, body returns a tensor)", _noop_op(x, layer, n, k))
     return out
+
+
+@torch.library.custom_op("mixgemm_profile::legacy_gemm", mutates_args=())
+def _legacy_gemm(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 zero_offsets: torch.Tensor | None, bias: torch.Tensor | None, weight_type: str, group_size: int,
+                 n: int, k: int, activation: str = "none") -> torch.Tensor:
+    """The custom op's implementation before the plans: a PackedWeight, then the reference gemm."""
+    import mixgemm
+
+    w = mixgemm.PackedWeight(qdata, scales, zeros, mixgemm.WeightType(weight_type), group_size, n, k,
+                             zero_offsets=zero_offsets)
+    return reference_gemm(x, w, bias)
+
+
+class _LegacyQuantLinear(torch.nn.Module):
+    """QuantLinear.forward before the plans: every call through the custom op (module attribute
+    reads through nn.Module.__getattr__, as before)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        for name in ("qdata", "scales", "zeros", "zero_offsets"):
+            self.register_buffer(name, getattr(layer, name))
+        self.bias = layer.bias
+        self.weight_type, self.group_size = layer.weight_type, layer.group_size
+        self.weight_rows, self.in_features, self.activation = layer.weight_rows, layer.in_features, layer.activation
+
+    def forward(self, x):
+        return torch.ops.mixgemm_profile.legacy_gemm(x, self.qdata, self.scales, self.zeros, self.zero_offsets,
+                                                     self.bias, self.weight_type.value, self.group_size,
+                                                     self.weight_rows, self.in_features, self.activation)
 
 
 def _config_objects(kernel, args):

@@ -305,6 +305,13 @@ def mode() -> str:
     return value
 
 
+def build_compiled() -> Path:
+    """Build the compiled launcher into the cache (if it is not there yet); its path."""
+    from .build import load_host_library
+
+    return load_host_library("launcher", SOURCE.read_text(), lambda path: path)
+
+
 def load_compiled() -> CompiledLauncher:
     """Build (once per machine: it is cached like the kernels) and load the compiled launcher."""
     from .build import load_host_library

@@ -269,7 +269,8 @@ def execute(plan: LaunchPlan, x: torch.Tensor, m: int, y_shape: tuple, bias: Opt
     if x_ptr & 15 or not x.is_contiguous():
         x = _aligned_2d(x, k)
         x_ptr = x.data_ptr()
-    y = torch.empty(y_shape, dtype=plan.dtype, device=plan.device) if out is None else out
+    # (sizes as arguments, not a tuple: torch parses them ~0.4 us faster)
+    y = torch.empty(*y_shape, dtype=plan.dtype, device=plan.device) if out is None else out
     y_ptr = y.data_ptr()
     bias_ptr = 0 if bias is None else bias.data_ptr()
     index = plan.device_index
