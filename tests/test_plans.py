@@ -459,7 +459,8 @@ def test_real_helper_launches_equal_the_reference_bit_for_bit(fake_dir, session_
             assert [c["kind"] for c in ours] == [c["kind"] for c in ref]
             if splits == 12:    # the workspaces differ: compare with the reference's pointers swapped in
                 assert ours[0]["count"] == ref[0]["count"] > 0
-                swap = {ref[0]["dptr"]: ours[0]["dptr"], ref[0]["dptr"] + ref[0]["count"]: ours[0]["dptr"] + ours[0]["count"]}
+                swap = {ref[0]["dptr"]: ours[0]["dptr"],
+                        ref[0]["dptr"] + ref[0]["count"]: ours[0]["dptr"] + ours[0]["count"]}
                 params = ref[-1]["params"]
                 for old, new in swap.items():
                     params = params.replace(old.to_bytes(8, "little"), new.to_bytes(8, "little"))

@@ -257,7 +257,8 @@ def _config_objects(kernel, args):
         config.sharedMemBytes = int(launch.smem_bytes)
         cluster = drv.CUlaunchAttribute()
         cluster.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = (int(v) for v in launch.cluster)
+        dim = cluster.value.clusterDim
+        dim.x, dim.y, dim.z = (int(v) for v in launch.cluster)
         pdl = drv.CUlaunchAttribute()
         pdl.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         pdl.value.programmaticStreamSerializationAllowed = 1

@@ -6,11 +6,12 @@ implementation, so ``torch.compile(model, fullgraph=True)`` traces a model that 
 :class:`QuantLinear` without graph breaks, and CUDA graphs capture it (after a warm-up call has
 loaded the kernel: loading never happens during capture).
 
-In eager mode :meth:`QuantLinear.forward` calls the GEMM directly (:func:`mixgemm.ops.gemm_tensors`,
-the cached launch plan) instead of through the op, whose dispatch (autograd wrapper, torch.compile
-guard, aliasing checks) costs several times the launch itself: whenever nothing needs the op --
-no tracing (``torch.compiler.is_compiling()``), no tensor subclass or dispatch mode (fake tensors,
-FlopCounterMode, ...), no autograd recording. Both run the same kernel with the same arguments.
+In eager mode :meth:`QuantLinear.forward` runs the GEMM's cached launch plan directly
+(:mod:`mixgemm.plans`) instead of going through the op, whose dispatch (autograd wrapper,
+torch.compile guard, aliasing checks, all Python) costs several times the launch itself: whenever
+nothing needs the op -- no tracing (``torch.compiler.is_compiling()``), no tensor subclass, meta
+tensor or dispatch mode (fake tensors, FlopCounterMode, ...), no autograd recording. Both run the
+same kernel with the same arguments.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from .layout import ATOM_K, ATOM_N, prepack
 from . import plans
+from .layout import ATOM_K, ATOM_N, prepack
 from .ops import TOKEN_BUCKETS, gemm_tensors, gemm_tensors_full
 from .quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
 from .types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
@@ -159,7 +160,8 @@ class QuantLinear(nn.Module):
         if perm is not None:
             x = x.index_select(-1, perm)
         activation = None if self.activation == "none" else self.activation
-        qdata, scales, zeros, offsets = buffers["qdata"], buffers["scales"], buffers["zeros"], buffers.get("zero_offsets")
+        qdata, scales, zeros = buffers["qdata"], buffers["scales"], buffers["zeros"]
+        offsets = buffers.get("zero_offsets")
         n = self.weight_rows
         y = plans.run(x, qdata, scales, zeros, offsets, bias, None, self.weight_type, self.group_size, n,
                       self.in_features, activation, TOKEN_BUCKETS)
