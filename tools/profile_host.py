@@ -152,8 +152,9 @@ def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
         t("calls", "QuantLinear.forward (eager, planned)", lambda: layer(x))
         legacy_layer = _LegacyQuantLinear(layer)
         op = torch.ops.mixgemm.gemm
+        qdata, scales, zeros = packed.qdata, packed.scales, packed.zeros
         t("calls", "torch.ops.mixgemm.gemm (the custom op)",
-          lambda: op(x, layer.qdata, layer.scales, layer.zeros, None, bias, "u4", 128, n, k, "none"))
+          lambda: op(x, qdata, scales, zeros, None, bias, "u4", 128, n, k, "none"))
         t("calls", "mixgemm.gemm (planned)", lambda: mixgemm.gemm(x, packed, bias=bias))
         with launcher_mode("python"):
             t("calls", "mixgemm.gemm (planned, Python launcher)", lambda: mixgemm.gemm(x, packed, bias=bias))
@@ -161,7 +162,11 @@ def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
         t("calls", "reference: checks + choice + runtime.launch_gemm", lambda: reference_gemm(x, packed, bias))
         t("calls", "reference: QuantLinear.forward as before (op + PackedWeight + reference)",
           lambda: legacy_layer(x))
-        if not fake:
+        if not fake:   # a stream-K GEMM (M = 64): a workspace, its memset and the launch
+            x64 = torch.randn(64, k, device=dev, dtype=torch.bfloat16)
+            t("calls", "mixgemm.gemm, M=64 (stream-K: workspace + memset)",
+          lambda: mixgemm.gemm(x64, packed, bias=bias))
+            t("calls", "reference, M=64 (stream-K: workspace + memset)", lambda: reference_gemm(x64, packed, bias))
             out["kernel_gpu_us"] = gpu_time(lambda: mixgemm.gemm(x, packed, bias=bias))
             out["f_linear_gpu_us"] = gpu_time(lambda: torch.nn.functional.linear(x, weight, bias))
 
@@ -209,6 +214,13 @@ def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
         t("steps", "ref: helper.prepare (ctypes, new buffers)", lambda: kernel.helper.prepare(args))
         t("steps", "ref: CUlaunchConfig + 2 attribute objects", _config_objects(kernel, args))
         t("steps", "ref: torch.cuda.current_stream -> CUstream", lambda: runtime._stream_handle(kernel.device))
+        drv = runtime._driver()
+
+        def workspace():   # what launch_gemm does for a stream-K launch (64 KiB here)
+            ws = torch.empty(1 << 16, dtype=torch.uint8, device=dev)
+            runtime.check(drv.cuMemsetD8Async(drv.CUdeviceptr(ws.data_ptr()), 0, 1 << 16,
+                                              runtime._stream_handle(kernel.device)), "memset")
+        t("steps", "ref: workspace torch.empty + cuMemsetD8Async (cuda-python)", workspace)
         t("steps", "ref: runtime.launch_gemm (whole launch)", lambda: runtime.launch_gemm(kernel, args))
         t("steps", "custom op dispatch alone (same schema, body returns a tensor)", _noop_op(x, layer, n, k))
     return out
