@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call of the device tool: set up, then run the GPU work named by the arguments.
 #   tools/gpu_session.sh [build] [tests] [quick-tests] [sanitize] [bench] [bench-quick] [bench-model]
-#                        [bench-model-smoke] [bench-host] [script] ...   (each step is a case below)
+#                        [bench-model-smoke] [bench-host] [host] [script] ...   (each step is a case below)
 # Carry `.whl` (wheels from ../shared/gpu/wheels.sh) and `.gpu` (the kernel cache as
 # .gpu/cache.tgz or its 15 MiB parts .gpu/cache.part.*). Everything it writes goes under $OUT.
 set -uo pipefail
@@ -90,6 +90,9 @@ for step in "$@"; do
     bench-host)   # host us per call (mixgemm.gemm, QuantLinear, F.linear, torch int4) and the eager decode step
       timeout 300 python3 -m mixgemm bench --host --save --results-dir "$OUT" 2>&1 | grep -v "mixgemm build" \
         | tail -40 | tee "$OUT/host.log" || rc=1 ;;
+    host)      # host time per GEMM call and per step, and the 8B-shaped eager decode stack (benchmarks/NOTES.md 10)
+      timeout ${MIXGEMM_HOST_TIMEOUT:-500} python3 tools/profile_host.py --stack --json "$OUT/host-profile.json" 2>&1 \
+        | grep -v "mixgemm build" | tee "$OUT/host-profile.log" || rc=1 ;;
     script)   # a one-off experiment: python3 $MIXGEMM_SCRIPT (e.g. benchmarks/experiments/exp_pdl.py), output under $OUT
       timeout ${MIXGEMM_SCRIPT_TIMEOUT:-300} python3 $MIXGEMM_SCRIPT 2>&1 | grep -v "mixgemm build" | tee "$OUT/script.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;

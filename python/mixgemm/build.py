@@ -32,7 +32,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 from . import paths
 from ._version import __version__
@@ -40,6 +40,7 @@ from .codegen import GEMM_KINDS, KernelSpec, render
 from .errors import BuildError
 
 log = logging.getLogger("mixgemm")
+T = TypeVar("T")
 
 ARCH = "sm_90a"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
@@ -214,10 +215,11 @@ def _entry_dir(spec: KernelSpec, key: str) -> Path:
 
 
 @contextmanager
-def _locked(spec: KernelSpec, key: str):
+def _lock(stem: str):
+    """The cache entry ``stem``'s file lock (held across processes while it is built or read)."""
     lock_dir = cache_dir() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{spec.name}-{key[:20]}.lock", "a+") as f:
+    with open(lock_dir / f"{stem}.lock", "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -225,18 +227,27 @@ def _locked(spec: KernelSpec, key: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _valid(entry: Path, spec: KernelSpec, key: str) -> bool:
-    """True if the entry's meta.json matches the key and every artifact matches its sha256."""
+def _locked(spec: KernelSpec, key: str):
+    return _lock(f"{spec.name}-{key[:20]}")
+
+
+def _entry_valid(entry: Path, name: str, key: str, artifacts: Iterable[str]) -> bool:
+    """True if the entry's meta.json matches the name and key, names exactly ``artifacts``, and
+    every artifact matches its sha256."""
     try:
         meta = json.loads((entry / "meta.json").read_text())
-        if meta.get("key") != key or meta.get("name") != spec.name:
+        if meta.get("key") != key or meta.get("name") != name:
             return False
         for fname, digest in meta["sha256"].items():
             if _sha256(entry / fname) != digest:
                 return False
-        return set(meta["sha256"]) == set(_steps(spec))
+        return set(meta["sha256"]) == set(artifacts)
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def _valid(entry: Path, spec: KernelSpec, key: str) -> bool:
+    return _entry_valid(entry, spec.name, key, _steps(spec))
 
 
 # ptxas's notes that it serialized a kernel's wgmma pipeline (C7510 without NDEBUG; C7513/C7515
@@ -265,30 +276,36 @@ def _run_nvcc(tc: Toolchain, flags: Sequence[str], src: Path, out: Path) -> list
 
 
 def _build_entry(spec: KernelSpec, key: str, source: str, tc: Toolchain, parallel_steps: bool) -> None:
-    final = _entry_dir(spec, key)
+    _build_into(_entry_dir(spec, key), spec.name, key, f"{spec.name}.cu", source, _steps(spec), tc,
+                parallel_steps, {"spec": repr(spec)})
+
+
+def _build_into(final: Path, name: str, key: str, source_name: str, source: str, steps: dict[str, tuple[str, ...]],
+                tc: Toolchain, parallel_steps: bool, meta_extra: dict) -> None:
+    """Build ``steps`` (artifact -> nvcc flags) from ``source`` in a temporary directory, write
+    meta.json last, and move the directory to ``final`` (the caller holds the entry's lock)."""
     tmp_root = cache_dir() / "tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=tmp_root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp_root))
     try:
-        src = tmp / f"{spec.name}.cu"
+        src = tmp / source_name
         src.write_text(source)
-        steps = _steps(spec)
         t0 = time.time()
         if parallel_steps and len(steps) > 1:
             with concurrent.futures.ThreadPoolExecutor(len(steps)) as pool:
-                futs = {name: pool.submit(_run_nvcc, tc, flags, src, tmp / name) for name, flags in steps.items()}
-                commands = {name: f.result() for name, f in futs.items()}
+                futs = {art: pool.submit(_run_nvcc, tc, flags, src, tmp / art) for art, flags in steps.items()}
+                commands = {art: f.result() for art, f in futs.items()}
         else:
-            commands = {name: _run_nvcc(tc, flags, src, tmp / name) for name, flags in steps.items()}
+            commands = {art: _run_nvcc(tc, flags, src, tmp / art) for art, flags in steps.items()}
         meta = {
-            "name": spec.name,
+            "name": name,
             "key": key,
-            "spec": repr(spec),
+            **meta_extra,
             "mixgemm": __version__,
             "nvcc_version": tc.version.splitlines()[-1] if tc.version else "",
             "commands": commands,
             "build_seconds": round(time.time() - t0, 1),
-            "sha256": {name: _sha256(tmp / name) for name in steps},
+            "sha256": {art: _sha256(tmp / art) for art in steps},
         }
         meta_tmp = tmp / "meta.json.tmp"
         meta_tmp.write_text(json.dumps(meta, indent=1))
@@ -344,6 +361,44 @@ def is_cached(spec: KernelSpec) -> bool:
     key = cache_key(spec, source, tc)
     with _locked(spec, key):
         return _valid(_entry_dir(spec, key), spec, key)
+
+
+#: Flags of mixgemm's own host libraries (the compiled launcher): host C++ only, no device code.
+HOST_LIBRARY_FLAGS = ("-std=c++17", "-O2", "-shared", "-Xcompiler=-fPIC", "-Xlinker=--strip-all")
+
+
+def host_library_key(name: str, source: str, tc: Toolchain) -> str:
+    """sha256 of everything that determines a host library built by :func:`load_host_library`."""
+    material = {
+        "kind": "host-library",
+        "mixgemm": __version__,
+        "name": name,
+        "source": source,
+        "headers": headers_digest(source),
+        "nvcc_version": tc.version,
+        "flags": list(HOST_LIBRARY_FLAGS),
+        "extra_flags": _extra_flags(),
+        "env": {v: os.environ.get(v, "") for v in KEY_ENV_VARS},
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def load_host_library(name: str, source: str, load: Callable[[Path], T]) -> T:
+    """Build the C++ ``source`` (host code; it may include mixgemm's headers) into
+    ``<cache>/host/<name>-<key>/<name>.so`` unless a valid entry exists, and return
+    ``load(path)``, called under the entry's lock (so no other process replaces the file while it
+    is opened). The cache rules are the kernels': content-addressed key, one file lock per entry,
+    atomic publication, an entry whose sha256 does not match meta.json is rebuilt."""
+    tc = toolchain()
+    key = host_library_key(name, source, tc)
+    stem = f"{name}-{key[:20]}"
+    entry = cache_dir() / "host" / stem
+    artifact = f"{name}.so"
+    with _lock(stem):
+        if not _entry_valid(entry, name, key, (artifact,)):
+            log.info("mixgemm: building %s (host library) in %s", name, cache_dir())
+            _build_into(entry, name, key, f"{name}.cpp", source, {artifact: HOST_LIBRARY_FLAGS}, tc, False, {})
+        return load(entry / artifact)
 
 
 def build_many(specs: Iterable[KernelSpec], jobs: Optional[int] = None, *, force: bool = False,

@@ -476,7 +476,8 @@ def _add_generate(subparsers) -> None:
         description=("Emit one CUTLASS sm90a instantiation per kernel spec (the whole kernel matrix: "
                      "bf16/fp16 x int8/int4/int2 x symmetric/asymmetric x every tile config, plus "
                      "the GPU dequantizers). With --build, compile them with nvcc into mixgemm's "
-                     "kernel cache ($MIXGEMM_CACHE_DIR or ~/.cache/mixgemm), in parallel."),
+                     "kernel cache ($MIXGEMM_CACHE_DIR or ~/.cache/mixgemm), in parallel, and the "
+                     "compiled launcher (the host library that launches them)."),
     )
     p.add_argument("--out", metavar="DIR", default=None,
                    help="write the .cu files here (default: don't write sources unless --build is not given, "
@@ -524,6 +525,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         except build.BuildError as e:
             raise CliError(str(e)) from None
         print(f"built {len(arts)} kernels into {build.cache_dir()}")
+        from . import launcher
+        try:
+            path = launcher.build_compiled()
+        except build.BuildError as e:
+            raise CliError(f"the kernels are built, but not the compiled launcher: {e}") from None
+        print(f"built the compiled launcher: {path}")
     return 0
 
 

@@ -5,6 +5,13 @@
 implementation, so ``torch.compile(model, fullgraph=True)`` traces a model that uses
 :class:`QuantLinear` without graph breaks, and CUDA graphs capture it (after a warm-up call has
 loaded the kernel: loading never happens during capture).
+
+In eager mode :meth:`QuantLinear.forward` runs the GEMM's cached launch plan directly
+(:mod:`mixgemm.plans`) instead of going through the op, whose dispatch (autograd wrapper,
+torch.compile guard, aliasing checks, all Python) costs several times the launch itself: whenever
+nothing needs the op -- no tracing (``torch.compiler.is_compiling()``), no tensor subclass, meta
+tensor or dispatch mode (fake tensors, FlopCounterMode, ...), no autograd recording. Both run the
+same kernel with the same arguments.
 """
 from __future__ import annotations
 
@@ -16,7 +23,9 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from . import plans
 from .layout import ATOM_K, ATOM_N, prepack
+from .ops import TOKEN_BUCKETS, gemm_tensors, gemm_tensors_full
 from .quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
 from .types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
 
@@ -24,15 +33,16 @@ from .types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, ch
 # ---------------------------------------------------------------------------------------------
 # The custom op
 # ---------------------------------------------------------------------------------------------
+_WEIGHT_TYPES = {wt.value: wt for wt in WeightType}
+
+
 @torch.library.custom_op("mixgemm::gemm", mutates_args=())
 def _gemm_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
              zero_offsets: Optional[torch.Tensor], bias: Optional[torch.Tensor], weight_type: str,
              group_size: int, n: int, k: int, activation: str = "none") -> torch.Tensor:
-    from .ops import gemm
-
-    packed = PackedWeight(qdata, scales, zeros, WeightType(weight_type), group_size, n, k,
-                          zero_offsets=zero_offsets)
-    return gemm(x, packed, bias=bias, activation=None if activation == "none" else activation)
+    wt = _WEIGHT_TYPES.get(weight_type) or WeightType(weight_type)   # the enum's error for a bad name
+    return gemm_tensors(x, qdata, scales, zeros, zero_offsets, bias, wt, group_size, n, k,
+                        None if activation == "none" else activation)
 
 
 @_gemm_op.register_fake
@@ -137,6 +147,31 @@ class QuantLinear(nn.Module):
                             self.weight_rows, self.in_features, zero_offsets=self.zero_offsets)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._forward_op(x)
+        # (attributes read without nn.Module.__getattr__: this is the hot path)
+        params = self._parameters
+        bias = params["bias"] if "bias" in params else self.bias
+        if (type(x) is not torch.Tensor or x.is_meta or torch._C._len_torch_dispatch_stack()
+                or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
+            return self._forward_op(x)   # a subclass, meta or a dispatch mode sees the op; autograd records it
+        buffers = self._buffers
+        perm = buffers.get("perm")
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        activation = None if self.activation == "none" else self.activation
+        qdata, scales, zeros = buffers["qdata"], buffers["scales"], buffers["zeros"]
+        offsets = buffers.get("zero_offsets")
+        n = self.weight_rows
+        y = plans.run(x, qdata, scales, zeros, offsets, bias, None, self.weight_type, self.group_size, n,
+                      self.in_features, activation, TOKEN_BUCKETS)
+        if y is None:   # no plan yet, or something unusual: the full path (checks, errors, a new plan)
+            y = gemm_tensors_full(x, qdata, scales, zeros, offsets, bias, self.weight_type, self.group_size, n,
+                                  self.in_features, activation)
+        return y
+
+    def _forward_op(self, x: torch.Tensor) -> torch.Tensor:
+        """forward through the custom op (what torch.compile traces)."""
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         return torch.ops.mixgemm.gemm(x, self.qdata, self.scales, self.zeros, self.zero_offsets, self.bias,

@@ -5,6 +5,7 @@ problem, never a CUDA fault or a silently wrong result.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -15,7 +16,8 @@ import torch
 if TYPE_CHECKING:  # codegen is imported lazily: `import mixgemm` stays cheap
     from .codegen import DecodeConfig, DecodeSpec, GemmSpec, Raster, TileConfig
 
-from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
+from . import plans
+from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, WeightType
 
 #: 16 < M <= 32 on a layer of at most this many weights (N x K) goes to the 32-token decode
 #: kernel ("dec32") instead of "mid". Measured on H100 at M = 32 (sweep-decode-m32.json against
@@ -81,6 +83,24 @@ def tile_labels(m: int) -> set:
     each bound of the table cover every case."""
     sizes = {1} | {b + d for _, b, _ in _HEURISTIC if b is not None for d in (0, 1)}
     return {select_tile(m, size, 1).label for size in sizes}
+
+
+def _token_buckets() -> tuple[int, ...]:
+    """M -> the index of the heuristic's token-count bucket, for M up to one past its largest
+    bound (the last entry stands for every larger M). Every M of a bucket gets the same kernel
+    config from :func:`select_tile` on any layer: the table's rows match on ``m <= bound``."""
+    bounds = sorted({m_max for m_max, _, _ in _HEURISTIC if m_max is not None})
+    return tuple(bisect.bisect_left(bounds, m) for m in range(bounds[-1] + 2))
+
+
+#: see _token_buckets (the launch plans are cached per bucket)
+TOKEN_BUCKETS = _token_buckets()
+
+
+def token_bucket(m: int) -> int:
+    """The heuristic's token-count bucket of ``m`` (0 for M <= 8, 1 for M <= 16, ...): the plan
+    cache's M key (:mod:`mixgemm.plans`)."""
+    return TOKEN_BUCKETS[m] if m < len(TOKEN_BUCKETS) else TOKEN_BUCKETS[-1]
 
 
 def select_spec(m: int, w: PackedWeight, activation: Optional[str] = None) -> "GemmSpec | DecodeSpec":
@@ -200,6 +220,8 @@ def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out, activation: 
             raise ValueError(f"bias must be a {x.dtype} tensor of shape [{w.n}]")
         if bias.device != x.device:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
+        if not bias.is_contiguous():
+            raise ValueError("bias must be contiguous")
     if out is not None:
         want = (*x.shape[:-1], w.n // 2 if activation == "swiglu" else w.n)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype:
@@ -208,16 +230,6 @@ def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out, activation: 
             raise ValueError(f"out is on {out.device} but x is on {x.device}")
         if not out.is_contiguous() or out.data_ptr() % 16:
             raise ValueError("out must be contiguous and 16-byte aligned")
-
-
-def _aligned_2d(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """t as a contiguous, 16-byte aligned [rows, cols] matrix (a copy when it is not already)."""
-    t2 = t.reshape(-1, cols)
-    if not t2.is_contiguous() or t2.data_ptr() % 16:
-        t2 = t2.contiguous()
-        if t2.data_ptr() % 16:
-            t2 = t2.clone()
-    return t2
 
 
 def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
@@ -258,17 +270,69 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     a decode kernel's split-K factor comes from the measured table of :mod:`mixgemm.tuning` for
     the layer shapes it lists, else from the kernel's own planner.
     Accumulation is in float32; the result is rounded once to x's dtype.
+
+    The first call for a weight, token-count bucket (:func:`token_bucket`), activation, dtype,
+    device and graph-capture state validates everything and makes a launch plan
+    (:mod:`mixgemm.plans`); later calls check themselves against it with a few attribute reads
+    and launch it (one C call), and anything unusual takes the full path again.
     """
+    if type(w) is PackedWeight:
+        y = plans.run(x, w.qdata, w.scales, w.zeros, w.zero_offsets, bias, out, w.weight_type, w.group_size,
+                      w.n, w.k, activation, TOKEN_BUCKETS)
+        if y is not None:
+            return y
+    return _gemm_planned(x, w, bias, out, activation)
+
+
+def gemm_tensors(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                 zero_offsets: Optional[torch.Tensor], bias: Optional[torch.Tensor], weight_type: WeightType,
+                 group_size: int, n: int, k: int, activation: Optional[str] = None) -> torch.Tensor:
+    """:func:`gemm` of a weight given as its tensors and fields (the custom op and
+    :class:`mixgemm.nn.QuantLinear`): a :class:`PackedWeight` is built (and checked) only when the
+    call misses its plan."""
+    y = plans.run(x, qdata, scales, zeros, zero_offsets, bias, None, weight_type, group_size, n, k, activation,
+                  TOKEN_BUCKETS)
+    if y is not None:
+        return y
+    return gemm_tensors_full(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation)
+
+
+def gemm_tensors_full(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k,
+                      activation=None) -> torch.Tensor:
+    """:func:`gemm_tensors` without trying the cached plan first (its caller did)."""
+    w = PackedWeight(qdata, scales, zeros, weight_type, group_size, n, k, zero_offsets=zero_offsets)
+    return _gemm_planned(x, w, bias, None, activation)
+
+
+def _gemm_planned(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optional[str]) -> torch.Tensor:
+    """The full path of :func:`gemm`: every check, the kernel choice, and a launch plan that the
+    next calls reuse."""
     _check_gemm_inputs(x, w, bias, out, activation)
-    m = math.prod(x.shape[:-1])
+    lead = x.shape[:-1]
+    m = math.prod(lead)
     # zero offsets (fractional zero points) are added after the kernel, so the activation too
     fused = w.zero_offsets is None
     spec = select_spec(m, w, activation if fused else None)
     splits = _tuned_splits(spec, w, x.device)
-    if activation is None or fused:
-        return gemm_with_spec(x, w, spec, bias=bias, out=out, activation=activation,
-                              splits=splits, _checked=True)   # the activation fused in the kernel
-    return _gemm_then_activate(x, w, spec, bias, out, activation, splits)
+    if activation is not None and not fused:
+        return _gemm_then_activate(x, w, spec, bias, out, activation, splits)
+    if m == 0:
+        n_out = w.n // 2 if activation == "swiglu" else w.n
+        return out if out is not None else torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
+    from . import runtime
+    from .codegen import launch_order
+
+    capturing = plans.capturing()
+    key = plans.plan_key(w.qdata, token_bucket(m), activation, x.dtype, x.device)
+    plan = plans.PLANS.get(key, capturing)
+    if plan is None or not plan.made_for(w, spec, splits):   # new, or the weight's tensors changed
+        raster, swizzle = launch_order(spec)
+        kernel = runtime.KERNELS.get(spec, x.device)   # the activation fused in the kernel
+        plan = plans.make_plan(spec, kernel, w, dtype=x.dtype, device=x.device, activation=activation,
+                               splits=splits, raster=raster, swizzle=swizzle, sm_count=_sm_count(x.device.index),
+                               capturing=capturing, key=key)
+        plans.PLANS.put(plan)
+    return plans.execute(plan, x, m, (*lead, plan.n_out), bias, out, w.zero_offsets)
 
 
 def _gemm_then_activate(x, w, spec, bias, out, activation, splits) -> torch.Tensor:
@@ -294,13 +358,6 @@ def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
         return r.reshape(*y.shape[:-1], y.shape[-1] // 2)
     fn = torch.nn.functional.silu if activation == "silu" else torch.nn.functional.gelu
     return fn(y.float()).to(y.dtype)
-
-
-def _add_zero_offsets(x2: torch.Tensor, w: PackedWeight, y2: torch.Tensor) -> None:
-    """y += (x summed per group) @ zero_offsets, in float32 with one rounding: the term of the
-    fractional zero points, ``sum_g xsum[m, g] * o[g, n]`` (see PackedWeight.zero_offsets)."""
-    xs = x2.float().view(x2.shape[0], w.num_groups, w.group_size).sum(-1)
-    y2.copy_((y2.float() + xs @ w.zero_offsets).to(y2.dtype))
 
 
 def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpec", bias: Optional[torch.Tensor] = None,
@@ -357,31 +414,19 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     y = out if out is not None else torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    x2 = _aligned_2d(x, w.k)
-    y2 = y.view(-1, n_out)
-    args = runtime.GemmArgs()
-    args.abi_version = runtime.ABI_VERSION
-    args.m, args.n, args.k = m, w.n, w.k
-    args.group_size = w.group_size
-    args.sm_count = _sm_count(x.device.index)
-    args.splits = max(0, int(splits))
-    args.raster = raster.abi
-    args.swizzle = swizzle
-    args.activation = Activation(activation or "none").abi
-    args.weight = w.qdata.data_ptr()
-    args.scales = w.scales.data_ptr()
-    args.zeros = 0 if w.zeros is None else w.zeros.data_ptr()
-    args.x = x2.data_ptr()
-    args.bias = 0 if bias is None else bias.data_ptr()
-    args.y = y2.data_ptr()
-    args.workspace = 0
-    args.ldx = x2.stride(0)
-    args.ldy = y2.stride(0)
-    kernel = runtime.KERNELS.get(spec, x.device)
-    runtime.launch_gemm(kernel, args)   # the helper checks the problem before anything launches
-    if w.zero_offsets is not None:
-        _add_zero_offsets(x2, w, y2)
-    return y
+    # a launch plan like gemm's, cached under the caller's choice of kernel and launch order in
+    # the place of the token bucket; the helper checks the problem before anything launches
+    splits = max(0, int(splits))
+    capturing = plans.capturing()
+    key = plans.plan_key(w.qdata, ("spec", spec, splits, raster, swizzle), activation, x.dtype, x.device)
+    plan = plans.PLANS.get(key, capturing)
+    if plan is None or not plan.made_for(w, spec, splits):
+        kernel = runtime.KERNELS.get(spec, x.device)
+        plan = plans.make_plan(spec, kernel, w, dtype=x.dtype, device=x.device, activation=activation,
+                               splits=splits, raster=raster, swizzle=swizzle, sm_count=_sm_count(x.device.index),
+                               capturing=capturing, key=key)
+        plans.PLANS.put(plan)
+    return plans.execute(plan, x, m, (*lead, n_out), bias, y, w.zero_offsets)
 
 
 def dequantize(w: PackedWeight, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

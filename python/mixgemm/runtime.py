@@ -5,7 +5,10 @@
 * A GEMM kernel's ``Params`` come from its host helper library (``helper.so``, built from the
   same source): the TMA descriptors are encoded on the host. The bytes are passed by value with
   ``cuLaunchKernelEx`` through a ``void**`` (``cuda.core.launch`` cannot pass such a struct).
-* Launches go to torch's current stream; workspaces come from torch's caching allocator.
+* Launches go to torch's current stream. :func:`launch_gemm` is the reference launch (params,
+  workspace from torch's caching allocator and cuda-python objects made per call); the call path
+  of :func:`mixgemm.gemm` launches cached plans instead (:mod:`mixgemm.plans`,
+  :mod:`mixgemm.launcher`), which the tests compare with it bit for bit.
 * Nothing is loaded at import time. Loaded kernels are kept in one :class:`KernelCache`, keyed
   by (kernel name, device); a kernel that is not loaded yet cannot be loaded during CUDA graph
   capture (warm up first).

@@ -1,0 +1,355 @@
+"""Launch plans: what a GEMM call launches, decided once, and the per-call work that is left.
+
+A :class:`LaunchPlan` holds everything about a launch that does not change from one call to the
+next: the kernel (loaded), its split factor, raster and swizzle, the fused activation, the
+weight's pointers, and the launch function bound to them (:func:`mixgemm.launcher.bind`: one C
+call that encodes the params and launches, or its Python fallback). What is left per call is
+what a call brings: the token count, the x, y and bias pointers, the stream and a workspace.
+
+Plans are cached in :data:`PLANS`, keyed by everything that decides the launch:
+
+* the weight: the identity of its ``qdata`` tensor in the key; the plan keeps weak references to
+  ``qdata``, ``scales``, ``zeros`` and ``zero_offsets`` and the data pointers of the first three
+  (baked into the kernel arguments), and every call checks them, with the weight type, group
+  size, N and K: a buffer replaced or moved (``module.to(...)``, a new tensor, ``.data = ...``)
+  misses, and a plan is dropped when its ``qdata`` is freed;
+* the token-count bucket (:func:`mixgemm.ops.token_bucket`: the heuristic's choice is the same
+  for every M of a bucket), the activation, x's dtype and device index (and the plan checks the
+  device type: CUDA);
+* whether the current stream is capturing a CUDA graph: a captured launch takes its workspace
+  from torch's allocator (the graph's pool owns it for the graph's life); an eager launch takes
+  the stream's reusable workspace (:data:`WORKSPACES`), which may be freed and regrown later.
+
+:func:`run` is the hot path: a few attribute reads check a call against its plan, and anything
+unusual (a miss, another dtype or device, a non-contiguous bias, a subclass of Tensor) returns
+None, so that the caller takes the full path (:func:`mixgemm.ops.gemm`'s validation with its
+error messages, then a new plan).
+"""
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from .types import PackedWeight, WeightType
+
+if TYPE_CHECKING:   # imported when the first plan is made: `import mixgemm` stays cheap
+    from .codegen import Raster
+    from .runtime import LoadedKernel
+
+_Tensor = torch.Tensor
+
+
+def _no_tensor():
+    """The "weak reference" of an absent tensor (zeros of a symmetric weight, no offsets)."""
+    return None
+
+
+def _stream_function() -> Callable[[int], int]:
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None and torch.cuda._is_compiled():
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+def _capture_function() -> Callable[[], bool]:
+    if torch.cuda._is_compiled():
+        return torch._C._cuda_isCurrentStreamCapturing
+    return lambda: False
+
+
+#: the raw handle (int) of torch's current stream on a device index
+current_stream: Callable[[int], int] = _stream_function()
+#: whether torch's current stream is capturing a CUDA graph
+capturing: Callable[[], bool] = _capture_function()
+
+
+class LaunchPlan:
+    """One cached launch decision (see the module docstring). ``launch`` is bound to the kernel
+    and the weight; ``backend`` says which launcher it is ("compiled" or "python")."""
+
+    __slots__ = ("key", "spec", "kernel", "device", "device_index", "is_cuda", "dtype", "weight_type",
+                 "group_size", "n", "k", "n_out", "activation", "splits", "raster", "swizzle", "capturing",
+                 "bias_shape", "qdata_ref", "scales_ref", "zeros_ref", "offsets_ref", "qdata_ptr", "scales_ptr",
+                 "zeros_ptr", "signature", "args", "launch", "backend", "__weakref__")
+
+    def made_for(self, w: PackedWeight, spec, splits: int) -> bool:
+        """Whether this plan launches ``spec`` with ``splits`` on exactly ``w``'s tensors."""
+        return (self.spec == spec and self.splits == max(0, int(splits)) and self.qdata_ref() is w.qdata
+                and self.scales_ref() is w.scales and self.zeros_ref() is w.zeros
+                and self.offsets_ref() is w.zero_offsets and self.qdata_ptr == w.qdata.data_ptr()
+                and self.scales_ptr == w.scales.data_ptr()
+                and self.zeros_ptr == (0 if w.zeros is None else w.zeros.data_ptr())
+                and (self.weight_type, self.group_size, self.n, self.k) == (w.weight_type, w.group_size, w.n, w.k))
+
+    def __repr__(self) -> str:
+        return (f"LaunchPlan({self.spec.name}, n={self.n}, k={self.k}, splits={self.splits}, "
+                f"activation={self.activation}, {self.device}, {self.dtype}, capturing={self.capturing}, "
+                f"{self.backend})")
+
+
+def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dtype, device: torch.device,
+              activation: Optional[str], splits: int, raster: "Raster", swizzle: int, sm_count: int,
+              capturing: bool, key: Optional[tuple] = None) -> LaunchPlan:
+    """A plan for ``w`` on ``kernel``, from decisions already made and checked by the caller
+    (:mod:`mixgemm.ops`): ``activation`` is the one the kernel applies."""
+    from . import launcher
+    from .codegen import Activation
+    from .runtime import ABI_VERSION, GemmArgs
+
+    p = LaunchPlan()
+    p.key, p.spec, p.kernel = key, spec, kernel
+    p.device, p.dtype, p.is_cuda = device, dtype, device.type == "cuda"
+    p.device_index = device.index if device.index is not None else -1   # as Tensor.get_device()
+    p.weight_type, p.group_size, p.n, p.k = w.weight_type, w.group_size, w.n, w.k
+    p.n_out = w.n // 2 if activation == "swiglu" else w.n
+    p.activation, p.raster, p.swizzle, p.capturing = activation, raster, swizzle, capturing
+    p.splits = max(0, int(splits))
+    p.bias_shape = (w.n,)
+    p.qdata_ref = weakref.ref(w.qdata)
+    p.scales_ref = weakref.ref(w.scales)
+    p.zeros_ref = _no_tensor if w.zeros is None else weakref.ref(w.zeros)
+    p.offsets_ref = _no_tensor if w.zero_offsets is None else weakref.ref(w.zero_offsets)
+    p.qdata_ptr, p.scales_ptr = w.qdata.data_ptr(), w.scales.data_ptr()
+    p.zeros_ptr = 0 if w.zeros is None else w.zeros.data_ptr()
+    # what run() compares a call's weight with, in one tuple
+    p.signature = (p.qdata_ptr, p.scales_ptr, p.zeros_ptr, p.weight_type, p.group_size, p.n, p.k)
+    a = GemmArgs()
+    a.abi_version = ABI_VERSION
+    a.n, a.k, a.group_size, a.sm_count = w.n, w.k, w.group_size, sm_count
+    a.splits = p.splits
+    a.raster, a.swizzle = raster.abi, swizzle
+    a.activation = Activation(activation or "none").abi
+    a.weight, a.scales, a.zeros = p.qdata_ptr, p.scales_ptr, p.zeros_ptr
+    p.args = a
+    p.launch, p.backend = launcher.bind(kernel, a)
+    return p
+
+
+def plan_key(qdata: torch.Tensor, bucket, activation: Optional[str], dtype: torch.dtype,
+             device: torch.device) -> tuple:
+    """The cache key of a plan (as :func:`run` builds it): the weight (its ``qdata``'s identity;
+    the plan checks the rest), the token-count bucket, the activation, x's dtype and device index
+    (the plan checks the device type). The capture state picks one of the entry's two plans.
+    :func:`mixgemm.ops.gemm_with_spec` puts its caller's kernel and launch order (a tuple) in
+    the bucket's place."""
+    return (id(qdata), bucket, activation, dtype, device.index if device.index is not None else -1)
+
+
+class PlanCache:
+    """The process's launch plans: ``(id(qdata), token bucket, activation, dtype, device)`` ->
+    ``[eager plan, captured plan]``. A plan leaves the cache when its ``qdata`` is freed."""
+
+    def __init__(self):
+        self._plans: dict[tuple, list] = {}
+        self._lock = threading.RLock()
+        #: plans made since the process started (or the last clear()): a test's "no re-plan"
+        self.made = 0
+
+    def get(self, key: tuple, capturing: bool) -> Optional[LaunchPlan]:
+        entry = self._plans.get(key)
+        return None if entry is None else entry[capturing]
+
+    def put(self, plan: LaunchPlan) -> None:
+        key = plan.key
+        with self._lock:
+            entry = self._plans.setdefault(key, [None, None])
+            entry[plan.capturing] = plan
+            self.made += 1
+        # forget the plan with its weight (the key holds the weight's id, which may be reused)
+        plan.qdata_ref = weakref.ref(plan.qdata_ref(), self._evictor(key))
+
+    def _evictor(self, key: tuple):
+        cache = weakref.ref(self)
+
+        def evict(ref):    # may run inside any allocation (the GC): hence the re-entrant lock
+            me = cache()
+            if me is None:
+                return
+            with me._lock:
+                entry = me._plans.get(key)
+                if entry is None:
+                    return
+                for i, p in enumerate(entry):
+                    if p is not None and p.qdata_ref is ref:
+                        entry[i] = None
+                if entry == [None, None]:
+                    del me._plans[key]
+        return evict
+
+    def __len__(self) -> int:
+        return sum(p is not None for entry in list(self._plans.values()) for p in entry)
+
+    def plans(self) -> list[LaunchPlan]:
+        return [p for entry in list(self._plans.values()) for p in entry if p is not None]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+            self.made = 0
+
+
+PLANS = PlanCache()
+
+
+class WorkspacePool:
+    """One reusable workspace per (device index, stream) for eager launches, grown (to a power of
+    two) when a launch needs more. Reuse is safe in stream order: every launch that uses a
+    stream's workspace, and the memset that zeroes its prefix, are queued on that stream; a
+    buffer that is replaced goes back to torch's allocator, which hands it out again only in the
+    order of the stream it was allocated on (this one). Not used under graph capture."""
+
+    MIN_BYTES = 1 << 16
+
+    def __init__(self):
+        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, device_index: int, stream: int) -> Optional[tuple[torch.Tensor, int, int]]:
+        """(tensor, pointer, bytes) of the stream's workspace, or None."""
+        return self._buffers.get((device_index, stream))
+
+    def grow(self, device: torch.device, device_index: int, stream: int, nbytes: int) -> tuple[torch.Tensor, int, int]:
+        with self._lock:
+            have = self._buffers.get((device_index, stream))
+            if have is not None and have[2] >= nbytes:
+                return have
+            size = max(self.MIN_BYTES, 1 << (int(nbytes) - 1).bit_length())
+            t = torch.empty(size, dtype=torch.uint8, device=device)   # on `stream`: it is current
+            entry = (t, t.data_ptr(), size)
+            self._buffers[(device_index, stream)] = entry
+            return entry
+
+    def nbytes(self) -> int:
+        return sum(size for _, _, size in list(self._buffers.values()))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers.clear()
+
+
+WORKSPACES = WorkspacePool()
+
+
+def clear() -> None:
+    """Drop every cached plan and reusable workspace (their memory goes back to torch)."""
+    PLANS.clear()
+    WORKSPACES.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-call work
+# ---------------------------------------------------------------------------------------------
+def add_zero_offsets(x2: torch.Tensor, offsets: torch.Tensor, group_size: int, y2: torch.Tensor) -> None:
+    """y += (x summed per group) @ zero_offsets, in float32 with one rounding: the term of the
+    fractional zero points, ``sum_g xsum[m, g] * o[g, n]`` (see PackedWeight.zero_offsets)."""
+    xs = x2.float().view(x2.shape[0], offsets.shape[0], group_size).sum(-1)
+    y2.copy_((y2.float() + xs @ offsets).to(y2.dtype))
+
+
+def _aligned_2d(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """t as a contiguous, 16-byte aligned [rows, cols] matrix (a copy when it is not already)."""
+    t2 = t.reshape(-1, cols)
+    if not t2.is_contiguous() or t2.data_ptr() % 16:
+        t2 = t2.contiguous()
+        if t2.data_ptr() % 16:
+            t2 = t2.clone()
+    return t2
+
+
+def execute(plan: LaunchPlan, x: torch.Tensor, m: int, y_shape: tuple, bias: Optional[torch.Tensor],
+            out: Optional[torch.Tensor], zero_offsets: Optional[torch.Tensor]) -> torch.Tensor:
+    """Launch ``plan`` for a checked call: ``x`` ``[..., K]`` of ``m`` tokens, the output
+    ``y_shape`` (into ``out`` if given), then the zero offsets' term."""
+    k, n_out = plan.k, plan.n_out
+    x_ptr = x.data_ptr()
+    if x_ptr & 15 or not x.is_contiguous():
+        x = _aligned_2d(x, k)
+        x_ptr = x.data_ptr()
+    # (sizes as arguments, not a tuple: torch parses them ~0.4 us faster)
+    y = torch.empty(*y_shape, dtype=plan.dtype, device=plan.device) if out is None else out
+    y_ptr = y.data_ptr()
+    bias_ptr = 0 if bias is None else bias.data_ptr()
+    index = plan.device_index
+    stream = current_stream(index)
+    ws = None if plan.capturing else WORKSPACES._buffers.get((index, stream))
+    if ws is None:
+        rc = plan.launch(m, x_ptr, k, y_ptr, n_out, bias_ptr, 0, 0, stream)
+    else:
+        rc = plan.launch(m, x_ptr, k, y_ptr, n_out, bias_ptr, ws[1], ws[2], stream)
+    if rc:
+        _launch_with_workspace(plan, rc, m, x_ptr, y_ptr, bias_ptr, stream)
+    if zero_offsets is not None:
+        add_zero_offsets(x.reshape(m, k), zero_offsets, plan.group_size, y.view(m, n_out))
+    return y
+
+
+def _launch_with_workspace(plan: LaunchPlan, rc: int, m: int, x_ptr: int, y_ptr: int, bias_ptr: int,
+                           stream: int) -> None:
+    """A launch that answered NEED_WORKSPACE, again with a workspace that is large enough: under
+    graph capture from torch's allocator (the graph's pool), else the stream's reusable one. Any
+    other answer raises its error."""
+    from . import launcher
+
+    if rc != launcher.LaunchResult.NEED_WORKSPACE:
+        launcher.raise_for(rc, plan.kernel)
+    need = launcher.current_call().workspace_bytes
+    if plan.capturing:
+        buf = torch.empty(need, dtype=torch.uint8, device=plan.device)
+        ptr, size = buf.data_ptr(), need
+    else:
+        buf, ptr, size = WORKSPACES.grow(plan.device, plan.device_index, stream, need)
+    rc = plan.launch(m, x_ptr, plan.k, y_ptr, plan.n_out, bias_ptr, ptr, size, stream)
+    if rc:
+        launcher.raise_for(rc, plan.kernel)
+    # `buf` may go now: the launch is queued, and torch reuses memory only in stream order
+
+
+def run(x, qdata, scales, zeros, zero_offsets, bias, out, weight_type: WeightType, group_size: int, n: int,
+        k: int, activation: Optional[str], buckets: tuple) -> Optional[torch.Tensor]:
+    """The cached-plan path of :func:`mixgemm.ops.gemm`: the call checked against its plan with a
+    few attribute reads and launched, or None when anything is unusual or no plan exists (the
+    caller then takes the full path, which validates, raises the errors, and makes the plan).
+    ``buckets`` is :data:`mixgemm.ops.TOKEN_BUCKETS` (M -> bucket; its last entry for larger M)."""
+    if type(x) is not _Tensor or (activation is not None and type(activation) is not str):
+        return None
+    shape = x.shape
+    ndim = len(shape)
+    if ndim == 2:
+        m = shape[0]
+    elif ndim > 2:
+        m = math.prod(shape[:-1])
+    elif ndim == 1:
+        m = 1
+    else:
+        return None
+    if shape[-1] != k or m <= 0 or m >= 2 ** 31:
+        return None
+    index = x.get_device()
+    entry = PLANS._plans.get((id(qdata), buckets[m] if m < len(buckets) else buckets[-1], activation, x.dtype,
+                              index))
+    if entry is None:
+        return None
+    plan = entry[capturing()]
+    # the weight: the same tensors (identity), at the same addresses, with the same fields
+    if (plan is None or not (x.is_cuda if plan.is_cuda else x.device == plan.device) or plan.qdata_ref() is not qdata
+            or plan.scales_ref() is not scales or plan.zeros_ref() is not zeros
+            or plan.offsets_ref() is not zero_offsets
+            or (qdata.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), weight_type,
+                group_size, n, k) != plan.signature):
+        return None
+    if bias is not None and (not isinstance(bias, _Tensor) or bias.dtype is not plan.dtype
+                             or bias.get_device() != index
+                             or not (bias.is_cuda if plan.is_cuda else bias.device == plan.device)
+                             or bias.shape != plan.bias_shape or not bias.is_contiguous()):
+        return None
+    y_shape = (m, plan.n_out) if ndim == 2 else (*shape[:-1], plan.n_out)
+    if out is not None and (not isinstance(out, _Tensor) or out.dtype is not plan.dtype
+                            or out.get_device() != index
+                            or not (out.is_cuda if plan.is_cuda else out.device == plan.device)
+                            or out.shape != y_shape or not out.is_contiguous() or out.data_ptr() & 15):
+        return None
+    return execute(plan, x, m, y_shape, bias, out, zero_offsets)

@@ -1,0 +1,227 @@
+"""Launch plans on the GPU: reused (no re-plan), bit for bit the reference launch, captured by
+CUDA graphs, the same errors after a plan exists, one workspace per stream."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+import mixgemm
+from mixgemm import codegen, launcher, ops, plans, runtime
+from mixgemm.nn import QuantLinear
+from mixgemm.quantize import interleave_gate_up
+
+pytestmark = pytest.mark.gpu
+
+
+def _weight(dev, n=4096, k=4096, bits=4, symmetric=False, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    w = torch.randn(n, k, device=dev, generator=gen) * 0.02
+    return mixgemm.prepack(mixgemm.quantize(w, bits, 128, symmetric=symmetric, dtype=dtype))
+
+
+def _gate_up(dev, n=4096, k=4096):
+    gen = torch.Generator(device=dev).manual_seed(5)
+    qg = mixgemm.quantize(torch.randn(n // 2, k, device=dev, generator=gen) * 0.02, 4, 128, dtype=torch.bfloat16)
+    qu = mixgemm.quantize(torch.randn(n // 2, k, device=dev, generator=gen) * 0.02, 4, 128, dtype=torch.bfloat16)
+    return mixgemm.prepack(interleave_gate_up(qg, qu))
+
+
+def reference(x, w, spec, bias=None, activation=None, splits=0):
+    """The launch as mixgemm made it before the plans: GemmArgs filled field by field, then
+    runtime.launch_gemm (helper.prepare into new buffers, cuda-python objects made per call, a
+    workspace from torch's allocator)."""
+    raster, swizzle = codegen.launch_order(spec)
+    m = x.shape[0]
+    n_out = w.n // 2 if activation == "swiglu" else w.n
+    y = torch.empty(m, n_out, device=x.device, dtype=x.dtype)
+    args = runtime.GemmArgs()
+    args.abi_version = runtime.ABI_VERSION
+    args.m, args.n, args.k, args.group_size = m, w.n, w.k, w.group_size
+    args.sm_count = ops._sm_count(x.device.index)
+    args.splits, args.raster, args.swizzle = splits, raster.abi, swizzle
+    args.activation = codegen.Activation(activation or "none").abi
+    args.weight, args.scales = w.qdata.data_ptr(), w.scales.data_ptr()
+    args.zeros = 0 if w.zeros is None else w.zeros.data_ptr()
+    args.x, args.y = x.data_ptr(), y.data_ptr()
+    args.bias = 0 if bias is None else bias.data_ptr()
+    args.ldx, args.ldy = w.k, n_out
+    runtime.launch_gemm(runtime.KERNELS.get(spec, x.device), args)
+    return y
+
+
+@contextlib.contextmanager
+def launcher_mode(mode):
+    old = os.environ.get(launcher.LAUNCHER_ENV)
+    os.environ[launcher.LAUNCHER_ENV] = mode
+    launcher.reset()
+    plans.clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[launcher.LAUNCHER_ENV]
+        else:
+            os.environ[launcher.LAUNCHER_ENV] = old
+        launcher.reset()
+        plans.clear()
+
+
+def test_plans_are_reused(requires_gpu):
+    """The second call makes no plan; QuantLinear over the same tensors shares gemm's plan; the
+    planned launch is the compiled launcher (nvcc is on the GPU machine)."""
+    dev = requires_gpu
+    w = _weight(dev)
+    x = torch.randn(1, 4096, device=dev, dtype=torch.bfloat16)
+    plans.clear()
+    y1 = mixgemm.gemm(x, w)
+    assert plans.PLANS.made == 1
+    y2 = mixgemm.gemm(x, w)
+    assert plans.PLANS.made == 1 and torch.equal(y1, y2)
+    assert plans.PLANS.plans()[0].backend == "compiled"
+    layer = QuantLinear.from_packed(w)
+    with torch.no_grad():
+        assert torch.equal(layer(x), y1)
+        layer(x)
+    assert plans.PLANS.made == 1
+    for m in (2, 8):   # the same token bucket
+        mixgemm.gemm(torch.randn(m, 4096, device=dev, dtype=torch.bfloat16), w)
+    assert plans.PLANS.made == 1
+
+
+# (M, activation, forced decode splits or None) over every kind of launch: decode kernels with a
+# cluster reduction, with the global workspace (12 splits), the stream-K GEMMs (workspace zeroed
+# by a memset), the gated epilogue
+_CASES = [(1, None, None), (3, "silu", None), (16, None, None), (25, None, None), (1, None, 12),
+          (64, None, None), (100, "gelu", None), (300, None, None), (1, "swiglu", None), (64, "swiglu", None)]
+
+
+@pytest.mark.parametrize("m,activation,splits", _CASES)
+def test_planned_launch_equals_the_reference_bit_for_bit(requires_gpu, m, activation, splits):
+    """The compiled launcher and the Python one give exactly the reference launch's output."""
+    dev = requires_gpu
+    w = _gate_up(dev) if activation == "swiglu" else _weight(dev)
+    bias = torch.randn(w.n, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+    spec = ops.select_spec(m, w, activation)
+    if splits is None:
+        run = lambda: mixgemm.gemm(x, w, bias=bias, activation=activation)
+        splits = ops._tuned_splits(spec, w, x.device)
+    else:
+        run = lambda: ops.gemm_with_spec(x, w, spec, bias=bias, splits=splits)
+    ref = reference(x, w, spec, bias, activation, splits)
+    ref2 = reference(x, w, spec, bias, activation, splits)
+    deterministic = torch.equal(ref, ref2)
+    outputs = {}
+    for mode in ("compiled", "python"):
+        with launcher_mode(mode):
+            run()
+            outputs[mode] = run()      # the second call: the cached plan
+            assert plans.PLANS.made == 1 and plans.PLANS.plans()[0].backend == mode
+    for mode, y in outputs.items():
+        if deterministic:
+            assert torch.equal(y, ref), mode
+        else:   # a kernel whose reduction order varies from run to run: as close as two reference runs
+            tol = (ref2.float() - ref.float()).abs().max().item()
+            assert (y.float() - ref.float()).abs().max().item() <= 2 * tol + 1e-2, mode
+
+
+@pytest.mark.parametrize("m", (1, 64, 300))
+def test_graphs_capture_the_planned_path(requires_gpu, m):
+    """Capture twice: the first capture makes the capture-state plan, the second reuses it;
+    replays equal eager calls, also after the eager workspaces were dropped and their memory
+    handed out again (a captured launch owns its workspace through the graph's pool)."""
+    dev = requires_gpu
+    w = _weight(dev)
+    x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+    plans.clear()
+    mixgemm.gemm(x, w)                       # warm-up: the kernel and the eager plan
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for i in range(2):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(mixgemm.gemm(x, w))
+        graphs.append(g)
+        assert plans.PLANS.made == 2, "one capture-state plan, made by the first capture"
+    assert sum(p.capturing for p in plans.PLANS.plans()) == 1
+    plans.WORKSPACES.clear()
+    torch.cuda.empty_cache()
+    junk = [torch.full((1 << 20,), 7, device=dev, dtype=torch.int32) for _ in range(8)]
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        for g in graphs:
+            g.replay()
+        torch.cuda.synchronize()
+        want = mixgemm.gemm(x, w)
+        for out in outs:
+            assert torch.equal(out, want)
+    del junk
+
+
+def test_bad_inputs_raise_the_same_with_a_plan(requires_gpu):
+    """tests/test_gpu_gemm.py's bad inputs, after a plan exists for the weight: the same
+    errors, messages included."""
+    dev = requires_gpu
+    w = _weight(dev, 256, 512)
+    x = torch.randn(4, 512, device=dev, dtype=torch.bfloat16)
+    calls = [lambda: mixgemm.gemm(x.half(), w),
+             lambda: mixgemm.gemm(torch.randn(4, 256, device=dev, dtype=torch.bfloat16), w),
+             lambda: mixgemm.gemm(x.cpu(), w),
+             lambda: mixgemm.gemm(x, w, out=torch.empty(4, 255, device=dev, dtype=torch.bfloat16)),
+             lambda: mixgemm.gemm(x, w, bias=torch.zeros(255, device=dev, dtype=torch.bfloat16)),
+             lambda: mixgemm.gemm(x, w, bias=torch.zeros(512, device=dev, dtype=torch.bfloat16)[::2]),
+             lambda: mixgemm.gemm(x, torch.zeros(256, 512, device=dev)),
+             lambda: mixgemm.gemm(x, w, activation="relu")]
+
+    def errors():
+        out = []
+        for call in calls:
+            with pytest.raises((TypeError, ValueError)) as e:
+                call()
+            out.append((type(e.value), str(e.value)))
+        return out
+
+    plans.clear()
+    cold = errors()
+    mixgemm.gemm(x, w)
+    assert plans.PLANS.made == 1
+    assert errors() == cold
+
+
+def test_quantlinear_paths_agree(requires_gpu):
+    """QuantLinear eager (the plan), through the custom op (autograd recording) and compiled
+    (fullgraph) give the same bits."""
+    dev = requires_gpu
+    lin = torch.nn.Linear(4096, 4096).to(dev, torch.bfloat16)
+    layer = QuantLinear.from_linear(lin, bits=4, group_size=128)
+    x = torch.randn(5, 4096, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = layer(x)
+        compiled = torch.compile(layer, fullgraph=True)(x)
+    via_op = layer(x.clone().requires_grad_(True))
+    assert via_op.grad_fn is not None
+    assert torch.equal(eager, compiled) and torch.equal(eager, via_op.detach())
+
+
+def test_one_workspace_per_stream(requires_gpu):
+    """Stream-K launches (M = 64: 32 tiles of 128 x 64 split over the SMs, so a workspace) on two
+    streams at once each use their stream's workspace and give the single-stream result."""
+    dev = requires_gpu
+    w = _weight(dev)
+    xs = [torch.randn(64, 4096, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    want = [mixgemm.gemm(x, w) for x in xs]
+    streams = [torch.cuda.Stream(dev) for _ in range(2)]
+    torch.cuda.synchronize()
+    got = [None, None]
+    for _ in range(5):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                got[i] = mixgemm.gemm(xs[i], w)
+    torch.cuda.synchronize()
+    keys = {key for key in plans.WORKSPACES._buffers}
+    assert {(0, s.cuda_stream) for s in streams} <= keys
+    for g, y in zip(got, want):
+        assert torch.equal(g, y) or (g.float() - y.float()).abs().max().item() < 1e-2
