@@ -34,13 +34,10 @@
 //
 // * k-slices: the W warps of a CTA are W / KS stripes x KS slices of the CTA's k-range. The KS
 //   warps of a stripe stream its k-range side by side and add their float32 sums through shared
-//   memory (in slice order: deterministic) before the split-K reduction and the epilogue. A small
-//   layer (a few hundred stripes) so gets several times more warps in flight, with shorter
-//   chains per warp, than one warp per stripe gives, and without a cluster or a global
-//   reduction (benchmarks/NOTES.md section 9);
-// * constant data first: the weight stages and the scale / zero rows do not depend on the
-//   previous kernel, so their bulk copies are issued before griddepcontrol.wait, and their latency
-//   overlaps the previous kernel's tail; only the x tile waits for it.
+//   memory (in slice order: deterministic) before the split-K reduction and the epilogue: more
+//   warps in flight, with shorter chains, without a cluster or a global reduction. Measured
+//   (benchmarks/NOTES.md section 9b): faster for 8-bit codes at M <= 8; one warp per stripe is
+//   as fast for 4- and 2-bit codes, whose small layers are bound by fixed costs, not chains;
 //
 // Layout of one CTA: W warps; warp w owns stripe (W / KS) * blockIdx.x + w / KS (weight rows
 // [16 * stripe, +16)) and slice w % KS of the CTA's k-atoms [blockIdx.y * atoms_per_split,
@@ -232,11 +229,13 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   int const grp0 = (ka0 * 64) >> p.group_shift;
   int const grp1 = ((ka1 * 64 - 1) >> p.group_shift) + 1;
   // The warp's slice: atoms [wa0, wa0 + w_atoms) of the CTA's range (some slices may be empty).
-  int const per_slice = (n_atoms + KS - 1) / KS;
-  int const wa0 = min(slice * per_slice, n_atoms);
-  int const w_atoms = min(per_slice, n_atoms - wa0);
+  // (spelled out for KS = 1, where the slice is the CTA's range: the compiler then keeps no
+  // slice state, as the kernel had before k-slices)
+  int const per_slice = KS == 1 ? n_atoms : (n_atoms + KS - 1) / KS;
+  int const wa0 = KS == 1 ? 0 : min(slice * per_slice, n_atoms);
+  int const w_atoms = KS == 1 ? n_atoms : min(per_slice, n_atoms - wa0);
   int const wk0 = ka0 + wa0;                                        // its first k-atom
-  int const sgrp0 = (wk0 * 64) >> p.group_shift;                    // its first group
+  int const sgrp0 = KS == 1 ? grp0 : (wk0 * 64) >> p.group_shift;   // its first group
   bool const streams = has_stripe && w_atoms > 0;
 
   // ---- shared memory carve-up (Config::carve, as the host planned it) ----
@@ -258,10 +257,6 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
-
-  // ---- constant data first, before waiting for the previous kernel: each warp's first weight
-  // stages (its slice of its stripe, in stages of APS atoms) and the CTA's scale/zero rows ----
   int const n_stages = (w_atoms + APS - 1) / APS;
   uint8_t const* wsrc = p.weight + (int64_t(stripe) * k_atoms + wk0) * Cfg::kAtomBytes;
   auto issue = [&](int s) {
@@ -270,14 +265,16 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     cute::SM90_BULK_COPY_G2S::copy(wsrc + int64_t(s) * Cfg::kStageBytes, &wbar[s % S],
                                    ring + (s % S) * Cfg::kStageBytes, atoms * Cfg::kAtomBytes);
   };
-  if (streams && lane == 0) {
-    for (int s = 0; s < S && s < n_stages; ++s) {
-      issue(s);
+  auto issue_ring = [&]() {   // each warp's first weight stages (its slice of its stripe)
+    if (streams && lane == 0) {
+      for (int s = 0; s < S && s < n_stages; ++s) {
+        issue(s);
+      }
     }
-  }
+  };
   // The x tile and the scale/zero rows complete one barrier; copies spread over warp 0's lanes.
   int const x_bytes = n_atoms * 128;
-  if (warp == 0) {
+  auto issue_scales = [&]() {   // warp 0: the barrier's byte count, then the scale / zero rows
     int const g_bytes = rows_valid * int(sizeof(Act));
     int const n_groups = grp1 - grp0;
     if (lane == 0) {
@@ -292,14 +289,18 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
         cute::SM90_BULK_COPY_G2S::copy(p.zeros + src, xbar, zs + i * Cfg::kRowsPerCta, g_bytes);
       }
     }
-  }
-  // Everything above overlaps the previous kernel's tail; x (its output) comes after.
-  wait_previous_grid();
-  if (warp == 0) {
+  };
+  auto issue_x = [&]() {   // warp 0: the x tile (the previous kernel's output)
     for (int r = lane; r < m_rows; r += 32) {
       cute::SM90_BULK_COPY_G2S::copy(p.x + r * p.ldx + int64_t(ka0) * 64, xbar, xs + r * x_pitch, x_bytes);
     }
-  }
+  };
+  // wait for the previous kernel, then x and the scale rows, then the weights (issuing the
+  // constant data before the wait measured no faster, NOTES 9c)
+  __syncthreads();
+  wait_previous_grid();
+  if (warp == 0) { issue_scales(); issue_x(); }
+  issue_ring();
 
   float acc[NT][4];
   // The group's partial sums, in two independent chains (even / odd k16 blocks) so that
@@ -342,11 +343,13 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     uint32_t const ones[4] = {arith::splat(D::half_bits(1)), arith::splat(D::half_bits(1)),
                               arith::splat(D::half_bits(1)), arith::splat(D::half_bits(1))};
     for (int seg = warp; seg < KS * sps; seg += Cfg::kWarps) {
-      int const s = seg / sps, j = seg % sps;
-      int const sa0 = min(s * per_slice, n_atoms), sa1 = min(sa0 + per_slice, n_atoms);
-      if (sa0 >= sa1) continue;
-      int const sg0 = ((ka0 + sa0) * 64) >> p.group_shift;
-      int const sg1 = (((ka0 + sa1) * 64 - 1) >> p.group_shift) + 1;
+      // (one slice: the segments are the CTA's groups)
+      int const s = KS == 1 ? 0 : seg / sps, j = KS == 1 ? seg : seg % sps;
+      int const sa0 = KS == 1 ? 0 : min(s * per_slice, n_atoms);
+      int const sa1 = KS == 1 ? n_atoms : min(sa0 + per_slice, n_atoms);
+      if (KS > 1 && sa0 >= sa1) continue;
+      int const sg0 = KS == 1 ? grp0 : ((ka0 + sa0) * 64) >> p.group_shift;
+      int const sg1 = KS == 1 ? grp1 : (((ka0 + sa1) * 64 - 1) >> p.group_shift) + 1;
       if (j >= sg1 - sg0) continue;
       // the segment's k-range within the CTA's x tile
       int const k_lo = int(max(int64_t(sg0 + j) << p.group_shift, int64_t(ka0 + sa0) * 64)) - ka0 * 64;
@@ -373,7 +376,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   }
 
   int const lrow = wstripe * 16 + g;   // the lane's rows in the CTA's scale rows: lrow, lrow + 8
-  float const* wxsum = xsum + slice * sps * Cfg::kTokens;   // the warp's slice's segments
+  float const* wxsum = KS == 1 ? xsum : xsum + slice * sps * Cfg::kTokens;   // the warp's slice's segments
   uint32_t bias2[2] = {0u, 0u};
   auto load_bias = [&](int grp) {
     if constexpr (Cfg::kFold) {

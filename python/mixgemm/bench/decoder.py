@@ -154,26 +154,33 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: in
     Returns
     -------
     torch.Tensor
-        ``[B, heads, T, D]``, through ``torch.nn.functional.scaled_dot_product_attention``.
-        One new token (decode) folds each KV head's query heads into the query length, so that
-        the kernel reads each cached key and value once and no mask is needed; a prefill from
-        position 0 is ``is_causal``; anything else gets an explicit mask.
+        ``[B, heads, T, D]``, through ``torch.nn.functional.scaled_dot_product_attention`` with
+        its own grouped-query support (``enable_gqa``, PyTorch >= 2.5; the KV heads repeated
+        before): one new token (decode) needs no mask, a prefill from position 0 is
+        ``is_causal``, anything else gets an explicit mask. (Folding each KV head's query heads
+        into the query length instead took twice the time at decode on an H100: one CTA per KV
+        head, benchmarks/NOTES.md section 9f.)
     """
     b, heads, t, d = q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     if length != pos + t:
         raise ValueError(f"the cache holds {length} positions, expected pos + T = {pos + t}")
-    group = heads // kv_heads
     if t == 1:
-        out = F.scaled_dot_product_attention(q.reshape(b, kv_heads, group, d), keys, values)
-        return out.reshape(b, heads, 1, d)
-    keys = keys.repeat_interleave(group, dim=1)
-    values = values.repeat_interleave(group, dim=1)
-    if pos == 0:
-        return F.scaled_dot_product_attention(q, keys, values, is_causal=True)
-    allowed = (torch.arange(length, device=q.device)[None, :]
-               <= pos + torch.arange(t, device=q.device)[:, None])
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+        kw = {}
+    elif pos == 0:
+        kw = {"is_causal": True}
+    else:
+        kw = {"attn_mask": (torch.arange(length, device=q.device)[None, :]
+                            <= pos + torch.arange(t, device=q.device)[:, None])}
+    if _SDPA_GQA:
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True, **kw)
+    group = heads // kv_heads
+    return F.scaled_dot_product_attention(q, keys.repeat_interleave(group, dim=1),
+                                          values.repeat_interleave(group, dim=1), **kw)
+
+
+#: whether this PyTorch's scaled_dot_product_attention takes ``enable_gqa`` (2.5 and later)
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 class Projections(abc.ABC):
