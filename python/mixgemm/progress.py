@@ -35,7 +35,12 @@ class Elapsed:
                  interval: float = 0.25, quiet_interval: float = 15.0):
         self.message = message
         self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else tty
+        if tty is None:
+            try:
+                tty = bool(self.stream.isatty())
+            except (AttributeError, OSError, ValueError):
+                tty = False
+        self.tty = tty
         self.interval = interval
         self.quiet_interval = quiet_interval
         self.seconds = 0.0
