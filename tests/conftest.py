@@ -10,6 +10,7 @@ table from such a run. Without the variable it does nothing.
 """
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -35,8 +36,10 @@ def pin_case(request):
     def pin(group: str, case: str, call: str, outcome: str, first_line: str, leftovers: str = "none"):
         log = os.environ.get("MIXGEMM_CASE_LOG")
         if log:
+            # the test's temporary directory is noise in a table
+            first = re.sub(r"/\S*?/pytest-\d+/[^/\s]+", "<tmp>", first_line)
             row = {"group": group, "case": case, "call": call, "outcome": outcome,
-                   "first_line": first_line, "leftovers": leftovers, "test": request.node.nodeid}
+                   "first_line": first, "leftovers": leftovers, "test": request.node.nodeid}
             with open(log, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
     return pin
