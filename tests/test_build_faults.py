@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import stat
@@ -119,8 +120,12 @@ def test_four_processes_build_once(counted, tmp_path, pin_case):
              "1 nvcc build; 4 loads of the same cubin", "(no error)")
 
 
+def build_logs(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "mixgemm" and "building kernel" in r.getMessage()]
+
+
 @pytest.mark.parametrize("artifact", ["kernel.cubin", "helper.so"])
-def test_a_truncated_artifact_is_rebuilt(counted, artifact, pin_case):
+def test_a_truncated_artifact_is_rebuilt(counted, artifact, pin_case, caplog):
     cache, calls = counted
     # the fastest kernel with that artifact: dequant kernels have no host helper
     spec = DEQ if artifact == "kernel.cubin" else codegen.DecodeSpec(ActType.BF16, WeightType.U4, tokens=8)
@@ -130,7 +135,12 @@ def test_a_truncated_artifact_is_rebuilt(counted, artifact, pin_case):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     assert not build.is_cached(spec), "the truncation is detected"
-    art2, cubin = build.load_artifacts(spec)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mixgemm"):
+        art2, cubin = build.load_artifacts(spec)
+    (line,) = build_logs(caplog)
+    assert line == (f"mixgemm: building kernel {spec.name} (its cache entry {art.directory} is incomplete or "
+                    f"corrupt: its files do not match meta.json); this takes about a minute")
     assert art2.directory == art.directory
     assert sorted(compilations(calls)) == sorted(built * 2), "the whole entry is built again, once"
     meta = json.loads((art2.directory / "meta.json").read_text())
@@ -143,7 +153,7 @@ def test_a_truncated_artifact_is_rebuilt(counted, artifact, pin_case):
         assert helper.params_size > 0
     assert list((cache / "tmp").iterdir()) == []
     pin_case("Kernel cache", f"a truncated cached {artifact}", f"load_artifacts({spec.name})",
-             "rebuilt (sha256 against meta.json), then loads", "(a log line: building kernel ...)")
+             "rebuilt (sha256 against meta.json), then loads", "log: " + line.replace(str(cache), "<cache>"))
 
 
 KILLED_BUILDER = r"""
@@ -153,7 +163,7 @@ build.build(codegen.parse_name(sys.argv[1]))
 """
 
 
-def test_a_build_killed_with_sigkill_recovers(counted, tmp_path, pin_case):
+def test_a_build_killed_with_sigkill_recovers(counted, tmp_path, pin_case, caplog):
     cache, calls = counted
     started = tmp_path / "started"
     proc = subprocess.Popen([sys.executable, "-c", KILLED_BUILDER, DEQ.name], env=child_env(
@@ -174,13 +184,17 @@ def test_a_build_killed_with_sigkill_recovers(counted, tmp_path, pin_case):
     assert build.stale_temporaries() == [leftover]
     # the next build: not blocked by the lock, removes the leftover, builds and loads
     t0 = time.monotonic()
-    art, cubin = build.load_artifacts(DEQ)
+    with caplog.at_level(logging.WARNING, logger="mixgemm"):
+        art, cubin = build.load_artifacts(DEQ)
     assert time.monotonic() - t0 < 120
+    (line,) = build_logs(caplog)
+    assert line == (f"mixgemm: building kernel {DEQ.name} (first use, not in the cache {cache}); this takes "
+                    f"about a minute")
     assert cubin[:4] == b"\x7fELF" and build.is_cached(DEQ)
     assert list((cache / "tmp").iterdir()) == [] and build.stale_temporaries() == []
     assert compilations(calls) == ["kernel.cubin", "kernel.cubin"]
     pin_case("Kernel cache", "a build killed with SIGKILL (builder and nvcc)", f"then {DEQ_CALL}",
-             "the next build succeeds", "(a log line: building kernel ...)",
+             "the next build succeeds", "log: " + line.replace(str(cache), "<cache>"),
              "tmp/<kernel>-<random>/ with owner.json and a lock file; the next build removes the directory, "
              "the lock is harmless")
 

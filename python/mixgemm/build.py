@@ -376,10 +376,16 @@ def build(spec: KernelSpec, *, force: bool = False, parallel_steps: bool = True,
     with _locked(spec, key):
         if force or not _valid(entry, spec, key):
             if announce:
-                log.warning("mixgemm: building kernel %s (not in the cache %s); this takes about a minute",
-                            spec.name, cache_dir())
+                log.warning("mixgemm: building kernel %s (%s); this takes about a minute",
+                            spec.name, _why_build(entry))
             _build_entry(spec, key, source, tc, parallel_steps)
     return Artifacts(spec, key, entry)
+
+
+def _why_build(entry: Path) -> str:
+    if entry.exists():
+        return f"its cache entry {entry} is incomplete or corrupt: its files do not match meta.json"
+    return f"first use, not in the cache {cache_dir()}"
 
 
 def load_artifacts(spec: KernelSpec, *, build_if_missing: bool = True) -> tuple[Artifacts, bytes]:
@@ -393,8 +399,8 @@ def load_artifacts(spec: KernelSpec, *, build_if_missing: bool = True) -> tuple[
         if not _valid(entry, spec, key):
             if not build_if_missing:
                 raise BuildError(f"kernel {spec.name} is not in the cache {cache_dir()}")
-            log.warning("mixgemm: building kernel %s (first use, not in the cache %s); this takes about "
-                        "a minute", spec.name, cache_dir())
+            log.warning("mixgemm: building kernel %s (%s); this takes about a minute",
+                        spec.name, _why_build(entry))
             _build_entry(spec, key, source, tc, parallel_steps=True)
         art = Artifacts(spec, key, entry)
         return art, art.read_cubin()
