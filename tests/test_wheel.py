@@ -4,9 +4,12 @@ every test ran from the source checkout, so nothing noticed).
 
 How the environment is made, and why it cannot see the checkout:
 
-* the wheel is built by ``pip wheel --no-deps`` (with build isolation, as ``pip install .``
-  does) from a copy of the checkout in a temporary directory, so no ``build/`` or
-  ``*.egg-info`` of the checkout is used or left behind;
+* the wheel is built by ``pip wheel --no-deps`` from a copy of the checkout in a temporary
+  directory, so no ``build/`` or ``*.egg-info`` of the checkout is used or left behind. When
+  this interpreter has setuptools >= 68 (pyproject's build requirement) the build uses it
+  (``--no-build-isolation``: no download, so the test also runs on a machine without a package
+  index); otherwise pip builds in an isolated environment, as ``pip install .`` does. The build
+  backend is setuptools' either way;
 * the virtual environment is created *without* the system site-packages: this machine's (and
   CI's) site-packages holds an editable install of a checkout (a ``.pth`` file naming its
   ``python/`` directory), which ``--system-site-packages`` would put on sys.path;
@@ -87,6 +90,17 @@ def _dependency_dirs() -> list[Path]:
     return dirs
 
 
+def _build_isolation() -> list[str]:
+    """``--no-build-isolation`` when this interpreter can build the wheel itself."""
+    from importlib import metadata
+
+    try:
+        major = int(metadata.version("setuptools").split(".")[0])
+    except (metadata.PackageNotFoundError, ValueError):
+        return []
+    return ["--no-build-isolation"] if major >= 68 else []
+
+
 class Installed:
     """A venv holding only the wheel (see the module docstring)."""
 
@@ -96,7 +110,8 @@ class Installed:
         shutil.copytree(ROOT, src, ignore=_ignore)
         self.src = src
         dist = base / "dist"
-        res = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", dist, src], cwd=base)
+        res = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", *_build_isolation(), "-w", dist, src],
+                   cwd=base)
         assert res.returncode == 0, res.stdout + res.stderr
         (self.wheel,) = dist.glob("mixgemm-*.whl")
         self.venv = base / "venv"
