@@ -34,7 +34,7 @@ def env_with_checkout(**extra):
 
 # ------------------------------------------------------------------------------ broken pipe
 
-def test_list_into_a_closed_pipe(tmp_path):
+def test_list_into_a_closed_pipe(tmp_path, pin_case):
     """`mixgemm generate --list | head`: the reader is gone before the writer writes. Exit
     status 141 (128 + SIGPIPE, as the shell reports for a tool killed by SIGPIPE), nothing on
     stderr (no BrokenPipeError traceback, no 'Exception ignored' at exit)."""
@@ -44,6 +44,8 @@ def test_list_into_a_closed_pipe(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 128 + signal.SIGPIPE == cli.EXIT_BROKEN_PIPE
     assert err == ""
+    pin_case("Command line", "stdout closed early (a broken pipe)", "mixgemm generate --list | head",
+             "exit 141", "(nothing on stderr)")
 
 
 def test_list_piped_into_head(tmp_path):
@@ -60,13 +62,14 @@ def test_list_piped_into_head(tmp_path):
 # ------------------------------------------------------------------------------ exit statuses
 
 @pytest.mark.parametrize("command", list(cli.SUBCOMMANDS))
-def test_every_subcommand_has_one_line_usage_errors(capsys, command):
+def test_every_subcommand_has_one_line_usage_errors(capsys, command, pin_case):
     rc, out, err = run(capsys, command, "--no-such-option")
     assert rc == 2 and out == ""
     (line,) = err.splitlines()
     assert line.startswith(f"mixgemm {command}: error: ") and line.endswith(f"(see `mixgemm {command} --help`)")
     # (prepack first misses its required arguments)
     assert "unrecognized arguments: --no-such-option" in line or "required" in line
+    pin_case("Command line", "an unknown option", f"mixgemm {command} --no-such-option", "exit 2", line)
 
 
 @pytest.mark.parametrize("command", list(cli.SUBCOMMANDS))
@@ -137,7 +140,7 @@ def test_a_long_message_is_one_line_unless_debug(capsys, monkeypatch):
     assert rc == 1 and "Traceback" in err and "error: x" in err
 
 
-def test_a_bug_is_one_line_unless_debug(capsys, monkeypatch):
+def test_a_bug_is_one_line_unless_debug(capsys, monkeypatch, pin_case):
     from mixgemm import demo
 
     def boom(*a, **k):
@@ -147,6 +150,8 @@ def test_a_bug_is_one_line_unless_debug(capsys, monkeypatch):
     assert rc == 1
     assert err.splitlines() == ["mixgemm demo: internal error: ZeroDivisionError: division by zero (a bug in "
                                 "mixgemm: `mixgemm --debug demo ...` prints the traceback; please report it)"]
+    pin_case("Command line", "an unexpected exception (a bug)", "mixgemm demo (with a bug)", "exit 1",
+             err.splitlines()[0])
     rc, _, err = run(capsys, "--debug", "demo")
     assert rc == 1 and "Traceback" in err and "1 / 0" in err
 
@@ -159,7 +164,7 @@ def test_an_os_error_is_a_reported_error(capsys, tmp_path):
     assert re.fullmatch(rf"mixgemm generate: error: {re.escape(str(blocker / 'src'))}: .+\n", err)
 
 
-def test_keyboard_interrupt(capsys, monkeypatch):
+def test_keyboard_interrupt(capsys, monkeypatch, pin_case):
     from mixgemm import demo
 
     def interrupted(*a, **k):
@@ -167,6 +172,8 @@ def test_keyboard_interrupt(capsys, monkeypatch):
     monkeypatch.setattr(demo, "run", interrupted)
     rc, _, err = run(capsys, "demo")
     assert rc == 130 == cli.EXIT_INTERRUPTED and err == "mixgemm demo: interrupted\n"
+    pin_case("Command line", "KeyboardInterrupt in any command", "mixgemm demo (Ctrl-C)", "exit 130",
+             err.splitlines()[0])
 
 
 # ------------------------------------------------------------------------------ dependencies

@@ -10,7 +10,8 @@ the tests are the source of truth, the table only summarises them.
 import json
 import sys
 
-GROUPS = ("Files", "Tensors", "Options", "Output path", "Interrupts", "Values", "API", "Kernel cache")
+GROUPS = ("Files", "Tensors", "Options", "Output path", "Interrupts", "Values", "API", "Kernel cache",
+          "Command line")
 
 
 def cell(text: str) -> str:
