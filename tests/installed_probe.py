@@ -10,7 +10,6 @@ import json
 import os
 import re
 import sys
-from pathlib import Path
 
 #: Every #include line: the delimiter ('"' or '<') and the name.
 _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)

@@ -2,7 +2,6 @@
 check here happens before a kernel is chosen, loaded or launched), and edge values work."""
 from __future__ import annotations
 
-import re
 import warnings
 
 import pytest

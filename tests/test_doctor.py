@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixgemm import build, doctor, paths
+from mixgemm import doctor, paths
 from mixgemm.cli import main
 from mixgemm.doctor import Finding, Status
 

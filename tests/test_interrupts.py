@@ -118,4 +118,4 @@ def test_sigkill_leaves_a_named_temporary_that_the_next_run_removes(job, capsys,
     assert isinstance(load(job["out"])["layers.0.proj.weight"], PackedWeight)
     pin_case("Interrupts", "SIGKILL with the temporary file written",
              "mixgemm prepack IN -o OUT --bits 4 --group-size 128", "killed (-9)", "(nothing: killed)",
-             f"one temporary file '.OUT.<pid>.<random>.tmp'; the next run removes it")
+             "one temporary file '.OUT.<pid>.<random>.tmp'; the next run removes it")

@@ -23,7 +23,7 @@ import re
 import signal
 import sys
 from types import MappingProxyType
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .errors import CliError, MixgemmError, UsageError
 
