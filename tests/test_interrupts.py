@@ -89,8 +89,8 @@ def start(job, stage):
 def test_sigint_leaves_nothing(job, stage, pin_case):
     proc = start(job, stage)
     if stage == "save":
-        temporary = Path(job["ready"].read_text())
-        assert temporary.exists() and temporary.parent == job["out_dir"]
+        temporary = Path(job["ready"].read_text())     # the file, in its private temporary directory
+        assert temporary.is_file() and temporary.parent.parent == job["out_dir"]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
@@ -104,12 +104,12 @@ def test_sigint_leaves_nothing(job, stage, pin_case):
 
 def test_sigkill_leaves_a_named_temporary_that_the_next_run_removes(job, capsys, pin_case):
     proc = start(job, "save")
-    temporary = Path(job["ready"].read_text())
+    temporary = Path(job["ready"].read_text()).parent
     proc.kill()
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    # what a kill leaves: only the temporary, named after the output and the dead process
-    assert os.listdir(job["out_dir"]) == [temporary.name]
+    # what a kill leaves: only the temporary directory, named after the output and the dead process
+    assert os.listdir(job["out_dir"]) == [temporary.name] and temporary.is_dir()
     assert re.fullmatch(rf"\.model\.int4\.safetensors\.{proc.pid}\.[a-z0-9_]+\.tmp", temporary.name)
     # the next run cleans it up and writes the output
     rc = main(["prepack", str(job["src"]), "-o", str(job["out"]), "--bits", "4", "--group-size", "128"])
@@ -118,4 +118,56 @@ def test_sigkill_leaves_a_named_temporary_that_the_next_run_removes(job, capsys,
     assert isinstance(load(job["out"])["layers.0.proj.weight"], PackedWeight)
     pin_case("Interrupts", "SIGKILL with the temporary file written",
              "mixgemm prepack IN -o OUT --bits 4 --group-size 128", "killed (-9)", "(nothing: killed)",
-             "one temporary file '.OUT.<pid>.<random>.tmp'; the next run removes it")
+             "one temporary directory '.OUT.<pid>.<random>.tmp/'; the next run removes it")
+
+
+SAVER = r"""
+import sys, torch
+import mixgemm
+try:
+    mixgemm.save(sys.argv[1], {"big": torch.zeros(int(sys.argv[2]), dtype=torch.uint8)})
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_a_signal_during_the_real_write(tmp_path, sig, pin_case):
+    """No pause this time: a 256 MiB save, signalled as soon as safetensors has begun to write
+    in save's temporary directory (safetensors writes to a temporary file of its own, ``.tmpXXXXXX``,
+    next to the file it is asked to write: inside that directory). SIGINT: nothing left.
+    SIGKILL: only the recognisable directory, which the next save removes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "big.safetensors"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(target), str(256 << 20)], env=env, cwd=tmp_path,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while True:                         # until safetensors has begun writing in our directory
+        names = os.listdir(out)
+        if names and (out / names[0]).is_dir() and os.listdir(out / names[0]):
+            break
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.001)
+    seen = os.listdir(out / names[0])
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    left = os.listdir(out)
+    if sig == signal.SIGINT:
+        # (the signal is handled when safetensors returns: the save either finished before it,
+        # or is undone; never a partial file)
+        assert proc.returncode in (130, 0)
+        assert left == [] if proc.returncode == 130 else left == ["big.safetensors"]
+        pin_case("Interrupts", "SIGINT during the real write (256 MiB)", "mixgemm.save(path, ...)",
+                 "KeyboardInterrupt (exit 130 in the child)", "(KeyboardInterrupt)")
+        return
+    assert proc.returncode == -signal.SIGKILL
+    assert len(left) == 1 and re.fullmatch(rf"\.big\.safetensors\.{proc.pid}\.[a-z0-9_]+\.tmp", left[0]), (seen, left)
+    assert os.listdir(out / left[0]), "what safetensors was writing is inside it"
+    import mixgemm
+    mixgemm.save(target, {"x": torch.zeros(2)})
+    assert os.listdir(out) == ["big.safetensors"]
+    pin_case("Interrupts", "SIGKILL during the real write (256 MiB)", "mixgemm.save(path, ...), then save again",
+             "killed (-9)", "(nothing: killed)",
+             "one temporary directory '.NAME.<pid>.<random>.tmp/'; the next save removes it")

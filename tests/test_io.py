@@ -384,12 +384,16 @@ def _dead_pid() -> int:
 def test_a_killed_save_leaves_a_named_temporary_that_the_next_save_removes(tmp_path):
     path = tmp_path / "model.safetensors"
     dead, alive = _dead_pid(), os.getppid()
-    stale = tmp_path / f".model.safetensors.{dead}.abc123.tmp"
-    live = tmp_path / f".model.safetensors.{alive}.def456.tmp"       # a save in progress elsewhere
-    other = tmp_path / f".other.safetensors.{dead}.xyz.tmp"            # another file's: not ours
-    for p in (stale, live, other):
+    stale_dir = tmp_path / f".model.safetensors.{dead}.abc123.tmp"    # what save leaves when killed
+    stale_file = tmp_path / f".model.safetensors.{dead}.abc124.tmp"   # (and a plain file of that name)
+    live = tmp_path / f".model.safetensors.{alive}.def456.tmp"        # a save in progress elsewhere
+    other = tmp_path / f".other.safetensors.{dead}.xyz.tmp"           # another file's: not ours
+    stale_dir.mkdir()
+    (stale_dir / "model.safetensors").write_bytes(b"partial")
+    (stale_dir / ".tmpAbC123").write_bytes(b"safetensors' own")
+    for p in (stale_file, live, other):
         p.write_bytes(b"partial")
-    assert stale_temporaries(path) == [str(stale)]
+    assert stale_temporaries(path) == sorted([str(stale_dir), str(stale_file)])
     save(path, {"x": torch.zeros(2)})
     assert sorted(os.listdir(tmp_path)) == sorted(["model.safetensors", live.name, other.name])
 
