@@ -157,6 +157,17 @@ def test_incomplete_headers(tmp_path, monkeypatch):
     assert f.fix.startswith("reinstall mixgemm")
 
 
+def test_a_source_dir_without_headers_is_ignored_and_said(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIXGEMM_SOURCE_DIR", str(tmp_path / "nothing"))
+    paths.source_root.cache_clear()
+    try:
+        f = doctor.check_headers()
+    finally:
+        paths.source_root.cache_clear()
+    assert f.status is Status.WARN and f.detail.endswith(f"$MIXGEMM_SOURCE_DIR={tmp_path / 'nothing'} is ignored")
+    assert "unset it" in f.fix
+
+
 def test_cache_with_kernels(cache):
     for i in range(2):
         entry = cache / "kernels" / f"mixgemm_dequant_bf16_u{i}-abc"

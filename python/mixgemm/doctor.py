@@ -141,8 +141,12 @@ def check_headers() -> Finding:
         return Finding("headers", Status.FAIL,
                        f"{origin} {root} ({files} files) is incomplete: {len(broken)} of {len(specs)} "
                        f"kernels cannot be built ({example})", REINSTALL)
-    return Finding("headers", Status.OK, f"{origin} {root} ({files} files); the includes of all "
-                   f"{len(specs)} kernels resolve")
+    detail = f"{origin} {root} ({files} files); the includes of all {len(specs)} kernels resolve"
+    env = os.environ.get("MIXGEMM_SOURCE_DIR")
+    if env and origin != "$MIXGEMM_SOURCE_DIR":
+        return Finding("headers", Status.WARN, detail + f"; $MIXGEMM_SOURCE_DIR={env} is ignored",
+                       "point MIXGEMM_SOURCE_DIR at a checkout (holding cutlass_ext/ and converters/), or unset it")
+    return Finding("headers", Status.OK, detail)
 
 
 def _cutlass_header_version(include: Path) -> Optional[str]:
