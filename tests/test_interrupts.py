@@ -27,8 +27,11 @@ from mixgemm.types import PackedWeight
 ROOT = Path(__file__).resolve().parents[1]
 
 WRAPPER = r'''
-import sys, time
+import signal, sys, time
 from pathlib import Path
+# as in a terminal: Python's SIGINT handler even when this test runs where SIGINT is ignored
+# (a background job of a non-interactive shell inherits SIG_IGN, and Python keeps it)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 stage, ready = sys.argv[1], Path(sys.argv[2])
 if stage == "quantize":          # pause while quantizing the second weight
     import mixgemm.quantize
@@ -122,8 +125,9 @@ def test_sigkill_leaves_a_named_temporary_that_the_next_run_removes(job, capsys,
 
 
 SAVER = r"""
-import sys, torch
+import signal, sys, torch
 import mixgemm
+signal.signal(signal.SIGINT, signal.default_int_handler)   # (see WRAPPER)
 try:
     mixgemm.save(sys.argv[1], {"big": torch.zeros(int(sys.argv[2]), dtype=torch.uint8)})
 except KeyboardInterrupt:
