@@ -2,7 +2,16 @@
 
 GPU tests are marked ``@pytest.mark.gpu`` and take the ``requires_gpu`` fixture, which skips
 them unless torch sees an sm_90 (Hopper) GPU.
+
+``pin_case`` records a bad-input or fault case that a test has just asserted (its exit status
+or exception, the first line of its message, what it left behind) into the JSON-lines file
+named by ``$MIXGEMM_CASE_LOG``, when that is set; ``tools/case_table.py`` renders the case
+table from such a run. Without the variable it does nothing.
 """
+import json
+import os
+import re
+
 import pytest
 import torch
 
@@ -18,3 +27,19 @@ def requires_gpu():
     if not has_hopper_gpu():
         pytest.skip("needs an NVIDIA Hopper (sm_90) GPU")
     return torch.device("cuda", 0)
+
+
+@pytest.fixture
+def pin_case(request):
+    """``pin_case(group, case, call, outcome, first_line, leftovers="none")``: call it after the
+    assertions, with the values they checked."""
+    def pin(group: str, case: str, call: str, outcome: str, first_line: str, leftovers: str = "none"):
+        log = os.environ.get("MIXGEMM_CASE_LOG")
+        if log:
+            # the test's temporary directory is noise in a table
+            first = re.sub(r"/\S*?/pytest-\d+/[^/\s]+", "<tmp>", first_line)
+            row = {"group": group, "case": case, "call": call, "outcome": outcome,
+                   "first_line": first, "leftovers": leftovers, "test": request.node.nodeid}
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+    return pin

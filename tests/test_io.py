@@ -2,6 +2,9 @@
 import dataclasses
 import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import safetensors.torch
@@ -10,7 +13,7 @@ from safetensors import safe_open
 
 import mixgemm
 from mixgemm.io import (FORMAT_VERSION, MixgemmFormatError, check_metadata, load, read_metadata,
-                        save)
+                        save, stale_temporaries)
 from mixgemm.layout import prepack, unpack
 from mixgemm.quantize import quantize
 from mixgemm.types import LAYOUT_VERSION, PackedWeight
@@ -305,3 +308,103 @@ def test_zero_offsets_round_trip_and_version(tmp_path):
     assert torch.equal(unpack(back).zero_offsets, offsets)
     with pytest.raises(ValueError, match="zero_offsets must be float32"):
         dataclasses.replace(packed, zero_offsets=packed.zero_offsets.double())
+
+
+# ------------------------------------------------------------------ pinned cases (issue #15)
+
+def first_line(excinfo) -> str:
+    return str(excinfo.value).splitlines()[0]
+
+
+def test_pinned_bad_files(tmp_path, pin_case):
+    """mixgemm.load of each bad file: the exception, the first line of its message, and no file
+    created next to it."""
+    good = tmp_path / "good.safetensors"
+    save(good, {"w": packed_weight()})
+    data = good.read_bytes()
+    header = b"{garbage, not json}"
+    cases = {
+        "missing input": (tmp_path / "absent.safetensors", None, r"\S+absent\.safetensors: no such file$"),
+        "not a safetensors file (random bytes)": (tmp_path / "random.safetensors", os.urandom(1000),
+                                                  r"\S+: not a valid safetensors file \(corrupt or truncated\?\)"),
+        "truncated safetensors file": (tmp_path / "cut.safetensors", data[:-100],
+                                       r"\S+: not a valid safetensors file \(corrupt or truncated\?\)"),
+        "garbage in the header JSON": (tmp_path / "garbage.safetensors",
+                                       len(header).to_bytes(8, "little") + header + bytes(64),
+                                       r"\S+: not a valid safetensors file \(corrupt or truncated\?\)"),
+    }
+    for case, (path, content, pattern) in cases.items():
+        if content is not None:
+            path.write_bytes(content)
+        before = sorted(os.listdir(tmp_path))
+        with pytest.raises(MixgemmFormatError) as excinfo:
+            load(path)
+        assert re.match(pattern, first_line(excinfo)), first_line(excinfo)
+        assert sorted(os.listdir(tmp_path)) == before
+        pin_case("Files", case, f"mixgemm.load({path.name!r})", "MixgemmFormatError", first_line(excinfo))
+
+
+def test_pinned_future_format(saved, pin_case):
+    path = saved[0]
+    rewrite(path, edit_metadata=lambda m: m.update({"mixgemm:format_version": str(FORMAT_VERSION + 1)}))
+    with pytest.raises(MixgemmFormatError) as excinfo:
+        load(path)
+    assert re.fullmatch(rf"\S+ uses mixgemm file format version {FORMAT_VERSION + 1}, from the future: this "
+                        rf"mixgemm reads version {FORMAT_VERSION}; this is mixgemm \S+; upgrade mixgemm "
+                        r"\(pip install -U mixgemm\) to read it", first_line(excinfo))
+    pin_case("Files", "a file from a future format version", "mixgemm.load(path)",
+             "MixgemmFormatError", first_line(excinfo))
+
+
+@pytest.mark.parametrize("what,edit,message", [
+    ("the wrong shape", lambda t: t[:, :1].contiguous(), r"qdata must be uint8 of shape \[2, 2, 512\], got torch\.uint8 \[2, 1, 512\]"),
+    ("the wrong dtype", lambda t: t.to(torch.int8), r"qdata must be uint8 of shape \[2, 2, 512\], got torch\.int8 \[2, 2, 512\]"),
+])
+def test_packed_qdata_of_the_wrong_shape_or_dtype(saved, what, edit, message, pin_case):
+    """A packed tensor whose qdata does not match its metadata is refused when loading."""
+    path = saved[0]
+    rewrite(path, edit_tensors=lambda t: t.update({"layers.0.q.weight.qdata": edit(t["layers.0.q.weight.qdata"])}))
+    with pytest.raises(MixgemmFormatError) as excinfo:
+        load(path)
+    assert re.fullmatch(r"\S+: packed weight 'layers\.0\.q\.weight': inconsistent with its metadata: " + message,
+                        first_line(excinfo)), first_line(excinfo)
+    pin_case("Tensors", f"packed qdata of {what}", "mixgemm.load(path)", "MixgemmFormatError", first_line(excinfo))
+    # and the constructor itself, for a weight built in memory
+    good = packed_weight()
+    with pytest.raises(ValueError, match=message):
+        PackedWeight(edit(good.qdata), good.scales, good.zeros, good.weight_type, good.group_size, good.n, good.k)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_killed_save_leaves_a_named_temporary_that_the_next_save_removes(tmp_path):
+    path = tmp_path / "model.safetensors"
+    dead, alive = _dead_pid(), os.getppid()
+    stale_dir = tmp_path / f".model.safetensors.{dead}.abc123.tmp"    # what save leaves when killed
+    stale_file = tmp_path / f".model.safetensors.{dead}.abc124.tmp"   # (and a plain file of that name)
+    live = tmp_path / f".model.safetensors.{alive}.def456.tmp"        # a save in progress elsewhere
+    other = tmp_path / f".other.safetensors.{dead}.xyz.tmp"           # another file's: not ours
+    stale_dir.mkdir()
+    (stale_dir / "model.safetensors").write_bytes(b"partial")
+    (stale_dir / ".tmpAbC123").write_bytes(b"safetensors' own")
+    for p in (stale_file, live, other):
+        p.write_bytes(b"partial")
+    assert stale_temporaries(path) == sorted([str(stale_dir), str(stale_file)])
+    save(path, {"x": torch.zeros(2)})
+    assert sorted(os.listdir(tmp_path)) == sorted(["model.safetensors", live.name, other.name])
+
+
+def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
+    """KeyboardInterrupt while the file is being written: no target, no temporary."""
+    def interrupted(tensors, filename, metadata=None):
+        with open(filename, "wb") as fh:
+            fh.write(b"partial data")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path / "new.safetensors", {"x": torch.zeros(3)})
+    assert os.listdir(tmp_path) == []

@@ -51,3 +51,12 @@ def test_ci_exit_status(tmp_path, command, rc):
     assert result.returncode == rc, result.stderr
     if command == "exit 5":
         assert "no tests" in result.stderr
+
+
+def test_readme_says_what_the_first_gpu_run_costs():
+    """Near the install command: the first use of each kernel compiles it (65-100 s, once per
+    machine), how to build ahead of time, and the doctor."""
+    after_install = README.split("<!-- /install-command -->", 1)[1].split("\n## ", 1)[0]
+    assert "first use of each kernel compiles it" in after_install
+    assert "65-100 s" in after_install and "once per machine" in after_install
+    assert "`mixgemm generate --build`" in after_install and "`mixgemm doctor`" in after_install

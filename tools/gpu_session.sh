@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call of the device tool: set up, then run the GPU work named by the arguments.
 #   tools/gpu_session.sh [build] [tests] [quick-tests] [sanitize] [bench] [bench-quick] [bench-model]
-#                        [bench-model-smoke] [bench-host] [host] [script] ...   (each step is a case below)
+#                        [bench-model-smoke] [bench-host] [host] [first-run] [installed-demo] [script] ...
+#                        (each step is a case below)
 # Carry `.whl` (wheels from ../shared/gpu/wheels.sh) and `.gpu` (the kernel cache as
 # .gpu/cache.tgz or its 15 MiB parts .gpu/cache.part.*). Everything it writes goes under $OUT.
 set -uo pipefail
@@ -95,6 +96,28 @@ for step in "$@"; do
         | grep -v "mixgemm build" | tee "$OUT/host-profile.log" || rc=1 ;;
     script)   # a one-off experiment: python3 $MIXGEMM_SCRIPT (e.g. benchmarks/experiments/exp_pdl.py), output under $OUT
       timeout ${MIXGEMM_SCRIPT_TIMEOUT:-300} python3 $MIXGEMM_SCRIPT 2>&1 | grep -v "mixgemm build" | tee "$OUT/script.log" || rc=1 ;;
+    first-run)   # issue #15: doctor and demo on an empty kernel cache (they compile: a progress line), then cached
+      rm -rf /tmp/mixgemm-first
+      for n in 1 2; do
+        MIXGEMM_CACHE_DIR=/tmp/mixgemm-first timeout 200 python3 -m mixgemm doctor > "$OUT/doctor-$n.txt" 2>&1
+        echo "exit status $?" >> "$OUT/doctor-$n.txt"
+        MIXGEMM_CACHE_DIR=/tmp/mixgemm-first timeout 300 python3 -m mixgemm demo > "$OUT/demo-$n.txt" 2>&1
+        echo "exit status $?" >> "$OUT/demo-$n.txt"
+      done
+      tail -n 16 "$OUT"/doctor-1.txt "$OUT"/doctor-2.txt "$OUT"/demo-1.txt "$OUT"/demo-2.txt ;;
+    installed-demo)   # issue #15: the wheel in a fresh venv (no checkout on sys.path; deps through a .pth), run from /tmp
+      ( set -e
+        python3 -m pip wheel -q --no-deps --no-build-isolation -w /tmp/dist .
+        python3 -m venv /tmp/venv
+        /tmp/venv/bin/python -m pip install -q --no-deps --no-index /tmp/dist/mixgemm-*.whl
+        site=$(/tmp/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' > "$site/deps.pth"
+        echo /tmp/site >> "$site/deps.pth"
+        cd /tmp && unset PYTHONPATH && export MIXGEMM_CACHE_DIR=/tmp/mixgemm-installed
+        timeout 200 /tmp/venv/bin/mixgemm doctor || echo "doctor: exit status $?"
+        timeout 300 /tmp/venv/bin/mixgemm demo
+      ) > "$OUT/installed-demo.txt" 2>&1 || rc=1
+      echo "exit status $rc" >> "$OUT/installed-demo.txt"; tail -n 30 "$OUT/installed-demo.txt" ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done

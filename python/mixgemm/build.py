@@ -14,6 +14,12 @@ the CUTLASS version, the nvcc version, the flags, the arch and the environment v
 nvcc reads. An entry is built in a temporary directory and moved into place with
 ``os.replace``; one file lock per entry covers building and loading, so concurrent processes
 never see half-written files. An entry whose files do not match ``meta.json`` is rebuilt.
+
+Faults: the locks are ``flock`` locks, released by the kernel when their process dies, so a
+lock file left behind is harmless. A build killed outright (SIGKILL, OOM) leaves its temporary
+directory under ``tmp/`` (``<kernel name>-<random>``, holding an ``owner.json`` with the host
+and process id); the next build removes every such directory whose process is gone
+(:func:`stale_temporaries`), and nothing ever reads them.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import logging
 import re
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -275,6 +282,57 @@ def _run_nvcc(tc: Toolchain, flags: Sequence[str], src: Path, out: Path) -> list
     return cmd
 
 
+#: A temporary build directory without a readable owner.json is stale after this long (its
+#: owner writes owner.json right after creating it); one of any owner after STALE_ANY_S (no
+#: build takes that long).
+_STALE_UNOWNED_S = 3600
+_STALE_ANY_S = 24 * 3600
+_OWNER = "owner.json"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def _is_stale(tmp: Path, now: float) -> bool:
+    try:
+        owner = json.loads((tmp / _OWNER).read_text())
+        host, pid, started = owner["host"], int(owner["pid"]), float(owner["started"])
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            return now - tmp.stat().st_mtime > _STALE_UNOWNED_S
+        except OSError:
+            return False
+    if now - started > _STALE_ANY_S:
+        return True
+    # a process of another host (a cache on a shared file system) cannot be checked from here
+    return host == socket.gethostname() and pid != os.getpid() and not _pid_alive(pid)
+
+
+def stale_temporaries() -> list[Path]:
+    """Temporary build directories under the cache's ``tmp/`` whose build is gone: its process
+    (on this host) no longer runs, or it is older than a day. A build killed outright leaves
+    one; :func:`build` removes them."""
+    tmp_root = cache_dir() / "tmp"
+    now = time.time()
+    try:
+        candidates = [p for p in tmp_root.iterdir() if p.is_dir()]
+    except OSError:
+        return []
+    return [p for p in candidates if _is_stale(p, now)]
+
+
+def _remove_stale_temporaries() -> None:
+    for tmp in stale_temporaries():
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _build_entry(spec: KernelSpec, key: str, source: str, tc: Toolchain, parallel_steps: bool) -> None:
     _build_into(_entry_dir(spec, key), spec.name, key, f"{spec.name}.cu", source, _steps(spec), tc,
                 parallel_steps, {"spec": repr(spec)})
@@ -286,8 +344,11 @@ def _build_into(final: Path, name: str, key: str, source_name: str, source: str,
     meta.json last, and move the directory to ``final`` (the caller holds the entry's lock)."""
     tmp_root = cache_dir() / "tmp"
     tmp_root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries()
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp_root))
     try:
+        (tmp / _OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                              "started": time.time(), "kernel": name}))
         src = tmp / source_name
         src.write_text(source)
         t0 = time.time()
@@ -310,6 +371,7 @@ def _build_into(final: Path, name: str, key: str, source_name: str, source: str,
         meta_tmp = tmp / "meta.json.tmp"
         meta_tmp.write_text(json.dumps(meta, indent=1))
         os.replace(meta_tmp, tmp / "meta.json")          # meta last: its presence marks completeness
+        (tmp / _OWNER).unlink()
         if final.exists():
             shutil.rmtree(final)                          # a corrupt or stale entry (we hold its lock)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -331,10 +393,16 @@ def build(spec: KernelSpec, *, force: bool = False, parallel_steps: bool = True,
     with _locked(spec, key):
         if force or not _valid(entry, spec, key):
             if announce:
-                log.warning("mixgemm: building kernel %s (not in the cache %s); this takes about a minute",
-                            spec.name, cache_dir())
+                log.warning("mixgemm: building kernel %s (%s); this takes about a minute",
+                            spec.name, _why_build(entry))
             _build_entry(spec, key, source, tc, parallel_steps)
     return Artifacts(spec, key, entry)
+
+
+def _why_build(entry: Path) -> str:
+    if entry.exists():
+        return f"its cache entry {entry} is incomplete or corrupt: its files do not match meta.json"
+    return f"first use, not in the cache {cache_dir()}"
 
 
 def load_artifacts(spec: KernelSpec, *, build_if_missing: bool = True) -> tuple[Artifacts, bytes]:
@@ -348,8 +416,8 @@ def load_artifacts(spec: KernelSpec, *, build_if_missing: bool = True) -> tuple[
         if not _valid(entry, spec, key):
             if not build_if_missing:
                 raise BuildError(f"kernel {spec.name} is not in the cache {cache_dir()}")
-            log.warning("mixgemm: building kernel %s (first use, not in the cache %s); this takes about "
-                        "a minute", spec.name, cache_dir())
+            log.warning("mixgemm: building kernel %s (%s); this takes about a minute",
+                        spec.name, _why_build(entry))
             _build_entry(spec, key, source, tc, parallel_steps=True)
         art = Artifacts(spec, key, entry)
         return art, art.read_cubin()

@@ -4,28 +4,39 @@ Subcommands are registered in :data:`SUBCOMMANDS`: each entry maps a name to a b
 function that adds its parser to the ``argparse`` subparsers and sets ``func`` (the function
 that runs it: ``func(args) -> int`` exit status). To add a subcommand, write a
 ``_add_<name>(subparsers)`` builder and a ``_run_<name>(args)`` runner and add the builder to
-:data:`SUBCOMMANDS`. Runners report user errors by raising :class:`CliError`; :func:`main`
-prints them on stderr and returns 1.
+:data:`SUBCOMMANDS`. Runners report user errors by raising :class:`CliError`.
+
+It behaves like a Unix tool (:func:`main`):
+
+* exit status 0 on success, 1 on a reported error (any :class:`mixgemm.errors.MixgemmError`,
+  an ``OSError``, or a bug), 2 on a usage error (argparse's, or a :class:`UsageError`), 130 when
+  interrupted (SIGINT), and 141 (128 + SIGPIPE, what the shell reports for a tool killed by
+  SIGPIPE) when stdout is closed early, as in ``mixgemm generate --list | head``: quietly;
+* an error is one line on stderr, ``mixgemm <command>: error: <what>``; a longer message (a
+  compiler's output) or a traceback is printed only with ``--debug``.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import signal
 import sys
 from types import MappingProxyType
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from .errors import CliError
+from .errors import CliError, MixgemmError, UsageError
 
 PROG = "mixgemm"
+#: Exit statuses (see the module docstring).
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
 def _fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit} ({n:,} B)"
-    return f"{n:,} B"
+    from .demo import fmt_bytes
+    return fmt_bytes(n)
 
 
 def _group_size_arg(text: str):
@@ -41,6 +52,23 @@ def _group_size_arg(text: str):
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _regex_arg(text: str) -> "re.Pattern[str]":
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"bad regular expression {text!r}: {e}") from None
+
+
 # ---------------------------------------------------------------------------------- prepack
 
 #: Tensors prepack quantizes by default: names ending in ``.weight``...
@@ -50,6 +78,8 @@ DEFAULT_EXCLUDE = r"embed|(^|\.)(wte|wpe)\.|lm_head|(^|\.)output\.weight$|norm|(
 
 #: safetensors dtypes of the tensors prepack can quantize.
 _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+#: Tensors a refusal names (in its one line); the rest are counted.
+_MAX_PROBLEMS = 8
 
 
 def _add_prepack(subparsers) -> None:
@@ -74,7 +104,10 @@ def _add_prepack(subparsers) -> None:
                    help="unquantized checkpoint; with --from, a quantized checkpoint file or a "
                         "directory of *.safetensors shards")
     p.add_argument("-o", "--output", metavar="OUT.safetensors", required=True,
-                   help="where to write the packed checkpoint (replaced atomically)")
+                   help="where to write the packed checkpoint: written to a temporary file in the "
+                        "same directory, then renamed; an existing file is refused unless --force")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing OUT (atomically: readers see the old or the new file)")
     p.add_argument("--from", dest="from_format", metavar="FORMAT", default=None,
                    choices=("awq", "gptq", "compressed-tensors", "hqq", "auto"),
                    help="convert an already quantized checkpoint (awq, gptq, compressed-tensors, "
@@ -93,24 +126,31 @@ def _add_prepack(subparsers) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
                    help="activation dtype of scales/zeros (default: the weight's dtype if "
                         "bf16/fp16, else bf16)")
-    p.add_argument("--include", metavar="REGEX", action="append", default=None,
+    p.add_argument("--include", metavar="REGEX", action="append", default=None, type=_regex_arg,
                    help=f"select names matching REGEX (repeatable; replaces the default "
                         f"{DEFAULT_INCLUDE!r})")
-    p.add_argument("--exclude", metavar="REGEX", action="append", default=None,
+    p.add_argument("--exclude", metavar="REGEX", action="append", default=None, type=_regex_arg,
                    help="skip names matching REGEX (repeatable; added to the default excludes)")
     p.add_argument("--no-default-exclude", action="store_true",
                    help="do not apply the default exclude regex")
     p.set_defaults(func=_run_prepack)
 
 
-def _compile(patterns: Sequence[str], option: str) -> List["re.Pattern[str]"]:
-    out = []
-    for pattern in patterns:
-        try:
-            out.append(re.compile(pattern))
-        except re.error as e:
-            raise CliError(f"bad regular expression {pattern!r} for {option}: {e}") from None
-    return out
+def _check_output(dst: str, inputs: Sequence, force: bool) -> None:
+    """Refuse an output path before any work: a missing directory, a directory, one of the
+    inputs, or an existing file (unless ``force``)."""
+    from pathlib import Path
+
+    dst_dir = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(dst_dir):
+        raise CliError(f"cannot write {dst}: directory {dst_dir} does not exist")
+    if os.path.isdir(dst):
+        raise CliError(f"cannot write {dst}: it is a directory")
+    if os.path.exists(dst):
+        if any(Path(f).exists() and os.path.samefile(f, dst) for f in inputs):
+            raise CliError(f"the output {dst} is the input file; write to another file")
+        if not force:
+            raise CliError(f"{dst} exists; pass --force to replace it")
 
 
 def _gptq_checkpoint_format(src) -> Optional[str]:
@@ -147,7 +187,7 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
 
     src, dst = Path(args.input), args.output
     if args.bits is not None or args.group_size is not None or args.symmetric:
-        raise CliError("--bits, --group-size and --symmetric come from the checkpoint with --from")
+        raise UsageError("--bits, --group-size and --symmetric come from the checkpoint with --from")
     if src.is_dir():
         files = sorted(src.glob("*.safetensors"))
         if not files:
@@ -156,8 +196,7 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
         files = [src]
     else:
         raise CliError(f"{src}: no such file or directory")
-    if any(Path(dst).resolve() == f.resolve() for f in files):
-        raise CliError("the output would overwrite the input")
+    _check_output(dst, files, args.force)
     tensors: dict = {}
     for f in tqdm(files, desc="read shards", unit="file", disable=None):
         try:
@@ -202,7 +241,7 @@ def _run_prepack(args: argparse.Namespace) -> int:
     if args.from_format is not None:
         return _run_prepack_from(args)
     if args.bits is None or args.group_size is None:
-        raise CliError("--bits and --group-size are required (unless --from converts a quantized checkpoint)")
+        raise UsageError("--bits and --group-size are required (unless --from converts a quantized checkpoint)")
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -213,9 +252,8 @@ def _run_prepack(args: argparse.Namespace) -> int:
     from .types import check_group_size
 
     src, dst = args.input, args.output
-    include = _compile(args.include or [DEFAULT_INCLUDE], "--include")
-    exclude = _compile(([] if args.no_default_exclude else [DEFAULT_EXCLUDE])
-                       + (args.exclude or []), "--exclude")
+    include = args.include or [re.compile(DEFAULT_INCLUDE)]
+    exclude = ([] if args.no_default_exclude else [re.compile(DEFAULT_EXCLUDE)]) + (args.exclude or [])
 
     # -- the input: a valid, plain (not yet packed) safetensors file
     try:
@@ -228,13 +266,7 @@ def _run_prepack(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
 
     # -- the output
-    dst_dir = os.path.dirname(os.path.abspath(dst))
-    if not os.path.isdir(dst_dir):
-        raise CliError(f"cannot write {dst}: directory {dst_dir} does not exist")
-    if os.path.isdir(dst):
-        raise CliError(f"cannot write {dst}: it is a directory")
-    if os.path.exists(dst) and os.path.samefile(src, dst):
-        raise CliError(f"the output {dst} is the input file; write to another file")
+    _check_output(dst, [src], args.force)
 
     # -- plan and validate every tensor before quantizing or writing anything
     with safe_open(src, framework="pt", device="cpu") as f:
@@ -274,10 +306,11 @@ def _run_prepack(args: argparse.Namespace) -> int:
             hint = ""
             if any("group_size" in p for p in problems):
                 hint = " (or choose a --group-size that divides every K, or 'channel')"
+            shown = problems[:_MAX_PROBLEMS] + ([f"and {len(problems) - _MAX_PROBLEMS} more"]
+                                                if len(problems) > _MAX_PROBLEMS else [])
             raise CliError(
-                f"cannot prepack {len(problems)} selected tensor(s) of {src}:\n  "
-                + "\n  ".join(problems)
-                + f"\nskip a tensor with --exclude, e.g. --exclude '^{re.escape(first)}$'{hint}")
+                f"cannot prepack {len(problems)} selected tensor(s) of {src}: " + " | ".join(shown)
+                + f"; skip a tensor with --exclude, e.g. --exclude '^{re.escape(first)}$'{hint}")
         if not selected:
             raise CliError(
                 f"no tensor of {src} ({len(names)} tensors) is selected: prepack quantizes 2-D "
@@ -300,7 +333,7 @@ def _run_prepack(args: argparse.Namespace) -> int:
                                   dtype=args.dtype)
                     packed = prepack(qw)
                 except (TypeError, ValueError) as e:
-                    raise CliError(f"cannot quantize {name}: {e}\nskip it with --exclude "
+                    raise CliError(f"cannot quantize {name}: {e}; skip it with --exclude "
                                    f"'^{re.escape(name)}$'") from None
                 out[name] = packed
                 packed_before += size
@@ -340,23 +373,21 @@ def _run_prepack(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------- demo
 
-_DEMO_N = _DEMO_K = 4096
-_DEMO_M = 64
-_DEMO_SEED = 0
-#: The GEMM result is flagged when its relative error exceeds this (fp32 accumulation and a
-#: bf16/fp16 output give ~1e-3).
-_DEMO_GEMM_RTOL = 2e-2
+#: Printed (last) by the demo without a Hopper GPU (mixgemm.demo.NO_GPU_MESSAGE).
 NO_GPU_MESSAGE = "the GEMM needs an NVIDIA Hopper (sm_90) GPU; none found, skipping it"
 
 
 def _add_demo(subparsers) -> None:
+    from . import demo
+
     p = subparsers.add_parser(
         "demo",
         help="quantize + prepack an example layer, and run the GEMM if a Hopper GPU is present",
         description=(f"Quantize and prepack a built-in example layer (seeded random "
-                     f"{_DEMO_N}x{_DEMO_K} bf16 weight), report sizes and errors and check the "
+                     f"{demo.N}x{demo.K} bf16 weight), report sizes and errors and check the "
                      f"unpack(prepack) round trip; on an sm_90 GPU, also run mixgemm.gemm and "
-                     f"compare it with a float reference."),
+                     f"compare it with a float reference. The first run on a GPU compiles the "
+                     f"GEMM kernel ({demo.COMPILE_TIME_HINT}; cached)."),
     )
     p.add_argument("--bits", type=int, choices=(8, 4, 2), default=4, help="bits per code (default 4)")
     p.add_argument("--group-size", type=_group_size_arg, default=128, metavar="N",
@@ -367,104 +398,33 @@ def _add_demo(subparsers) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    import torch
+    from . import demo
 
-    from .layout import prepack, unpack
-    from .quantize import dequantize_reference, quantize
-
-    n, k = _DEMO_N, _DEMO_K
-    group_size = k if args.group_size == "channel" else args.group_size
-    gen = torch.Generator().manual_seed(_DEMO_SEED)
-    w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
-    kind = "symmetric" if args.symmetric else "asymmetric"
-    print(f"example layer: weight [N={n}, K={k}] bf16, seeded random (seed {_DEMO_SEED}), "
-          f"{_fmt_bytes(w.numel() * w.element_size())}")
-    try:
-        qw = quantize(w, args.bits, group_size, symmetric=args.symmetric)
-    except (TypeError, ValueError) as e:
-        raise CliError(str(e)) from None
-    print(f"quantized: int{args.bits} {kind} ({qw.weight_type.value}), group size {group_size}, "
-          f"round-to-nearest; codes {list(qw.qweight.shape)} {qw.qweight.dtype}, "
-          f"scales {list(qw.scales.shape)} {qw.scales.dtype}"
-          + ("" if qw.zeros is None else f", zeros {list(qw.zeros.shape)} {qw.zeros.dtype}"))
-
-    packed = prepack(qw)
-    before = w.numel() * w.element_size()
-    print(f"prepacked for sm90a (layout v{packed.layout_version}): qdata "
-          f"{list(packed.qdata.shape)} uint8, scales {list(packed.scales.shape)}"
-          + ("" if packed.zeros is None else f", zeros {list(packed.zeros.shape)}"))
-    print(f"bytes: {_fmt_bytes(before)} -> {_fmt_bytes(packed.nbytes)} "
-          f"({before / packed.nbytes:.2f}x smaller)")
-
-    deq = dequantize_reference(qw)
-    err = (w.double() - deq.double()).abs()
-    rel = float(err.norm() / w.double().norm())
-    bound = (qw.scales.double().repeat_interleave(group_size, dim=1) / 2
-             + _half_ulp(deq))
-    print(f"quantization error vs the bf16 weight: max |w - deq| = {float(err.max()):.3e}, "
-          f"relative (Frobenius) = {rel:.3e}")
-    if bool((err <= bound).all()):
-        print("error bound |w - deq| <= s/2 + ulp(deq)/2 holds for every element")
-    else:
-        print("ERROR: the quantization error bound is violated", file=sys.stderr)
-        return 1
-
-    back = unpack(packed)
-    same = (torch.equal(back.qweight, qw.qweight) and torch.equal(back.scales, qw.scales)
-            and (qw.zeros is None or torch.equal(back.zeros, qw.zeros)))
-    if not same:
-        print("ERROR: unpack(prepack(q)) differs from q", file=sys.stderr)
-        return 1
-    print("round trip: unpack(prepack(q)) == q exactly")
-
-    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
-        return _demo_gemm(packed, deq, gen)
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        print(f"found {torch.cuda.get_device_name()} (sm_{major}{minor}), which is not Hopper")
-    print(NO_GPU_MESSAGE)
-    return 0
+    return demo.run(args.bits, args.group_size, args.symmetric)
 
 
-def _half_ulp(x):
-    """Half the spacing of ``x``'s dtype at ``x`` (float64 tensor)."""
-    import torch
+# ------------------------------------------------------------------------------------- doctor
 
-    finfo = torch.finfo(x.dtype)
-    _, exponent = torch.frexp(x.double().abs().clamp(min=finfo.tiny))  # x = m * 2^e, m in [.5, 1)
-    return torch.ldexp(torch.full_like(x, finfo.eps / 2, dtype=torch.float64), exponent - 1)
+def _add_doctor(subparsers) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="say whether this machine can run mixgemm's GPU kernels, and what to fix if not",
+        description=("Check the package and its headers, CUTLASS, nvcc (>= 12.4), the GPU (sm_90), "
+                     "cuda-bindings and the kernel cache; then build (or load) and run one tiny "
+                     "kernel on the GPU, with its time. Exit status 0 when the GEMM path works, 1 "
+                     "when it cannot (each problem comes with the next step)."),
+    )
+    p.add_argument("--no-kernel", action="store_true",
+                   help="do not build or run the tiny kernel (only inspect the machine)")
+    p.set_defaults(func=_run_doctor)
 
 
-def _demo_gemm(packed, deq, gen) -> int:
-    import torch
+def _run_doctor(args: argparse.Namespace) -> int:
+    from . import doctor
 
-    import mixgemm
-
-    name = torch.cuda.get_device_name()
-    gemm = getattr(mixgemm, "gemm", None)
-    if gemm is None:
-        print(f"found {name} (sm_90), but this build of mixgemm has no mixgemm.gemm; skipping "
-              f"the GEMM")
-        return 0
-    m = _DEMO_M
-    print(f"found {name} (sm_90): running the GEMM via mixgemm.gemm(x, packed), "
-          f"x [M={m}, K={packed.k}] {deq.dtype}")
-    x = torch.randn(m, packed.k, generator=gen).to(deq.dtype).cuda()
-    try:
-        y = gemm(x, packed.to("cuda"))
-        torch.cuda.synchronize()
-    except Exception as e:  # report, don't crash the demo
-        print(f"ERROR: mixgemm.gemm failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    ref = x.double() @ deq.cuda().double().t()
-    diff = (y.double() - ref).abs()
-    rel = float(diff.norm() / ref.norm())
-    print(f"GEMM result {list(y.shape)} {y.dtype}: max |y - x @ deq^T| = {float(diff.max()):.3e}, "
-          f"relative = {rel:.3e} (reference in float64)")
-    if not rel <= _DEMO_GEMM_RTOL:
-        print(f"ERROR: relative error {rel:.3e} exceeds {_DEMO_GEMM_RTOL}", file=sys.stderr)
-        return 1
-    return 0
+    report = doctor.diagnose(run_kernel=not args.no_kernel)
+    print(report.format(verbose=args.debug))
+    return EXIT_OK if report.gemm_ok else EXIT_ERROR
 
 
 # ------------------------------------------------------------------------------------- generate
@@ -482,10 +442,11 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--out", metavar="DIR", default=None,
                    help="write the .cu files here (default: don't write sources unless --build is not given, "
                         "then ./mixgemm_kernels)")
-    p.add_argument("--kernels", metavar="REGEX", default=None, help="only kernels whose name matches REGEX")
+    p.add_argument("--kernels", metavar="REGEX", default=None, type=_regex_arg,
+                   help="only kernels whose name matches REGEX")
     p.add_argument("--list", action="store_true", help="print the kernel names and exit")
     p.add_argument("--build", action="store_true", help="compile into the kernel cache (ahead of time)")
-    p.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+    p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="N",
                    help="parallel nvcc builds (default: half the CPU cores; each needs ~5 GB of memory)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p.set_defaults(func=_run_generate)
@@ -500,10 +461,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     specs = codegen.default_specs()
     if args.kernels:
-        pattern = _compile([args.kernels], "--kernels")[0]
-        specs = [s for s in specs if pattern.search(s.name)]
+        specs = [s for s in specs if args.kernels.search(s.name)]
         if not specs:
-            raise CliError(f"no kernel name matches {args.kernels!r}")
+            raise CliError(f"no kernel name matches {args.kernels.pattern!r}")
     if args.list:
         for s in specs:
             print(s.name)
@@ -514,9 +474,14 @@ def _run_generate(args: argparse.Namespace) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
         for s in specs:
             fd, tmp = tempfile.mkstemp(prefix=f".{s.name}.", suffix=".tmp", dir=out_dir)
-            with os.fdopen(fd, "w") as f:
-                f.write(codegen.render(s))
-            os.replace(tmp, out_dir / f"{s.name}.cu")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(codegen.render(s))
+                os.replace(tmp, out_dir / f"{s.name}.cu")
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
         print(f"wrote {len(specs)} kernel sources to {out_dir}/")
     if args.build:
         from . import build
@@ -560,21 +525,64 @@ SUBCOMMANDS: "MappingProxyType[str, Callable]" = MappingProxyType({
     "demo": _add_demo,
     "generate": _add_generate,
     "bench": _add_bench,
+    "doctor": _add_doctor,
 })
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line: ``mixgemm <command>: error: <what> (see
+    `mixgemm <command> --help`)``, exit status 2. (Subparsers are made of the same class.)"""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mixgemm`` argument parser, with every subcommand of :data:`SUBCOMMANDS`."""
     from ._version import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="mixgemm: mixed-input (bf16/fp16 x int8/int4/int2) GEMMs for NVIDIA Hopper.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, print the whole message and the traceback")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for builder in SUBCOMMANDS.values():
         builder(subparsers)
+    parser.set_defaults(_subparsers=dict(subparsers.choices))
     return parser
+
+
+def _report_error(command: str, e: BaseException, debug: bool, bug: bool = False) -> None:
+    """One line on stderr (the message's first line); everything with ``debug``."""
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, OSError) and not isinstance(e, MixgemmError) and e.filename is not None:
+        text = f"{e.filename}: {e.strerror or text}"
+    first, more = text.splitlines()[0], len(text.splitlines()) > 1
+    if debug:
+        import traceback
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+        if more:   # the whole message, also when the traceback shows only a wrapper's
+            print(text, file=sys.stderr)
+    if bug:
+        line = (f"{PROG} {command}: internal error: {type(e).__name__}: {first} (a bug in mixgemm: "
+                f"`{PROG} --debug {command} ...` prints the traceback; please report it)")
+    else:
+        line = f"{PROG} {command}: error: {first}"
+        if more and not debug:
+            line += f" (`{PROG} --debug {command} ...` prints the whole message)"
+    print(line, file=sys.stderr)
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null, so that the interpreter's final flush
+    does not fail again (Python's documented recipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -588,24 +596,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns
     -------
     int
-        Exit status: 0 on success, 1 on a reported error, 2 on a usage error.
+        Exit status: 0 on success, 1 on a reported error, 2 on a usage error, 130 when
+        interrupted, 141 when stdout was closed early (a broken pipe: nothing is printed).
     """
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if getattr(args, "func", None) is None:
+            parser.error(f"a command is required: {', '.join(SUBCOMMANDS)}")
+        if extra:   # reported by the subcommand's parser, which names the command
+            args._subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # usage errors (2), --help / --version (0)
-        return e.code if isinstance(e.code, int) else 1
-    if getattr(args, "func", None) is None:
-        parser.print_help(sys.stderr)
-        return 2
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    command, debug = args.command, args.debug
     try:
-        return int(args.func(args))
-    except CliError as e:
-        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        rc = int(args.func(args))
+        sys.stdout.flush()       # a broken pipe shows here, not at exit
+        return rc
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        return 130
+        if debug:
+            import traceback
+            traceback.print_exc()
+        print(f"{PROG} {command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except UsageError as e:
+        _report_error(command, e, debug)
+        return EXIT_USAGE
+    except (MixgemmError, OSError, MemoryError) as e:
+        _report_error(command, e, debug)
+        return EXIT_ERROR
+    except Exception as e:
+        _report_error(command, e, debug, bug=True)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ Every class derives from :class:`MixgemmError` and from the builtin exception a 
 expect for that kind of problem (``ValueError`` for bad input, ``RuntimeError`` for a failed
 build or driver call), so ``except ValueError`` keeps working where it did.
 
-The command line (:mod:`mixgemm.cli`) prints a :class:`UserError` as one line on stderr and exits
-with status 1; any other exception is a bug and gets a traceback only with ``--debug``.
+The command line (:mod:`mixgemm.cli`) prints a :class:`MixgemmError` as one line on stderr and
+exits with status 1 (2 for a :class:`UsageError`); any other exception is a bug and gets a
+traceback only with ``--debug``.
 """
 from __future__ import annotations
 
-__all__ = ["MixgemmError", "UserError", "CliError", "BuildError", "CudaError", "KernelError",
+__all__ = ["MixgemmError", "UserError", "CliError", "UsageError", "BuildError", "CudaError", "KernelError",
            "MixgemmFormatError", "FormatError", "UnsupportedLayerError", "BenchError"]
 
 
@@ -25,6 +26,12 @@ class UserError(MixgemmError):
 
 #: The name the command line's runners have always raised.
 CliError = UserError
+
+
+class UsageError(UserError):
+    """Options that do not go together, found after parsing (argparse finds the rest): the
+    command line prints it like a :class:`UserError` and exits with status 2, as for any usage
+    error."""
 
 
 class BenchError(UserError):

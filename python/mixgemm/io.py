@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Mapping
 from typing import Dict, Optional, Union
@@ -35,7 +37,7 @@ from .errors import MixgemmFormatError
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight, WeightType
 
 __all__ = ["FORMAT_VERSION", "MixgemmFormatError", "save", "load", "read_metadata",
-           "check_metadata", "is_mixgemm_metadata"]
+           "check_metadata", "is_mixgemm_metadata", "stale_temporaries"]
 
 #: Version of the file format written by :func:`save`.
 FORMAT_VERSION = 2
@@ -140,9 +142,14 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, TensorOrPacked],
 
     Notes
     -----
-    The file is written to a temporary file in the destination directory, flushed to disk,
-    then renamed over ``path`` (``os.replace``): readers see either the old file or the
-    complete new one, never a half-written file, and a failure leaves no temporary behind.
+    The file is written inside a private temporary directory in the destination directory,
+    ``.<name>.<pid>.<random>.tmp/`` (safetensors makes a temporary file of its own next to the
+    file it writes: it lands in there too), flushed to disk, then renamed over ``path``
+    (``os.replace``): readers see either the old file or the complete new one, never a
+    half-written file, and a failure or an interrupt (KeyboardInterrupt) leaves no temporary
+    behind. A process killed outright (SIGKILL) cannot clean up: its temporary directory stays,
+    under that recognisable name, and the next :func:`save` to the same ``path`` removes it
+    once no process of that id runs on this machine (:func:`stale_temporaries`).
 
     Raises
     ------
@@ -159,24 +166,69 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, TensorOrPacked],
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot write {path}: directory {directory} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
+    for stale in stale_temporaries(path):
+        _remove(stale)
+    tmp_dir = None
     try:
+        tmp_dir = tempfile.mkdtemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
+        tmp = os.path.join(tmp_dir, os.path.basename(path))
         save_file(flat, tmp, metadata=header)
-        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp (and safetensors) make it 0600
+        os.chmod(tmp, 0o666 & ~_current_umask())  # safetensors makes it 0600
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    finally:
+        if tmp_dir is not None:
+            _remove(tmp_dir)
     with contextlib.suppress(OSError):  # make the rename itself durable (best effort)
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _temporary_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.{os.getpid()}."
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True
+    return True
+
+
+def stale_temporaries(path: Union[str, os.PathLike]) -> list:
+    """What :func:`save` of ``path`` left behind when its process was killed outright: the
+    temporary directories (or files) ``.<name>.<pid>.<random>.tmp`` in ``path``'s directory
+    whose process no longer runs on this machine. (A process of another machine writing to a
+    shared directory cannot be checked; its temporary is removed too, which makes that save
+    fail, never corrupts a file.)"""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    pattern = re.compile(re.escape(f".{os.path.basename(path)}.") + r"(\d+)\.[^.]+\.tmp$")
+    found = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        m = pattern.match(name)
+        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            found.append(os.path.join(directory, name))
+    return sorted(found)
 
 
 # ---------------------------------------------------------------------------------- loading

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import plans
+from .errors import UnsupportedLayerError
 from .layout import ATOM_K, ATOM_N, prepack
 from .ops import TOKEN_BUCKETS, gemm_tensors, gemm_tensors_full
 from .quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
@@ -213,7 +214,15 @@ class QuantLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int = 128, symmetric: bool = False,
                     dtype: Optional[torch.dtype] = None) -> "QuantLinear":
         """Quantize (round-to-nearest, :func:`mixgemm.quantize`) and prepack an ``nn.Linear``.
-        ``dtype`` defaults to the linear's dtype if it is bf16/fp16, else bf16."""
+        ``dtype`` defaults to the linear's dtype if it is bf16/fp16, else bf16. A layer the
+        kernels cannot take (``out_features % 16``, ``in_features % 64``, a group size that does
+        not divide ``in_features``) raises :class:`mixgemm.errors.UnsupportedLayerError` (a
+        ValueError)."""
+        why = unsupported_reason(linear, group_size)
+        if why:
+            raise UnsupportedLayerError(f"QuantLinear.from_linear: {why} (mixgemm's kernels need "
+                                        f"out_features % {ATOM_N} == 0 and in_features % {ATOM_K} == 0; "
+                                        f"quantize_model keeps such a layer as nn.Linear)")
         w = linear.weight.detach()
         if dtype is None:
             dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
