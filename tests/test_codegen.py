@@ -197,6 +197,9 @@ def test_heuristic_by_tokens_and_output_tiles():
     assert [select_tile(m, 8192, 8192).label for m in (65, 128, 129)] == ["tall128", "tall128", "xl"]
     assert select_tile(129, 28672, 8192).label == "xl"
     assert select_tile(256, 8192, 8192).label == "xl"       # 1 x 64 tiles, stream-K over 132 SMs
+    # up to 256 tokens on small layers (<= 48M weights): the persistent 128x128 tile
+    assert [select_tile(m, 7168, 5120).label for m in (129, 256, 257)] == ["large", "large", "xl"]
+    assert select_tile(256, 3584, 3584).label == "large" and select_tile(256, 4096, 14336).label == "xl"
     assert select_tile(512, 4096, 14336).label == "xl"
     assert select_tile(16384, 6144, 4096).label == "xl"
     tall, tall128 = select_tile(64, 57344, 8192), select_tile(128, 57344, 8192)

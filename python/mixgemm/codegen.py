@@ -331,10 +331,10 @@ class DecodeConfig:
 #:              "tall"    sm90 GEMM 256x64x64,  stream-K, on larger layers (M <= 64; M <= 128 below
 #:                        60M weights)
 #:              "tall128" sm90 GEMM 256x128x64, stream-K, on layers of 60M weights or more (M <= 128)
+#:   M <= 256 : "large"   sm90 GEMM 128x128x64, persistent, on layers of at most 48M weights (NOTES 9g;
+#:                        slower than "mid" at M = 128 and than "xl" on larger layers, NOTES 7b)
 #:   M >  128 : "xl"      sm90 GEMM 128x256x64, stream-K, tiles walked along the weight rows in
-#:                        swizzled pairs (L2 reuse of the token blocks at large M)
-#: ("large", 128x128x64 persistent, is not picked by the heuristic: it was measured slower than
-#: "mid" at M = 128 and than "xl" above (NOTES 7b); it stays for gemm_with_spec and --all-configs.)
+#:                        swizzled pairs (L2 reuse of the token blocks at large M), on the other layers
 #: The GEMM kernels fuse bias + none / silu / gelu (chosen per call), and each config has a second
 #: kernel with the gated epilogue for swiglu; the decode kernels fix their activation.
 TILE_CONFIGS = (

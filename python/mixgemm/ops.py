@@ -44,12 +44,17 @@ _TALL_M128_MAX_WEIGHTS = 60_000_000   # between 4096x14336 (58.7M) and 8192x8192
 #: of the best 128x256 variant (persistent or stream-K, any raster / swizzle) at every M from 128 to
 #: 16384, and 8% slower than 128x128 only on 6144x4096 at M = 256. The 256-row tiles lose there
 #: (NOTES 8a: up to 1.7x slower at M = 192-256).
+#: Except up to M = 256 on small layers: the persistent 128x128 tile ("large") was 3-18% faster than
+#: "xl" at M = 256 on the 6 preset layers of at most 36.7M weights (3584x3584 .. 7168x5120: e.g.
+#: 4608x3584 33.9 against 40.8 us, 6144x4096 37.5 against 42.8; H100, NOTES 9g,
+#: s9-tiles-small.json), and slower from 4096x14336 (58.7M weights: 107.9 against 67.8) up.
+_LARGE_M256_MAX_WEIGHTS = 48_000_000   # between 7168x5120 (36.7M) and 4096x14336 (58.7M)
 #: Kernel config labels, first match wins: (upper bound of M, upper bound of N x K or None, label);
 #: see select_tile.
 _HEURISTIC = ((8, None, "dec8"), (16, None, "dec16"), (32, _DEC32_MAX_WEIGHTS, "dec32"),
               (64, _MID_M64_MAX_WEIGHTS, "mid"), (64, None, "tall"),
               (128, _MID_M128_MAX_WEIGHTS, "mid"), (128, _TALL_M128_MAX_WEIGHTS, "tall"), (128, None, "tall128"),
-              (None, None, "xl"))
+              (256, _LARGE_M256_MAX_WEIGHTS, "large"), (None, None, "xl"))
 
 
 def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
@@ -65,6 +70,7 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
       2**26 weights; "tall" (256x64x64, stream-K) on larger ones;
     * ``m <= 128``       -> "mid" on layers of at most 2**25 weights, "tall" below 60M weights,
       "tall128" (256x128x64, stream-K) above;
+    * ``m <= 256``       -> "large" (128x128x64, persistent) on layers of at most 48M weights;
     * else               -> "xl": sm90 GEMM, 128x256x64 tiles, stream-K, walked along the weight
       rows with swizzle 2.
 
