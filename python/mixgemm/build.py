@@ -45,6 +45,7 @@ from . import paths
 from ._version import __version__
 from .codegen import GEMM_KINDS, KernelSpec, render
 from .errors import BuildError
+from .process import pid_alive
 
 log = logging.getLogger("mixgemm")
 T = TypeVar("T")
@@ -290,16 +291,6 @@ _STALE_ANY_S = 24 * 3600
 _OWNER = "owner.json"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
-
-
 def _is_stale(tmp: Path, now: float) -> bool:
     try:
         owner = json.loads((tmp / _OWNER).read_text())
@@ -312,7 +303,7 @@ def _is_stale(tmp: Path, now: float) -> bool:
     if now - started > _STALE_ANY_S:
         return True
     # a process of another host (a cache on a shared file system) cannot be checked from here
-    return host == socket.gethostname() and pid != os.getpid() and not _pid_alive(pid)
+    return host == socket.gethostname() and pid != os.getpid() and not pid_alive(pid)
 
 
 def stale_temporaries() -> list[Path]:

@@ -34,6 +34,7 @@ import torch
 
 from ._version import __version__
 from .errors import MixgemmFormatError
+from .process import pid_alive
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight, WeightType
 
 __all__ = ["FORMAT_VERSION", "MixgemmFormatError", "save", "load", "read_metadata",
@@ -200,16 +201,6 @@ def _remove(path: str) -> None:
             os.unlink(path)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
-
-
 def stale_temporaries(path: Union[str, os.PathLike]) -> list:
     """What :func:`save` of ``path`` left behind when its process was killed outright: the
     temporary directories (or files) ``.<name>.<pid>.<random>.tmp`` in ``path``'s directory
@@ -226,7 +217,7 @@ def stale_temporaries(path: Union[str, os.PathLike]) -> list:
         return []
     for name in names:
         m = pattern.match(name)
-        if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             found.append(os.path.join(directory, name))
     return sorted(found)
 
