@@ -5,6 +5,7 @@ checkout directory lands on sys.path). Prints one JSON object on stdout.
     python installed_probe.py where              where mixgemm and its headers were found
     python installed_probe.py closure NAME...    the include closure of each named kernel
     python installed_probe.py build NAME         build one kernel into $MIXGEMM_CACHE_DIR
+    python installed_probe.py launcher           build the compiled launcher into $MIXGEMM_CACHE_DIR
 """
 import json
 import os
@@ -85,8 +86,16 @@ def build_one(name: str) -> dict:
             "commands": meta["commands"]}
 
 
+def launcher() -> dict:
+    """The compiled launcher (package data mixgemm/csrc/launcher.cpp, with the installed headers)."""
+    from mixgemm import launcher as lau
+
+    path = lau.build_compiled()
+    return {"source": str(lau.SOURCE), "library": str(path), "head": path.read_bytes()[:4].hex()}
+
+
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
     result = {"where": lambda: where(), "closure": lambda: closure(args),
-              "build": lambda: build_one(args[0])}[what]()
+              "build": lambda: build_one(args[0]), "launcher": launcher}[what]()
     print(json.dumps(result))

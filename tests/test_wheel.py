@@ -209,8 +209,8 @@ def _demo_specs() -> tuple[str, str]:
 
 @pytest.mark.nvcc
 def test_installed_package_compiles_a_decode_and_a_gemm_kernel(installed, tmp_path):
-    """nvcc compiles both kernels (in parallel, each into its own cache) from the installed
-    package's headers. Compilation only: no GPU needed."""
+    """nvcc compiles both kernels (in parallel, each into its own cache) and the compiled
+    launcher from the installed package's files. Compilation only: no GPU needed."""
     from mixgemm import paths
 
     if paths.find_nvcc() is None:
@@ -221,6 +221,14 @@ def test_installed_package_compiles_a_decode_and_a_gemm_kernel(installed, tmp_pa
         procs[name] = subprocess.Popen([str(installed.python), str(installed.probe), "build", name],
                                        cwd=installed.work, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)
+    # the compiled launcher too: its source is package data, built on first use (host code)
+    env = clean_env(MIXGEMM_CACHE_DIR=str(tmp_path / "launcher"))
+    lau = subprocess.run([str(installed.python), str(installed.probe), "launcher"], cwd=installed.work, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert lau.returncode == 0, lau.stderr[-4000:]
+    built = json.loads(lau.stdout)
+    assert Path(built["source"]).resolve().is_relative_to(installed.site.resolve())
+    assert built["head"] == b"\x7fELF".hex()
     results = {name: p.communicate(timeout=1500) + (p.returncode,) for name, p in procs.items()}
     include_root = installed.site / "mixgemm" / "_include"
     for name, (out, err, rc) in results.items():
