@@ -109,7 +109,8 @@ for step in "$@"; do
       ( set -e
         python3 -m pip wheel -q --no-deps --no-build-isolation -w /tmp/dist .
         python3 -m venv /tmp/venv
-        /tmp/venv/bin/python -m pip install -q --no-deps --no-index /tmp/dist/mixgemm-*.whl
+        /tmp/venv/bin/python -m pip install --no-deps --no-index /tmp/dist/mixgemm-*.whl
+        ls /tmp/venv/bin
         site=$(/tmp/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
         python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' > "$site/deps.pth"
         echo /tmp/site >> "$site/deps.pth"
