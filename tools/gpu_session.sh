@@ -107,6 +107,8 @@ for step in "$@"; do
       tail -n 16 "$OUT"/doctor-1.txt "$OUT"/doctor-2.txt "$OUT"/demo-1.txt "$OUT"/demo-2.txt ;;
     installed-demo)   # issue #15: the wheel in a fresh venv (no checkout on sys.path; deps through a .pth), run from /tmp
       ( set -e
+        unset PYTHONPATH   # (the in-tree build's python/mixgemm.egg-info would pass for an installed mixgemm)
+        rm -rf /tmp/dist /tmp/venv
         python3 -m pip wheel -q --no-deps --no-build-isolation -w /tmp/dist .
         python3 -m venv /tmp/venv
         /tmp/venv/bin/python -m pip install --no-deps --no-index /tmp/dist/mixgemm-*.whl
@@ -114,7 +116,7 @@ for step in "$@"; do
         site=$(/tmp/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
         python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' > "$site/deps.pth"
         echo /tmp/site >> "$site/deps.pth"
-        cd /tmp && unset PYTHONPATH && export MIXGEMM_CACHE_DIR=/tmp/mixgemm-installed
+        cd /tmp && export MIXGEMM_CACHE_DIR=/tmp/mixgemm-installed
         timeout 200 /tmp/venv/bin/mixgemm doctor || echo "doctor: exit status $?"
         timeout 300 /tmp/venv/bin/mixgemm demo
       ) > "$OUT/installed-demo.txt" 2>&1 || rc=1
