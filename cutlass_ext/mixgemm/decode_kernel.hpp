@@ -766,7 +766,9 @@ struct Host {
       int const se = (k_atoms + aps - 1) / aps;
       if (!forced && se != s) continue;                // the same plan as a smaller s
       int const groups = max_groups(k_atoms, aps, gshift);
-      int const segments = max_segments(k_atoms, aps, gshift);
+      // (only the folded zero point keeps x-sums per segment; the walk over every split's slices
+      // is not free, and plan() runs on every launch of a shape without a tuned split factor)
+      int const segments = !Cfg::kFold ? 0 : KS == 1 ? groups : max_segments(k_atoms, aps, gshift);
       int const smem = smem_for(a, aps, groups, segments);
       if (smem > Cfg::kMaxSmem) continue;
       long const fit = (228L * 1024) / (smem + 1024);
