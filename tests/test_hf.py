@@ -8,6 +8,7 @@ model built from the format's formula. Bad checkpoints must fail before the devi
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -79,6 +80,27 @@ def test_every_format_loads_exactly(tmp_path, kind):
     for name, want in ref.plain.items():
         assert torch.equal(model.get_parameter(name), want), name
     assert all(not t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    assert_same_logits(model, ref)
+
+
+def test_a_mixgemm_checkpoint_written_by_the_command_line(tmp_path, capsys):
+    """The README's recipe: `mixgemm prepack DIR -o OUT/model.safetensors --from gptq`, and the
+    source's config.json with the mixgemm quantization_config next to it."""
+    from mixgemm.cli import main
+
+    ref = hc.write_gptq(tmp_path / "src", act_order=True, fmt="gptq_v2")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["prepack", str(tmp_path / "src"), "-o", str(out / "model.safetensors"), "--from", "gptq"]) == 0
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mixgemm", "format_version": 1}
+    (out / "config.json").write_text(json.dumps(config))
+    model = load(out)
+    assert model.mixgemm_summary.method == "mixgemm" and len(model.mixgemm_summary.fused) == hc.LAYERS
+    assert model.model.layers[0].self_attn.q_proj.perm is not None
+    got = hc.dequantized_linears(model)
+    for name, want in ref.linears.items():
+        assert_bitwise(got[name][0], want, name)
     assert_same_logits(model, ref)
 
 
