@@ -335,6 +335,23 @@ def test_gptq_config_and_tensors_must_agree(tmp_path, no_device_step):
         hf.from_pretrained(d, device="cpu")
 
 
+def test_quantized_tensors_the_loader_cannot_place(tmp_path, no_device_step):
+    d = tmp_path / "m"
+    hc.write_mixgemm(d)
+    hc.edit_config(d, quantization_config={"quant_method": "awq"})
+    with pytest.raises(CheckpointError, match="'model.layers.0.self_attn.q_proj.weight' is a mixgemm packed weight, "
+                                              "but the quantization_config's quant_method is 'awq'"):
+        hf.from_pretrained(d, device="cpu")
+    # a quantized embedding: mixgemm replaces linear layers only
+    hc.write_awq(tmp_path / "e", shards=1)
+    qweight = hc.checkpoint_keys(tmp_path / "e")
+    hc.rewrite(tmp_path / "e", lambda t: t.update({"model.embed_tokens.qweight": torch.zeros(4, 4, dtype=torch.int32)}))
+    assert "model.embed_tokens.qweight" not in qweight
+    with pytest.raises(CheckpointError, match="'model.embed_tokens.qweight' belongs to 'model.embed_tokens', a "
+                                              "Embedding: mixgemm.hf reads quantized nn.Linear layers only"):
+        hf.from_pretrained(tmp_path / "e", device="cpu")
+
+
 def test_mixgemm_checkpoint_from_the_future_is_refused(tmp_path, no_device_step):
     d = tmp_path / "m"
     hc.write_mixgemm(d)

@@ -333,8 +333,9 @@ def _plan_rest(plan: Plan, children: Dict[str, Dict[str, str]], where: str) -> N
             continue
         for key in keys:
             if shards.is_packed(key):
-                raise CheckpointError(f"{where}: {key!r} is a mixgemm packed weight, but the model's {key!r} is "
-                                      f"not the weight of a linear layer")
+                raise CheckpointError(f"{where}: {key!r} is a mixgemm packed weight, but " + (
+                    f"the quantization_config's quant_method is {plan.method.value!r}"
+                    if plan.method is not QuantMethod.MIXGEMM else "the model's is not a linear layer's weight"))
             shape = shards.shape(key)
             if tuple(shape) != tuple(param.shape):
                 raise CheckpointError(f"{where}: tensor {key!r} ({shards.file_of(key)}) has shape {list(shape)}, "
@@ -355,6 +356,12 @@ def _plan_rest(plan: Plan, children: Dict[str, Dict[str, str]], where: str) -> N
             plan.buffers.append((full, full))
             consumed.add(full)
     unexpected = [k for k in shards if k not in consumed and not _is_ignorable(k, model)]
+    modules = dict(model.named_modules())
+    for key in unexpected:       # quantized tensors of a module that is not an nn.Linear
+        owner = modules.get(key.rpartition(".")[0])
+        if owner is not None and not isinstance(owner, nn.Linear):
+            raise CheckpointError(f"{where}: {key!r} belongs to {key.rpartition('.')[0]!r}, a "
+                                  f"{type(owner).__name__}: mixgemm.hf reads quantized nn.Linear layers only")
     if unexpected:
         raise CheckpointError(f"{where}: {len(unexpected)} tensor(s) of the checkpoint belong to no layer of the "
                               f"model the config describes, e.g. {unexpected[:3]} (a config that does not match "

@@ -6,7 +6,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -33,6 +33,7 @@ class Shards:
         self.dir = Path(model_dir)
         self._stack = contextlib.ExitStack()
         self._where: Dict[str, Tuple[object, str]] = {}   # key -> (handle or dict, file name)
+        self._weight_map: Optional[Dict[str, str]] = None   # from the index, if there is one
         try:
             self._open()
         except BaseException:
@@ -53,7 +54,6 @@ class Shards:
                                       f"({len(missing)} of {len(files)} shards missing: an incomplete download?)")
             self._weight_map = {str(k): str(v) for k, v in weight_map.items()}
             return [self.dir / f for f in files]
-        self._weight_map = None
         files = sorted(self.dir.glob("*.safetensors"))
         if not files:
             other = sorted(p.name for p in self.dir.glob("*.bin"))
@@ -80,7 +80,10 @@ class Shards:
             source: object = handle
             keys = raw_keys
             if mio.is_mixgemm_metadata(handle.metadata() or {}):
-                source = mio.load(str(path))           # packed weights are entries of their own
+                try:
+                    source = mio.load(str(path))       # packed weights are entries of their own
+                except mio.MixgemmFormatError as e:
+                    raise CheckpointError(str(e)) from None
                 keys = list(source)
             for key in keys:
                 if key in self._where:
