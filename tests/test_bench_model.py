@@ -473,3 +473,31 @@ def test_the_run_on_the_cpu():
         if p.variant == "torch-int4":
             assert 0 < p.err < cfg.max_error and 0 < p.kv_err < cfg.max_error
     assert any("layers built" in line for line in logs)
+
+
+def test_the_compiled_mode_traces_the_whole_step_as_one_graph(monkeypatch):
+    """The ``compiled`` mode on the CPU: Dynamo traces the whole step (norms, rotary, attention,
+    cache writes, the linears) with fullgraph=True, so a graph break fails the point; the step it
+    runs matches the eager one, and it is timed. (Dynamo's "eager" backend: inductor's CPU compile
+    would only cost CI time; the GPU run uses inductor.)"""
+    from mixgemm.bench import model_run
+    from mixgemm.bench.model_run import run_model
+
+    monkeypatch.setattr(model_run, "COMPILE_BACKEND", "eager")
+    cfg = M.ModelConfig(presets=("small",), layers=2, batches=(2,), context=6, prefill=0,
+                        variants=V.parse_variants(["torch-int4"]), modes=("eager", "compiled"), iters=2, warmup=1,
+                        quick=True, group_size=128)
+    meas = run_model(cfg, CPU, log=lambda line: None, make_clock=lambda mode: WallClock(), presets=[SMALL])
+    pts = analyze_model(meas, 100.0, cfg.max_error, cfg.group_size, presets=PRESETS_T)
+    compiled = [p for p in pts if p.mode == "compiled" and p.variant == "bf16"]
+    assert len(compiled) == 1 and compiled[0].status == bench.OK, compiled[0].note
+    assert compiled[0].time_us > 0
+    by_mode = {m.mode: m for m in meas if m.variant == "bf16"}
+    assert by_mode["compiled"].replay_err is not None and by_mode["compiled"].replay_err < 1e-2
+
+
+def test_modes_default_to_graph_and_eager_and_take_compiled():
+    assert M.ModelConfig().modes == M.DEFAULT_MODES == ("graph", "eager")
+    assert bench.model_config_from_args(parse("--model", "llama3-8b")).modes == ("graph", "eager")
+    assert bench.model_config_from_args(parse("--model", "llama3-8b", "--modes", "compiled,graph")).modes == (
+        "compiled", "graph")

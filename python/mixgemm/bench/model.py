@@ -3,7 +3,10 @@ function of the measurements, tested on the CPU; the GPU run is :mod:`.model_run
 
 One decode step of a stack of decoder layers with a real model's shapes (:mod:`.decoder`), for
 each batch size, and one prefill, for each variant (:mod:`.variants`) and mode (``graph``: the
-whole step captured in a CUDA graph and replayed; ``eager``: plain Python calls on an idle GPU).
+whole step captured in a CUDA graph and replayed; ``eager``: plain Python calls on an idle GPU;
+``compiled``, on request: the step through ``torch.compile(fullgraph=True)``, which fuses the
+norms, rotary, residual adds and cache writes into a few kernels, then captured in a CUDA graph
+and replayed, as a serving engine runs it).
 Each point reports:
 
 * ``us_per_layer``: the step's median time divided by the number of layers;
@@ -53,7 +56,9 @@ DEFAULT_POINT_BUDGET_S = 4.0
 #: (the errors add up roughly like sqrt(layers), and the residual stream carries them). A wrong
 #: kernel, layout, bias or gate/up pairing is off by > 0.3. Deeper stacks may need a larger bar.
 DEFAULT_MODEL_MAX_ERROR = 5e-2
-MODES = ("graph", "eager")
+#: every mode, and those a run measures unless ``--modes`` says otherwise
+MODES = ("graph", "eager", "compiled")
+DEFAULT_MODES = ("graph", "eager")
 DECODE, PREFILL = "decode", "prefill"
 
 
@@ -100,7 +105,7 @@ class ModelConfig:
     context: int = DEFAULT_CONTEXT
     prefill: int = DEFAULT_PREFILL
     variants: tuple[Variant, ...] = dataclasses.field(default_factory=lambda: parse_variants(DEFAULT_VARIANTS))
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = DEFAULT_MODES
     group_size: int = 128
     iters: int = MODEL_ITERS
     warmup: int = MODEL_WARMUP
@@ -431,7 +436,7 @@ def failed(points: Iterable[ModelPoint]) -> list[ModelPoint]:
 
 
 __all__ = ["MODEL_SCHEMA", "DEFAULT_LAYERS", "DEFAULT_BATCHES", "DEFAULT_CONTEXT", "DEFAULT_PREFILL", "MODEL_ITERS",
-           "MODEL_WARMUP", "DEFAULT_POINT_BUDGET_S", "DEFAULT_MODEL_MAX_ERROR", "MODES", "DECODE", "PREFILL",
+           "MODEL_WARMUP", "DEFAULT_POINT_BUDGET_S", "DEFAULT_MODEL_MAX_ERROR", "MODES", "DEFAULT_MODES", "DECODE", "PREFILL",
            "StepShape", "step_shapes", "ModelConfig", "LayerTraffic", "layer_traffic", "floor_us", "StepMeasurement",
            "ModelPoint", "classify_step", "analyze_model", "ModelReport", "model_report_to_dict",
            "model_report_from_dict", "write_model_json", "split_by_preset", "merge_model_reports",

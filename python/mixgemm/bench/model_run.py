@@ -11,7 +11,12 @@ before the next (a LLaMA-3 70B layer is ~1.7 GB of bf16 weights). For each step:
    loads mixgemm's kernels) and replayed, :func:`.timing.time_cuda` with the L2 flushed before
    each replay; the replayed output is compared with the eager one;
 3. ``eager``: the step called from Python on an idle GPU (L2 flushed, then a synchronization),
-   CUDA events around the call: the GPU waits on Python's launches, as a user's eager loop does.
+   CUDA events around the call: the GPU waits on Python's launches, as a user's eager loop does;
+4. ``compiled`` (only when asked for): the step through ``torch.compile(fullgraph=True)``
+   (inductor's default mode: Triton kernels fuse the norms, rotary, residual adds and cache
+   writes; mixgemm's GEMMs stay its custom op), captured in a CUDA graph and replayed as in 2;
+   the replayed output is compared with the eager one. Dynamo's caches are reset before each
+   point, so every point compiles its own step.
 """
 from __future__ import annotations
 
@@ -31,6 +36,10 @@ from .variants import Variant, VariantKind, build_layer, kernel_specs
 Log = Callable[[str], None]
 #: ``make_clock(mode)``: the clock that times a mode's runs (tests pass a CPU one).
 ClockFactory = Callable[[str], Clock]
+#: torch.compile's backend for the ``compiled`` mode (the CPU tests trace with "eager")
+COMPILE_BACKEND = "inductor"
+#: the modes that time replays of a captured CUDA graph
+GRAPH_MODES = ("graph", "compiled")
 
 
 def variant_available(variant: Variant) -> tuple[bool, str]:
@@ -137,7 +146,7 @@ class PresetRun:
         """Graph replays: the host queues ahead (a GPU-side spin first); eager: an idle GPU. One
         of each per preset (each holds a flush buffer of twice the L2)."""
         if mode not in self._clocks:
-            self._clocks[mode] = (CudaEventClock(self.flush, self.device) if mode == "graph"
+            self._clocks[mode] = (CudaEventClock(self.flush, self.device) if mode in GRAPH_MODES
                                   else eager_clock(self.flush, self.device))
         return self._clocks[mode]
 
@@ -178,8 +187,18 @@ class PresetRun:
         for mode in cfg.modes:
             try:
                 with torch.no_grad():
-                    if mode == "graph":
-                        graph, y_graph = _capture(lambda: stack(x, pos))
+                    if mode == "compiled" and self.device.type != "cuda":   # the CPU tests: no graph
+                        step = _compiled(stack, pos)
+                        y_c = step(x)
+                        stats = time_cuda(lambda: step(x), iters, warmup, self.flush, clock=self.make_clock(mode))
+                        replay_err = _delta_error(y_c, y, x)
+                        finite_mode = finite and bool(torch.isfinite(y_c).all())
+                    elif mode in GRAPH_MODES:
+                        if mode == "compiled":
+                            step = _compiled(stack, pos)
+                            graph, y_graph = _capture(lambda: step(x))
+                        else:
+                            graph, y_graph = _capture(lambda: stack(x, pos))
                         stats = time_cuda(graph.replay, iters, warmup, self.flush, clock=self.make_clock(mode))
                         graph.replay()
                         _sync(self.device)
@@ -199,6 +218,17 @@ class PresetRun:
             f"{m.mode} {m.timing.median_us / cfg.layers:.1f} us/layer" if m.timing else f"{m.mode} {m.error}"
             for m in out) + ("" if err is None else f", err {err:.1e}"))
         return out
+
+
+def _compiled(stack: DecoderStack, pos: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> stack(x, pos)`` through ``torch.compile(fullgraph=True)`` (a graph break raises),
+    after a reset of Dynamo's caches: each point's stack is new, and the code object is shared."""
+    torch._dynamo.reset()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return stack(x, pos)
+
+    return torch.compile(step, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
 
 
 def _describe(e: Exception) -> str:

@@ -12,7 +12,7 @@ from .decoder import PRESETS
 from .grid import (DEFAULT_CHECK_ROWS, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ERROR, DEFAULT_MS, DEFAULT_PEER_MAX_ERROR,
                    DEFAULT_SEED, DEFAULT_SHAPES, DEFAULT_WARMUP, MIN_ITERS, QUICK_ITERS, QUICK_WARMUP, BenchConfig)
 from .model import (DEFAULT_BATCHES, DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_MODEL_MAX_ERROR, DEFAULT_POINT_BUDGET_S,
-                    DEFAULT_PREFILL, MODEL_ITERS, MODEL_WARMUP, MODES, ModelConfig)
+                    DEFAULT_MODES, DEFAULT_PREFILL, MODEL_ITERS, MODEL_WARMUP, MODES, ModelConfig)
 from .peers import BASELINE, impl_names, select_impl_names
 from .variants import DEFAULT_VARIANTS, parse_variants
 
@@ -193,7 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help=f"variants (default {','.join(DEFAULT_VARIANTS)}; int4/int2/int8 = mixgemm u4/u2/s8, "
                             f"or mixgemm-<type>); bf16 always runs")
     model.add_argument("--modes", type=parse_name_list, default=None, metavar="MODE,...",
-                       help="graph, eager or both (default both)")
+                       help="graph, eager and/or compiled (torch.compile, then a CUDA graph; default graph,eager)")
     model.add_argument("--point-budget", type=float, default=None, metavar="SECONDS",
                        help=f"a point whose runs would take longer gets fewer (at least 10; default "
                             f"{DEFAULT_POINT_BUDGET_S:g} s: the 70B prefill through torch's int4 kernel)")
@@ -288,10 +288,10 @@ def model_config_from_args(args: argparse.Namespace, presets: Optional[Sequence[
         variants = parse_variants(args.variants if args.variants is not None else default_variants)
     except ValueError as e:
         raise BenchError(f"--variants: {e}") from None
-    modes = tuple(m.lower() for m in (args.modes or MODES))
+    modes = tuple(m.lower() for m in (args.modes or DEFAULT_MODES))
     bad = [m for m in modes if m not in MODES]
     if bad:
-        raise BenchError(f"--modes: unknown {', '.join(map(repr, bad))}; expected graph and/or eager")
+        raise BenchError(f"--modes: unknown {', '.join(map(repr, bad))}; expected {', '.join(MODES)}")
     max_error = DEFAULT_MODEL_MAX_ERROR if args.model_max_error is None else args.model_max_error
     if not max_error > 0:
         raise BenchError(f"--model-max-error must be positive, got {max_error}")
