@@ -44,16 +44,11 @@ import functools
 
 import torch
 
-from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, QuantizedWeight, WeightType
+from .types import (ATOM_K, ATOM_N, LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, QuantizedWeight, WeightType,
+                    atom_bytes)
 
-ATOM_N = 16
-ATOM_K = 64
 LANES = 32
 VALUES_PER_LANE = ATOM_N * ATOM_K // LANES  # 32
-
-def atom_bytes(bits: int) -> int:
-    """Bytes in one 16x64 atom of ``bits``-bit codes (32 lanes x 32 values)."""
-    return ATOM_N * ATOM_K * bits // 8
 
 
 def lane_value_of(r: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,16 @@ LAYOUT_VERSION = 1
 #: The only architecture the prepacked layout targets today.
 SUPPORTED_ARCHS = ("sm90a",)
 
+#: The prepacked layout's atom: 16 weight rows (N) x 64 columns (K), one MMA fragment's worth
+#: for 32 lanes (mixgemm.layout documents the (n, k) -> (lane, value) map inside it).
+ATOM_N = 16
+ATOM_K = 64
+
+
+def atom_bytes(bits: int) -> int:
+    """Bytes in one 16x64 atom of ``bits``-bit codes (32 lanes x 32 values)."""
+    return ATOM_N * ATOM_K * bits // 8
+
 
 class ActType(enum.Enum):
     """Activation (and scale, zero, output) element type."""
@@ -264,8 +274,6 @@ class PackedWeight:
     zero_offsets: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
-        from .layout import ATOM_K, ATOM_N, atom_bytes  # local: layout imports this module
-
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"PackedWeight is for arch {self.arch!r}; this mixgemm supports "
                              f"{SUPPORTED_ARCHS}")
