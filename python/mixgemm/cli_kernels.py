@@ -19,14 +19,16 @@ def add_generate_for(p) -> None:
         "Instead of the whole kernel matrix, exactly the kernels that the quantized layers of a model can select "
         "at any token count (one per layer shape, type and activation and token-count bucket), read from headers "
         "only: a mixgemm file or directory of them, or a Hugging Face model directory whose config.json has a "
-        "quantization_config (awq, gptq, compressed-tensors). A Llama MLP's gate_proj/up_proj pair counts as one "
-        "fused swiglu layer, as the loader fuses it. See mixgemm.checkpoint_weights.")
+        "quantization_config (awq, gptq, compressed-tensors, mixgemm), in the activation dtype mixgemm.hf.from_pretrained "
+        "would use. A Llama MLP's gate_proj/up_proj pair counts as one fused swiglu layer where the loader fuses it. "
+        "See mixgemm.checkpoint_weights.")
     g.add_argument("--for", dest="for_path", metavar="MODEL", default=None,
                    help="a mixgemm .safetensors file or a model directory")
     g.add_argument("--max-tokens", type=_positive_int, default=None, metavar="M",
                    help="the most tokens per call the model will see (default: any number)")
     g.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
-                   help="activation dtype (default: each weight's scales' dtype)")
+                   help="activation dtype (default: as from_pretrained: the config's torch_dtype if bf16/fp16, else bf16; "
+                        "for mixgemm files without a config, each weight's scales' dtype)")
     g.add_argument("--no-fuse-gate-up", action="store_true",
                    help="count gate_proj and up_proj as two plain layers")
 
