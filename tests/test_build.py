@@ -32,7 +32,7 @@ FAKE_NVCC = textwrap.dedent("""\
         print("nvcc: NVIDIA (R) Cuda compiler driver\\nCuda compilation tools, release 13.0, V13.0.88")
         sys.exit(0)
     out = args[args.index("-o") + 1]
-    src = [a for a in args if a.endswith(".cu")][0]
+    src = [a for a in args if a.endswith((".cu", ".cpp"))][0]
     log = os.environ.get("FAKE_NVCC_LOG")
     if log:
         with open(log, "a") as f:

@@ -81,8 +81,8 @@ def test_every_subcommand_has_help(capsys, command):
 def test_no_command(capsys):
     rc, out, err = run(capsys)
     assert rc == 2 and out == ""
-    assert err.splitlines() == ["mixgemm: error: a command is required: prepack, demo, generate, bench, doctor "
-                                "(see `mixgemm --help`)"]
+    assert err.splitlines() == ["mixgemm: error: a command is required: prepack, demo, generate, bench, doctor, "
+                                "cache (see `mixgemm --help`)"]
 
 
 def test_reported_errors_of_each_subcommand(capsys, tmp_path, monkeypatch):
@@ -95,6 +95,7 @@ def test_reported_errors_of_each_subcommand(capsys, tmp_path, monkeypatch):
         "generate": ["generate", "--list", "--kernels", "no_such_kernel"],
         "bench": ["bench"],                                      # needs a GPU
         "doctor": ["doctor", "--no-kernel"],                     # no GPU: the GEMM path cannot work
+        "cache": ["cache", "import", tmp_path / "none.tgz"],
     }
     assert set(cases) == set(cli.SUBCOMMANDS)
     for command, argv in cases.items():
@@ -179,8 +180,8 @@ def test_keyboard_interrupt(capsys, monkeypatch, pin_case):
 # ------------------------------------------------------------------------------ dependencies
 
 def test_the_package_never_imports_its_command_line(tmp_path):
-    """Importing any module of the package (all but mixgemm.cli and the ``__main__`` modules,
-    which run their command when imported) leaves mixgemm.cli out of sys.modules: dependencies
+    """Importing any module of the package (all but mixgemm.cli, its parts mixgemm.cli_*, and
+    the ``__main__`` modules, which run their command when imported) leaves mixgemm.cli out of sys.modules: dependencies
     point from the command line to the package."""
     code = """if True:
         import importlib, json, pkgutil, sys
@@ -188,7 +189,7 @@ def test_the_package_never_imports_its_command_line(tmp_path):
         bad = {}
         names = sorted(m.name for m in pkgutil.walk_packages(mixgemm.__path__, "mixgemm."))
         for name in names:
-            if name == "mixgemm.cli" or name.rsplit(".", 1)[-1] == "__main__":
+            if name == "mixgemm.cli" or name.startswith("mixgemm.cli_") or name.rsplit(".", 1)[-1] == "__main__":
                 continue
             importlib.import_module(name)
             if "mixgemm.cli" in sys.modules:

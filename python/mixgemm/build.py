@@ -171,6 +171,11 @@ def _steps(spec: KernelSpec) -> dict[str, tuple[str, ...]]:
     return steps
 
 
+def artifact_names(spec: KernelSpec) -> tuple[str, ...]:
+    """The files a kernel's cache entry holds besides its source and meta.json."""
+    return tuple(_steps(spec))
+
+
 def cache_key(spec: KernelSpec, source: str, tc: Toolchain) -> str:
     """sha256 of everything that determines the artifacts."""
     env = {v: os.environ.get(v, "") for v in KEY_ENV_VARS}
@@ -219,7 +224,7 @@ def _sha256(path: Path) -> str:
 
 
 def _entry_dir(spec: KernelSpec, key: str) -> Path:
-    return cache_dir() / "kernels" / f"{spec.name}-{key[:20]}"
+    return cache_dir() / "kernels" / entry_stem(spec.name, key)
 
 
 @contextmanager
@@ -236,7 +241,7 @@ def _lock(stem: str):
 
 
 def _locked(spec: KernelSpec, key: str):
-    return _lock(f"{spec.name}-{key[:20]}")
+    return _lock(entry_stem(spec.name, key))
 
 
 def _entry_valid(entry: Path, name: str, key: str, artifacts: Iterable[str]) -> bool:
@@ -333,13 +338,7 @@ def _build_into(final: Path, name: str, key: str, source_name: str, source: str,
                 tc: Toolchain, parallel_steps: bool, meta_extra: dict) -> None:
     """Build ``steps`` (artifact -> nvcc flags) from ``source`` in a temporary directory, write
     meta.json last, and move the directory to ``final`` (the caller holds the entry's lock)."""
-    tmp_root = cache_dir() / "tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries()
-    tmp = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp_root))
-    try:
-        (tmp / _OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                              "started": time.time(), "kernel": name}))
+    with _temporary_entry(name) as tmp:
         src = tmp / source_name
         src.write_text(source)
         t0 = time.time()
@@ -359,17 +358,75 @@ def _build_into(final: Path, name: str, key: str, source_name: str, source: str,
             "build_seconds": round(time.time() - t0, 1),
             "sha256": {art: _sha256(tmp / art) for art in steps},
         }
-        meta_tmp = tmp / "meta.json.tmp"
-        meta_tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(meta_tmp, tmp / "meta.json")          # meta last: its presence marks completeness
-        (tmp / _OWNER).unlink()
-        if final.exists():
-            shutil.rmtree(final)                          # a corrupt or stale entry (we hold its lock)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, final)
+        _write_meta(tmp, meta)
+        _publish(tmp, final)
+
+
+@contextmanager
+def _temporary_entry(name: str):
+    """A new temporary entry directory under the cache's ``tmp/`` with its ``owner.json`` (so
+    that :func:`stale_temporaries` finds it if this process is killed); removed on the way out
+    unless :func:`_publish` moved it into place."""
+    tmp_root = cache_dir() / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries()
+    tmp = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp_root))
+    try:
+        (tmp / _OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                              "started": time.time(), "kernel": name}))
+        yield tmp
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_meta(tmp: Path, meta: dict) -> None:
+    meta_tmp = tmp / "meta.json.tmp"
+    meta_tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(meta_tmp, tmp / "meta.json")          # meta last: its presence marks completeness
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Move the complete temporary entry ``tmp`` to ``final`` (the caller holds its lock),
+    replacing what is there (a corrupt or stale entry)."""
+    (tmp / _OWNER).unlink()
+    if final.exists():
+        shutil.rmtree(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, final)
+
+
+def entry_stem(name: str, key: str) -> str:
+    """The directory name (and lock name) of a cache entry: ``<name>-<first 20 hex digits of key>``."""
+    return f"{name}-{key[:20]}"
+
+
+def install_entry(kind: str, name: str, key: str, files: "dict[str, bytes]", artifacts: Iterable[str]) -> bool:
+    """Place an entry built elsewhere (``mixgemm cache import``) at ``<cache>/<kind>/<name>-<key>``,
+    atomically, under the entry's lock. ``files`` holds ``meta.json`` (written last) and the
+    other files by name; the entry must be valid (:func:`_entry_valid`: meta's name and key,
+    every artifact's sha256) once written, else BuildError and nothing changes.
+
+    Returns False, changing nothing, when a valid entry is already there (it is never replaced
+    by another); True when this one was placed (replacing an invalid one)."""
+    if kind not in ("kernels", "host"):
+        raise ValueError(f"kind must be 'kernels' or 'host', got {kind!r}")
+    stem = entry_stem(name, key)
+    final = cache_dir() / kind / stem
+    artifacts = tuple(artifacts)
+    with _lock(stem):
+        if _entry_valid(final, name, key, artifacts):
+            return False
+        with _temporary_entry(name) as tmp:
+            for fname, data in files.items():
+                if fname != "meta.json":
+                    (tmp / fname).write_bytes(data)
+            (tmp / "meta.json.tmp").write_bytes(files["meta.json"])
+            os.replace(tmp / "meta.json.tmp", tmp / "meta.json")
+            if not _entry_valid(tmp, name, key, artifacts):
+                raise BuildError(f"{stem}: its files do not match its meta.json")
+            _publish(tmp, final)
+    return True
 
 
 def build(spec: KernelSpec, *, force: bool = False, parallel_steps: bool = True,
@@ -450,7 +507,7 @@ def load_host_library(name: str, source: str, load: Callable[[Path], T]) -> T:
     atomic publication, an entry whose sha256 does not match meta.json is rebuilt."""
     tc = toolchain()
     key = host_library_key(name, source, tc)
-    stem = f"{name}-{key[:20]}"
+    stem = entry_stem(name, key)
     entry = cache_dir() / "host" / stem
     artifact = f"{name}.so"
     with _lock(stem):

@@ -449,6 +449,8 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="N",
                    help="parallel nvcc builds (default: half the CPU cores; each needs ~5 GB of memory)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    from .cli_kernels import add_generate_for
+    add_generate_for(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -459,7 +461,13 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from . import codegen
 
-    specs = codegen.default_specs()
+    if args.for_path is None and (args.max_tokens is not None or args.dtype is not None or args.no_fuse_gate_up):
+        raise UsageError("--max-tokens, --dtype and --no-fuse-gate-up go with --for")
+    if args.for_path is not None:
+        from .cli_kernels import model_specs
+        specs = model_specs(args)
+    else:
+        specs = codegen.default_specs()
     if args.kernels:
         specs = [s for s in specs if args.kernels.search(s.name)]
         if not specs:
@@ -499,6 +507,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------- cache
+
+def _add_cache(subparsers) -> None:
+    from .cli_kernels import add_cache
+    add_cache(subparsers)
+
+
 # ------------------------------------------------------------------------------------- bench
 
 def _add_bench(subparsers) -> None:
@@ -526,6 +541,7 @@ SUBCOMMANDS: "MappingProxyType[str, Callable]" = MappingProxyType({
     "generate": _add_generate,
     "bench": _add_bench,
     "doctor": _add_doctor,
+    "cache": _add_cache,
 })
 
 

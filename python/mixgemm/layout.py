@@ -206,3 +206,106 @@ def unpack(packed: PackedWeight) -> QuantizedWeight:
         symmetric=wt.signed,
         zero_offsets=None if packed.zero_offsets is None else packed.zero_offsets.t().contiguous(),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel shards
+# ---------------------------------------------------------------------------------------------
+def shard(packed: PackedWeight, dim: int, rank: int, world_size: int,
+          sections: "tuple[int, ...] | list[int] | None" = None) -> PackedWeight:
+    """The ``rank``-th of ``world_size`` slices of a packed weight, without re-quantizing.
+
+    Parameters
+    ----------
+    packed : PackedWeight
+        The whole weight ``[N, K]`` (any device).
+    dim : int
+        ``0``: slice the output features N (column parallel): rows
+        ``rank * N/W .. (rank+1) * N/W``; ``N/W`` must be a multiple of 16 (whole 16-row atoms).
+        ``1``: slice the input features K (row parallel): columns ``rank * K/W ..``; ``K/W``
+        must be a multiple of 64 (whole atoms) and of the group size (whole groups). A
+        per-channel weight (``group_size == K``) keeps its scales and becomes per-channel over
+        its slice (``group_size = K/W``): each shard's partial product is exact, and their sum
+        is the whole product.
+    rank, world_size : int
+        ``0 <= rank < world_size``.
+    sections : sequence of int, optional
+        ``dim=0`` only: the weight's rows are consecutive sections (a fused q/k/v projection:
+        ``(q_rows, k_rows, v_rows)``, summing to N); each section is sliced on its own and the
+        rank's slices are concatenated (``[q_r; k_r; v_r]``). Every section divided by
+        ``world_size`` must be a multiple of 16.
+
+    Returns
+    -------
+    PackedWeight
+        ``[N/W, K]`` or ``[N, K/W]``, owning its tensors (copies, contiguous), equal tensor for
+        tensor to ``prepack`` of the same slice of ``unpack(packed)``. Scales, zeros and zero
+        offsets (``[G, N]``) are sliced along the same rows, or the same groups.
+
+    Notes
+    -----
+    A swiglu (gate/up interleaved) weight alternates 8 gate rows and 8 up rows in each 16-row
+    atom, so a slice at 16-row boundaries holds the matching gate and up rows: it is the
+    interleaved weight of the gate's and up's own slices (rows ``rank * I/W ..`` of each), and
+    its outputs are features ``rank * I/W .. (rank+1) * I/W`` of the whole layer's.
+    """
+    if not isinstance(packed, PackedWeight):
+        raise TypeError(f"shard expects a PackedWeight, got {type(packed).__name__}")
+    for name, v in (("rank", rank), ("world_size", world_size), ("dim", dim)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if dim not in (0, 1, -2, -1):
+        raise ValueError(f"dim must be 0 (N, column parallel) or 1 (K, row parallel), got {dim}")
+    dim %= 2
+    if sections is not None and dim != 0:
+        raise ValueError("sections slice the output rows: they need dim=0")
+    if dim == 0:
+        sections = tuple(sections) if sections is not None else (packed.n,)
+        if any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sections) \
+                or sum(sections) != packed.n:
+            raise ValueError(f"sections must be positive ints summing to N={packed.n}, got {list(sections)}")
+        rows = []
+        start = 0
+        for s in sections:
+            if s % (ATOM_N * world_size):
+                what = f"section of {s} rows" if len(sections) > 1 else f"N={s}"
+                raise ValueError(f"cannot split {what} into {world_size} shards of whole {ATOM_N}-row atoms: "
+                                 f"need N / world_size to be a multiple of {ATOM_N}")
+            part = s // world_size
+            rows.append((start + rank * part, start + (rank + 1) * part))
+            start += s
+        return _take_rows(packed, rows)
+    k, g = packed.k, packed.group_size
+    if k % world_size or (k // world_size) % ATOM_K:
+        raise ValueError(f"cannot split K={k} into {world_size} shards of whole {ATOM_K}-column atoms: "
+                         f"need K / world_size to be a multiple of {ATOM_K}")
+    k_local = k // world_size
+    per_channel = g == k
+    if not per_channel and k_local % g:
+        raise ValueError(f"cannot split K={k} into {world_size} shards of whole groups of {g}: "
+                         f"K / world_size = {k_local} is not a multiple of the group size")
+    k0 = rank * k_local
+    a0, a1 = k0 // ATOM_K, (k0 + k_local) // ATOM_K
+    g0, g1 = (0, 1) if per_channel else (k0 // g, (k0 + k_local) // g)
+
+    def groups(t):
+        return None if t is None else t[g0:g1].clone()
+
+    return PackedWeight(
+        qdata=packed.qdata[:, a0:a1].clone(memory_format=torch.contiguous_format), scales=groups(packed.scales), zeros=groups(packed.zeros),
+        weight_type=packed.weight_type, group_size=k_local if per_channel else g, n=packed.n, k=k_local,
+        arch=packed.arch, layout_version=packed.layout_version, zero_offsets=groups(packed.zero_offsets))
+
+
+def _take_rows(packed: PackedWeight, rows: "list[tuple[int, int]]") -> PackedWeight:
+    """The weight made of the row ranges ``rows`` (each on 16-row atom boundaries), in order."""
+    def cols(t):
+        return None if t is None else torch.cat([t[:, r0:r1] for r0, r1 in rows], dim=1)
+
+    qdata = torch.cat([packed.qdata[r0 // ATOM_N:r1 // ATOM_N] for r0, r1 in rows])   # a new tensor
+    return PackedWeight(
+        qdata=qdata, scales=cols(packed.scales), zeros=cols(packed.zeros), weight_type=packed.weight_type,
+        group_size=packed.group_size, n=sum(r1 - r0 for r0, r1 in rows), k=packed.k, arch=packed.arch,
+        layout_version=packed.layout_version, zero_offsets=cols(packed.zero_offsets))

@@ -413,4 +413,15 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
     return QuantizeSummary(replaced, skipped, before, after)
 
 
-__all__ = ["QuantLinear", "quantize_model", "QuantizeSummary", "gemm_op", "unsupported_reason"]
+#: the tensor-parallel layers live in mixgemm.tensor_parallel (which imports this module)
+_PARALLEL = ("ColumnParallelQuantLinear", "RowParallelQuantLinear")
+
+
+def __getattr__(name: str):
+    if name in _PARALLEL:
+        from . import tensor_parallel
+        return getattr(tensor_parallel, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["QuantLinear", "quantize_model", "QuantizeSummary", "gemm_op", "unsupported_reason", *_PARALLEL]

@@ -339,6 +339,16 @@ class PackedWeight:
             zeros=None if self.zeros is None else self.zeros.to(device),
             zero_offsets=None if self.zero_offsets is None else self.zero_offsets.to(device))
 
+    def shard(self, dim: int, rank: int, world_size: int, sections=None) -> "PackedWeight":
+        """The ``rank``-th of ``world_size`` tensor-parallel slices of this weight, along N
+        (``dim=0``, column parallel: whole 16-row atoms) or K (``dim=1``, row parallel: whole
+        64-column atoms and whole groups), without re-quantizing: equal to ``prepack`` of the
+        same slice of the logical weight. See :func:`mixgemm.layout.shard` (``sections``:
+        a fused q/k/v weight's row sections, each sliced on its own)."""
+        from .layout import shard  # local: layout imports this module
+
+        return shard(self, dim, rank, world_size, sections)
+
     def metadata(self) -> dict:
         """String metadata describing this weight (stored in safetensors headers)."""
         return {

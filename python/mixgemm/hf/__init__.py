@@ -74,7 +74,8 @@ def _import_transformers():
 
 def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device] = "cuda",
                     dtype: Union[torch.dtype, str, None] = None, *, fuse_gate_up: bool = True,
-                    attn_implementation: Optional[str] = None) -> nn.Module:
+                    attn_implementation: Optional[str] = None, prebuild: bool = False,
+                    jobs: Optional[int] = None) -> nn.Module:
     """Load a quantized checkpoint directory into a transformers causal-LM model.
 
     Parameters
@@ -98,6 +99,15 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         (:class:`GatedMLP`) where both have the same weight type, group size and permutation.
     attn_implementation : str, optional
         Passed to transformers (``"sdpa"``, ``"eager"``, ...); default transformers' choice.
+    prebuild : bool, default False
+        Before returning, build (or find in the kernel cache) every kernel the model's
+        QuantLinear layers can select at any token count, in parallel with a progress bar, and
+        the compiled launcher (:func:`mixgemm.prebuild.build_for`): no call then waits for
+        nvcc. Without it each kernel compiles on its first use (65-100 s for a GEMM kernel).
+        ``mixgemm generate --build --for MODEL_DIR`` builds the same set ahead of time.
+    jobs : int, optional
+        Parallel nvcc builds for ``prebuild`` (default: half the CPU cores; each takes about
+        5 GB of memory).
 
     Returns
     -------
@@ -122,6 +132,8 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         A layer's tensors do not form a valid layer of its format, or disagree with the bits or
         group size of the config (the message names the layer). Raised before anything is put
         on the device.
+    BuildError
+        ``prebuild``: a kernel did not build (the others are built and cached).
 
     Warns
     -----
@@ -136,6 +148,8 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         raise ValueError(f"device={str(device)!r}, but CUDA is not available")
     if dtype is not None:
         _step1.resolve_dtype(dtype, {})
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"jobs must be a positive int, got {jobs!r}")
     model_dir = Path(model_dir)
     plan = _step1.plan(transformers, model_dir, dtype, fuse_gate_up, attn_implementation)   # no device work
     try:
@@ -152,4 +166,9 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     summary = _step2.summary(model, plan, model_dir, quantized)
     model.mixgemm_summary = summary
     _log.info("%s", summary)
+    if prebuild:
+        from .. import prebuild as _prebuild
+
+        arts = _prebuild.build_for(model, jobs=jobs, progress=True)
+        _log.info("mixgemm.hf: %d kernels built or found in the cache", len(arts))
     return model

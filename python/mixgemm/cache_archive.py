@@ -1,0 +1,469 @@
+"""Moving a warm kernel cache between machines: ``mixgemm cache list / export / import``.
+
+An archive is a gzip-compressed tar holding ``mixgemm-cache.json`` (the manifest: its format,
+the exporting mixgemm and nvcc, the entries) and, per cache entry, ``kernels/<name>-<key>/``
+(a kernel: ``meta.json``, ``kernel.cubin`` and, for a GEMM or decode kernel, ``helper.so``)
+or ``host/<name>-<key>/`` (the compiled launcher: ``meta.json``, ``launcher.so``), as
+:mod:`mixgemm.build` lays them out.
+
+Export takes the entries that are valid for **this** install (each artifact matches its
+sha256 in meta.json, and the entry's key is the one this install computes for it), optionally
+those whose name matches a regular expression.
+
+Import checks every entry before anything is written, and refuses, with a message per entry:
+
+* **foreign** members: anything but the manifest and ``kernels|host/<name>-<key>/<file>``
+  (absolute paths, ``..``, links, devices, other directories), a name that is not a mixgemm
+  kernel or host library, a directory name that does not match its meta.json, unexpected files;
+* **corrupt** entries: a missing artifact or one whose sha256 differs from meta.json;
+* **stale** entries: a key other than the one this install computes for that kernel -- built by
+  another mixgemm version, from other headers, with another nvcc, other flags or nvcc
+  environment (:func:`mixgemm.build.cache_key`, :func:`mixgemm.build.host_library_key`).
+
+An accepted entry is written like a build's (:func:`mixgemm.build.install_entry`: a temporary
+directory, checked again, then renamed into place under the entry's lock); a valid entry that
+is already in the cache is kept, never replaced. The archive's members are read as data
+only: no path from the archive is ever used to write a file, and its kernel sources are not
+copied (the cache gets this install's rendering).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from . import build
+from ._version import __version__
+from .errors import BuildError, UserError
+
+__all__ = ["ARCHIVE_FORMAT", "CacheEntry", "ImportReport", "ExportReport", "list_entries", "export_cache",
+           "import_cache"]
+
+#: The manifest's ``format`` field, and its file name in the archive.
+ARCHIVE_FORMAT = "mixgemm.kernel-cache"
+ARCHIVE_VERSION = 1
+MANIFEST = "mixgemm-cache.json"
+KINDS = ("kernels", "host")
+#: Larger members are refused (a cubin is a few MB; meta.json a few KB).
+MAX_ARTIFACT_BYTES = 512 << 20
+MAX_META_BYTES = 1 << 20
+
+_STEM = re.compile(r"^(?P<name>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*)-(?P<key>[0-9a-f]{20})$")
+_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_KEY = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _host_sources() -> dict[str, Callable[[], str]]:
+    """mixgemm's host libraries (built by :func:`mixgemm.build.load_host_library`): name -> source."""
+    from . import launcher
+
+    return {"launcher": lambda: launcher.SOURCE.read_text()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Expected:
+    """What this install expects of an entry of that kind and name."""
+
+    key: str
+    artifacts: tuple[str, ...]
+    source_name: str
+    source: str
+
+
+def _expected(kind: str, name: str, tc: build.Toolchain) -> _Expected:
+    """This install's key, artifacts and source for the entry; ValueError if mixgemm has no
+    kernel (or host library) of that name."""
+    if kind == "kernels":
+        from .codegen import parse_name, render
+
+        spec = parse_name(name)          # ValueError for a name that is not a mixgemm kernel's
+        if spec.name != name:
+            raise ValueError(f"{name!r} is not the canonical name of a mixgemm kernel")
+        source = render(spec)
+        return _Expected(build.cache_key(spec, source, tc), build.artifact_names(spec), f"{name}.cu", source)
+    sources = _host_sources()
+    if name not in sources:
+        raise ValueError(f"{name!r} is not one of mixgemm's host libraries ({', '.join(sources)})")
+    source = sources[name]()
+    return _Expected(build.host_library_key(name, source, tc), (f"{name}.so",), f"{name}.cpp", source)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _stale_reason(meta: dict, tc: build.Toolchain) -> str:
+    """Why an entry's key is not this install's, as far as its meta.json tells."""
+    theirs = str(meta.get("mixgemm", "?"))
+    if theirs != __version__:
+        return f"built by mixgemm {theirs}, this is mixgemm {__version__}"
+    nvcc = str(meta.get("nvcc_version", ""))
+    mine = tc.version.splitlines()[-1] if tc.version else ""
+    if nvcc and nvcc != mine:
+        return f"built with nvcc '{nvcc}', this install has '{mine}'"
+    return ("built from other mixgemm headers or sources, or with other nvcc flags or environment "
+            f"({', '.join(build.KEY_ENV_VARS)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Listing
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CacheEntry:
+    """One entry of the local cache.
+
+    ``state``: ``"current"`` (valid, and this install's key: it is used), ``"stale"`` (valid,
+    another key: never used, e.g. left by an older mixgemm), ``"corrupt"`` (files do not match
+    meta.json: rebuilt on use) or ``"foreign"`` (not a mixgemm entry)."""
+
+    kind: str
+    directory: Path
+    name: str
+    state: str
+    detail: str = ""
+    build_seconds: Optional[float] = None
+    nbytes: int = 0
+
+
+def _read_meta(directory: Path) -> dict:
+    meta = json.loads((directory / "meta.json").read_text())
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not isinstance(meta.get("key"), str) \
+            or not isinstance(meta.get("sha256"), dict):
+        raise ValueError("meta.json lacks name, key or sha256")
+    return meta
+
+
+def _classify(kind: str, directory: Path, tc: Optional[build.Toolchain]) -> CacheEntry:
+    try:
+        meta = _read_meta(directory)
+    except (OSError, ValueError) as e:
+        return CacheEntry(kind, directory, directory.name, "corrupt", f"no readable meta.json ({e})")
+    name = meta["name"]
+    size = sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+    seconds = meta.get("build_seconds") if isinstance(meta.get("build_seconds"), (int, float)) else None
+
+    def made(state: str, detail: str = "") -> CacheEntry:
+        return CacheEntry(kind, directory, name, state, detail, seconds, size)
+
+    if directory.name != build.entry_stem(name, meta["key"]):
+        return made("foreign", f"its directory name does not match its meta.json ({name}, {meta['key'][:20]})")
+    if tc is None:
+        expected = None
+    else:
+        try:
+            expected = _expected(kind, name, tc)
+        except ValueError as e:
+            return made("foreign", str(e))
+    artifacts = expected.artifacts if expected else tuple(meta["sha256"])
+    if not build._entry_valid(directory, name, meta["key"], artifacts):
+        return made("corrupt", "its files do not match meta.json (rebuilt on first use)")
+    if expected is None:
+        return made("unchecked", "no nvcc: this install's key cannot be computed")
+    if meta["key"] != expected.key:
+        return made("stale", _stale_reason(meta, tc))
+    return made("current")
+
+
+def list_entries(pattern: "Optional[re.Pattern[str]]" = None) -> list[CacheEntry]:
+    """The entries of the cache (:func:`mixgemm.build.cache_dir`), kernels then host
+    libraries, by name; with ``pattern``, those whose name it matches (``re.search``). Without
+    nvcc their state is ``"unchecked"`` (the key needs nvcc's version)."""
+    try:
+        tc = build.toolchain()
+    except BuildError:
+        tc = None
+    out = []
+    for kind in KINDS:
+        root = build.cache_dir() / kind
+        if not root.is_dir():
+            continue
+        for directory in sorted(p for p in root.iterdir() if p.is_dir()):
+            entry = _classify(kind, directory, tc)
+            if pattern is None or pattern.search(entry.name):
+                out.append(entry)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ExportReport:
+    exported: list[CacheEntry]
+    skipped: list[CacheEntry]      # stale, corrupt or foreign entries that matched
+    path: Path
+    nbytes: int
+
+
+def _tarinfo(name: str, data: bytes, mode: int = 0o644) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+    info.uname = info.gname = ""
+    return info
+
+
+def export_cache(path: Union[str, os.PathLike], pattern: "Optional[re.Pattern[str]]" = None,
+                 force: bool = False) -> ExportReport:
+    """Write the current entries of the cache (those this install uses; with ``pattern``, those
+    whose name matches) to a gzip-compressed tar at ``path``.
+
+    The file is written under a temporary name in its directory and renamed when complete. Each
+    entry's files are read under its lock and checked against meta.json as they are written.
+
+    Raises
+    ------
+    mixgemm.errors.UserError
+        ``path`` exists (without ``force``) or is a directory, its directory does not exist,
+        or no entry is current (nothing to export).
+    mixgemm.errors.BuildError
+        No nvcc (the keys need its version).
+    """
+    path = Path(path)
+    directory = path.resolve().parent
+    if not directory.is_dir():
+        raise UserError(f"cannot write {path}: directory {directory} does not exist")
+    if path.is_dir():
+        raise UserError(f"cannot write {path}: it is a directory")
+    if path.exists() and not force:
+        raise UserError(f"{path} exists; pass --force to replace it")
+    build.toolchain()
+    entries = list_entries(pattern)
+    current = [e for e in entries if e.state == "current"]
+    skipped = [e for e in entries if e.state != "current"]
+    if not current:
+        what = f" matching {pattern.pattern!r}" if pattern is not None else ""
+        raise UserError(f"no current cache entry{what} in {build.cache_dir()} to export "
+                        f"({len(skipped)} stale, corrupt or foreign)")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    exported = []
+    try:
+        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+            manifest = {"format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION, "mixgemm": __version__,
+                        "nvcc_version": build.toolchain().version.splitlines()[-1],
+                        "entries": [f"{e.kind}/{e.directory.name}" for e in current]}
+            data = json.dumps(manifest, indent=1).encode()
+            tar.addfile(_tarinfo(MANIFEST, data), io.BytesIO(data))
+            for e in current:
+                if _add_entry(tar, e):
+                    exported.append(e)
+                else:
+                    skipped.append(dataclasses.replace(e, state="corrupt", detail="changed while exporting"))
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return ExportReport(exported, skipped, path, path.stat().st_size)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _add_entry(tar: tarfile.TarFile, e: CacheEntry) -> bool:
+    """Add the entry's meta.json and artifacts, read under its lock and checked; False if they no
+    longer match meta.json."""
+    with build._lock(e.directory.name):
+        try:
+            meta_bytes = (e.directory / "meta.json").read_bytes()
+            meta = json.loads(meta_bytes)
+            files = {name: (e.directory / name).read_bytes() for name in meta["sha256"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+    if any(_sha256(data) != meta["sha256"][name] for name, data in files.items()):
+        return False
+    prefix = f"{e.kind}/{e.directory.name}"
+    for name, data in sorted(files.items()):
+        tar.addfile(_tarinfo(f"{prefix}/{name}", data, 0o755 if name.endswith(".so") else 0o644), io.BytesIO(data))
+    tar.addfile(_tarinfo(f"{prefix}/meta.json", meta_bytes), io.BytesIO(meta_bytes))
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Import
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ImportReport:
+    """What :func:`import_cache` did: entry names imported, already present, and refused
+    (``(what, why)``: an entry, or an archive member that is not one)."""
+
+    imported: list[str] = dataclasses.field(default_factory=list)
+    present: list[str] = dataclasses.field(default_factory=list)
+    refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused
+
+
+def _member_entry(member: tarfile.TarInfo) -> tuple[Optional[tuple[str, str, str]], str]:
+    """``((kind, stem, file), "")`` for a member that belongs to a cache entry, ``(None, "")``
+    for the manifest and plain directories, else ``(None, why it is refused)``."""
+    name = member.name
+    if name.startswith("/") or "\\" in name or "\0" in name:
+        return None, "absolute or unsafe path"
+    parts = name.split("/")
+    while parts and parts[-1] == "" and member.isdir():
+        parts.pop()
+    if any(p in ("", ".", "..") for p in parts):
+        return None, "unsafe path ('..', '.' or an empty component)"
+    if member.issym() or member.islnk():
+        return None, "a link"
+    if not (member.isfile() or member.isdir()):
+        return None, "not a regular file"
+    if member.isdir():
+        if len(parts) <= 2 and parts[0] in KINDS and (len(parts) == 1 or _STEM.match(parts[1])):
+            return None, ""
+        return None, "a directory that is not a cache entry's"
+    if parts == [MANIFEST]:
+        return None, ""
+    if len(parts) != 3 or parts[0] not in KINDS or not _STEM.match(parts[1]) or not _FILE.match(parts[2]):
+        return None, "not a mixgemm cache entry (kernels/<name>-<key>/<file> or host/<name>-<key>/<file>)"
+    return (parts[0], parts[1], parts[2]), ""
+
+
+def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int) -> bytes:
+    if member.size > limit:
+        raise ValueError(f"{member.name} is {member.size} bytes (more than {limit})")
+    f = tar.extractfile(member)
+    if f is None:
+        raise ValueError(f"{member.name} cannot be read")
+    data = f.read(limit + 1)
+    if len(data) != member.size:
+        raise ValueError(f"{member.name} is truncated")
+    return data
+
+
+def import_cache(path: Union[str, os.PathLike],
+                 progress: Optional[Callable[[str, str], None]] = None) -> ImportReport:
+    """Import the entries of an archive written by :func:`export_cache` into the cache.
+
+    Every entry is checked (see the module docstring) and either imported, found already
+    present (valid: kept as is) or refused with a reason; the archive's other members are
+    refused too. All entries are read and checked before the first is written, so an archive
+    that cannot be read to its end imports nothing. ``progress(entry, outcome)`` is called per
+    entry (``"imported"``, ``"present"`` or ``"refused"``).
+
+    Raises
+    ------
+    mixgemm.errors.UserError
+        ``path`` is missing, not a tar archive, or has no mixgemm manifest (nothing is
+        imported then).
+    mixgemm.errors.BuildError
+        No nvcc (this install's keys need its version).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    tc = build.toolchain()
+    report = ImportReport()
+    try:
+        tar = tarfile.open(path, mode="r:*")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise UserError(f"{path}: not a tar archive ({e})") from None
+    with tar:
+        try:
+            members = tar.getmembers()
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise UserError(f"{path}: a corrupt or truncated archive ({e})") from None
+        manifest = [m for m in members if m.name == MANIFEST and m.isfile()]
+        if not manifest:
+            raise UserError(f"{path} is not a mixgemm cache archive (it has no {MANIFEST}; write one with "
+                            f"`mixgemm cache export`)")
+        try:
+            info = json.loads(_read(tar, manifest[0], MAX_META_BYTES))
+        except (ValueError, OSError, tarfile.TarError) as e:
+            raise UserError(f"{path}: unreadable {MANIFEST} ({e})") from None
+        if not isinstance(info, dict) or info.get("format") != ARCHIVE_FORMAT:
+            raise UserError(f"{path}: {MANIFEST} is not a {ARCHIVE_FORMAT} manifest")
+        if not isinstance(info.get("version"), int) or info["version"] > ARCHIVE_VERSION:
+            raise UserError(f"{path}: archive version {info.get('version')!r}; this mixgemm reads version "
+                            f"{ARCHIVE_VERSION} (upgrade mixgemm)")
+        entries: dict[tuple[str, str], dict[str, tarfile.TarInfo]] = {}
+        for m in members:
+            where, why = _member_entry(m)
+            if why:
+                report.refused.append((m.name, f"foreign: {why}"))
+            elif where is not None:
+                kind, stem, fname = where
+                files = entries.setdefault((kind, stem), {})
+                if fname in files:
+                    report.refused.append((m.name, "foreign: the archive holds this file twice"))
+                files[fname] = m
+        accepted = []                      # every entry is checked before any is written
+        for (kind, stem), files in sorted(entries.items()):
+            label = f"{kind}/{stem}"
+            checked = _check_entry(tar, kind, stem, files, tc)
+            if isinstance(checked, str):
+                report.refused.append((label, checked))
+                if progress is not None:
+                    progress(label, "refused")
+            else:
+                accepted.append((label, kind, checked))
+    for label, kind, (name, key, files, artifacts) in accepted:
+        try:
+            placed = build.install_entry(kind, name, key, files, artifacts)
+        except (BuildError, OSError) as e:
+            report.refused.append((label, f"not written: {e}"))
+            outcome = "refused"
+        else:
+            (report.imported if placed else report.present).append(label)
+            outcome = "imported" if placed else "present"
+        if progress is not None:
+            progress(label, outcome)
+    return report
+
+
+def _check_entry(tar: tarfile.TarFile, kind: str, stem: str, members: dict[str, tarfile.TarInfo],
+                 tc: build.Toolchain) -> "Union[str, tuple[str, str, dict[str, bytes], tuple[str, ...]]]":
+    """``(name, key, files, artifacts)`` for :func:`mixgemm.build.install_entry`, or the reason
+    the entry is refused."""
+    if "meta.json" not in members:
+        return "foreign: no meta.json"
+    try:
+        meta_bytes = _read(tar, members["meta.json"], MAX_META_BYTES)
+        meta = json.loads(meta_bytes)
+    except (ValueError, OSError, tarfile.TarError) as e:
+        return f"corrupt: unreadable meta.json ({e})"
+    if not isinstance(meta, dict) or not isinstance(meta.get("name"), str) or not isinstance(meta.get("key"), str) \
+            or not _KEY.match(meta["key"]) or not isinstance(meta.get("sha256"), dict):
+        return "foreign: meta.json lacks its name, key or sha256"
+    name, key = meta["name"], meta["key"]
+    if build.entry_stem(name, key) != stem:
+        return f"foreign: the directory name does not match its meta.json ({build.entry_stem(name, key)})"
+    try:
+        expected = _expected(kind, name, tc)
+    except ValueError as e:
+        return f"foreign: {e}"
+    allowed = set(expected.artifacts) | {"meta.json", expected.source_name}
+    extra = sorted(set(members) - allowed)
+    if extra:
+        return f"foreign: unexpected files {extra}"
+    if set(meta["sha256"]) != set(expected.artifacts):
+        return f"foreign: meta.json lists {sorted(meta['sha256'])}, a {kind} entry holds {list(expected.artifacts)}"
+    missing = [a for a in expected.artifacts if a not in members]
+    if missing:
+        return f"corrupt: missing {missing}"
+    if key != expected.key:
+        return f"stale: {_stale_reason(meta, tc)}"
+    files = {"meta.json": meta_bytes}
+    try:
+        for a in expected.artifacts:
+            files[a] = _read(tar, members[a], MAX_ARTIFACT_BYTES)
+    except (ValueError, OSError, tarfile.TarError) as e:
+        return f"corrupt: {e}"
+    bad = [a for a in expected.artifacts if _sha256(files[a]) != meta["sha256"][a]]
+    if bad:
+        return f"corrupt: {bad} do not match their sha256 in meta.json"
+    files[expected.source_name] = expected.source.encode()
+    return name, key, files, expected.artifacts

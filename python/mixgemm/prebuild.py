@@ -1,0 +1,230 @@
+"""Building ahead of time exactly the kernels a model can run, so that no call waits for nvcc.
+
+Which kernel a GEMM launches (:func:`mixgemm.ops.select_spec`) depends on the weight's shape
+``N x K``, its types (weight and activation), the activation the call fuses, and the token
+count M only through M's bucket (:data:`mixgemm.ops.TOKEN_BUCKETS`: the heuristic's choice is
+constant within a bucket, and every M past the last bound uses the last bucket's). So the
+kernels a weight can ever need are ``select_spec(m, w, activation)`` for one M per bucket, and
+a model's are the union over its weights: :func:`specs_for`. :func:`build_for` builds them in
+parallel (:func:`mixgemm.build.build_many`, with a progress bar) together with the compiled
+launcher that every planned call uses.
+
+What is a "weight use" (:class:`WeightUse`)
+------------------------------------------
+A :class:`~mixgemm.nn.QuantLinear` gives its packed weight (``N`` is twice ``out_features``
+for a swiglu layer) and its ``activation``; a bare :class:`~mixgemm.PackedWeight` is taken
+without an activation. A weight with zero offsets (HQQ imports) runs its activation after the
+kernel, in torch (:func:`mixgemm.gemm`), so it needs the kernel without one. Files and model
+directories are read by :mod:`mixgemm.checkpoint_weights` (headers only, no tensor data).
+
+The dequantizer kernels (:func:`mixgemm.dequantize`) are not on the GEMM path and are not
+included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterable as _Iterable
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from .codegen import Activation, KernelSpec
+from .types import ActType, PackedWeight, WeightType
+
+__all__ = ["WeightUse", "token_counts", "uses_of", "specs_for", "build_for"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightUse:
+    """One packed weight as the GEMM sees it: what decides its kernels.
+
+    Attributes
+    ----------
+    n, k : int
+        The packed weight's shape ``[N, K]`` (a swiglu weight's N holds gate and up).
+    weight_type : WeightType
+    act : ActType
+        Activation dtype (bf16 / fp16).
+    activation : Activation
+        What the calls fuse (``QuantLinear.activation``).
+    zero_offsets : bool
+        Whether the weight has zero offsets (then its activation runs after the kernel).
+    name : str
+        Where it comes from (messages only; not compared).
+    """
+
+    n: int
+    k: int
+    weight_type: WeightType
+    act: ActType
+    activation: Activation = Activation.NONE
+    zero_offsets: bool = False
+    name: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        self.meta_weight()   # the PackedWeight checks: N % 16, K % 64, ...
+
+    @property
+    def kernel_activation(self) -> Activation:
+        """The activation the kernel itself fuses (none when zero offsets come first)."""
+        return Activation.NONE if self.zero_offsets else self.activation
+
+    def meta_weight(self) -> PackedWeight:
+        """A PackedWeight of this shape and types on the meta device (no memory): what
+        :func:`mixgemm.ops.select_spec` reads."""
+        from .layout import atom_bytes
+
+        where = f" ({self.name})" if self.name else ""
+        if self.n <= 0 or self.k <= 0 or self.n % 16 or self.k % 64:
+            raise ValueError(f"a packed weight needs N % 16 == 0 and K % 64 == 0, got N={self.n}, K={self.k}{where}")
+        meta = torch.device("meta")
+        dtype = self.act.torch_dtype
+        scales = torch.empty((1, self.n), dtype=dtype, device=meta)
+        return PackedWeight(
+            qdata=torch.empty((self.n // 16, self.k // 64, atom_bytes(self.weight_type.bits)), dtype=torch.uint8,
+                              device=meta),
+            scales=scales, zeros=torch.empty_like(scales) if self.weight_type.has_zero else None,
+            weight_type=self.weight_type, group_size=self.k, n=self.n, k=self.k)
+
+    @classmethod
+    def of_packed(cls, w: PackedWeight, activation: Union[str, Activation] = "none", name: str = "") -> "WeightUse":
+        return cls(w.n, w.k, w.weight_type, w.act_type, Activation(activation), w.zero_offsets is not None, name)
+
+
+def token_counts(max_tokens: Optional[int] = None) -> list[int]:
+    """One token count per bucket of :data:`mixgemm.ops.TOKEN_BUCKETS` (its smallest M), up to
+    ``max_tokens`` (every bucket when None): ``[1, 9, 17, 33, 65, 129, 257]`` today."""
+    from .ops import TOKEN_BUCKETS
+
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+    firsts, seen = [], set()
+    for m in range(1, len(TOKEN_BUCKETS)):
+        if TOKEN_BUCKETS[m] not in seen:
+            seen.add(TOKEN_BUCKETS[m])
+            firsts.append(m)
+    return [m for m in firsts if max_tokens is None or m <= max_tokens]
+
+
+Item = Union[WeightUse, PackedWeight, torch.nn.Module]
+
+
+def uses_of(items: Union[Item, Iterable[Item]]) -> list[WeightUse]:
+    """The :class:`WeightUse` of each item: a WeightUse as is; a PackedWeight without an
+    activation; every :class:`~mixgemm.nn.QuantLinear` inside an ``nn.Module`` (the module
+    itself included; tensor-parallel layers hold one) with its activation. Repeats are kept."""
+    from .nn import QuantLinear
+
+    if isinstance(items, (WeightUse, PackedWeight, torch.nn.Module)):
+        items = [items]
+    elif not isinstance(items, _Iterable) or isinstance(items, (str, bytes)):
+        raise TypeError(f"expected PackedWeights, QuantLinear layers, nn.Modules or WeightUses, got "
+                        f"{type(items).__name__}")
+    out: list[WeightUse] = []
+    for item in items:
+        if isinstance(item, WeightUse):
+            out.append(item)
+        elif isinstance(item, PackedWeight):
+            out.append(WeightUse.of_packed(item))
+        elif isinstance(item, torch.nn.Module):
+            for name, mod in item.named_modules():
+                if isinstance(mod, QuantLinear):
+                    out.append(WeightUse.of_packed(mod.packed, mod.activation, name))
+        else:
+            raise TypeError(f"expected a PackedWeight, a QuantLinear layer, an nn.Module or a WeightUse, got "
+                            f"{type(item).__name__}")
+    return out
+
+
+def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = None) -> list[KernelSpec]:
+    """Every kernel the GEMMs of ``items`` can select, at any token count up to ``max_tokens``
+    (every count when None).
+
+    Parameters
+    ----------
+    items : PackedWeight, QuantLinear, nn.Module, WeightUse, or an iterable of them
+        See :func:`uses_of`.
+    max_tokens : int, optional
+        The largest M the model will be called with (tokens per call: batch x sequence).
+
+    Returns
+    -------
+    list of KernelSpec
+        Without repeats, sorted by name: ``{select_spec(m, w, activation)}`` for every weight
+        and one M per token bucket.
+    """
+    from .ops import select_spec
+
+    ms = token_counts(max_tokens)
+    specs: dict[str, KernelSpec] = {}
+    for use in set(uses_of(items)):
+        w = use.meta_weight()
+        activation = use.kernel_activation
+        for m in ms:
+            spec = select_spec(m, w, None if activation is Activation.NONE else activation.value)
+            specs[spec.name] = spec
+    return [specs[name] for name in sorted(specs)]
+
+
+def build_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = None, *, jobs: Optional[int] = None,
+              progress: bool = True, force: bool = False, launcher: bool = True) -> list:
+    """Build (or find in the cache) every kernel of :func:`specs_for` in parallel, and the
+    compiled launcher, before the first call needs them.
+
+    Parameters
+    ----------
+    items, max_tokens
+        As for :func:`specs_for` (``from_pretrained(..., prebuild=True)`` passes the model).
+    jobs : int, optional
+        Parallel nvcc builds (default: half the CPU cores; a GEMM kernel's build takes about
+        5 GB of memory and 65-100 s).
+    progress : bool
+        A progress bar over the kernels.
+    force : bool
+        Rebuild even what is cached.
+    launcher : bool
+        Also build the compiled launcher (``csrc/launcher.cpp``), unless ``MIXGEMM_LAUNCHER``
+        is ``python``; it builds while the kernels do.
+
+    Returns
+    -------
+    list of mixgemm.build.Artifacts
+        The kernels' cache entries, in :func:`specs_for`'s order.
+
+    Raises
+    ------
+    mixgemm.errors.BuildError
+        A kernel failed to build (after the others finished), or the launcher did while
+        ``MIXGEMM_LAUNCHER=compiled``; with ``auto`` a launcher that does not build is a
+        warning (calls then launch from Python), as at run time.
+    """
+    from . import build
+    from . import launcher as launcher_mod
+    from .errors import BuildError
+
+    specs = specs_for(items, max_tokens)
+    outcome: dict[str, Any] = {}
+    thread = None
+    mode = launcher_mod.mode()
+    if launcher and mode != "python":
+        def build_launcher() -> None:
+            try:
+                outcome["path"] = launcher_mod.build_compiled()
+            except (BuildError, OSError) as e:
+                outcome["error"] = e
+
+        thread = threading.Thread(target=build_launcher, name="mixgemm-launcher-build", daemon=True)
+        thread.start()
+    try:
+        arts = build.build_many(specs, jobs=jobs, force=force, progress=progress) if specs else []
+    finally:
+        if thread is not None:
+            thread.join()
+    if "error" in outcome:
+        if mode == "compiled":
+            raise BuildError(f"the kernels are built, but not the compiled launcher: {outcome['error']}")
+        build.log.warning("mixgemm: the compiled launcher did not build (%s); calls will launch from Python",
+                          str(outcome["error"]).splitlines()[0])
+    return arts

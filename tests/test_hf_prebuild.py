@@ -1,0 +1,77 @@
+"""``mixgemm.hf.from_pretrained(..., prebuild=True)`` on the CPU: with the fake nvcc of
+test_build it builds, before it returns, exactly the kernels that the loaded model's forward
+then asks the kernel cache for (run on the fake GPU of tests/fake_gpu.py at a token count in
+every bucket), and the compiled launcher; ``mixgemm generate --build --for`` builds the same set.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import fake_driver
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="mixgemm.hf needs transformers (pip install 'mixgemm[hf]')")
+
+import hf_checkpoints as hc  # noqa: E402
+from mixgemm import hf, runtime  # noqa: E402
+from mixgemm.cli import main  # noqa: E402
+from mixgemm.prebuild import specs_for  # noqa: E402
+
+from test_build import _calls, fake_env  # noqa: E402,F401  (the fake nvcc and a private cache)
+
+#: (batch, sequence length): a token count M = batch x length in every bucket of the heuristic
+#: (1, 9, 17, 33, 65, 129, 257 and up), and some within them
+SHAPES = [(1, 1), (2, 1), (1, 8), (1, 9), (2, 8), (1, 17), (1, 33), (1, 65), (1, 129), (2, 129), (2, 150)]
+
+
+def built_kernels(cache: Path) -> set:
+    return {p.name.rsplit("-", 1)[0] for p in (cache / "kernels").iterdir()} if (cache / "kernels").exists() else set()
+
+
+@pytest.mark.skipif(fake_driver.compiler() is None or fake_driver.real_driver_present(),
+                    reason="needs a C compiler for the fake CUDA driver, and no real one")
+@pytest.mark.parametrize("kind", ["awq", "ct-asym-act-order"])
+def test_prebuild_builds_what_the_forward_asks_for(tmp_path, fake_env, monkeypatch, kind):  # noqa: F811
+    from fake_gpu import FakeGpu
+
+    monkeypatch.delenv("MIXGEMM_LAUNCHER", raising=False)
+    cache = Path(os.environ["MIXGEMM_CACHE_DIR"])
+    hc.WRITERS[kind](tmp_path / kind)
+    model = hf.from_pretrained(tmp_path / kind, device="cpu", attn_implementation="eager", prebuild=True, jobs=2)
+    built = built_kernels(cache)
+    assert built == {s.name for s in specs_for(model)}
+    assert [p.name.split("-")[0] for p in (cache / "host").iterdir()] == ["launcher"]
+    # the forward, on the fake GPU, asks for exactly these
+    asked = set()
+    with FakeGpu(tmp_path / "fake", launcher_mode="python", helpers="fake") as gpu:
+        gpu.driver.reset(params_size=ctypes.sizeof(runtime.GemmArgs))
+        get = gpu.kernels.get
+
+        def recording_get(spec, device):
+            asked.add(spec.name)
+            return get(spec, device)
+
+        monkeypatch.setattr(gpu.kernels, "get", recording_get)
+        with torch.no_grad():
+            for batch, length in SHAPES:
+                model(hc.input_ids(batch=batch, length=length))
+    assert asked == built
+    # loading again with prebuild builds nothing: everything is cached
+    calls = _calls(fake_env)
+    hf.from_pretrained(tmp_path / kind, device="cpu", attn_implementation="eager", prebuild=True)
+    assert _calls(fake_env) == calls
+    # and the command line builds the same set into an empty cache
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cli-cache"))
+    assert main(["generate", "--build", "--for", str(tmp_path / kind), "-j", "2"]) == 0
+    assert built_kernels(tmp_path / "cli-cache") == built
+
+
+def test_prebuild_is_off_by_default_and_checks_jobs(tmp_path, fake_env):  # noqa: F811
+    hc.WRITERS["awq"](tmp_path / "m")
+    hf.from_pretrained(tmp_path / "m", device="cpu", attn_implementation="eager")
+    assert not built_kernels(Path(os.environ["MIXGEMM_CACHE_DIR"]))
+    with pytest.raises(ValueError, match="jobs must be a positive int"):
+        hf.from_pretrained(tmp_path / "m", device="cpu", prebuild=True, jobs=0)

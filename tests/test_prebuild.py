@@ -1,0 +1,172 @@
+"""mixgemm.prebuild: the kernels a model can select, and building them ahead of time.
+
+The claim under test: ``specs_for(model)`` is exactly the set of kernels the model's GEMMs
+select at some token count. It is checked against the heuristic at every M from 1 to 400, and
+against what the real call path (QuantLinear.forward on the fake GPU of tests/fake_gpu.py)
+asks the kernel cache for.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from pathlib import Path
+
+import fake_driver
+import pytest
+import torch
+from torch import nn
+
+from mixgemm import build, ops, prebuild, runtime
+from mixgemm.codegen import Activation
+from mixgemm.nn import QuantLinear
+from mixgemm.prebuild import WeightUse, specs_for, token_counts
+from mixgemm.types import ActType, WeightType
+
+from test_build import fake_env  # noqa: F401  (the fake nvcc and a private cache)
+
+
+class Tiny(nn.Module):
+    """Layers on both sides of every size bound of the heuristic (2^25, 2^26, 60M and 48M
+    weights), every activation, and zero offsets; zero-filled buffers (nothing quantized)."""
+
+    def __init__(self, dtype=torch.bfloat16):
+        super().__init__()
+        self.small = QuantLinear(1024, 2048, bits=4, group_size=128, dtype=dtype)                       # 2M
+        self.mlp_in = QuantLinear(4096, 4096, bits=4, group_size=128, dtype=dtype, activation="swiglu")  # 33.5M
+        self.act = QuantLinear(4096, 4096, bits=8, group_size=128, symmetric=True, dtype=dtype,
+                               activation="gelu")                                                     # 16.8M
+        self.mid = QuantLinear(4096, 14336, bits=2, group_size=64, dtype=dtype)                          # 58.7M
+        self.big = QuantLinear(8192, 8192, bits=4, group_size=128, dtype=dtype, bias=False)               # 67.1M
+        self.offsets = QuantLinear(1024, 512, bits=4, group_size=128, dtype=dtype, activation="silu")
+        self.offsets.register_buffer("zero_offsets", torch.zeros(8, 512))
+
+
+def brute_force(model: nn.Module, ms=range(1, 401)) -> set:
+    """select_spec for every M, every QuantLinear (with gemm's rule: zero offsets take the
+    kernel without activation)."""
+    names = set()
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear):
+            w = layer.packed
+            act = None if layer.activation == "none" or w.zero_offsets is not None else layer.activation
+            names |= {ops.select_spec(m, w, act).name for m in ms}
+    return names
+
+
+def test_token_counts_cover_every_bucket():
+    counts = token_counts()
+    assert counts[0] == 1
+    assert [ops.token_bucket(m) for m in counts] == sorted(set(ops.TOKEN_BUCKETS[1:]))
+    for m in counts[1:]:
+        assert ops.token_bucket(m - 1) != ops.token_bucket(m), "each count is the first of its bucket"
+    assert token_counts(16) == [m for m in counts if m <= 16] and token_counts(1) == [1]
+    with pytest.raises(ValueError, match="max_tokens"):
+        token_counts(0)
+
+
+def test_specs_for_equals_the_heuristic_at_every_m():
+    model = Tiny()
+    names = [s.name for s in specs_for(model)]
+    assert names == sorted(set(names)), "sorted, without repeats"
+    assert set(names) == brute_force(model)
+    # fewer tokens: the kernels of the buckets up to there
+    assert {s.name for s in specs_for(model, max_tokens=20)} == brute_force(model, range(1, 21))
+
+
+def test_specs_for_items_of_every_kind():
+    model = Tiny()
+    w = model.small.packed
+    assert [s.name for s in specs_for(w)] == [s.name for s in specs_for(model.small)]
+    use = WeightUse(w.n, w.k, w.weight_type, ActType.BF16, Activation.SWIGLU)
+    assert {s.name for s in specs_for(use)} == brute_force(
+        QuantLinear(w.k, w.n // 2, bits=4, group_size=128, activation="swiglu"))
+    both = {s.name for s in specs_for([model.small, model.big])}
+    assert both == brute_force(model.small) | brute_force(model.big)
+    fp16 = {s.name for s in specs_for(Tiny(torch.float16))}
+    assert fp16 and all("_fp16_" in n for n in fp16)
+    assert specs_for(nn.Linear(64, 64)) == []
+    with pytest.raises(TypeError, match="PackedWeight"):
+        specs_for([object()])
+    with pytest.raises(TypeError):
+        specs_for("model.safetensors")
+
+
+def test_weight_use_checks_its_shape():
+    with pytest.raises(ValueError, match="N % 16"):
+        WeightUse(24, 128, WeightType.U4, ActType.BF16)
+    with pytest.raises(ValueError, match="K % 64"):
+        WeightUse(32, 96, WeightType.U4, ActType.BF16, name="x.weight")
+    assert WeightUse(32, 128, WeightType.U4, ActType.BF16, name="a") == \
+        WeightUse(32, 128, WeightType.U4, ActType.BF16, name="b"), "the name is not compared"
+
+
+@pytest.mark.skipif(fake_driver.compiler() is None or fake_driver.real_driver_present(),
+                    reason="needs a C compiler for the fake CUDA driver, and no real one")
+def test_the_runtime_asks_for_exactly_these_kernels(tmp_path, monkeypatch):
+    """QuantLinear.forward at every M up to 300 (the fake GPU: the real call path, fake
+    kernels) requests from the kernel cache exactly specs_for's kernels."""
+    from fake_gpu import FakeGpu
+
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    model = Tiny()
+    asked = set()
+    with FakeGpu(tmp_path / "fake", launcher_mode="python", helpers="fake") as gpu:
+        gpu.driver.reset(params_size=ctypes.sizeof(runtime.GemmArgs))
+        get = gpu.kernels.get
+
+        def recording_get(spec, device):
+            asked.add(spec.name)
+            return get(spec, device)
+
+        monkeypatch.setattr(gpu.kernels, "get", recording_get)
+        with torch.no_grad():
+            for m in range(1, 301):
+                for layer in model.modules():
+                    if isinstance(layer, QuantLinear):
+                        layer(torch.zeros(m, layer.in_features, dtype=torch.bfloat16))
+    assert asked == {s.name for s in specs_for(model, max_tokens=300)}
+    assert asked == {s.name for s in specs_for(model)}, "every bucket is reached by M <= 300"
+
+
+def test_build_for_builds_the_kernels_and_the_launcher(fake_env, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("MIXGEMM_LAUNCHER", raising=False)
+    model = nn.Sequential(QuantLinear(1024, 2048, bits=4, group_size=128),
+                          QuantLinear(2048, 1024, bits=2, group_size=64, activation="swiglu"))
+    arts = prebuild.build_for(model, max_tokens=16, jobs=2, progress=False)
+    want = specs_for(model, max_tokens=16)
+    assert [a.spec.name for a in arts] == [s.name for s in want]
+    cache = Path(os.environ["MIXGEMM_CACHE_DIR"])
+    built = {p.name.rsplit("-", 1)[0] for p in (cache / "kernels").iterdir()}
+    assert built == {s.name for s in want}
+    host = list((cache / "host").iterdir())
+    assert len(host) == 1 and host[0].name.startswith("launcher-")
+    assert json.loads((host[0] / "meta.json").read_text())["name"] == "launcher"
+    # everything is cached now: a second call builds nothing
+    calls = (fake_env / "calls.log").read_text()
+    prebuild.build_for(model, max_tokens=16, progress=False)
+    assert (fake_env / "calls.log").read_text() == calls
+
+
+def test_build_for_without_the_launcher_in_python_mode(fake_env, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("MIXGEMM_LAUNCHER", "python")
+    prebuild.build_for(QuantLinear(1024, 1024), max_tokens=1, progress=False)
+    cache = Path(os.environ["MIXGEMM_CACHE_DIR"])
+    assert not (cache / "host").exists()
+    assert len(list((cache / "kernels").iterdir())) == 1
+
+
+def test_build_for_reports_a_failed_launcher(fake_env, monkeypatch, caplog):  # noqa: F811
+    """auto: a warning (calls launch from Python); compiled: an error."""
+    from mixgemm import launcher
+
+    def fail():
+        raise build.BuildError("no compiler today")
+
+    monkeypatch.setattr(launcher, "build_compiled", fail)
+    monkeypatch.setenv("MIXGEMM_LAUNCHER", "auto")
+    prebuild.build_for(QuantLinear(1024, 1024), max_tokens=1, progress=False)
+    assert any("launcher did not build" in r.message for r in caplog.records)
+    monkeypatch.setenv("MIXGEMM_LAUNCHER", "compiled")
+    with pytest.raises(build.BuildError, match="not the compiled launcher: no compiler today"):
+        prebuild.build_for(QuantLinear(1024, 1024), max_tokens=1, progress=False)
