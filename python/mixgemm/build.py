@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 from . import paths
 from ._version import __version__
-from .codegen import GEMM_KINDS, KernelSpec, render
+from .codegen import GEMM_KINDS, GemmSpec, KernelSpec, render
 from .errors import BuildError
 from .process import pid_alive
 
@@ -441,10 +441,19 @@ def build(spec: KernelSpec, *, force: bool = False, parallel_steps: bool = True,
     with _locked(spec, key):
         if force or not _valid(entry, spec, key):
             if announce:
-                log.warning("mixgemm: building kernel %s (%s); this takes about a minute",
-                            spec.name, _why_build(entry))
+                log.warning("mixgemm: building kernel %s (%s); %s", spec.name, _why_build(entry),
+                            build_time_hint(spec))
             _build_entry(spec, key, source, tc, parallel_steps)
     return Artifacts(spec, key, entry)
+
+
+def build_time_hint(spec: KernelSpec) -> str:
+    """How long a build of ``spec`` takes, for the log line of a first use: an sm90 GEMM kernel
+    15-100 s (CUTLASS's collective; a free core and the two nvcc steps in parallel at the low end),
+    a decode or dequant kernel a few seconds (README, "No compile stall on first use")."""
+    if isinstance(spec, GemmSpec):
+        return "this takes about a minute"
+    return "this takes a few seconds"
 
 
 def _why_build(entry: Path) -> str:
@@ -464,8 +473,8 @@ def load_artifacts(spec: KernelSpec, *, build_if_missing: bool = True) -> tuple[
         if not _valid(entry, spec, key):
             if not build_if_missing:
                 raise BuildError(f"kernel {spec.name} is not in the cache {cache_dir()}")
-            log.warning("mixgemm: building kernel %s (%s); this takes about a minute",
-                        spec.name, _why_build(entry))
+            log.warning("mixgemm: building kernel %s (%s); %s", spec.name, _why_build(entry),
+                        build_time_hint(spec))
             _build_entry(spec, key, source, tc, parallel_steps=True)
         art = Artifacts(spec, key, entry)
         return art, art.read_cubin()
