@@ -25,7 +25,7 @@ Collectives and CUDA graphs: ``torch.distributed.all_reduce`` and ``all_gather_s
 (``all_gather_into_tensor`` before PyTorch 2.13)
 on an NCCL process group can be captured in a CUDA graph (PyTorch >= 1.13, NCCL >= 2.9.6),
 as the GEMMs can: run one step eagerly first (it creates the NCCL communicator and loads the
-kernels), then capture (``tools/tp_bench.py`` does). With ``tp_size == 1`` no collective runs
+kernels), then capture (``benchmarks/tp_bench.py`` does). With ``tp_size == 1`` no collective runs
 and no process group is needed. Keep NCCL's NVLink SHARP (multicast) off on machines that
 share GPUs (``NCCL_NVLS_ENABLE=0``).
 """
