@@ -1,4 +1,5 @@
-"""benchmarks/tp_bench.py, the two-GPU tensor-parallel check and timing, launched as a user
+"""benchmarks/tp_bench.py (the two-GPU tensor-parallel layer stack: check and timing) and
+tests/gpu/hf_tp_check.py (from_pretrained with tp_size=2 on two GPUs), launched as a user
 would: ``torchrun --nproc-per-node 2`` in a subprocess.
 
 On the CPU: its argument checks, the kernel list, and ``--dry-run`` (gloo, a small preset, a
@@ -23,6 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "tp_bench.py"
+HF_SCRIPT = ROOT / "tests" / "gpu" / "hf_tp_check.py"
 
 
 def _env() -> dict:
@@ -38,11 +40,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(*args: str, timeout: int) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, timeout: int, script: Path = SCRIPT) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node 2 SCRIPT ARGS`` in its own process group, which is killed
     whole (workers included) if it runs past ``timeout``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(SCRIPT), *args]
+           "--master-port", str(_free_port()), str(script), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -103,3 +105,27 @@ def test_tp2_llama3_70b_stack_on_two_gpus(requires_gpu, tmp_path):
     doc = json.loads(out_json.read_text())
     assert doc["ok"] and all(doc["checks"].values()), doc["checks"]
     assert doc["timing"]["tp1"]["median_us"] > 0 and doc["timing"]["tp2_step_us"] > 0
+
+
+def test_hf_split_check_on_the_cpu(tmp_path):
+    pytest.importorskip("transformers")
+    out_json = tmp_path / "hf_tp.json"
+    out = _torchrun("--cpu", "--kinds", "awq", "--dir", str(tmp_path / "ckpt"), "--json", str(out_json),
+                    timeout=300, script=HF_SCRIPT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    doc = json.loads(out_json.read_text())
+    assert doc["ok"] and doc["kinds"]["awq"]["same_on_every_rank"]
+    assert 0 < max(doc["kinds"]["awq"]["rel_err"]) < 1e-2      # fp16 roundings of the partial sums
+    assert "rank 0 of 2" in doc["kinds"]["awq"]["summary"]
+
+
+@pytest.mark.gpu
+def test_hf_split_model_on_two_gpus(requires_gpu, tmp_path):
+    pytest.importorskip("transformers")
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    out_json = Path(os.environ.get("MIXGEMM_HF_TP_JSON", tmp_path / "hf_tp.json"))
+    out = _torchrun("--dir", str(tmp_path / "ckpt"), "--json", str(out_json), timeout=900, script=HF_SCRIPT)
+    print(out.stdout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out_json.read_text())["ok"]
