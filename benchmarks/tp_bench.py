@@ -214,7 +214,9 @@ def capture(fn):
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: the NCCL watchdog thread may query events while this thread captures; in the
+    # default "global" mode that query would invalidate the capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         out = fn()
     torch.cuda.synchronize()
     return graph, out
