@@ -81,7 +81,7 @@ def _import_transformers():
 
 def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device] = "cuda",
                     dtype: Union[torch.dtype, str, None] = None, *, fuse_gate_up: bool = True,
-                    attn_implementation: Optional[str] = None, tp_rank: int = 0, tp_size: int = 1,
+                    attn_implementation: Optional[str] = None, tp_rank: Optional[int] = 0, tp_size: Optional[int] = 1,
                     tp_group=None) -> nn.Module:
     """Load a quantized checkpoint directory into a transformers causal-LM model.
 
@@ -113,7 +113,8 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         :class:`~mixgemm.nn.ColumnParallelQuantLinear` (not gathered), o and down
         :class:`~mixgemm.nn.RowParallelQuantLinear` (all-reduce); embeddings and ``lm_head``
         are replicated, so every rank computes the whole logits. Run the model in every rank
-        at once (the all-reduces wait for each other), each on its own ``device``.
+        at once (the all-reduces wait for each other), each on its own ``device``. ``None``:
+        the initialized process group's rank / size.
     tp_group : torch.distributed.ProcessGroup, optional
         The group of the all-reduces (default: the world, which must then have ``tp_size``
         ranks if initialized).
