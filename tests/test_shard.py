@@ -75,6 +75,13 @@ def test_shard_equals_prepack_of_the_slice(dim, bits, symmetric, group, world_si
         back = unpack(got)
         assert torch.equal(back.qweight, want.qweight) and torch.equal(back.scales, want.scales)
         assert back.group_size == want.group_size
+        # the logical weight's shard (what the importers take) is the same slice
+        logical = qw.shard(dim, rank, world_size)
+        assert logical.group_size == want.group_size
+        for name in ("qweight", "scales", "zeros", "zero_offsets"):
+            a, b = getattr(logical, name), getattr(want, name)
+            assert (a is None) == (b is None) and (a is None or (a.is_contiguous() and torch.equal(a, b))), name
+        assert_same_packed(prepack(logical), got)
 
 
 def test_shards_own_their_memory():
@@ -158,10 +165,23 @@ def test_bad_shards_are_refused(call, error, match):
 
 
 def test_k_shard_needs_whole_groups():
-    packed = prepack(random_qw(32, 768, 4, False, 256))
-    with pytest.raises(ValueError, match="whole groups of 256"):
-        packed.shard(1, 0, 2)          # 384 columns: whole atoms, not whole groups
-    assert packed.shard(1, 0, 3).k == 256
+    qw = random_qw(32, 768, 4, False, 256)
+    packed = prepack(qw)
+    for weight in (packed, qw):        # the packed and the logical weight follow one rule
+        with pytest.raises(ValueError, match="whole groups of 256"):
+            weight.shard(1, 0, 2)          # 384 columns: whole atoms, not whole groups
+        assert weight.shard(1, 0, 3).k == 256
+    with pytest.raises(ValueError, match="whole 16-row atoms"):
+        qw.shard(0, 0, 4)              # 8 rows
+    with pytest.raises(ValueError, match="64-column atoms"):
+        random_qw(32, 128, 4, False, 32).shard(1, 0, 4)     # 32 columns
+
+
+def test_logical_sections_match_the_packed_ones():
+    qw = random_qw(128 + 2 * 32, 256, 4, False, 64, seed=4)
+    for rank in range(2):
+        got = qw.shard(0, rank, 2, sections=(128, 32, 32))
+        assert_same_packed(prepack(got), prepack(qw).shard(0, rank, 2, sections=(128, 32, 32)))
 
 
 def test_shard_of_a_symmetric_type_has_no_zeros():

@@ -4,7 +4,7 @@ real ``torch.distributed`` process group (gloo, two processes).
 QuantLinear's GEMM needs an sm_90 GPU, so here ``QuantLinear.forward`` is replaced by a
 reference (the exact dequantized weight, float64 products, one rounding): what is tested is
 which rows, columns, bias slices and permutation entries each rank holds, and the all-gather /
-all-reduce around the GEMM. ``tools/tp_bench.py`` runs the real kernels on two GPUs.
+all-reduce around the GEMM. ``benchmarks/tp_bench.py`` runs the real kernels on two GPUs.
 """
 from __future__ import annotations
 

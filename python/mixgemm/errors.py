@@ -70,3 +70,9 @@ class FormatError(MixgemmError, ValueError):
 class UnsupportedLayerError(FormatError, NotImplementedError):
     """A valid layer of the source format that mixgemm cannot represent (for example HQQ's
     ``axis=0``, or 3-bit codes)."""
+
+
+class ShardError(MixgemmError, ValueError):
+    """A tensor-parallel split that a layer or model cannot take: heads or features that do not
+    divide by ``tp_size``, a shard that would cut a 16-row or 64-column atom or a group, an
+    act-order layer split along K. The message names the layer or the config field."""

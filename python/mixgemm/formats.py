@@ -53,6 +53,17 @@ groups are already contiguous (only their labels out of order), the scales are r
 instead and ``perm`` is ``None``. A ``g_idx`` whose groups are not all of the same size cannot
 be made contiguous groups of equal size and is refused.
 
+Tensor parallelism
+------------------
+Every converter (and :func:`import_layer`) takes ``tp_rank``, ``tp_size`` and ``tp_dim``: with
+``tp_size > 1`` it returns the rank's shard of the layer (:meth:`ImportedLayer.shard`): rows
+``tp_rank * N/tp_size ..`` for ``tp_dim=0`` (column parallel, whole 16-row atoms; ``tp_sections``
+slices a fused q/k/v layer section by section), columns ``tp_rank * K/tp_size ..`` for
+``tp_dim=1`` (row parallel, whole 64-column atoms and whole groups). The whole layer is
+converted on the CPU first (its codes are cut only after unpacking), then only the slice is
+kept; nothing is re-quantized, and the shard equals the same slice of the whole layer's import.
+A split the layer cannot take raises :class:`~mixgemm.errors.ShardError`.
+
 Errors
 ------
 Tensors that do not form a valid layer (missing companions, wrong shapes or dtypes, bits that
@@ -70,7 +81,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
-from .errors import FormatError, UnsupportedLayerError
+from .errors import FormatError, ShardError, UnsupportedLayerError
 from .layout import ATOM_K, ATOM_N, prepack
 from .types import SUPPORTED_GROUP_SIZES, ActType, PackedWeight, QuantizedWeight
 
@@ -174,6 +185,73 @@ class ImportedLayer:
         if self.perm is None:
             return x
         return x.index_select(-1, self.perm.to(x.device))
+
+    def shard(self, dim: int, rank: int, world_size: int, sections=None, name: str = "<layer>") -> "ImportedLayer":
+        """The ``rank``-th of ``world_size`` tensor-parallel shards of this layer.
+
+        Parameters
+        ----------
+        dim : int
+            0: output rows (column parallel); the bias is sliced the same way and ``perm``
+            (which selects input columns) is kept whole. 1: input columns (row parallel); the
+            bias is kept whole (a row-parallel layer adds it once, after the all-reduce) and
+            ``perm``, if any, keeps the rank's entries (indices into the *whole* input:
+            :class:`mixgemm.nn.RowParallelQuantLinear` with ``input_is_parallel=False``).
+        rank, world_size : int
+        sections : sequence of int, optional
+            ``dim=0``: the rows of a fused layer's sections (e.g. ``(q, k, v)``), each sliced
+            on its own (:func:`mixgemm.layout.shard`).
+        name : str
+            For error messages.
+
+        Returns
+        -------
+        ImportedLayer
+            ``qweight`` ``[N/W, K]`` or ``[N, K/W]`` (:meth:`QuantizedWeight.shard`); ``self``
+            when ``world_size == 1``.
+
+        Raises
+        ------
+        ShardError
+            The split cuts an atom or a group, or ``sections`` do not divide.
+        """
+        if world_size == 1 and rank == 0:
+            return self
+        try:
+            qw = self.qweight.shard(dim, rank, world_size, sections)
+        except ValueError as e:
+            raise ShardError(f"layer {name!r}: tensor-parallel split {rank}/{world_size} along "
+                             f"{'N (rows)' if dim % 2 == 0 else 'K (columns)'}: {e}") from None
+        if dim % 2 == 0:
+            bias, perm = self.bias, self.perm
+            if bias is not None:
+                secs = tuple(sections) if sections is not None else (bias.shape[0],)
+                parts, start = [], 0
+                for s in secs:
+                    part = s // world_size
+                    parts.append(bias[start + rank * part:start + (rank + 1) * part])
+                    start += s
+                bias = torch.cat(parts)
+        else:
+            bias, perm = self.bias, self.perm
+            if perm is not None:
+                perm = perm[rank * qw.k:(rank + 1) * qw.k].clone()
+        return ImportedLayer(qweight=qw, perm=perm, bias=bias)
+
+
+def _shard_imported(layer: "ImportedLayer", name: str, tp_rank: int, tp_size: int, tp_dim: int,
+                    tp_sections=None) -> "ImportedLayer":
+    """The converters' last step: the rank's shard (the layer itself at ``tp_size == 1``)."""
+    for what, v in (("tp_rank", tp_rank), ("tp_size", tp_size), ("tp_dim", tp_dim)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{what} must be an int, got {v!r}")
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
+    if tp_dim not in (0, 1):
+        raise ValueError(f"tp_dim must be 0 (N, column parallel) or 1 (K, row parallel), got {tp_dim}")
+    if tp_size == 1:
+        return layer
+    return layer.shard(tp_dim, tp_rank, tp_size, tp_sections, name=name)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -386,7 +464,8 @@ def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, *,
              group_size: Optional[int] = None, bits: int = 4, dtype: DTypeLike = None,
-             symmetric: Optional[bool] = None, name: str = "<awq>") -> ImportedLayer:
+             symmetric: Optional[bool] = None, name: str = "<awq>", tp_rank: int = 0, tp_size: int = 1,
+             tp_dim: int = 0) -> ImportedLayer:
     """Convert an AutoAWQ ``version="GEMM"`` layer (``WQLinear_GEMM``).
 
     AutoAWQ dequantizes (``awq.utils.packing_utils.dequantize_gemm``)::
@@ -419,6 +498,9 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
         See the module docstring; ``None`` picks symmetric iff every zero point is 8.
     name : str
         Layer name used in error messages.
+    tp_rank, tp_size, tp_dim : int
+        Tensor parallelism (module docstring): with ``tp_size > 1``, the rank's shard along
+        ``tp_dim`` (0: rows, 1: columns).
 
     Returns
     -------
@@ -451,7 +533,7 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
     z_u = _awq_unpack(qzeros).t()            # [N, G]
     qw = _finalize(name, q_u, z_u, scales.t(), bits=4, group_size=gs, symmetric=symmetric,
                    act=act)
-    return ImportedLayer(qweight=qw)
+    return _shard_imported(ImportedLayer(qweight=qw), name, tp_rank, tp_size, tp_dim)
 
 
 # -------------------------------------------------------------------------------- GPTQ
@@ -466,7 +548,8 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
               checkpoint_format: Union[GPTQCheckpointFormat, str],
               bits: Optional[int] = None, group_size: Optional[int] = None,
               dtype: DTypeLike = None, symmetric: Optional[bool] = None,
-              name: str = "<gptq>") -> ImportedLayer:
+              name: str = "<gptq>", tp_rank: int = 0, tp_size: int = 1,
+             tp_dim: int = 0) -> ImportedLayer:
     """Convert a GPTQ layer (AutoGPTQ / GPTQModel ``QuantLinear``, the packed "gptq" layout).
 
     GPTQ dequantizes (AutoGPTQ/GPTQModel's torch path)::
@@ -508,7 +591,7 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
         2, 4 or 8; inferred from ``qzeros``'s shape when ``None``, checked otherwise.
     group_size : int, optional
         Inferred (``K / G``) when ``None``; checked otherwise (``-1``: per-channel).
-    dtype, symmetric, name
+    dtype, symmetric, name, tp_rank, tp_size, tp_dim
         As for :func:`from_awq` (``symmetric=None``: symmetric iff every zero is ``2^(b-1)``).
 
     Returns
@@ -558,7 +641,7 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     q_u = _unpack_words(qweight, bits, dim=0).t()         # [N, K]
     q_u, z_u, s = _apply_groups(q_u, z_u, scales.t(), perm, labels)
     qw = _finalize(name, q_u, z_u, s, bits=bits, group_size=gs, symmetric=symmetric, act=act)
-    return ImportedLayer(qweight=qw, perm=perm)
+    return _shard_imported(ImportedLayer(qweight=qw, perm=perm), name, tp_rank, tp_size, tp_dim)
 
 
 # ------------------------------------------------------------------ compressed-tensors
@@ -570,7 +653,8 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
                             weight_g_idx: Optional[torch.Tensor] = None, *,
                             bits: Optional[int] = None, group_size: Optional[int] = None,
                             dtype: DTypeLike = None, symmetric: Optional[bool] = None,
-                            name: str = "<compressed-tensors>") -> ImportedLayer:
+                            name: str = "<compressed-tensors>", tp_rank: int = 0, tp_size: int = 1,
+             tp_dim: int = 0) -> ImportedLayer:
     """Convert a compressed-tensors ``format="pack-quantized"`` layer (int, "group" or
     "channel" strategy).
 
@@ -605,7 +689,7 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
         "no act-order" placeholder).
     bits : int, optional
         ``num_bits`` (8, 4 or 2); inferred from the shapes when ``None``, checked otherwise.
-    group_size, dtype, symmetric, name
+    group_size, dtype, symmetric, name, tp_rank, tp_size, tp_dim
         As for :func:`from_gptq` (``symmetric=None``: symmetric iff there is no zero point
         or every zero point is 0).
 
@@ -688,7 +772,7 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
     q_u = _unpack_words(weight_packed, bits, dim=1)[:, :k]     # [N, K], q + offset
     q_u, z_u, s = _apply_groups(q_u, z_u, weight_scale, perm, labels)
     qw = _finalize(name, q_u, z_u, s, bits=bits, group_size=gs, symmetric=symmetric, act=act)
-    return ImportedLayer(qweight=qw, perm=perm)
+    return _shard_imported(ImportedLayer(qweight=qw, perm=perm), name, tp_rank, tp_size, tp_dim)
 
 
 # --------------------------------------------------------------------------------- HQQ
@@ -732,7 +816,8 @@ def _hqq_meta_from(tensors: Mapping, prefix: str) -> Dict[str, Any]:
 
 def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: Mapping, *,
              dtype: DTypeLike = None, symmetric: Optional[bool] = None,
-             name: str = "<hqq>") -> ImportedLayer:
+             name: str = "<hqq>", tp_rank: int = 0, tp_size: int = 1,
+             tp_dim: int = 0) -> ImportedLayer:
     """Convert an HQQ layer (``HQQLinear``) quantized along K (``axis=1``).
 
     HQQ dequantizes (``Quantizer.dequantize``), in its ``compute_dtype``::
@@ -775,7 +860,7 @@ def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: M
         them in a state dict (int32 / uint8 tensors): ``nbits`` (8, 4, 2), ``group_size``
         (``None``: K), ``shape`` (``[N, K]``), ``axis`` (must be 1), optionally ``packing``,
         ``view_as_float``, ``compute_dtype``, ``channel_wise``.
-    dtype, symmetric, name
+    dtype, symmetric, name, tp_rank, tp_size, tp_dim
         As for :func:`from_awq`; the default ``dtype`` is the scales' (else ``compute_dtype``).
         ``symmetric=None``: symmetric iff every zero point is ``2^(b-1)``.
 
@@ -873,7 +958,7 @@ def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: M
                    symmetric=False if fractional else symmetric, act=act)
     if offsets is not None:
         qw = dataclasses.replace(qw, zero_offsets=offsets)
-    return ImportedLayer(qweight=qw)
+    return _shard_imported(ImportedLayer(qweight=qw), name, tp_rank, tp_size, tp_dim)
 
 
 # ------------------------------------------------------------------- state dict level
@@ -961,7 +1046,8 @@ def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tens
                  prefix: str, dtype: DTypeLike = None, *, bits: Optional[int] = None,
                  group_size: Optional[int] = None,
                  checkpoint_format: Union[GPTQCheckpointFormat, str, None] = None,
-                 symmetric: Optional[bool] = None) -> ImportedLayer:
+                 symmetric: Optional[bool] = None, tp_rank: int = 0, tp_size: int = 1, tp_dim: int = 0,
+                 tp_sections: Optional[Tuple[int, ...]] = None) -> ImportedLayer:
     """Convert the layer ``prefix`` of a loaded state dict.
 
     Parameters
@@ -982,6 +1068,11 @@ def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tens
         :func:`from_gptq`.
     symmetric : bool, optional
         See the module docstring.
+    tp_rank, tp_size, tp_dim : int
+        Tensor parallelism (module docstring, :meth:`ImportedLayer.shard`): with ``tp_size >
+        1`` the rank's shard of the layer, bias included, along ``tp_dim``.
+    tp_sections : tuple of int, optional
+        ``tp_dim=0``: the row sections of a fused layer (q/k/v), each split on its own.
 
     Returns
     -------
@@ -1020,7 +1111,8 @@ def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tens
         layer = from_hqq(get("W_q"), get("scale"), get("zero"), meta, dtype=dtype,
                          symmetric=symmetric, name=prefix)
     bias = tensors.get(_key(prefix, "bias"))
-    return dataclasses.replace(layer, bias=bias) if bias is not None else layer
+    layer = dataclasses.replace(layer, bias=bias) if bias is not None else layer
+    return _shard_imported(layer, prefix, tp_rank, tp_size, tp_dim, tp_sections)
 
 
 def _split(key: str) -> Tuple[str, str]:

@@ -33,7 +33,7 @@ from typing import Dict, Optional, Union
 import torch
 
 from ._version import __version__
-from .errors import MixgemmFormatError
+from .errors import MixgemmFormatError, ShardError
 from .process import pid_alive
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight, WeightType
 
@@ -368,7 +368,8 @@ def check_metadata(metadata: Mapping[str, str], path: Union[str, os.PathLike] = 
             for key in others}
 
 
-def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
+def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu", *,
+         tp_rank: int = 0, tp_size: int = 1, tp_dims: Optional[Mapping[str, int]] = None
          ) -> Dict[str, TensorOrPacked]:
     """Read a file written by :func:`save` (or any safetensors file).
 
@@ -378,13 +379,22 @@ def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
         A safetensors file.
     device : str or torch.device, default "cpu"
         Where to put the tensors (e.g. ``"cuda"``).
+    tp_rank, tp_size : int, default 0, 1
+        Tensor parallelism: with ``tp_size > 1``, each packed weight named in ``tp_dims`` is
+        replaced by this rank's shard (:meth:`PackedWeight.shard`), cut on the CPU before it
+        goes to ``device`` (only the shard reaches the device). Plain tensors are returned
+        whole.
+    tp_dims : mapping of str -> int, optional
+        Packed weight name -> the dimension to split: 0 (N, column parallel) or 1 (K, row
+        parallel). Packed weights not named are kept whole (replicated). Required when
+        ``tp_size > 1``.
 
     Returns
     -------
     dict of str -> torch.Tensor or PackedWeight
         Plain tensors as stored; each packed weight rebuilt from its companion tensors and
-        metadata into a :class:`PackedWeight` (validated by its constructor). The header's
-        user metadata is not returned: see :func:`read_metadata`.
+        metadata into a :class:`PackedWeight` (validated by its constructor), or its shard.
+        The header's user metadata is not returned: see :func:`read_metadata`.
 
     Raises
     ------
@@ -395,8 +405,17 @@ def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
     """
     path = os.fspath(path)
     device = torch.device(device)
+    tp_dims = dict(tp_dims or {})
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or isinstance(tp_rank, bool) \
+            or not isinstance(tp_rank, int) or tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"need integers 0 <= tp_rank < tp_size, got tp_rank={tp_rank!r}, tp_size={tp_size!r}")
+    if tp_size > 1 and not tp_dims:
+        raise ValueError("tp_size > 1 needs tp_dims: which packed weights to split, and along which dimension")
     with _open(path) as f:
         specs = check_metadata(f.metadata() or {}, path)
+        unknown = sorted(set(tp_dims) - set(specs))
+        if unknown:
+            raise ValueError(f"{path}: tp_dims names {unknown[:3]}, which are not packed weights of the file")
         try:
             raw = {key: f.get_tensor(key) for key in f.keys()}
         except Exception as e:
@@ -424,6 +443,11 @@ def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
                                   zeros=parts["zeros"], zero_offsets=parts["zero_offsets"], **kwargs)
         except (TypeError, ValueError) as e:
             raise MixgemmFormatError(f"{where}: inconsistent with its metadata: {e}") from None
+        if tp_size > 1 and name in tp_dims:
+            try:
+                packed = packed.shard(tp_dims[name], tp_rank, tp_size)
+            except ValueError as e:
+                raise ShardError(f"{path}: packed weight {name!r}: {e}") from None
         out[name] = packed.to(device)
     for key, tensor in raw.items():
         if key in out:

@@ -25,7 +25,7 @@ Collectives and CUDA graphs: ``torch.distributed.all_reduce`` and ``all_gather_s
 (``all_gather_into_tensor`` before PyTorch 2.13)
 on an NCCL process group can be captured in a CUDA graph (PyTorch >= 1.13, NCCL >= 2.9.6),
 as the GEMMs can: run one step eagerly first (it creates the NCCL communicator and loads the
-kernels), then capture (``tools/tp_bench.py`` does). With ``tp_size == 1`` no collective runs
+kernels), then capture (``benchmarks/tp_bench.py`` does). With ``tp_size == 1`` no collective runs
 and no process group is needed. Keep NCCL's NVLink SHARP (multicast) off on machines that
 share GPUs (``NCCL_NVLS_ENABLE=0``).
 """
@@ -38,7 +38,7 @@ from torch import nn
 
 from .nn import QuantLinear
 
-__all__ = ["ColumnParallelQuantLinear", "RowParallelQuantLinear", "tp_rank_and_size"]
+__all__ = ["ColumnParallelQuantLinear", "RowParallelQuantLinear", "RowParallelLinear", "tp_rank_and_size"]
 
 
 def tp_rank_and_size(tp_rank: Optional[int], tp_size: Optional[int], group=None) -> tuple[int, int]:
@@ -300,6 +300,48 @@ class RowParallelQuantLinear(nn.Module):
 
     def set_extra_state(self, state) -> None:
         _check_parallel_state(state, self.get_extra_state())
+
+
+class RowParallelLinear(nn.Module):
+    """A full-precision linear layer split along its input features: the counterpart of
+    :class:`RowParallelQuantLinear` for a layer kept unquantized (e.g. an ``o_proj`` that the
+    checkpoint stores in bf16). ``y = all_reduce(x_r @ W_r.T) + b``.
+
+    Parameters
+    ----------
+    weight : torch.Tensor
+        The rank's columns ``[N, K/P]``.
+    bias : torch.Tensor, optional
+        ``[N]``, the whole layer's, added once after the all-reduce.
+    in_features : int
+        The whole layer's K.
+    tp_rank, tp_size : int
+    group : torch.distributed.ProcessGroup, optional
+        Default the world.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, *, tp_rank: int,
+                 tp_size: int, group=None):
+        super().__init__()
+        if weight.dim() != 2 or weight.shape[1] * tp_size != in_features:
+            raise ValueError(f"the shard's weight must be [N, {in_features // max(tp_size, 1)}], "
+                             f"got {list(weight.shape)}")
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.in_features, self.out_features = in_features, weight.shape[0]
+        self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.linear(x, self.weight)
+        if self.tp_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"tp_rank={self.tp_rank}, tp_size={self.tp_size}")
 
 
 def _check_parallel_state(state, mine: dict) -> None:

@@ -195,6 +195,15 @@ class QuantizedWeight:
         if len(devices) != 1:
             raise ValueError(f"qweight, scales and zeros must be on one device, got {devices}")
 
+    def shard(self, dim: int, rank: int, world_size: int, sections=None) -> "QuantizedWeight":
+        """The ``rank``-th of ``world_size`` tensor-parallel slices of this logical weight, by the
+        rules of :meth:`PackedWeight.shard` (whole 16-row atoms along N, whole 64-column atoms
+        and groups along K), so that ``prepack(qw.shard(...)) == prepack(qw).shard(...)``. See
+        :func:`mixgemm.layout.shard_logical`."""
+        from .layout import shard_logical  # local: layout imports this module
+
+        return shard_logical(self, dim, rank, world_size, sections)
+
     @property
     def weight_type(self) -> WeightType:
         return WeightType.of(self.bits, self.symmetric)

@@ -40,8 +40,15 @@ holding its weight dequantized with its format's own formula
 transformers is an optional dependency (``pip install 'mixgemm[hf]'``), imported when
 :func:`from_pretrained` is called; the rest of the package needs none of it.
 
+Tensor parallelism: ``from_pretrained(..., tp_rank=r, tp_size=P)`` in each of ``P`` processes
+(``torchrun --nproc-per-node P``, ``torch.distributed`` initialized with NCCL, ``device=f"cuda:{r}"``)
+loads the rank's part of the model: column-parallel q/k/v and gate/up, row-parallel o and down
+(one all-reduce each), the heads and MLP features divided by ``P``, the embeddings and
+``lm_head`` replicated (:mod:`mixgemm.hf.parallel`). Each rank reads and keeps only its slices.
+
 Modules: :mod:`~mixgemm.hf.config` (the ``quantization_config``), :mod:`~mixgemm.hf.shards`
 (reading the safetensors shards), :mod:`~mixgemm.hf.dequant` (the formats' own formulas),
+:mod:`~mixgemm.hf.parallel` (tensor parallelism),
 :mod:`~mixgemm.hf.plan` (step 1), :mod:`~mixgemm.hf.materialize` (step 2).
 """
 from __future__ import annotations
@@ -75,7 +82,8 @@ def _import_transformers():
 def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device] = "cuda",
                     dtype: Union[torch.dtype, str, None] = None, *, fuse_gate_up: bool = True,
                     attn_implementation: Optional[str] = None, prebuild: bool = False,
-                    jobs: Optional[int] = None) -> nn.Module:
+                    jobs: Optional[int] = None, tp_rank: Optional[int] = 0, tp_size: Optional[int] = 1,
+                    tp_group=None) -> nn.Module:
     """Load a quantized checkpoint directory into a transformers causal-LM model.
 
     Parameters
@@ -108,6 +116,18 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     jobs : int, optional
         Parallel nvcc builds for ``prebuild`` (default: half the CPU cores; each takes about
         5 GB of memory).
+    tp_rank, tp_size : int, default 0, 1
+        Tensor parallelism (:mod:`mixgemm.hf.parallel`): load this rank's part of the model,
+        with ``num_attention_heads``, ``num_key_value_heads`` and ``intermediate_size``
+        divided by ``tp_size``; q/k/v and gate/up become
+        :class:`~mixgemm.nn.ColumnParallelQuantLinear` (not gathered), o and down
+        :class:`~mixgemm.nn.RowParallelQuantLinear` (all-reduce); embeddings and ``lm_head``
+        are replicated, so every rank computes the whole logits. Run the model in every rank
+        at once (the all-reduces wait for each other), each on its own ``device``. ``None``:
+        the initialized process group's rank / size.
+    tp_group : torch.distributed.ProcessGroup, optional
+        The group of the all-reduces (default: the world, which must then have ``tp_size``
+        ranks if initialized).
 
     Returns
     -------
@@ -134,6 +154,11 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         on the device.
     BuildError
         ``prebuild``: a kernel did not build (the others are built and cached).
+    ShardError
+        ``tp_size`` does not divide the heads, KV heads or intermediate size; a layer's shard
+        would cut a 16-row or 64-column atom or a group; an act-order layer would be split
+        along K; a linear layer that is not a LLaMA-family projection. Raised before anything
+        is put on the device.
 
     Warns
     -----
@@ -150,8 +175,13 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         _step1.resolve_dtype(dtype, {})
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs must be a positive int, got {jobs!r}")
+    from ..tensor_parallel import tp_rank_and_size
+    from .parallel import TensorParallel
+
+    tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size, tp_group)
+    tp = TensorParallel(tp_rank, tp_size, tp_group)
     model_dir = Path(model_dir)
-    plan = _step1.plan(transformers, model_dir, dtype, fuse_gate_up, attn_implementation)   # no device work
+    plan = _step1.plan(transformers, model_dir, dtype, fuse_gate_up, attn_implementation, tp)   # no device work
     try:
         quantized = list(plan.quantized)
         model = _step2.materialize(plan, device)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..nn import QuantLinear
+from ..tensor_parallel import ColumnParallelQuantLinear, RowParallelLinear, RowParallelQuantLinear
 from .plan import Plan
 
 __all__ = ["GatedMLP", "LoadSummary", "materialize", "summary"]
@@ -22,17 +23,18 @@ class GatedMLP(nn.Module):
 
     Parameters
     ----------
-    gate_up : QuantLinear
+    gate_up : QuantLinear or ColumnParallelQuantLinear
         ``activation="swiglu"``: returns ``silu(x @ gate.T + b_g) * (x @ up.T + b_u)``,
-        ``[..., I]`` for ``x`` ``[..., H]``.
+        ``[..., I]`` for ``x`` ``[..., H]`` (with tensor parallelism, the rank's features of
+        it: a ``ColumnParallelQuantLinear`` that does not gather).
     down_proj : nn.Module
         ``[..., I] -> [..., H]`` (a QuantLinear, or an ``nn.Linear`` kept in full precision).
     """
 
-    def __init__(self, gate_up: QuantLinear, down_proj: nn.Module):
+    def __init__(self, gate_up: nn.Module, down_proj: nn.Module):
         super().__init__()
-        if not isinstance(gate_up, QuantLinear) or gate_up.activation != "swiglu":
-            raise TypeError("gate_up must be a QuantLinear with activation='swiglu'")
+        if not isinstance(gate_up, (QuantLinear, ColumnParallelQuantLinear)) or gate_up.activation != "swiglu":
+            raise TypeError("gate_up must be a QuantLinear (or ColumnParallelQuantLinear) with activation='swiglu'")
         self.gate_up = gate_up
         self.down_proj = down_proj
 
@@ -60,6 +62,8 @@ class LoadSummary:
         everything else (embeddings, norms, the LM head, full-precision layers, buffers).
     bf16_bytes : int
         What the same model takes with bf16 weights.
+    tp_rank, tp_size : int
+        This rank's place in a tensor-parallel split (the bytes are this rank's).
     """
 
     model_dir: str
@@ -70,6 +74,8 @@ class LoadSummary:
     quantized_bytes: int
     other_bytes: int
     bf16_bytes: int
+    tp_rank: int = 0
+    tp_size: int = 1
 
     @property
     def resident_bytes(self) -> int:
@@ -77,7 +83,8 @@ class LoadSummary:
 
     def __str__(self) -> str:
         ratio = self.bf16_bytes / self.resident_bytes if self.resident_bytes else float("nan")
-        return (f"mixgemm.hf: loaded {self.model_dir} ({self.method}): {len(self.quantized)} quantized layers "
+        rank = f" rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else ""
+        return (f"mixgemm.hf: loaded {self.model_dir} ({self.method}){rank}: {len(self.quantized)} quantized layers "
                 f"({len(self.fused)} gated MLPs fused), {len(self.full_precision)} kept in full precision; "
                 f"resident {_mib(self.resident_bytes)} (quantized {_mib(self.quantized_bytes)} + other "
                 f"{_mib(self.other_bytes)}) vs {_mib(self.bf16_bytes)} in bf16 ({ratio:.2f}x smaller)")
@@ -92,18 +99,33 @@ def _set(model: nn.Module, name: str, value) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, value)
 
 
+def _parallel(layer: QuantLinear, name: str, plan: Plan, bias) -> nn.Module:
+    """The rank's QuantLinear wrapped for its place in the split (itself when not split)."""
+    tp = plan.tp
+    dim = tp.dim_of(name)
+    if dim == 0:
+        return ColumnParallelQuantLinear(layer, layer.out_features * tp.size, tp_rank=tp.rank, tp_size=tp.size,
+                                         gather_output=False, group=tp.group)
+    if dim == 1:
+        return RowParallelQuantLinear(layer, layer.in_features * tp.size, bias, tp_rank=tp.rank, tp_size=tp.size,
+                                      input_is_parallel=True, group=tp.group)
+    return layer
+
+
 def materialize(plan: Plan, device: torch.device) -> nn.Module:
     """Step 2: put the planned model on ``device``."""
-    model, dtype = plan.model, plan.dtype
+    model, dtype, tp = plan.model, plan.dtype, plan.tp
     fused_keys = set(plan.fused.values())
     layers: Dict[str, QuantLinear] = {}
     for name in list(plan.quantized):
         layer = plan.quantized.pop(name)           # frees the CPU copy as it goes
-        q = QuantLinear.from_packed(layer.packed.to(device),
-                                    bias=None if layer.bias is None else layer.bias.to(device, dtype),
+        bias = None if layer.bias is None else layer.bias.to(device, dtype)
+        row = tp.dim_of(name) == 1                 # a row-parallel layer adds its bias after the all-reduce
+        q = QuantLinear.from_packed(layer.packed.to(device), bias=None if row else bias,
                                     perm=None if layer.perm is None else layer.perm.to(device))
         if layer.swiglu:
             q.activation, q.out_features = "swiglu", layer.packed.n // 2
+        q = _parallel(q, name.replace(".gate_up", ".gate_proj") if layer.swiglu else name, plan, bias)
         layers[name] = q
         if name not in fused_keys:
             _set(model, name, q)
@@ -120,8 +142,18 @@ def materialize(plan: Plan, device: torch.device) -> nn.Module:
             key = name if name in keys else keys[0]
             if key not in params:
                 like = model.get_parameter(name)
-                params[key] = nn.Parameter(plan.shards.get(key).to(device, like.dtype), requires_grad=False)
+                if name in plan.sliced:            # the rank's part of a split layer's plain weight
+                    t = plan.shards.get_part(key, plan.sliced[name], tp.rank, tp.size)
+                else:
+                    t = plan.shards.get(key)
+                params[key] = nn.Parameter(t.to(device, like.dtype), requires_grad=False)
             _set(model, name, params[key])
+    if tp.enabled:    # full-precision row-parallel layers: all-reduce, then the bias
+        for name, mod in list(model.named_modules()):
+            if type(mod) is nn.Linear and tp.dim_of(name) == 1:
+                _set(model, name, RowParallelLinear(mod.weight.detach(), None if mod.bias is None else mod.bias.detach(),
+                                                    mod.in_features * tp.size, tp_rank=tp.rank, tp_size=tp.size,
+                                                    group=tp.group))
     for key, name in plan.buffers:
         buf = model.get_buffer(name)
         _set_buffer(model, name, plan.shards.get(key).to(device, buf.dtype))
@@ -163,4 +195,5 @@ def summary(model: nn.Module, plan: Plan, model_dir: Path, quantized: List[str])
         else:
             bf16 += 2 * t.numel() if t.is_floating_point() and isinstance(t, nn.Parameter) else nbytes
     return LoadSummary(str(model_dir), plan.method.value, quantized, list(plan.fused),
-                       {name: why for name, (_, _, why) in plan.full.items()}, qbytes, total - qbytes, bf16)
+                       {name: why for name, (_, _, why) in plan.full.items()}, qbytes, total - qbytes, bf16,
+                       plan.tp.rank, plan.tp.size)

@@ -17,13 +17,14 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, UnsupportedLayerError
+from ..errors import CheckpointError, ShardError, UnsupportedLayerError
 from ..formats import ImportedLayer, import_layer
 from ..layout import prepack, unpack
 from ..quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
 from ..types import ActType, PackedWeight, QuantizedWeight
 from .config import LayerScheme, QuantizationConfig, QuantMethod, parse_quantization_config
 from .dequant import dequantize_layer
+from .parallel import TensorParallel, check_linears, shard_config
 from .shards import Shards
 
 __all__ = ["Plan", "plan", "resolve_dtype"]
@@ -45,6 +46,25 @@ class _Layer:
     def logical(self) -> QuantizedWeight:
         return self.qweight if self.qweight is not None else unpack(self.packed)
 
+    def shard(self, name: str, dim: Optional[int], tp: TensorParallel) -> "_Layer":
+        """The rank's shard (``self`` when the layer is not split)."""
+        if dim is None:
+            return self
+        if dim == 1 and self.perm is not None:
+            raise ShardError(f"layer {name!r} is act-order (its groups are not contiguous in K: GPTQ desc_act or "
+                             f"compressed-tensors actorder='group'): a row-parallel shard of it needs the whole "
+                             f"input, which a rank does not have at tp_size={tp.size}; load it with tp_size=1")
+        where = f"layer {name!r}: tensor-parallel split {tp.rank}/{tp.size} along {'N' if dim == 0 else 'K'}"
+        try:
+            if self.packed is not None:
+                qweight, packed = None, self.packed.shard(dim, tp.rank, tp.size)
+            else:
+                qweight, packed = self.qweight.shard(dim, tp.rank, tp.size), None
+        except ValueError as e:
+            raise ShardError(f"{where}: {e}") from None
+        bias = self.bias if self.bias is None or dim == 1 else tp.rows(self.bias, 0)
+        return dataclasses.replace(self, qweight=qweight, packed=packed, bias=bias)
+
     def prepacked(self) -> "_Layer":
         if self.packed is not None:
             return self
@@ -64,6 +84,8 @@ class Plan:
     full: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor], str]]   # linear -> (weight, bias, why)
     plain: List[Tuple[List[str], List[str]]]         # ([checkpoint keys], [parameter names])
     buffers: List[Tuple[str, str]]                   # (checkpoint key, buffer name)
+    tp: TensorParallel = TensorParallel()
+    sliced: Dict[str, int] = dataclasses.field(default_factory=dict)   # plain parameter -> dim read in part
 
 
 @contextlib.contextmanager
@@ -116,11 +138,13 @@ def _read_config(model_dir: Path) -> dict:
     return raw
 
 
-def _build_meta_model(transformers, model_dir: Path, dtype: torch.dtype, attn_implementation: Optional[str]):
+def _build_meta_model(transformers, model_dir: Path, dtype: torch.dtype, attn_implementation: Optional[str],
+                      tp: TensorParallel):
     try:
         config = transformers.AutoConfig.from_pretrained(str(model_dir))
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{model_dir / 'config.json'}: transformers cannot read it: {e}") from None
+    shard_config(config, tp, str(model_dir / "config.json"))   # the rank's heads and MLP features
     # the model is built as a plain one: its quantized layers are mixgemm's business
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
@@ -182,10 +206,14 @@ def _fuse(gate: _Layer, up: _Layer) -> _Layer:
     return _Layer(None, prepack(qw), bias, gate.perm, swiglu=True)
 
 
-def _check_linear(name: str, lin: nn.Linear, n: int, k: int, bias: Optional[torch.Tensor], where: str) -> None:
-    if (n, k) != (lin.out_features, lin.in_features):
+def _check_linear(name: str, lin: nn.Linear, n: int, k: int, bias: Optional[torch.Tensor], where: str,
+                  whole: Optional[Tuple[int, int]] = None) -> None:
+    """The checkpoint's whole layer ``[n, k]`` (and bias) against the model's: ``whole`` is the
+    whole layer's (out_features, in_features) when the model holds a tensor-parallel part."""
+    want_n, want_k = whole if whole is not None else (lin.out_features, lin.in_features)
+    if (n, k) != (want_n, want_k):
         raise CheckpointError(f"{where}: layer {name!r} holds a [{n}, {k}] weight, but the config makes it "
-                              f"[{lin.out_features}, {lin.in_features}] (out_features, in_features)")
+                              f"[{want_n}, {want_k}] (out_features, in_features)")
     if (bias is None) != (lin.bias is None):
         raise CheckpointError(f"{where}: layer {name!r} " + (
             f"has no bias tensor {name + '.bias'!r}, which the model's layer has" if bias is None else
@@ -195,9 +223,12 @@ def _check_linear(name: str, lin: nn.Linear, n: int, k: int, bias: Optional[torc
 
 
 def _read_layer(name: str, lin: nn.Linear, kids: Dict[str, str], shards: Shards, qconfig: QuantizationConfig,
-                dtype: torch.dtype, where: str) -> Union[_Layer, Tuple[torch.Tensor, Optional[torch.Tensor], str]]:
-    """A quantized layer's tensors, converted: a _Layer, or (weight, bias, why) when mixgemm cannot
-    represent it."""
+                dtype: torch.dtype, where: str, tp: TensorParallel = TensorParallel()
+                ) -> Union[_Layer, Tuple[torch.Tensor, Optional[torch.Tensor], str]]:
+    """A quantized layer's tensors, converted (the whole layer checked against the model's, then
+    cut to the rank's shard): a _Layer, or (weight, bias, why) when mixgemm cannot represent it."""
+    dim = tp.dim_of(name)
+    whole = tp.whole_shape(lin, dim)
     scheme: LayerScheme = qconfig.scheme_for(name, type(lin).__name__)
     if not scheme.quantized:
         raise CheckpointError(f"{where}: layer {name!r} holds quantized tensors, but the quantization_config "
@@ -206,14 +237,14 @@ def _read_layer(name: str, lin: nn.Linear, kids: Dict[str, str], shards: Shards,
     if qconfig.method is QuantMethod.MIXGEMM:
         packed = tensors[f"{name}.weight"]
         perm, bias = tensors.get(f"{name}.perm"), tensors.get(f"{name}.bias")
-        _check_linear(name, lin, packed.n, packed.k, bias, where)
+        _check_linear(name, lin, packed.n, packed.k, bias, where, whole)
         if perm is not None and (perm.dtype != torch.int64 or tuple(perm.shape) != (packed.k,)):
             raise CheckpointError(f"{where}: {name + '.perm'!r} must be int64 [{packed.k}], got {perm.dtype} "
                                   f"{list(perm.shape)}")
         if packed.dtype != dtype:   # the activation dtype: scales rounded to it, integer zeros exact
             packed = dataclasses.replace(packed, scales=packed.scales.to(dtype),
                                          zeros=None if packed.zeros is None else packed.zeros.to(dtype))
-        return _Layer(None, packed, bias, perm)
+        return _Layer(None, packed, bias, perm).shard(name, dim, tp)
     try:
         layer: ImportedLayer = import_layer(qconfig.method.format, tensors, name, dtype, bits=scheme.bits,
                                             group_size=scheme.group_size,
@@ -221,10 +252,13 @@ def _read_layer(name: str, lin: nn.Linear, kids: Dict[str, str], shards: Shards,
     except UnsupportedLayerError as e:
         weight = dequantize_layer(qconfig.method, tensors, name, scheme)
         bias = tensors.get(f"{name}.bias")
-        _check_linear(name, lin, weight.shape[0], weight.shape[1], bias, where)
+        _check_linear(name, lin, weight.shape[0], weight.shape[1], bias, where, whole)
+        if dim is not None:
+            weight = tp.rows(weight, dim)
+            bias = tp.rows(bias, 0) if bias is not None and dim == 0 else bias
         return weight, bias, str(e).removeprefix(f"layer {name!r}: ")
-    _check_linear(name, lin, layer.qweight.n, layer.qweight.k, layer.bias, where)
-    return _Layer(layer.qweight, None, layer.bias, layer.perm)
+    _check_linear(name, lin, layer.qweight.n, layer.qweight.k, layer.bias, where, whole)
+    return _Layer(layer.qweight, None, layer.bias, layer.perm).shard(name, dim, tp)
 
 
 def _is_ignorable(key: str, model: nn.Module) -> bool:
@@ -236,8 +270,11 @@ def _is_ignorable(key: str, model: nn.Module) -> bool:
     return any(re.search(p, key) for p in patterns)
 
 
-def plan(transformers, model_dir: Path, dtype, fuse_gate_up: bool, attn_implementation: Optional[str]) -> Plan:
-    """Step 1: everything on the CPU, every check. Takes no device."""
+def plan(transformers, model_dir: Path, dtype, fuse_gate_up: bool, attn_implementation: Optional[str],
+         tp: TensorParallel = TensorParallel()) -> Plan:
+    """Step 1: everything on the CPU, every check. Takes no device. With ``tp.size > 1`` the
+    model is the rank's part (:mod:`mixgemm.hf.parallel`) and every split layer is cut as it is
+    read."""
     raw = _read_config(model_dir)
     where = str(model_dir)
     if "quantization_config" not in raw:
@@ -247,8 +284,9 @@ def plan(transformers, model_dir: Path, dtype, fuse_gate_up: bool, attn_implemen
     dtype = resolve_dtype(dtype, raw)
     shards = Shards(model_dir)
     try:
-        model = _build_meta_model(transformers, model_dir, dtype, attn_implementation)
-        plan = Plan(model, shards, dtype, qconfig.method, {}, {}, {}, [], [])
+        model = _build_meta_model(transformers, model_dir, dtype, attn_implementation, tp)
+        check_linears(model, tp, where)
+        plan = Plan(model, shards, dtype, qconfig.method, {}, {}, {}, [], [], tp)
         children = _children(shards)
         _plan_linears(plan, qconfig, children, where, fuse_gate_up)
         _plan_rest(plan, children, where)
@@ -276,7 +314,7 @@ def _plan_linears(plan: Plan, qconfig: QuantizationConfig, children: Dict[str, D
         if qconfig.method is not QuantMethod.MIXGEMM and "weight" in kids:
             raise CheckpointError(f"{where}: layer {name!r} has both quantized tensors and a plain "
                                   f"{kids['weight']!r}")
-        got = _read_layer(name, lin, kids, shards, qconfig, plan.dtype, where)
+        got = _read_layer(name, lin, kids, shards, qconfig, plan.dtype, where, plan.tp)
         if isinstance(got, tuple):
             warnings.warn(f"mixgemm.hf: keeping {name} in full precision ({plan.dtype}): {got[2]}", stacklevel=4)
             plan.full[name] = got
@@ -317,6 +355,7 @@ def _plan_rest(plan: Plan, children: Dict[str, Dict[str, str]], where: str) -> N
     buffers: which checkpoint tensor fills it, with its shape checked; then no tensor may be
     left over."""
     model, shards = plan.model, plan.shards
+    modules = dict(model.named_modules())
     replaced = set(plan.quantized) | set(plan.full) | {f"{m}.{p}" for m in plan.fused for p in ("gate_proj", "up_proj")}
     consumed = {key for name in replaced for key in children.get(name, {}).values()}
     # tied parameters are one object under several names
@@ -331,15 +370,23 @@ def _plan_rest(plan: Plan, children: Dict[str, Dict[str, str]], where: str) -> N
         if not keys:
             missing.append(names[0])
             continue
+        owner, _, pname = names[0].rpartition(".")
+        dim = plan.tp.dim_of(owner) if isinstance(modules.get(owner), nn.Linear) else None
+        want = tuple(param.shape)
+        if dim is not None and not (pname == "bias" and dim == 1):   # a split linear's part: read in part
+            cut = 0 if pname == "bias" else dim
+            want = tuple(s * plan.tp.size if i == cut else s for i, s in enumerate(want))
+            for n in names:
+                plan.sliced[n] = cut
         for key in keys:
             if shards.is_packed(key):
                 raise CheckpointError(f"{where}: {key!r} is a mixgemm packed weight, but " + (
                     f"the quantization_config's quant_method is {plan.method.value!r}"
                     if plan.method is not QuantMethod.MIXGEMM else "the model's is not a linear layer's weight"))
             shape = shards.shape(key)
-            if tuple(shape) != tuple(param.shape):
+            if tuple(shape) != want:
                 raise CheckpointError(f"{where}: tensor {key!r} ({shards.file_of(key)}) has shape {list(shape)}, "
-                                      f"but the config makes it {list(param.shape)}")
+                                      f"but the config makes it {list(want)}")
             consumed.add(key)
         plan.plain.append((keys, names))
     if missing:
@@ -356,7 +403,6 @@ def _plan_rest(plan: Plan, children: Dict[str, Dict[str, str]], where: str) -> N
             plan.buffers.append((full, full))
             consumed.add(full)
     unexpected = [k for k in shards if k not in consumed and not _is_ignorable(k, model)]
-    modules = dict(model.named_modules())
     for key in unexpected:       # quantized tensors of a module that is not an nn.Linear
         owner = modules.get(key.rpartition(".")[0])
         if owner is not None and not isinstance(owner, nn.Linear):

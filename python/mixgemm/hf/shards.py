@@ -133,3 +133,18 @@ class Shards:
             return source.get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"{self.dir / name}: cannot read tensor {key!r} (corrupt file?): {e}") from None
+
+    def get_part(self, key: str, dim: int, rank: int, size: int) -> torch.Tensor:
+        """The ``rank``-th of ``size`` equal slices of the plain tensor ``key`` along ``dim``,
+        on the CPU: read as a slice from the file (safetensors ``get_slice``: the rest is never
+        read), or cut from a mixgemm file's tensor."""
+        source, name = self._where[key]
+        shape = self.shape(key)
+        part = shape[dim] // size
+        index = tuple(slice(rank * part, (rank + 1) * part) if d == dim else slice(None) for d in range(len(shape)))
+        if isinstance(source, dict):
+            return source[key][index].contiguous()
+        try:
+            return source.get_slice(key)[index].contiguous()
+        except Exception as e:
+            raise CheckpointError(f"{self.dir / name}: cannot read tensor {key!r} (corrupt file?): {e}") from None
