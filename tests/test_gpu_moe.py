@@ -181,4 +181,5 @@ def test_quant_moe_from_mlps_compiles_fullgraph(requires_gpu):
     ref = moe.fused_moe(x, layer.experts("w13"), layer.experts("w2"), w, ids)
     assert torch.equal(eager, ref)
     compiled = torch.compile(layer, fullgraph=True)
-    assert torch.equal(compiled(x, w, ids), eager)
+    # the same kernels; inductor may fuse the float32 top-k sum differently: one rounding apart
+    torch.testing.assert_close(compiled(x, w, ids), eager)
