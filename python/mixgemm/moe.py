@@ -29,7 +29,8 @@ import torch
 from .experts import PackedExperts
 from .types import WeightType
 
-__all__ = ["PackedExperts", "grouped_gemm", "fused_moe", "route", "Routing", "select_grouped_spec"]
+__all__ = ["PackedExperts", "grouped_gemm", "fused_moe", "route", "Routing", "select_grouped_spec",
+           "grouped_spec_for"]
 
 #: grouped_gemm's ``activation`` values
 ACTIVATIONS = ("silu", "gelu", "swiglu")
@@ -38,11 +39,17 @@ ACTIVATIONS = ("silu", "gelu", "swiglu")
 def select_grouped_spec(rows: int, experts: PackedExperts, activation: Optional[str] = None):
     """The grouped decode kernel for ``rows`` rows of x over ``experts``: the 8-row tile (8-bit
     codes with 8 k-slices, as the dense "dec8") when ``rows <= 8``, else the 16-row tile."""
+    return grouped_spec_for(rows, experts.act_type, experts.weight_type, activation)
+
+
+def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: Optional[str] = None):
+    """:func:`select_grouped_spec` from the activation and weight types alone (no weights needed:
+    e.g. to list or build a run's kernels beforehand)."""
     from .codegen import TILE_CONFIGS, Activation, GroupedDecodeSpec
 
     label = "dec8" if rows <= 8 else "dec16"
     tc = next(t for t in TILE_CONFIGS if t.label == label)
-    d = tc.spec(experts.act_type, experts.weight_type, Activation(activation or "none"))
+    d = tc.spec(act_type, weight_type, Activation(activation or "none"))
     return GroupedDecodeSpec(d.act, d.weight, d.tokens, d.warps, d.stage_bytes, d.stages, d.activation, d.kslices)
 
 
