@@ -462,7 +462,7 @@ def _add_generate(subparsers) -> None:
         help="emit the CUTLASS kernel instantiations (one .cu per kernel) and optionally build them",
         description=("Emit one CUTLASS sm90a instantiation per kernel spec (the whole kernel matrix: "
                      "bf16/fp16 x int8/int4/int2 x symmetric/asymmetric x every tile config, plus "
-                     "the GPU dequantizers). With --build, compile them with nvcc into mixgemm's "
+                     "the GPU dequantizers and the grouped MoE decode kernels, named mixgemm_gdecode_*). With --build, compile them with nvcc into mixgemm's "
                      "kernel cache ($MIXGEMM_CACHE_DIR or ~/.cache/mixgemm), in parallel, and the "
                      "compiled launcher (the host library that launches them)."),
     )

@@ -415,8 +415,9 @@ ALL_WEIGHTS = (WeightType.S8, WeightType.U8, WeightType.S4, WeightType.U4, Weigh
 
 def default_specs(acts: Iterable[ActType] = ALL_ACTS,
                   weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[KernelSpec]:
-    """Every kernel the runtime may pick: each tile config for each type, plus the dequantizers.
-    Every type has its kernel on every path."""
+    """Every kernel the runtime may pick: each tile config for each type, the dequantizers, and
+    the grouped (MoE) decode kernels of :func:`grouped_specs`. Every type has its kernel on every
+    path. What ``mixgemm generate --list / --build`` covers."""
     acts, weights = list(acts), list(weights)
     specs: list[KernelSpec] = [tc.spec(a, w) for a in acts for w in weights for tc in TILE_CONFIGS]
     # the GEMM kernels with the gated (swiglu) epilogue
@@ -426,6 +427,7 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
     specs += [tc.spec(a, w, act) for a in acts for w in weights for tc in TILE_CONFIGS
               if isinstance(tc, DecodeConfig) for act in Activation if act is not Activation.NONE]
     specs += [DequantSpec(a, w) for a in acts for w in weights]
+    specs += grouped_specs(acts, weights)
     return specs
 
 
@@ -433,8 +435,8 @@ def grouped_specs(acts: Iterable[ActType] = ALL_ACTS,
                   weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[GroupedDecodeSpec]:
     """The grouped decode kernels :func:`mixgemm.moe.grouped_gemm` may pick: the "dec8" and
     "dec16" decode configs over experts, without an activation and with swiglu (MoE's gate/up).
-    Not part of :func:`default_specs` (so ``mixgemm generate`` does not build them yet): build
-    them with ``build.build_many(codegen.grouped_specs())``."""
+    Part of :func:`default_specs` (``mixgemm generate --build`` builds them); alone:
+    ``mixgemm generate --build --kernels _gdecode_`` or ``build.build_many(codegen.grouped_specs())``."""
     out = []
     for a in acts:
         for w in weights:
