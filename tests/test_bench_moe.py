@@ -365,3 +365,24 @@ def test_the_run_on_the_cpu():
         assert p.err is not None and p.err < cfg.max_error and p.replay_err == 0.0
         assert "per-expert loop" in p.impl
     assert any("experts built" in line for line in logs)
+
+
+def test_merge_moe_reports_and_the_merge_cli(tmp_path, capsys):
+    a = report()
+    b_pts = B.analyze_moe([meas("bf16", 80.0, tokens=4096), meas("mixgemm-u4", 90.0, tokens=4096)], 2000.0,
+                          presets=PRESETS_T)
+    b = B.MoeReport(machine(read_bw_gbps=2100.0), B.MoeConfig(presets=("small",), tokens=(4096,)).to_json(),
+                    {"small": {"hidden": 128}}, b_pts)
+    merged = B.merge_moe_reports([a, b])
+    assert len(merged.points) == len(a.points) + 2 and len(merged.config["runs"]) == 2
+    assert 4096 in merged.config["tokens"]
+    with pytest.raises(ValueError, match="more than one run"):
+        B.merge_moe_reports([a, a])
+    with pytest.raises(ValueError, match="different GPUs"):
+        B.merge_moe_reports([a, B.MoeReport(machine(gpu_name="other"), a.config, a.presets, b_pts)])
+    paths = [str(B.write_moe_json(tmp_path / f"{i}.json", r)) for i, r in enumerate((a, b))]
+    out = tmp_path / "merged.json"
+    # a's zipf T=1 point FAILed: the merge reports it (exit status 1) and still writes
+    assert bench.main(["--merge", *paths, "--json", str(out)]) == 1
+    assert len(B.moe_report_from_dict(json.loads(out.read_text())).points) == len(merged.points)
+    assert "mixgemm-u4 zipf T=1: FAIL" in capsys.readouterr().out          # the merged table

@@ -30,7 +30,8 @@ from .decoder import PRESETS
 from .grid import FAIL, BenchConfig, analyze, run_benchmark
 from .model import (MODEL_SCHEMA, ModelConfig, ModelReport, analyze_model, failed, format_model_table,
                     merge_model_reports, model_report_from_dict, split_by_preset, write_model_json)
-from .moe import MOE_PRESETS, MoeConfig, MoeReport, analyze_moe, format_moe_table, write_moe_json
+from .moe import (MOE_PRESETS, MOE_SCHEMA, MoeConfig, MoeReport, analyze_moe, format_moe_table, merge_moe_reports,
+                  moe_report_from_dict, write_moe_json)
 from .moe import failed as moe_failed
 from .moe import split_by_preset as split_moe_by_preset
 from .options import build_parser, config_from_args, host_step_config, model_config_from_args, moe_config_from_args
@@ -160,13 +161,20 @@ def _merge_cli(args: argparse.Namespace, log: Log) -> int:
         schemas = {d.get("schema") if isinstance(d, dict) else None for d in docs}
         if schemas == {MODEL_SCHEMA}:
             report = merge_model_reports([model_report_from_dict(d) for d in docs])
+        elif schemas == {MOE_SCHEMA}:
+            report = merge_moe_reports([moe_report_from_dict(d) for d in docs])
         elif schemas == {JSON_SCHEMA}:
             report = merge_reports([report_from_dict(d) for d in docs])
         else:
-            raise ValueError(f"expected reports of one kind ({JSON_SCHEMA} or {MODEL_SCHEMA}), got schemas "
+            raise ValueError(f"expected reports of one kind ({JSON_SCHEMA}, {MODEL_SCHEMA} or {MOE_SCHEMA}), got schemas "
                              f"{sorted(map(str, schemas))}")
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise _user_error(f"--merge: {e}") from None
+    if isinstance(report, MoeReport):
+        cfg = MoeConfig(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
+        log(format_moe_table(report.points, report.machine, report.config))
+        write_moe_outputs(report, cfg, log=log)
+        return 1 if moe_failed(report.points) else 0
     if isinstance(report, ModelReport):
         cfg = ModelConfig(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
         log(format_model_table(report.points, report.machine, report.config))

@@ -397,6 +397,41 @@ def split_by_preset(report: MoeReport) -> dict[str, MoeReport]:
             for name in names}
 
 
+def merge_moe_reports(reports: Sequence[MoeReport]) -> MoeReport:
+    """One report from ``--moe`` runs on the same GPU (e.g. one preset, or a few token counts,
+    per process): the points of all, each as its run measured it; ``config["runs"]`` lists each
+    run's timestamp, read bandwidth, presets and tokens.
+
+    Raises
+    ------
+    ValueError
+        No reports, different GPUs or group sizes, or a point measured twice.
+    """
+    if not reports:
+        raise ValueError("nothing to merge")
+    first = reports[0]
+    seen: set = set()
+    points: list = []
+    presets: dict = {}
+    for r in reports:
+        if r.machine.gpu_name != first.machine.gpu_name:
+            raise ValueError(f"runs on different GPUs: {first.machine.gpu_name!r} and {r.machine.gpu_name!r}")
+        if r.config.get("group_size") != first.config.get("group_size"):
+            raise ValueError(f"runs with different group sizes: {first.config.get('group_size')} and "
+                             f"{r.config.get('group_size')}")
+        for p in r.points:
+            if p.key in seen:
+                raise ValueError(f"{p.variant} {p.preset} {p.routing} T={p.tokens} is in more than one run")
+            seen.add(p.key)
+            points.append(p)
+        presets.update(r.presets)
+    config = {**first.config, "presets": list(presets),
+              "tokens": sorted({t for r in reports for t in r.config.get("tokens", [])}),
+              "runs": [{"timestamp": r.machine.timestamp, "read_bw_gbps": r.machine.read_bw_gbps,
+                        "presets": list(r.presets), "tokens": r.config.get("tokens")} for r in reports]}
+    return MoeReport(first.machine, config, presets, points)
+
+
 MOE_TABLE_HEADER = ("routing", "tokens", "experts", "variant", "us", "floor us", "%floor", "x bf16", "MB",
                     "err", "iters", "status")
 
@@ -450,4 +485,4 @@ __all__ = ["MOE_SCHEMA", "DEFAULT_TOKENS", "UNIFORM", "ZIPF", "ROUTINGS", "ZIPF_
            "routing_seed", "expert_popularity", "make_routing", "expert_counts", "expert_weight_bytes", "MoeTraffic",
            "moe_traffic", "floor_us", "MoeConfig", "parse_routings", "parse_moe_presets", "MoeMeasurement",
            "MoePoint", "classify_moe", "analyze_moe", "failed", "MoeReport", "moe_report_to_dict",
-           "moe_report_from_dict", "write_moe_json", "split_by_preset", "MOE_TABLE_HEADER", "format_moe_table"]
+           "moe_report_from_dict", "write_moe_json", "split_by_preset", "merge_moe_reports", "MOE_TABLE_HEADER", "format_moe_table"]

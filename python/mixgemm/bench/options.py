@@ -196,7 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "int4 (4096x4096, M = 1, 16, 256), and the eager llama3-8b decode step")
     modes.add_argument("--merge", metavar="JSON", nargs="+", default=None,
                        help="no GPU run: merge the JSON reports of runs that split a grid (same GPU, dtype and "
-                            "group size), or --model reports, into one; then write --json / --plot / --save")
+                            "group size), or --model reports, or --moe reports, into one; then write --json / --plot / --save")
 
     model = parser.add_argument_group("--model and --host")
     model.add_argument("--layers", type=int, default=None,
