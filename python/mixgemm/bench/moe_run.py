@@ -138,7 +138,7 @@ class Bf16Layer(MoeLayer):
         routing = route(topk_ids, self.w13.shape[0])
         xs = x[routing.tokens]
         if self.grouped:
-            offs = routing.expert_offsets[1:]
+            offs = routing.expert_offsets[1:].clone()      # the end of each expert's rows, its own allocation
             h = _swiglu_halves(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs))
             y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs)
         else:
