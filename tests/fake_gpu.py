@@ -28,7 +28,7 @@ import fake_driver
 import torch
 
 from mixgemm import build, codegen, launcher, ops, plans, runtime
-from mixgemm.codegen import GEMM_KINDS
+from mixgemm.codegen import HELPER_KINDS
 
 GPU_NAME = "NVIDIA H100 80GB HBM3"
 SM_COUNT = 132
@@ -125,7 +125,7 @@ class FakeKernels(runtime.KernelCache):
     def _load(self, spec, device):
         from cuda.bindings import driver as drv
 
-        assert isinstance(spec, GEMM_KINDS), spec
+        assert isinstance(spec, HELPER_KINDS), spec
         self.loads += 1
         if self.helpers == "real":
             helper = runtime.HostHelper(str(build_helper(spec, self.helper_dir)), spec.name)

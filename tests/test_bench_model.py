@@ -344,11 +344,17 @@ def test_bad_model_options(argv, needle):
         bench.model_config_from_args(parse(*argv))
 
 
-@pytest.mark.parametrize("argv", [["--layers", "2"], ["--batch", "1"], ["--variants", "int4"],
-                                  ["--prefill", "0", "--block"]])
+@pytest.mark.parametrize("argv", [["--layers", "2"], ["--batch", "1"], ["--prefill", "0", "--block"],
+                                  ["--moe", "qwen3-30b-a3b", "--context", "8"]])
 def test_model_options_need_model(argv, capsys):
     assert bench.main(["--quick", *argv]) == 1
     assert "only apply to --model and --host" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--variants", "int4"], ["--point-budget", "1", "--block"]])
+def test_shared_options_need_model_host_or_moe(argv, capsys):
+    assert bench.main(["--quick", *argv]) == 1
+    assert "only apply to --model, --host and --moe" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,needle", [

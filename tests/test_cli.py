@@ -520,3 +520,11 @@ def test_demo_runs_the_gemm_on_hopper(capsys, monkeypatch, requires_gpu):
     assert calls == [((64, 4096), "cuda", "cuda")]
     assert "running the GEMM via mixgemm.gemm" in out
     assert re.search(r"GEMM result \[64, 4096\] torch.bfloat16: .* relative = \d\.\d+e-0[3-9]", out)
+
+
+def test_generate_lists_the_grouped_moe_kernels(capsys):
+    """`mixgemm generate --list` covers the grouped (MoE) decode kernels of codegen.grouped_specs()."""
+    from mixgemm import codegen
+
+    rc, out, _ = run(capsys, "generate", "--list", "--kernels", "_gdecode_")
+    assert rc == 0 and out.split() == [s.name for s in codegen.grouped_specs()] and len(out.split()) == 48

@@ -24,6 +24,9 @@ def test_every_type_has_every_kernel():
                 assert tc.spec(act, wt, codegen.Activation.SWIGLU).name in names
             assert DequantSpec(act, wt).name in names
     assert len(names) == len(SPECS), "kernel names must be unique"
+    # the grouped (MoE) decode kernels: `mixgemm generate --list / --build` covers them
+    assert {s.name for s in codegen.grouped_specs()} <= names
+    assert len(codegen.grouped_specs()) == 2 * 6 * 2 * 2          # acts x weights x (dec8, dec16) x (none, swiglu)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from mixgemm import bench
 from mixgemm.bench import host as H
@@ -57,3 +58,35 @@ def test_host_smoke(requires_gpu, tmp_path):
     assert {(p.variant, p.mode) for p in rep.step} == {(v, m) for v in ("bf16", "mixgemm-u4")
                                                         for m in ("graph", "eager")}
     assert all(p.status == bench.OK and p.time_us > 0 for p in rep.step), [(p.variant, p.mode, p.note) for p in rep.step]
+
+
+def test_moe_smoke(requires_gpu, tmp_path):
+    """``--moe`` quick run: every (routing, tokens, variant) point measured and correct against
+    bf16 on the variant's own dequantized weights; bf16 through torch._grouped_mm where this torch
+    has it; the bytes of the experts touched as the formula says."""
+    from mixgemm.bench import moe as B
+    from mixgemm.bench.variants import parse_variant
+
+    out = tmp_path / "moe.json"
+    rc = bench.main(["--moe", "qwen3-30b-a3b", "--tokens", "1,16,256", "--iters", "5", "--quick",
+                     "--json", str(out)])
+    rep = B.moe_report_from_dict(json.loads(out.read_text()))
+    assert rc == 0
+    assert rep.machine.read_bw_gbps and rep.machine.read_bw_gbps > 100
+    variants = ["bf16", "mixgemm-u4", "mixgemm-u2", "mixgemm-s8", "torch-int4"]
+    assert {(p.variant, p.routing, p.tokens) for p in rep.points} == {
+        (v, r, t) for v in variants for r in ("uniform", "zipf") for t in (1, 16, 256)}
+    preset = B.MOE_PRESETS["qwen3-30b-a3b"]
+    for p in rep.points:
+        assert p.status != bench.FAIL, (p.variant, p.routing, p.tokens, p.note)
+        if p.variant == "torch-int4" and p.status == bench.UNAVAILABLE:
+            continue
+        assert p.status == bench.OK, (p.variant, p.routing, p.tokens, p.note)
+        assert p.time_us > 0 and p.frac_of_floor > 0 and p.speedup_vs_bf16 > 0
+        assert p.err is not None and p.err < B.DEFAULT_MOE_MAX_ERROR and p.replay_err < B.DEFAULT_MOE_MAX_ERROR
+        assert p.expert_bytes == B.expert_weight_bytes(preset, parse_variant(p.variant), 128)
+        assert p.weight_bytes == p.experts_touched * p.expert_bytes
+        if p.tokens == 1:
+            assert p.experts_touched == 8
+        if p.variant == "bf16" and hasattr(torch, "_grouped_mm"):
+            assert p.impl == "torch._grouped_mm", p.impl

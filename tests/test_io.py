@@ -75,7 +75,7 @@ def test_round_trip(saved):
             assert loaded[name].dtype == obj.dtype and torch.equal(loaded[name], obj)
     header = read_metadata(path)
     # no zero_offsets: the oldest format version, readable by every mixgemm
-    assert header["mixgemm:format_version"] == "1" and FORMAT_VERSION == 2
+    assert header["mixgemm:format_version"] == "1" and FORMAT_VERSION == 3
     for key, value in meta.items():
         assert header[key] == value
     # the packed weights really are stored as companion tensors with JSON metadata

@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 from . import paths
 from ._version import __version__
-from .codegen import GEMM_KINDS, GemmSpec, KernelSpec, render
+from .codegen import HELPER_KINDS, GemmSpec, KernelSpec, render
 from .errors import BuildError
 from .process import pid_alive
 
@@ -166,7 +166,7 @@ def _extra_flags() -> list[str]:
 def _steps(spec: KernelSpec) -> dict[str, tuple[str, ...]]:
     """Artifact file name -> the flags that produce it."""
     steps = {"kernel.cubin": BASE_FLAGS + CUBIN_FLAGS}
-    if isinstance(spec, GEMM_KINDS):
+    if isinstance(spec, HELPER_KINDS):
         steps["helper.so"] = BASE_FLAGS + HELPER_FLAGS
     return steps
 
@@ -209,7 +209,7 @@ class Artifacts:
     @property
     def helper_path(self) -> Optional[Path]:
         p = self.directory / "helper.so"
-        return p if isinstance(self.spec, GEMM_KINDS) else None
+        return p if isinstance(self.spec, HELPER_KINDS) else None
 
     def read_cubin(self) -> bytes:
         return self.cubin_path.read_bytes()

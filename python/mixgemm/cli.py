@@ -98,7 +98,12 @@ def _add_prepack(subparsers) -> None:
             "           (embeddings, norms and the LM head: embed*, wte/wpe, lm_head,\n"
             "            output.weight, *norm*, ln_*)\n"
             "Selected weights [N, K] need N % 16 == 0, K % 64 == 0 and K divisible by the\n"
-            "group size; prepack checks every tensor before writing anything."),
+            "group size; prepack checks every tensor before writing anything.\n\n"
+            "Mixture-of-experts weights (...experts.<e>.{gate,up,down}_proj.weight, or Mixtral's\n"
+            "...experts.<e>.{w1,w3,w2}.weight) are written as one stacked tensor per projection\n"
+            "(mixgemm.moe.PackedExperts): ...experts.w13.weight (gate/up interleaved, as\n"
+            "mixgemm.moe.fused_moe takes it) and ...experts.w2.weight (down). Experts of different\n"
+            "shapes or types, a missing expert or non-contiguous ids are refused, with no output."),
     )
     p.add_argument("input", metavar="IN.safetensors",
                    help="unquantized checkpoint; with --from, a quantized checkpoint file or a "
@@ -223,18 +228,35 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
     packed = [k for k, v in out.items() if hasattr(v, "qdata")]
     if not packed:
         raise CliError(f"no {args.from_format} quantized layer found in {src}")
+    out, experts_line = _stack_experts(out)
     before = sum(t.numel() * t.element_size() for t in tensors.values())
     after = sum(v.nbytes if hasattr(v, "qdata") else v.numel() * v.element_size() for v in out.values())
+    metadata = {"source": str(src), "source_format": str(args.from_format), "mixgemm_version": __version__}
+    if experts_line:
+        metadata["prepack.experts"] = experts_line
     try:
-        mio.save(dst, out, metadata={"source": str(src), "source_format": str(args.from_format),
-                                     "mixgemm_version": __version__})
+        mio.save(dst, out, metadata=metadata)
     except (OSError, ValueError) as e:
         raise CliError(f"cannot write {dst}: {e}") from None
     perms = sum(1 for k in out if k.endswith(".perm"))
+    if experts_line:
+        print(experts_line)
     print(f"converted {len(packed)} {args.from_format} layers ({perms} with an act-order permutation), "
           f"copied {len(out) - len(packed) - perms} tensors; {_fmt_bytes(before)} -> {_fmt_bytes(after)}; "
           f"wrote {dst}")
     return 0
+
+
+def _stack_experts(out: dict) -> tuple[dict, str]:
+    """Per-expert packed weights stacked (:func:`mixgemm.moe_checkpoint.stack_experts`), and the
+    metadata line describing them ("" when there are none); a bad expert set is a CliError."""
+    from .moe_checkpoint import describe_stacked, stack_experts
+
+    try:
+        out = stack_experts(out)
+    except ValueError as e:
+        raise CliError(f"cannot stack the experts: {e}") from None
+    return out, describe_stacked(out)
 
 
 def _run_prepack(args: argparse.Namespace) -> int:
@@ -343,7 +365,10 @@ def _run_prepack(args: argparse.Namespace) -> int:
                 out[name] = tensor
                 bytes_after += size
 
+    out, experts_line = _stack_experts(out)
     out_metadata = {key: value for key, value in metadata.items()}
+    if experts_line:
+        out_metadata["prepack.experts"] = experts_line
     out_metadata.update({
         "prepack.source": os.path.basename(src),
         "prepack.bits": str(args.bits),
@@ -362,6 +387,8 @@ def _run_prepack(args: argparse.Namespace) -> int:
     n_packed = len(selected)
     n_copied = len(names) - n_packed
     print(f"wrote {dst}")
+    if experts_line:
+        print(experts_line)
     print(f"tensors: {n_packed} packed ({args.bits}-bit, group size {args.group_size}, "
           f"{'symmetric' if args.symmetric else 'asymmetric'}), {n_copied} copied unchanged")
     print(f"packed tensors: {_fmt_bytes(packed_before)} -> {_fmt_bytes(packed_after)} "
@@ -435,7 +462,7 @@ def _add_generate(subparsers) -> None:
         help="emit the CUTLASS kernel instantiations (one .cu per kernel) and optionally build them",
         description=("Emit one CUTLASS sm90a instantiation per kernel spec (the whole kernel matrix: "
                      "bf16/fp16 x int8/int4/int2 x symmetric/asymmetric x every tile config, plus "
-                     "the GPU dequantizers). With --build, compile them with nvcc into mixgemm's "
+                     "the GPU dequantizers and the grouped MoE decode kernels, named mixgemm_gdecode_*). With --build, compile them with nvcc into mixgemm's "
                      "kernel cache ($MIXGEMM_CACHE_DIR or ~/.cache/mixgemm), in parallel, and the "
                      "compiled launcher (the host library that launches them)."),
     )

@@ -101,6 +101,7 @@ SWIZZLES = (1, 2, 4, 8)
 class KernelKind(enum.Enum):
     GEMM = "gemm"
     DECODE = "decode"
+    GROUPED_DECODE = "gdecode"
     DEQUANT = "dequant"
 
 
@@ -218,6 +219,49 @@ class DecodeSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupedDecodeSpec:
+    """One grouped decode kernel (``cutlass_ext/mixgemm/grouped_decode_kernel.hpp``): the decode
+    kernel of :class:`DecodeSpec` with the same fields, over E stacked experts
+    (:class:`mixgemm.experts.PackedExperts`): x's rows sorted by expert, expert e's rows
+    ``[offsets[e], offsets[e + 1])`` read from device memory. ``tokens`` is the row tile: an
+    expert with more rows streams its weights once per tile."""
+
+    act: ActType
+    weight: WeightType
+    tokens: int = 16
+    warps: int = 8
+    stage_bytes: int = 1024
+    stages: int = 4
+    activation: Activation = Activation.NONE
+    kslices: int = 1
+
+    kind = KernelKind.GROUPED_DECODE
+    programmatic_launch = True   # waits for the previous grid before reading the offsets
+
+    def __post_init__(self) -> None:
+        self.dense   # the decode kernel's checks
+
+    @property
+    def dense(self) -> DecodeSpec:
+        """The decode kernel whose body this one runs per expert."""
+        return DecodeSpec(self.act, self.weight, self.tokens, self.warps, self.stage_bytes, self.stages,
+                          self.activation, self.kslices)
+
+    @property
+    def fixed_activation(self) -> Activation:
+        return self.activation
+
+    @property
+    def name(self) -> str:
+        return "mixgemm_gdecode_" + self.dense.name[len("mixgemm_decode_"):]
+
+    @property
+    def max_tokens(self) -> None:
+        """Any number of rows (the row loop)."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
 class DequantSpec:
     """The GPU dequantizer of one (activation type, weight type) pair."""
 
@@ -231,9 +275,11 @@ class DequantSpec:
         return f"mixgemm_dequant_{self.act.value}_{self.weight.value}"
 
 
-KernelSpec = Union[GemmSpec, DecodeSpec, DequantSpec]
+KernelSpec = Union[GemmSpec, DecodeSpec, GroupedDecodeSpec, DequantSpec]
 #: The kernels that compute a GEMM (and have a host helper): what gemm_with_spec takes.
 GEMM_KINDS = (GemmSpec, DecodeSpec)
+#: The kernels built with a host helper library (helper.so).
+HELPER_KINDS = (GemmSpec, DecodeSpec, GroupedDecodeSpec)
 
 _GEMM_NAME = re.compile(
     r"^mixgemm_gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)_"
@@ -241,6 +287,7 @@ _GEMM_NAME = re.compile(
 _DECODE_NAME = re.compile(
     r"^mixgemm_decode_(?P<act>bf16|fp16)_(?P<weight>[su][248])_m(?P<tokens>\d+)_w(?P<warps>\d+)_"
     r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_k(?P<kslices>\d+)_(?P<activation>none|silu|gelu|swiglu)$")
+_GROUPED_DECODE_NAME = re.compile("^mixgemm_gdecode_" + _DECODE_NAME.pattern[len("^mixgemm_decode_"):])
 _DEQUANT_NAME = re.compile(r"^mixgemm_dequant_(?P<act>bf16|fp16)_(?P<weight>[su][248])$")
 
 
@@ -255,6 +302,11 @@ def parse_name(name: str) -> KernelSpec:
     if m:
         return DecodeSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["tokens"]), int(m["warps"]),
                           int(m["stage_bytes"]), int(m["stages"]), Activation(m["activation"]), int(m["kslices"]))
+    m = _GROUPED_DECODE_NAME.match(name)
+    if m:
+        return GroupedDecodeSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["tokens"]), int(m["warps"]),
+                                 int(m["stage_bytes"]), int(m["stages"]), Activation(m["activation"]),
+                                 int(m["kslices"]))
     m = _DEQUANT_NAME.match(name)
     if m:
         return DequantSpec(ActType(m["act"]), WeightType(m["weight"]))
@@ -363,8 +415,9 @@ ALL_WEIGHTS = (WeightType.S8, WeightType.U8, WeightType.S4, WeightType.U4, Weigh
 
 def default_specs(acts: Iterable[ActType] = ALL_ACTS,
                   weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[KernelSpec]:
-    """Every kernel the runtime may pick: each tile config for each type, plus the dequantizers.
-    Every type has its kernel on every path."""
+    """Every kernel the runtime may pick: each tile config for each type, the dequantizers, and
+    the grouped (MoE) decode kernels of :func:`grouped_specs`. Every type has its kernel on every
+    path. What ``mixgemm generate --list / --build`` covers."""
     acts, weights = list(acts), list(weights)
     specs: list[KernelSpec] = [tc.spec(a, w) for a in acts for w in weights for tc in TILE_CONFIGS]
     # the GEMM kernels with the gated (swiglu) epilogue
@@ -374,7 +427,26 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
     specs += [tc.spec(a, w, act) for a in acts for w in weights for tc in TILE_CONFIGS
               if isinstance(tc, DecodeConfig) for act in Activation if act is not Activation.NONE]
     specs += [DequantSpec(a, w) for a in acts for w in weights]
+    specs += grouped_specs(acts, weights)
     return specs
+
+
+def grouped_specs(acts: Iterable[ActType] = ALL_ACTS,
+                  weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[GroupedDecodeSpec]:
+    """The grouped decode kernels :func:`mixgemm.moe.grouped_gemm` may pick: the "dec8" and
+    "dec16" decode configs over experts, without an activation and with swiglu (MoE's gate/up).
+    Part of :func:`default_specs` (``mixgemm generate --build`` builds them); alone:
+    ``mixgemm generate --build --kernels _gdecode_`` or ``build.build_many(codegen.grouped_specs())``."""
+    out = []
+    for a in acts:
+        for w in weights:
+            for tc in TILE_CONFIGS:
+                if isinstance(tc, DecodeConfig) and tc.label in ("dec8", "dec16"):
+                    for act in (Activation.NONE, Activation.SWIGLU):
+                        d = tc.spec(a, w, act)
+                        out.append(GroupedDecodeSpec(d.act, d.weight, d.tokens, d.warps, d.stage_bytes, d.stages,
+                                                     d.activation, d.kslices))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,6 +562,15 @@ def render(spec: KernelSpec) -> str:
                 f"using {spec.name}_config = mixgemm::decode::Config<{code}, {act}, {ntiles}, {spec.warps}, "
                 f"{spec.stage_bytes}, {spec.stages}, {spec.kslices}>;\n"
                 f"MIXGEMM_DECODE_ENTRY({spec.name}, {spec.name}_config, mixgemm::Activation::{spec.activation.cpp})\n")
+    if isinstance(spec, GroupedDecodeSpec):
+        L, _ = _cutlass_library()
+        code = L.DataTypeTag[getattr(L.DataType, _DATATYPE[spec.weight])]
+        act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
+        return (head + '#include "mixgemm/grouped_decode_kernel.hpp"\n\n'
+                f"using {spec.name}_config = mixgemm::decode::Config<{code}, {act}, {spec.tokens // 8}, "
+                f"{spec.warps}, {spec.stage_bytes}, {spec.stages}, {spec.kslices}>;\n"
+                f"MIXGEMM_GROUPED_DECODE_ENTRY({spec.name}, {spec.name}_config, "
+                f"mixgemm::Activation::{spec.activation.cpp})\n")
     if isinstance(spec, DequantSpec):
         L, _ = _cutlass_library()
         code = L.DataTypeTag[getattr(L.DataType, _DATATYPE[spec.weight])]

@@ -13,7 +13,13 @@ A mixgemm file is an ordinary safetensors file:
   also has ``name.zero_offsets`` (float32 ``[G, N]``, see :class:`~mixgemm.types.PackedWeight`);
 * the header metadata entry ``mixgemm:format_version`` is the oldest version that can read the
   file: ``"2"`` when a weight has ``zero_offsets`` (which a version-1 reader would ignore), else
-  ``"1"``.
+  ``"1"``;
+* a :class:`~mixgemm.experts.PackedExperts` ``name`` (E experts of one shape and type, stacked)
+  is stored like a packed weight with a leading expert dimension on each tensor (``name.qdata``
+  ``[E, N/16, K/64, 128*bits]``, ``name.scales`` / ``name.zeros`` ``[E, G, N]``), and its
+  ``mixgemm:name`` JSON has ``"format": "mixgemm.packed_experts"`` and ``"experts": "E"``. A
+  file holding stacked experts has format version ``"3"`` (older readers refuse it and ask for an
+  upgrade); files without them keep the versions above.
 
 User metadata (``str -> str``) is stored alongside; keys starting with ``mixgemm:`` are
 reserved. Files written by a newer mixgemm (a larger format or layout version) are refused
@@ -34,14 +40,17 @@ import torch
 
 from ._version import __version__
 from .errors import MixgemmFormatError, ShardError
+from .experts import EXPERTS_FORMAT, PackedExperts
 from .process import pid_alive
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight, WeightType
 
 __all__ = ["FORMAT_VERSION", "MixgemmFormatError", "save", "load", "read_metadata",
            "check_metadata", "is_mixgemm_metadata", "stale_temporaries"]
 
-#: Version of the file format written by :func:`save`.
-FORMAT_VERSION = 2
+#: Version of the file format written by :func:`save` (for a file with stacked experts).
+FORMAT_VERSION = 3
+#: The version written for files with zero_offsets and no stacked experts.
+_OFFSETS_VERSION = 2
 #: The version written for files without zero_offsets (readable by mixgemm's first format).
 _BASE_VERSION = 1
 
@@ -49,7 +58,7 @@ _PREFIX = "mixgemm:"
 _VERSION_KEY = "mixgemm:format_version"
 _PACKED_FORMAT = "mixgemm.packed"
 
-TensorOrPacked = Union[torch.Tensor, PackedWeight]
+TensorOrPacked = Union[torch.Tensor, PackedWeight, PackedExperts]
 
 
 def _upgrade_hint() -> str:
@@ -88,7 +97,8 @@ def _flatten(tensors: Mapping, metadata: Optional[Mapping]) -> tuple[dict, dict]
                                  f"reserved for mixgemm")
             header[key] = value
     needs_v2 = any(isinstance(v, PackedWeight) and v.zero_offsets is not None for v in tensors.values())
-    header[_VERSION_KEY] = str(FORMAT_VERSION if needs_v2 else _BASE_VERSION)
+    needs_v3 = any(isinstance(v, PackedExperts) for v in tensors.values())
+    header[_VERSION_KEY] = str(FORMAT_VERSION if needs_v3 else _OFFSETS_VERSION if needs_v2 else _BASE_VERSION)
 
     flat: Dict[str, torch.Tensor] = {}
     owner: Dict[str, str] = {}  # safetensors name -> the dict entry that produced it
@@ -110,18 +120,18 @@ def _flatten(tensors: Mapping, metadata: Optional[Mapping]) -> tuple[dict, dict]
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"tensor names must be non-empty str, got {name!r}")
-        if isinstance(value, PackedWeight):
+        if isinstance(value, (PackedWeight, PackedExperts)):
             add(f"{name}.qdata", value.qdata, name)
             add(f"{name}.scales", value.scales, name)
             if value.zeros is not None:
                 add(f"{name}.zeros", value.zeros, name)
-            if value.zero_offsets is not None:
+            if isinstance(value, PackedWeight) and value.zero_offsets is not None:
                 add(f"{name}.zero_offsets", value.zero_offsets, name)
             header[_PREFIX + name] = json.dumps(value.metadata(), sort_keys=True)
         elif isinstance(value, torch.Tensor):
             add(name, value, name)
         else:
-            raise TypeError(f"{name!r}: values must be torch.Tensor or PackedWeight, got "
+            raise TypeError(f"{name!r}: values must be torch.Tensor, PackedWeight or PackedExperts, got "
                             f"{type(value).__name__}")
     return flat, header
 
@@ -287,9 +297,14 @@ def _parse_spec(name: str, text: str, path: str) -> dict:
         raise MixgemmFormatError(f"{where}: metadata is not valid JSON ({e})") from None
     if not isinstance(spec, dict):
         raise MixgemmFormatError(f"{where}: metadata must be a JSON object, got {text[:80]!r}")
-    if spec.get("format") != _PACKED_FORMAT:
-        raise MixgemmFormatError(f"{where}: metadata 'format' must be {_PACKED_FORMAT!r}, got "
-                                 f"{spec.get('format')!r}")
+    if spec.get("format") not in (_PACKED_FORMAT, EXPERTS_FORMAT):
+        raise MixgemmFormatError(f"{where}: metadata 'format' must be {_PACKED_FORMAT!r} or "
+                                 f"{EXPERTS_FORMAT!r}, got {spec.get('format')!r}")
+    experts = None
+    if spec["format"] == EXPERTS_FORMAT:
+        experts = _as_int(spec, "experts", where)
+        if experts < 1:
+            raise MixgemmFormatError(f"{where}: 'experts' must be >= 1, got {experts}")
     version = _as_int(spec, "layout_version", where)
     if version > LAYOUT_VERSION:
         raise MixgemmFormatError(f"{where} uses layout version {version}, from the future: this "
@@ -320,7 +335,7 @@ def _parse_spec(name: str, text: str, path: str) -> dict:
                                  f"bf16 or fp16") from None
     return dict(weight_type=weight_type, group_size=_as_int(spec, "group_size", where),
                 n=_as_int(spec, "n", where), k=_as_int(spec, "k", where), arch=arch,
-                layout_version=version, dtype=act.torch_dtype)
+                layout_version=version, dtype=act.torch_dtype, experts=experts)
 
 
 def check_metadata(metadata: Mapping[str, str], path: Union[str, os.PathLike] = "<file>"
@@ -338,7 +353,8 @@ def check_metadata(metadata: Mapping[str, str], path: Union[str, os.PathLike] = 
     -------
     dict of str -> dict
         For each packed weight name, its parsed description (weight_type, group_size, n, k,
-        arch, layout_version, dtype). Empty for a plain safetensors file.
+        arch, layout_version, dtype, and experts: E for stacked experts, else None). Empty for a
+        plain safetensors file.
 
     Raises
     ------
@@ -364,8 +380,12 @@ def check_metadata(metadata: Mapping[str, str], path: Union[str, os.PathLike] = 
                                  f"{_upgrade_hint()}")
     if version < 1:
         raise MixgemmFormatError(f"{path}: bad {_VERSION_KEY} {version_text!r}")
-    return {key[len(_PREFIX):]: _parse_spec(key[len(_PREFIX):], metadata[key], path)
-            for key in others}
+    specs = {key[len(_PREFIX):]: _parse_spec(key[len(_PREFIX):], metadata[key], path) for key in others}
+    stacked = [name for name, spec in specs.items() if spec["experts"] is not None]
+    if stacked and version < FORMAT_VERSION:
+        raise MixgemmFormatError(f"{path}: {stacked[0]!r} holds stacked experts, which need "
+                                 f"{_VERSION_KEY} {FORMAT_VERSION}, but the file says {version}")
+    return specs
 
 
 def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu", *,
@@ -391,10 +411,11 @@ def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
 
     Returns
     -------
-    dict of str -> torch.Tensor or PackedWeight
+    dict of str -> torch.Tensor, PackedWeight or PackedExperts
         Plain tensors as stored; each packed weight rebuilt from its companion tensors and
-        metadata into a :class:`PackedWeight` (validated by its constructor), or its shard.
-        The header's user metadata is not returned: see :func:`read_metadata`.
+        metadata into a :class:`PackedWeight` (validated by its constructor), or its shard, each
+        stacked one into a :class:`~mixgemm.experts.PackedExperts`. The header's user metadata is
+        not returned: see :func:`read_metadata`.
 
     Raises
     ------
@@ -437,10 +458,18 @@ def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
         if parts["scales"].dtype != spec["dtype"]:
             raise MixgemmFormatError(f"{where}: scales are {parts['scales'].dtype} but the "
                                      f"metadata says {spec['dtype']}")
-        kwargs = {key: value for key, value in spec.items() if key != "dtype"}
+        kwargs = {key: value for key, value in spec.items() if key not in ("dtype", "experts")}
         try:
-            packed = PackedWeight(qdata=parts["qdata"], scales=parts["scales"],
-                                  zeros=parts["zeros"], zero_offsets=parts["zero_offsets"], **kwargs)
+            if spec["experts"] is None:
+                packed = PackedWeight(qdata=parts["qdata"], scales=parts["scales"],
+                                      zeros=parts["zeros"], zero_offsets=parts["zero_offsets"], **kwargs)
+            else:
+                if parts["zero_offsets"] is not None:
+                    raise ValueError(f"unexpected tensor {name + '.zero_offsets'!r}: experts have no zero offsets")
+                packed = PackedExperts(qdata=parts["qdata"], scales=parts["scales"], zeros=parts["zeros"], **kwargs)
+                if packed.num_experts != spec["experts"]:
+                    raise ValueError(f"the tensors hold {packed.num_experts} experts, the metadata says "
+                                     f"{spec['experts']}")
         except (TypeError, ValueError) as e:
             raise MixgemmFormatError(f"{where}: inconsistent with its metadata: {e}") from None
         if tp_size > 1 and name in tp_dims:

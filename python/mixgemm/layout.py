@@ -121,7 +121,9 @@ def prepack(qw: QuantizedWeight, arch: str = "sm90a") -> PackedWeight:
     """
     _check_arch(arch)
     if not isinstance(qw, QuantizedWeight):
-        raise TypeError(f"prepack expects a QuantizedWeight, got {type(qw).__name__}")
+        hint = (" (for a list of experts' weights use mixgemm.moe.PackedExperts.from_quantized)"
+                if isinstance(qw, (list, tuple)) else "")
+        raise TypeError(f"prepack expects a QuantizedWeight, got {type(qw).__name__}{hint}")
     n, k, bits = qw.n, qw.k, qw.bits
     check_packable(n, k)
     wt = qw.weight_type

@@ -138,6 +138,10 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = Fals
     """
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() == 3:
+        raise ValueError(f"w must be 2-D [N, K]; for stacked expert weights [E, N, K] (shape {tuple(w.shape)}) "
+                         f"use mixgemm.moe.PackedExperts.quantize(w, bits, group_size, symmetric), which "
+                         f"quantizes and prepacks them expert by expert")
     if w.dim() != 2:
         raise ValueError(f"w must be 2-D [N, K] (out_features, in_features), got shape "
                          f"{tuple(w.shape)}")

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from .build import Artifacts, load_artifacts
-from .codegen import GEMM_KINDS, KernelSpec
+from .codegen import HELPER_KINDS, KernelSpec
 from .errors import CudaError, KernelError
 
 ABI_VERSION = 4  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
@@ -191,7 +191,7 @@ class KernelCache:
     def _load(spec: KernelSpec, device: torch.device) -> LoadedKernel:
         drv = _driver()
         art, cubin = load_artifacts(spec)  # builds on first use (JIT), under the entry's lock
-        helper = HostHelper(str(art.helper_path), spec.name) if isinstance(spec, GEMM_KINDS) else None
+        helper = HostHelper(str(art.helper_path), spec.name) if isinstance(spec, HELPER_KINDS) else None
         _ensure_context(device)
         with torch.cuda.device(device):
             module = check(drv.cuModuleLoadData(cubin), f"cuModuleLoadData({spec.name})")
@@ -232,8 +232,19 @@ def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
         if zero:   # a memset on the stream (a memset node under graph capture), not a fill kernel
             check(drv.cuMemsetD8Async(drv.CUdeviceptr(workspace.data_ptr()), 0, zero, stream),
                   "cuMemsetD8Async(workspace)")
-    argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    launch_prepared(kernel, params, launch, stream)
+    # `workspace` may be freed now: torch's allocator reuses it only in stream order.
+    del workspace
 
+
+def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, stream=None) -> None:
+    """Launch ``kernel`` with params and a launch shape its helper prepared, on ``stream``
+    (default: torch's current stream), with its cluster shape and, where the kernel allows it,
+    programmatic stream serialization."""
+    drv = _driver()
+    if stream is None:
+        stream = _stream_handle(kernel.device)
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     config = drv.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = (int(v) for v in launch.grid)
     config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in launch.block)
@@ -255,8 +266,6 @@ def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
     config.numAttrs = len(attrs)
     check(drv.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(argv), 0),
           f"cuLaunchKernelEx({kernel.spec.name})")
-    # `workspace` may be freed now: torch's allocator reuses it only in stream order.
-    del workspace
 
 
 def launch_dequant(kernel: LoadedKernel, qdata: int, scales: int, zeros: int, out: int,

@@ -23,6 +23,9 @@ One module per concern:
 * :mod:`.decoder`, :mod:`.variants`, :mod:`.model`, :mod:`.model_run`: ``--model``, a decoder
   layer stack with a real model's shapes (the layer, the bf16 / mixgemm / torch int4 variants,
   what is reported, the GPU run);
+* :mod:`.moe`, :mod:`.moe_run`: ``--moe``, one mixture-of-experts layer with a real model's expert
+  shapes (bf16 ``torch._grouped_mm``, torch int4 per expert, mixgemm's ``fused_moe``) under CUDA
+  graphs: what is reported, and the GPU run;
 * :mod:`.host`: ``--host``, the host's microseconds per call and the eager decode step;
 * :mod:`.report` and :mod:`.plots`: tables, JSON, merges and plots;
 * :mod:`.options` and :mod:`.command`: the command line (``add_arguments``; ``run_cli``, ``main``).
@@ -58,6 +61,11 @@ from .timing import (COPY_BYTES, DENSE_N, FLUSH_L2_MULTIPLE, HOST_LEAD_CYCLES, C
                      effective_gbps, flush_size, measure_copy_bandwidth, measure_dense_tflops, measure_read_bandwidth,
                      summarize_times, tflops, time_cuda)
 from .variants import Variant, VariantKind, layer_weight_bytes, parse_variants
+from .moe import (MOE_PRESETS, MOE_SCHEMA, MoeConfig, MoeMeasurement, MoePoint, MoePreset, MoeReport, analyze_moe,
+                  format_moe_table, make_routing, moe_report_from_dict, moe_report_to_dict, moe_traffic)
+from .command import write_moe_outputs
+from .options import moe_config_from_args
+from .plots import write_moe_plot
 
 #: Every name above: the public API of ``mixgemm.bench`` (tests and tools import them from here).
 __all__ = [
@@ -83,4 +91,7 @@ __all__ = [
     "FLUSH_L2_MULTIPLE", "HOST_LEAD_CYCLES", "Clock", "CudaEventClock", "TimingStats", "effective_gbps",
     "flush_size", "measure_copy_bandwidth", "measure_dense_tflops", "measure_read_bandwidth", "summarize_times",
     "tflops", "time_cuda", "Variant", "VariantKind", "layer_weight_bytes", "parse_variants",
+    "MOE_PRESETS", "MOE_SCHEMA", "MoeConfig", "MoeMeasurement", "MoePoint", "MoePreset", "MoeReport", "analyze_moe",
+    "format_moe_table", "make_routing", "moe_report_from_dict", "moe_report_to_dict", "moe_traffic",
+    "write_moe_outputs", "moe_config_from_args", "write_moe_plot",
 ]

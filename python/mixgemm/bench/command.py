@@ -5,6 +5,7 @@ mode (the options and their validation: :mod:`.options`), and each mode's output
 * ``--block``: :mod:`.block`, a LLaMA MLP block under CUDA graphs;
 * ``--model NAME``: :mod:`.model` / :mod:`.model_run`, a decoder layer stack's decode and prefill
   steps;
+* ``--moe NAME``: :mod:`.moe` / :mod:`.moe_run`, one mixture-of-experts layer under CUDA graphs;
 * ``--host``: :mod:`.host`, the host's time per call and the eager decode step;
 * ``--merge``: no GPU, one report from the JSON of runs that split a grid (or a set of presets);
 * ``--list-kernels``: no GPU, the mixgemm kernels a run would launch.
@@ -29,9 +30,13 @@ from .decoder import PRESETS
 from .grid import FAIL, BenchConfig, analyze, run_benchmark
 from .model import (MODEL_SCHEMA, ModelConfig, ModelReport, analyze_model, failed, format_model_table,
                     merge_model_reports, model_report_from_dict, split_by_preset, write_model_json)
-from .options import build_parser, config_from_args, host_step_config, model_config_from_args
+from .moe import (MOE_PRESETS, MOE_SCHEMA, MoeConfig, MoeReport, analyze_moe, format_moe_table, merge_moe_reports,
+                  moe_report_from_dict, write_moe_json)
+from .moe import failed as moe_failed
+from .moe import split_by_preset as split_moe_by_preset
+from .options import build_parser, config_from_args, host_step_config, model_config_from_args, moe_config_from_args
 from .peers import QuantCache, make_impls
-from .plots import write_model_plot, write_plot
+from .plots import write_model_plot, write_moe_plot, write_plot
 from .report import (JSON_SCHEMA, BenchReport, default_results_root, format_table, machine_info, merge_reports,
                      report_from_dict, results_dir, write_json)
 from .timing import measure_copy_bandwidth, measure_dense_tflops, measure_read_bandwidth
@@ -115,6 +120,35 @@ def write_model_outputs(report: ModelReport, cfg: ModelConfig, log: Log = print)
     return written
 
 
+def write_moe_outputs(report: MoeReport, cfg: MoeConfig, log: Log = print) -> list[Path]:
+    """``--json`` and ``--plot`` with every preset; ``--save``: ``moe-<preset>.json`` and
+    ``.png`` per preset in the GPU's results folder. Returns the paths written."""
+    jobs: list[tuple[Path, MoeReport]] = []
+    plots: list[tuple[Path, MoeReport]] = []
+    if cfg.json_path:
+        jobs.append((Path(cfg.json_path), report))
+    if cfg.plot_path:
+        plots.append((Path(cfg.plot_path), report))
+    if cfg.save:
+        folder = _save_folder(cfg, report.machine.gpu_name)
+        for name, part in split_moe_by_preset(report).items():
+            jobs.append((folder / f"moe-{name}.json", part))
+            plots.append((folder / f"moe-{name}.png", part))
+    written = []
+    for path, part in jobs:
+        written.append(write_moe_json(path, part))
+        log(f"wrote {path}")
+    for path, part in plots:
+        ok, what = write_moe_plot(part.points, path, title=f"{report.machine.gpu_name}: one MoE layer (CUDA graph), "
+                                  f"speedup over bf16 and fraction of the byte floor")
+        if ok:
+            written.append(Path(what))
+            log(f"wrote {what}")
+        else:
+            log(f"plot not written: {what}")
+    return written
+
+
 # ------------------------------------------------------------------------------------------
 # Modes
 # ------------------------------------------------------------------------------------------
@@ -127,13 +161,20 @@ def _merge_cli(args: argparse.Namespace, log: Log) -> int:
         schemas = {d.get("schema") if isinstance(d, dict) else None for d in docs}
         if schemas == {MODEL_SCHEMA}:
             report = merge_model_reports([model_report_from_dict(d) for d in docs])
+        elif schemas == {MOE_SCHEMA}:
+            report = merge_moe_reports([moe_report_from_dict(d) for d in docs])
         elif schemas == {JSON_SCHEMA}:
             report = merge_reports([report_from_dict(d) for d in docs])
         else:
-            raise ValueError(f"expected reports of one kind ({JSON_SCHEMA} or {MODEL_SCHEMA}), got schemas "
+            raise ValueError(f"expected reports of one kind ({JSON_SCHEMA}, {MODEL_SCHEMA} or {MOE_SCHEMA}), got schemas "
                              f"{sorted(map(str, schemas))}")
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise _user_error(f"--merge: {e}") from None
+    if isinstance(report, MoeReport):
+        cfg = MoeConfig(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
+        log(format_moe_table(report.points, report.machine, report.config))
+        write_moe_outputs(report, cfg, log=log)
+        return 1 if moe_failed(report.points) else 0
     if isinstance(report, ModelReport):
         cfg = ModelConfig(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
         log(format_model_table(report.points, report.machine, report.config))
@@ -150,7 +191,12 @@ def list_kernels(args: argparse.Namespace) -> list[str]:
     from .host import host_kernel_specs
     from .model_run import run_kernel_specs
 
-    if args.model:
+    if getattr(args, "moe", None):
+        from .moe_run import run_kernel_specs as moe_kernel_specs
+
+        cfg = moe_config_from_args(args)
+        specs = moe_kernel_specs(cfg, [MOE_PRESETS[p] for p in cfg.presets])
+    elif args.model:
         cfg = model_config_from_args(args)
         specs = run_kernel_specs(cfg, [PRESETS[p] for p in cfg.presets])
     elif args.host:
@@ -193,6 +239,34 @@ def run_model_cli(args: argparse.Namespace, device: torch.device, log: Log) -> i
     log(format_model_table(points, machine, report.config))
     write_model_outputs(report, cfg, log=log)
     return _exit_status(points, lambda p: f"{p.preset} {p.variant} {p.mode}")
+
+
+def run_moe_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int:
+    from .moe_run import run_moe
+
+    try:
+        cfg = moe_config_from_args(args)
+    except BenchError as e:
+        raise _user_error(str(e)) from None
+    log(f"mixgemm bench --moe {','.join(cfg.presets)} on {torch.cuda.get_device_name(device)}: tokens "
+        f"{','.join(map(str, cfg.tokens))}, routing {','.join(cfg.routings)}; {', '.join(v.name for v in cfg.variants)}; "
+        f"CUDA graphs, median of {cfg.iters} replays{' (QUICK)' if cfg.quick else ''}")
+    copy_bw, read_bw, dense = _ceilings(device, cfg.iters, cfg.warmup, log, read=True)
+    machine = machine_info(device, cfg.gpu_name, copy_bw, dense, read_bw)
+    points = analyze_moe(run_moe(cfg, device, log), read_bw, cfg.max_error, cfg.group_size)
+    report = MoeReport(machine, cfg.to_json(), {n: dataclasses.asdict(MOE_PRESETS[n]) for n in cfg.presets}, points)
+    log(format_moe_table(points, machine, report.config))
+    write_moe_outputs(report, cfg, log=log)
+    errors = [p for p in points if p.status == "error"]
+    if errors:
+        print("mixgemm bench: errors (not measured): " + "; ".join(
+            f"{p.preset} {p.variant} {p.routing} T={p.tokens}: {p.note}" for p in errors[:5]), file=sys.stderr)
+    bad = moe_failed(points)
+    if bad:
+        print(f"mixgemm bench: {len(bad)} point(s) FAILED (wrong or non-finite results): "
+              + ", ".join(sorted({f"{p.preset} {p.variant}" for p in bad})), file=sys.stderr)
+        return 1
+    return 0
 
 
 def run_host_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int:
@@ -250,7 +324,9 @@ def run_cli(args: argparse.Namespace) -> int:
     if getattr(args, "merge", None):
         return _merge_cli(args, log)
     try:                                # the options first: a bad one is reported even without a GPU
-        if getattr(args, "model", None):
+        if getattr(args, "moe", None):
+            moe_config_from_args(args)
+        elif getattr(args, "model", None):
             model_config_from_args(args)
         elif getattr(args, "host", False):
             host_step_config(args)
@@ -262,6 +338,8 @@ def run_cli(args: argparse.Namespace) -> int:
     except BenchError as e:
         raise _user_error(str(e)) from None
     torch.cuda.set_device(device)
+    if getattr(args, "moe", None):
+        return run_moe_cli(args, device, log)
     if getattr(args, "model", None):
         return run_model_cli(args, device, log)
     if getattr(args, "host", False):
@@ -312,5 +390,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
 
 
-__all__ = ["NO_GPU_MESSAGE", "require_cuda", "write_outputs", "write_model_outputs", "list_kernels", "run_model_cli", "run_host_cli", "run_cli",
+__all__ = ["NO_GPU_MESSAGE", "require_cuda", "write_outputs", "write_model_outputs", "write_moe_outputs", "list_kernels", "run_model_cli",
+           "run_moe_cli", "run_host_cli", "run_cli",
            "run_grid_cli", "main"]

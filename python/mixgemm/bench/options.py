@@ -13,6 +13,8 @@ from .grid import (DEFAULT_CHECK_ROWS, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ERROR, DE
                    DEFAULT_SEED, DEFAULT_SHAPES, DEFAULT_WARMUP, MIN_ITERS, QUICK_ITERS, QUICK_WARMUP, BenchConfig)
 from .model import (DEFAULT_BATCHES, DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_MODEL_MAX_ERROR, DEFAULT_POINT_BUDGET_S,
                     DEFAULT_MODES, DEFAULT_PREFILL, MODEL_ITERS, MODEL_WARMUP, MODES, ModelConfig)
+from .moe import (DEFAULT_MOE_MAX_ERROR, DEFAULT_MOE_POINT_BUDGET_S, DEFAULT_TOKENS, MOE_ITERS, MOE_PRESETS,
+                  MOE_VARIANTS, MOE_WARMUP, ROUTINGS, MoeConfig, parse_moe_presets, parse_routings)
 from .peers import BASELINE, impl_names, select_impl_names
 from .variants import DEFAULT_VARIANTS, parse_variants
 
@@ -111,7 +113,18 @@ def _non_negative_int(text: str) -> int:
 # Options
 # ------------------------------------------------------------------------------------------
 #: Options that only --model and --host take (None unless given).
-_MODEL_OPTIONS = ("layers", "batch", "context", "prefill", "variants", "modes", "point_budget", "model_max_error")
+_MODEL_OPTIONS = ("layers", "batch", "context", "prefill", "modes", "model_max_error")
+#: Options that --model, --host and --moe take.
+_SHARED_OPTIONS = ("variants", "point_budget")
+#: Options that only --moe takes.
+_MOE_OPTIONS = ("tokens", "routing", "moe_max_error")
+
+
+def _moe_presets(text: str) -> tuple[str, ...]:
+    try:
+        return parse_moe_presets(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -157,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="write the plot as PNG (needs matplotlib; not for --block / --host)")
     common.add_argument("--save", action="store_true",
                         help="write the results to <results-dir>/<gpu-name-slug>/: bench.json and bench.png "
-                             "(grid), model-<preset>.json and .png (--model), host.json (--host)")
+                             "(grid), model-<preset>.json and .png (--model), moe-<preset>.json and .png (--moe), "
+                             "host.json (--host)")
     common.add_argument("--results-dir", metavar="DIR", default=None,
                         help="root of --save's folders (default benchmarks/results)")
     common.add_argument("--gpu-name", metavar="NAME", default=None,
@@ -173,12 +187,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     modes.add_argument("--model", type=parse_presets, default=None, metavar="NAME,...",
                        help=f"one decode step (and a prefill) of a decoder layer stack with a model's shapes: "
                             f"{', '.join(PRESETS)}, or all; bf16 vs mixgemm and torch's int4, graph and eager")
+    modes.add_argument("--moe", type=_moe_presets, default=None, metavar="NAME,...",
+                       help=f"one mixture-of-experts layer (routing, gate/up + swiglu, down, top-k sum) with a "
+                            f"model's expert shapes: {', '.join(MOE_PRESETS)}, or all; bf16 (torch._grouped_mm) vs "
+                            f"mixgemm's fused_moe and torch's int4 per expert, under CUDA graphs")
     modes.add_argument("--host", action="store_true",
                        help="host microseconds per call of mixgemm.gemm / QuantLinear beside F.linear and torch's "
                             "int4 (4096x4096, M = 1, 16, 256), and the eager llama3-8b decode step")
     modes.add_argument("--merge", metavar="JSON", nargs="+", default=None,
                        help="no GPU run: merge the JSON reports of runs that split a grid (same GPU, dtype and "
-                            "group size), or --model reports, into one; then write --json / --plot / --save")
+                            "group size), or --model reports, or --moe reports, into one; then write --json / --plot / --save")
 
     model = parser.add_argument_group("--model and --host")
     model.add_argument("--layers", type=int, default=None,
@@ -190,16 +208,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--prefill", type=_non_negative_int, default=None, metavar="TOKENS",
                        help=f"tokens of the prefill at batch 1 (default {DEFAULT_PREFILL}; 0: no prefill)")
     model.add_argument("--variants", type=parse_name_list, default=None, metavar="NAME,...",
-                       help=f"variants (default {','.join(DEFAULT_VARIANTS)}; int4/int2/int8 = mixgemm u4/u2/s8, "
-                            f"or mixgemm-<type>); bf16 always runs")
+                       help=f"variants (--model, --host and --moe; default {','.join(DEFAULT_VARIANTS)}; int4/int2/int8 "
+                            f"= mixgemm u4/u2/s8, or mixgemm-<type>); bf16 always runs")
     model.add_argument("--modes", type=parse_name_list, default=None, metavar="MODE,...",
                        help="graph, eager and/or compiled (torch.compile, then a CUDA graph; default graph,eager)")
     model.add_argument("--point-budget", type=float, default=None, metavar="SECONDS",
                        help=f"a point whose runs would take longer gets fewer (at least 10; default "
-                            f"{DEFAULT_POINT_BUDGET_S:g} s: the 70B prefill through torch's int4 kernel)")
+                            f"{DEFAULT_POINT_BUDGET_S:g} s: the 70B prefill through torch's int4 kernel; --moe "
+                            f"{DEFAULT_MOE_POINT_BUDGET_S:g} s)")
     model.add_argument("--model-max-error", type=float, default=None,
                        help=f"the step's error bar (output, KV written, graph replay) vs bf16 on the same "
                             f"dequantized weights (default {DEFAULT_MODEL_MAX_ERROR:g})")
+    moe = parser.add_argument_group("--moe")
+    moe.add_argument("--tokens", type=parse_int_list, default=None, metavar="T,...",
+                     help=f"tokens in the layer (default {','.join(map(str, DEFAULT_TOKENS))})")
+    moe.add_argument("--routing", type=parse_name_list, default=None, metavar="KIND,...",
+                     help=f"routings: {' and/or '.join(ROUTINGS)} (default both; the same routing for every "
+                          f"variant of a point)")
+    moe.add_argument("--moe-max-error", type=float, default=None,
+                     help=f"the layer's error bar vs bf16 on the variant's own dequantized weights (default "
+                          f"{DEFAULT_MOE_MAX_ERROR:g})")
     return parser
 
 
@@ -228,9 +256,18 @@ def _iterations(args: argparse.Namespace, minimum: int, warmup_default: int) -> 
 
 
 def _check_model_only(args: argparse.Namespace) -> None:
+    model = bool(getattr(args, "model", None) or getattr(args, "host", False))
+    moe = bool(getattr(args, "moe", None))
+    flag = lambda names: ", ".join("--" + g.replace("_", "-") for g in names)  # noqa: E731
     given = [name for name in _MODEL_OPTIONS if getattr(args, name, None) is not None]
-    if given and not (getattr(args, "model", None) or getattr(args, "host", False)):
-        raise BenchError(f"{', '.join('--' + g.replace('_', '-') for g in given)} only apply to --model and --host")
+    if given and not model:
+        raise BenchError(f"{flag(given)} only apply to --model and --host")
+    given = [name for name in _SHARED_OPTIONS if getattr(args, name, None) is not None]
+    if given and not (model or moe):
+        raise BenchError(f"{flag(given)} only apply to --model, --host and --moe")
+    given = [name for name in _MOE_OPTIONS if getattr(args, name, None) is not None]
+    if given and not moe:
+        raise BenchError(f"{flag(given)} only apply to --moe")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -276,8 +313,9 @@ def model_config_from_args(args: argparse.Namespace, presets: Optional[Sequence[
     ------
     BenchError
         Too few iterations without ``--quick``, fewer than one layer, an unknown variant or
-        mode, a non-positive error bar or point budget, fp16 activations.
+        mode, a non-positive error bar or point budget, fp16 activations, a ``--moe`` option.
     """
+    _check_model_only(args)
     iters, warmup, quick = _iterations(args, MODEL_ITERS, MODEL_WARMUP)
     layers = DEFAULT_LAYERS if args.layers is None else args.layers
     if layers < 1:
@@ -309,6 +347,37 @@ def model_config_from_args(args: argparse.Namespace, presets: Optional[Sequence[
         gpu_name=args.gpu_name)
 
 
+def moe_config_from_args(args: argparse.Namespace) -> MoeConfig:
+    """Validate parsed options into a :class:`.moe.MoeConfig` (``--moe``).
+
+    Raises
+    ------
+    BenchError
+        Too few iterations without ``--quick``, an unknown variant or routing, a non-positive
+        error bar or point budget, fp16 activations, or a ``--model`` / grid option.
+    """
+    _check_model_only(args)
+    iters, warmup, quick = _iterations(args, MOE_ITERS, MOE_WARMUP)
+    if args.dtype != "bf16":
+        raise BenchError("--moe runs bf16 activations (torch._grouped_mm and torch's int4 kernel take nothing else)")
+    try:
+        variants = parse_variants(args.variants if args.variants is not None else MOE_VARIANTS)
+        routings = parse_routings(args.routing if args.routing is not None else ROUTINGS)
+    except ValueError as e:
+        raise BenchError(f"{'--routing' if 'routing' in str(e) else '--variants'}: {e}") from None
+    max_error = DEFAULT_MOE_MAX_ERROR if args.moe_max_error is None else args.moe_max_error
+    if not max_error > 0:
+        raise BenchError(f"--moe-max-error must be positive, got {max_error}")
+    budget = DEFAULT_MOE_POINT_BUDGET_S if args.point_budget is None else args.point_budget
+    if not budget > 0:
+        raise BenchError(f"--point-budget must be positive, got {budget}")
+    return MoeConfig(
+        presets=tuple(args.moe), tokens=tuple(dict.fromkeys(args.tokens or DEFAULT_TOKENS)), routings=routings,
+        variants=variants, group_size=args.group_size, iters=iters, warmup=warmup, quick=quick,
+        max_error=float(max_error), point_budget_s=float(budget), seed=int(args.seed), json_path=args.json,
+        plot_path=args.plot, save=bool(args.save), results_root=args.results_dir, gpu_name=args.gpu_name)
+
+
 def host_step_config(args: argparse.Namespace) -> ModelConfig:
     """The decode step of ``--host``: llama3-8b, batch 1 (or ``--batch``), no prefill, bf16 and
     mixgemm int4 (or ``--variants``), both modes."""
@@ -319,4 +388,4 @@ def host_step_config(args: argparse.Namespace) -> ModelConfig:
 
 
 __all__ = ["parse_shapes", "parse_int_list", "parse_name_list", "parse_presets", "add_arguments", "build_parser",
-           "config_from_args", "model_config_from_args", "host_step_config"]
+           "config_from_args", "model_config_from_args", "moe_config_from_args", "host_step_config"]

@@ -173,4 +173,63 @@ def write_model_plot(points: Sequence[Any], path: Path, title: str = "") -> tupl
     return True, str(save_figure(fig, path))
 
 
-__all__ = ["save_figure", "write_plot", "write_model_plot", "NO_MATPLOTLIB"]
+def write_moe_plot(points: Sequence[Any], path: Path, title: str = "") -> tuple[bool, str]:
+    """Plot ``--moe`` points (:class:`.moe.MoePoint`): one column per preset; top row the speedup
+    over bf16 against the tokens (log scale), bottom row the fraction of the byte floor; one
+    colour per variant, solid for uniform routing, dashed for Zipf. Ok points only. Needs
+    matplotlib (optional).
+
+    Returns
+    -------
+    (bool, str)
+        ``(True, path)`` when written, ``(False, reason)`` when matplotlib is missing or nothing
+        can be plotted.
+    """
+    mpl = _matplotlib()
+    if mpl is None:
+        return False, NO_MATPLOTLIB
+    Figure, FigureCanvasAgg = mpl
+    ok = [p for p in points if p.status == OK]
+    presets = list(dict.fromkeys(p.preset for p in ok))
+    if not presets:
+        return False, "no ok points to plot"
+    variants = list(dict.fromkeys(p.variant for p in points))
+    colors = {v: f"C{i % 10}" for i, v in enumerate(variants)}
+    width = max(4.2 * len(presets), 6.0)
+    fig = Figure(figsize=(width, 7.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, len(presets), squeeze=False)
+    for col, preset in enumerate(presets):
+        mine = [p for p in ok if p.preset == preset]
+        top, bottom = axes[0][col], axes[1][col]
+        top.axhline(1.0, color="black", lw=0.8, ls=":")
+        for variant in variants:
+            for routing, style in (("uniform", "-"), ("zipf", "--")):
+                pts = [p for p in mine if p.variant == variant and p.routing == routing]
+                for ax, attr in ((top, "speedup_vs_bf16"), (bottom, "frac_of_floor")):
+                    xy = sorted((p.tokens, getattr(p, attr)) for p in pts if getattr(p, attr) is not None)
+                    if xy and not (ax is top and variant == "bf16"):
+                        ax.plot([a for a, _ in xy], [b for _, b in xy], marker="o", ms=3, lw=1.2, ls=style,
+                                color=colors[variant], label=f"{variant} ({routing})")
+        for ax, ylabel in ((top, "speedup over bf16"), (bottom, "fraction of byte floor")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens", fontsize=8)
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.grid(True, alpha=0.3)
+        top.set_title(preset, fontsize=9)
+        bottom.set_ylim(bottom=0)
+    handles, names = {}, []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in handles:
+                handles[lab] = h
+                names.append(lab)
+    if names:
+        fig.legend([handles[n] for n in names], names, loc="outside lower center",
+                   ncol=max(1, min(len(names), int(width / 2.0))), fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return True, str(save_figure(fig, path))
+
+
+__all__ = ["save_figure", "write_plot", "write_model_plot", "write_moe_plot", "NO_MATPLOTLIB"]

@@ -1,0 +1,239 @@
+// mixgemm: the grouped decode GEMM over experts (mixture of experts), built on the decode kernel.
+//
+// y[rows of e] = x[rows of e] @ dequant(W_e)^T for every expert e, where x's rows are sorted by
+// expert and expert e owns rows [offsets[e], offsets[e + 1]). The weights are E prepacked
+// weights of one shape stacked (python/mixgemm/experts.py): expert e's codes, scales and zeros
+// are at a fixed stride from expert 0's.
+//
+// Grid: (row blocks, k-splits, experts); the k-splits of a row block are one cluster, as in the
+// dense decode kernel. A CTA reads its expert's row range from device memory (`offsets`, after
+// the programmatic-launch wait: the routing kernels that wrote it may still be finishing), so a
+// launch needs no host sync and can be captured in a CUDA graph with routing that changes
+// between replays. A CTA whose expert has no rows exits at once, before it reads any weight;
+// every CTA of a cluster has the same expert, hence the same row count, so they exit (and loop)
+// together.
+//
+// The body is the dense decode kernel's run() (decode_kernel.hpp), unchanged, called on the
+// expert's pointers: once per tile of at most 8 * NTiles rows. An expert with more rows than the
+// tile streams its weights once per tile (the row loop: correct at any token count, but the
+// many-tokens regime wants the sm90 grouped GEMM instead). Between tiles the CTA's mbarriers are
+// invalidated and run() initialises them again. The global split-K reduction (more than 8
+// splits) is not used here: its counters would race between tiles.
+#pragma once
+
+#include "mixgemm/decode_kernel.hpp"
+
+namespace mixgemm::grouped_decode {
+
+using mixgemm::Activation;
+
+template <class Act>
+struct Params {
+  decode::Params<Act> base;   // expert 0's weight, scales, zeros, bias; x and y of row 0; m unused
+  int32_t const* offsets;     // [experts + 1] int32 on the device: expert e owns rows [offsets[e], offsets[e+1])
+  int64_t weight_stride;      // bytes of one expert's prepacked codes
+  int64_t group_stride;       // elements of one expert's scales (and zeros)
+  int64_t bias_stride;        // elements of one expert's bias (N), 0 without a bias
+  int32_t experts;
+};
+
+#if defined(__CUDACC__) && !defined(MIXGEMM_HOST_HELPER)
+
+template <class Cfg, Activation A>
+CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
+  using Act = typename Cfg::Act;
+  extern __shared__ __align__(128) char smem[];
+  int const e = blockIdx.z;
+  decode::wait_previous_grid();   // the offsets may come from the kernel before this one
+  int const first = gp.offsets[e];
+  int const count = gp.offsets[e + 1] - first;
+  if (count > 0) {
+    // The expert's tile parameters live in shared memory, not registers: run() reads them
+    // where the dense kernel reads its grid constants (a register copy of the struct measured
+    // +30 registers and spills under the 128-register bound of two CTAs per SM).
+    __shared__ decode::Params<Act> tile;
+    if (threadIdx.x == 0) {
+      tile = gp.base;
+      tile.weight += int64_t(e) * gp.weight_stride;
+      tile.scales += int64_t(e) * gp.group_stride;
+      if (tile.zeros) tile.zeros += int64_t(e) * gp.group_stride;
+      if (tile.bias) tile.bias += int64_t(e) * gp.bias_stride;
+      tile.x += int64_t(first) * tile.ldx;
+      tile.y += int64_t(first) * tile.ldy;
+      tile.m = min(Cfg::kTokens, count);
+    }
+    __syncthreads();
+    for (int t0 = 0; t0 < count; t0 += Cfg::kTokens) {
+      if (gp.base.group_shift == 5) {
+        decode::run<Cfg, A, true>(tile, smem);
+      } else {
+        decode::run<Cfg, A, false>(tile, smem);
+      }
+      if (t0 + Cfg::kTokens < count) {
+        // another tile: every thread is done with this one's barriers and shared memory
+        // (run() waited for every copy it issued); invalidate the barriers where this tile's
+        // carve-up put them, so that the next run() may initialise them afresh
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          auto const carve = Cfg::carve(tile.m, tile.atoms_per_split, tile.groups_per_split, tile.segments_per_slice);
+          uint64_t* bars = reinterpret_cast<uint64_t*>(smem + carve.bars);
+          for (int i = 0; i < Cfg::kWarps * Cfg::kStages + 1; ++i) {
+            decode::Barrier::invalidate(&bars[i]);
+          }
+          tile.x += int64_t(Cfg::kTokens) * tile.ldx;
+          tile.y += int64_t(Cfg::kTokens) * tile.ldy;
+          tile.m = min(Cfg::kTokens, count - (t0 + Cfg::kTokens));
+        }
+        __syncthreads();
+      }
+    }
+  }
+  decode::launch_next_grid();
+}
+
+#endif  // device
+
+// ---------------------------------------------------------------------------------------------
+// Host side: checks and the launch plan. a.m is the total row count T of x (all experts): the
+// host knows it without a sync, and at most min(E, T) experts have rows.
+// ---------------------------------------------------------------------------------------------
+template <class Cfg, Activation A = Activation::kNone>
+struct Host {
+  using Act = typename Cfg::Act;
+  using Dense = decode::Host<Cfg, A>;
+  // dynamic shared memory: the kernel's static expert tile parameters come off the budget
+  static constexpr int kMaxDynamicSmem = Cfg::kMaxSmem - int(sizeof(decode::Params<Act>)) - 128;
+
+  // The dense checks on one tile of the problem (at most the token tile), plus the grouped ones.
+  static char const* why_not(abi::GemmArgs const& a, uint64_t offsets, int32_t experts) {
+    if (a.m < 1) return "M (the rows of x, all experts together) must be >= 1";
+    if (experts < 1) return "the number of experts must be >= 1";
+    if (experts > 65535) return "at most 65535 experts";
+    if (offsets == 0 || offsets % 4) return "expert_offsets must be a non-null, 4-byte aligned int32 pointer";
+    if (a.splits > Cfg::kMaxClusterSplits)
+      return "a grouped decode kernel splits K at most 8 ways (one cluster)";
+    abi::GemmArgs tile = a;
+    tile.m = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
+    return Dense::why_not(tile);
+  }
+
+  // Split-K: enough CTAs for every SM when the experts that can have rows (at most min(E, T))
+  // are spread over the row blocks, up to one cluster (8), within shared memory. An explicit
+  // a.splits >= 1 wins.
+  static char const* plan(abi::GemmArgs const& a, int32_t experts, decode::Plan& out) {
+    constexpr int KS = Cfg::kKSlices;
+    int const k_atoms = a.k / 64;
+    int const gshift = decode::group_shift_of(a.group_size, a.k);
+    int const row_blocks = (a.n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;
+    long const sms = a.sm_count > 0 ? a.sm_count : 132;
+    long const active = experts < a.m ? experts : a.m;
+    long const base = long(row_blocks) * active;
+    int want = a.splits >= 1 ? a.splits : int((sms + base - 1) / base);
+    want = want < 1 ? 1 : want > Cfg::kMaxClusterSplits ? Cfg::kMaxClusterSplits : want;
+    abi::GemmArgs tile = a;
+    tile.m = Cfg::kTokens;   // shared memory for a whole tile of rows
+    for (int s = want; s <= Cfg::kMaxClusterSplits; ++s) {
+      int const aps = (k_atoms + s - 1) / s;
+      int const se = (k_atoms + aps - 1) / aps;
+      int const groups = Dense::max_groups(k_atoms, aps, gshift);
+      int const segments = !Cfg::kFold ? 0 : KS == 1 ? groups : Dense::max_segments(k_atoms, aps, gshift);
+      int const smem = Dense::smem_for(tile, aps, groups, segments);
+      if (smem <= kMaxDynamicSmem) {
+        out = decode::Plan{se, aps, groups, segments, smem, row_blocks};
+        return nullptr;
+      }
+      if (a.splits >= 1) break;
+    }
+    return "no split of K (at most 8) fits this grouped decode kernel's shared memory";
+  }
+
+  static char const* check(abi::GemmArgs const* a, uint64_t offsets, int32_t experts, decode::Plan& pl) {
+    if (a == nullptr) return "null argument";
+    if (char const* why = why_not(*a, offsets, experts)) return why;
+    return plan(*a, experts, pl);
+  }
+
+  static int prepare(abi::GemmArgs const* a, uint64_t offsets, int32_t experts, void* dst, uint32_t capacity,
+                     abi::Launch* out, char* err, int errlen) {
+    auto fail = [&](char const* msg) {
+      if (err && errlen > 0) std::snprintf(err, size_t(errlen), "%s", msg);
+      return 1;
+    };
+    decode::Plan pl;
+    if (char const* why = check(a, offsets, experts, pl)) return fail(why);
+    if (dst == nullptr || out == nullptr) return fail("null output buffer");
+    if (capacity < sizeof(Params<Act>)) return fail("params buffer too small");
+    std::memset(out, 0, sizeof(*out));
+    Params<Act> gp{};
+    decode::Params<Act>& p = gp.base;
+    p.weight = reinterpret_cast<uint8_t const*>(a->weight);
+    p.scales = reinterpret_cast<Act const*>(a->scales);
+    p.zeros = reinterpret_cast<Act const*>(a->zeros);
+    p.x = reinterpret_cast<Act const*>(a->x);
+    p.bias = reinterpret_cast<Act const*>(a->bias);
+    p.y = reinterpret_cast<Act*>(a->y);
+    p.partials = nullptr;
+    p.counters = nullptr;
+    p.m = Cfg::kTokens;
+    p.n = a->n; p.k = a->k;
+    p.group_shift = decode::group_shift_of(a->group_size, a->k);
+    p.atoms_per_split = pl.atoms_per_split;
+    p.splits = pl.splits;
+    p.groups_per_split = pl.groups_per_split;
+    p.segments_per_slice = pl.segments_per_slice;
+    p.ldx = a->ldx; p.ldy = a->ldy;
+    gp.offsets = reinterpret_cast<int32_t const*>(offsets);
+    gp.weight_stride = int64_t(a->n / 16) * (a->k / 64) * Cfg::kAtomBytes;
+    gp.group_stride = int64_t(a->k / a->group_size) * a->n;
+    gp.bias_stride = a->bias ? a->n : 0;
+    gp.experts = experts;
+    std::memcpy(dst, &gp, sizeof(gp));
+    out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = uint32_t(experts);
+    out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;
+    out->cluster[0] = 1; out->cluster[1] = uint32_t(pl.splits); out->cluster[2] = 1;
+    out->smem_bytes = uint32_t(pl.smem_bytes);
+    out->params_bytes = uint32_t(sizeof(Params<Act>));
+    return 0;
+  }
+};
+
+}  // namespace mixgemm::grouped_decode
+
+// The two faces of one grouped decode kernel: the cubin's kernel, and the host helper's C
+// functions. The helper has the common ones (mixgemm_gemm_check checks a call's arguments but
+// for the expert offsets; mixgemm_gemm_prepare refuses: a grouped launch needs the offsets) and
+// mixgemm_grouped_prepare, which takes the device pointer of the expert offsets and E.
+#if defined(MIXGEMM_HOST_HELPER)
+#define MIXGEMM_GROUPED_DECODE_ENTRY(NAME, CFG, ACTIVATION)                                        \
+  using NAME##_host = mixgemm::grouped_decode::Host<CFG, ACTIVATION>;                               \
+  extern "C" int32_t mixgemm_abi_version() { return mixgemm::abi::kAbiVersion; }                    \
+  extern "C" char const* mixgemm_kernel_name() { return MIXGEMM_DECODE_STR(NAME); }                 \
+  extern "C" uint32_t mixgemm_params_size() {                                                       \
+    return uint32_t(sizeof(mixgemm::grouped_decode::Params<CFG::Act>));                             \
+  }                                                                                                 \
+  extern "C" uint32_t mixgemm_smem_size() { return uint32_t(NAME##_host::kMaxDynamicSmem); }       \
+  extern "C" int mixgemm_gemm_check(mixgemm::abi::GemmArgs const* a, char* err, int errlen) {       \
+    mixgemm::decode::Plan pl;                                                                       \
+    char const* why = NAME##_host::check(a, 16, 1, pl);                                             \
+    if (why && err && errlen > 0) std::snprintf(err, size_t(errlen), "%s", why);                    \
+    return why ? 1 : 0;                                                                             \
+  }                                                                                                 \
+  extern "C" uint64_t mixgemm_gemm_workspace_size(mixgemm::abi::GemmArgs const*) { return 0; }      \
+  extern "C" int mixgemm_gemm_prepare(mixgemm::abi::GemmArgs const*, void*, uint32_t,               \
+                                      mixgemm::abi::Launch*, char* err, int errlen) {               \
+    if (err && errlen > 0)                                                                          \
+      std::snprintf(err, size_t(errlen), "%s", "a grouped kernel launches with mixgemm_grouped_prepare"); \
+    return 1;                                                                                       \
+  }                                                                                                 \
+  extern "C" int mixgemm_grouped_prepare(mixgemm::abi::GemmArgs const* a, uint64_t offsets, int32_t experts, \
+                                         void* dst, uint32_t cap, mixgemm::abi::Launch* out, char* err, \
+                                         int errlen) {                                              \
+    return NAME##_host::prepare(a, offsets, experts, dst, cap, out, err, errlen);                   \
+  }
+#else
+#define MIXGEMM_GROUPED_DECODE_ENTRY(NAME, CFG, ACTIVATION)                                        \
+  extern "C" __global__ void __launch_bounds__(CFG::kThreads, 2)                                    \
+  NAME(CUTLASS_GRID_CONSTANT mixgemm::grouped_decode::Params<CFG::Act> const params) {              \
+    mixgemm::grouped_decode::kernel_body<CFG, ACTIVATION>(params);                                  \
+  }
+#endif

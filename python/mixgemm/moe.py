@@ -1,0 +1,298 @@
+"""Mixture of experts: stacked expert weights, the grouped GEMM over them, and the fused MoE layer.
+
+* :class:`PackedExperts` (:mod:`mixgemm.experts`): E prepacked weights of one shape and type.
+* :func:`grouped_gemm`: ``y[rows of e] = act(x[rows of e] @ dequant(W_e).T)`` for every expert,
+  x's rows sorted by expert, the row ranges given by ``expert_offsets`` on the GPU. One launch of
+  a grouped decode kernel (``cutlass_ext/mixgemm/grouped_decode_kernel.hpp``): experts without
+  rows are skipped on the GPU without reading their weights, and the call reads nothing back to
+  the host, so it can be captured in a CUDA graph with routing that changes between replays.
+* :func:`route`: the routing of top-k ids (sort by expert) with torch ops, on the GPU, no sync.
+* :func:`fused_moe`: vLLM's ``fused_experts`` calling convention: routing, gate/up with the
+  swiglu epilogue, down, and the weighted sum of the top-k.
+
+The grouped kernel handles an expert's rows in tiles of its token tile (8 or 16 rows), streaming
+the expert's weights once per tile: the decode regime (a few rows per expert) is what it is for.
+Many rows per expert run correctly but re-read the weights per tile; the sm90 pointer-array
+grouped GEMM is the planned kernel for that regime.
+
+``torch.ops.mixgemm.grouped_gemm`` is registered with a fake implementation, so
+``torch.compile(fullgraph=True)`` traces it.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+
+from .experts import PackedExperts
+from .types import WeightType
+
+__all__ = ["PackedExperts", "grouped_gemm", "fused_moe", "route", "Routing", "select_grouped_spec",
+           "grouped_spec_for"]
+
+#: grouped_gemm's ``activation`` values
+ACTIVATIONS = ("silu", "gelu", "swiglu")
+
+
+def select_grouped_spec(rows: int, experts: PackedExperts, activation: Optional[str] = None):
+    """The grouped decode kernel for ``rows`` rows of x over ``experts``: the 8-row tile (8-bit
+    codes with 8 k-slices, as the dense "dec8") when ``rows <= 8``, else the 16-row tile."""
+    return grouped_spec_for(rows, experts.act_type, experts.weight_type, activation)
+
+
+def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: Optional[str] = None):
+    """:func:`select_grouped_spec` from the activation and weight types alone (no weights needed:
+    e.g. to list or build a run's kernels beforehand)."""
+    from .codegen import TILE_CONFIGS, Activation, GroupedDecodeSpec
+
+    label = "dec8" if rows <= 8 else "dec16"
+    tc = next(t for t in TILE_CONFIGS if t.label == label)
+    d = tc.spec(act_type, weight_type, Activation(activation or "none"))
+    return GroupedDecodeSpec(d.act, d.weight, d.tokens, d.warps, d.stage_bytes, d.stages, d.activation, d.kslices)
+
+
+def _check(x, experts, expert_offsets, out, activation) -> int:
+    """Every check of a grouped_gemm call; returns the output width."""
+    from . import ops
+
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(experts, PackedExperts):
+        raise TypeError(f"experts must be a mixgemm.moe.PackedExperts, got {type(experts).__name__}")
+    if not isinstance(x, torch.Tensor) or not isinstance(expert_offsets, torch.Tensor):
+        raise TypeError("x and expert_offsets must be torch.Tensors")
+    if x.dtype != experts.dtype:
+        raise TypeError(f"x is {x.dtype} but the experts were packed for {experts.dtype}")
+    if x.dim() != 2 or x.shape[1] != experts.k:
+        raise ValueError(f"x must be [T, K={experts.k}], got {list(x.shape)}")
+    if x.shape[0] >= 2 ** 31:
+        raise ValueError(f"T={x.shape[0]} rows is too many for one call")
+    e = experts.num_experts
+    if expert_offsets.dtype != torch.int32 or tuple(expert_offsets.shape) != (e + 1,):
+        raise ValueError(f"expert_offsets must be int32 of shape [E + 1] = [{e + 1}], got "
+                         f"{expert_offsets.dtype} {list(expert_offsets.shape)}")
+    if activation == "swiglu" and experts.n % 16:
+        raise ValueError(f"activation='swiglu' needs gate/up interleaved experts with N % 16 == 0, got N={experts.n}")
+    why = ops._device_ok(experts.device)
+    if why:
+        raise ValueError(why)
+    for name, t in (("x", x), ("expert_offsets", expert_offsets)):
+        if t.device != experts.device:
+            raise ValueError(f"{name} is on {t.device} but the experts are on {experts.device}")
+    if not expert_offsets.is_contiguous():
+        raise ValueError("expert_offsets must be contiguous")
+    for name, t in (("qdata", experts.qdata), ("scales", experts.scales), ("zeros", experts.zeros)):
+        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
+            raise ValueError(f"experts.{name} must be contiguous and 16-byte aligned")
+    n_out = experts.n // 2 if activation == "swiglu" else experts.n
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (x.shape[0], n_out) or out.dtype != x.dtype:
+            raise ValueError(f"out must be a {x.dtype} tensor of shape [{x.shape[0]}, {n_out}]")
+        if out.device != x.device or not out.is_contiguous() or out.data_ptr() % 16:
+            raise ValueError("out must be on x's device, contiguous and 16-byte aligned")
+    return n_out
+
+
+def grouped_gemm(x: torch.Tensor, experts: PackedExperts, expert_offsets: torch.Tensor,
+                 out: Optional[torch.Tensor] = None, activation: Optional[str] = None) -> torch.Tensor:
+    """``y[r] = act(x[r] @ dequant(W_e).T)`` for the rows ``r`` of each expert ``e``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[T, K]``, bfloat16 or float16 (the experts' dtype), on an sm_90 CUDA device; its rows
+        sorted by expert. Copied first if not contiguous and 16-byte aligned.
+    experts : PackedExperts
+        E experts ``[N, K]`` on x's device.
+    expert_offsets : torch.Tensor
+        ``int32 [E + 1]`` on x's device: expert ``e`` owns rows ``[offsets[e], offsets[e+1])``;
+        ``offsets[0] == 0``, non-decreasing, ``offsets[E] <= T`` (not checked: that would need a
+        host sync; rows past ``offsets[E]`` are left as they are). Read on the GPU.
+    out : torch.Tensor, optional
+        ``[T, N]`` (``[T, N/2]`` for swiglu), x's dtype, contiguous and 16-byte aligned.
+    activation : {None, "silu", "gelu", "swiglu"}, optional
+        Fused in the epilogue as in :func:`mixgemm.gemm`; swiglu takes gate/up interleaved
+        experts (:func:`mixgemm.quantize.interleave_gate_up` per expert).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[T, N]`` (``[T, N/2]`` for swiglu), x's dtype. Accumulation in float32, one rounding.
+    """
+    n_out = _check(x, experts, expert_offsets, out, activation)
+    y = out if out is not None else torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return y
+    return _launch(x, experts.qdata, experts.scales, experts.zeros, expert_offsets, y, experts.weight_type,
+                   experts.group_size, experts.n, experts.k, activation, select_grouped_spec(x.shape[0], experts,
+                                                                                            activation))
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare_fn(lib_handle):
+    from .runtime import GemmArgs, Launch
+
+    f = lib_handle.mixgemm_grouped_prepare
+    f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_uint64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_uint32,
+                  ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_size: int, n: int, k: int,
+            activation: Optional[str], spec) -> torch.Tensor:
+    """One grouped launch (checked arguments): the helper's params, then cuLaunchKernelEx on the
+    current stream. Nothing is read back from the GPU."""
+    from . import ops, runtime
+    from .codegen import Activation
+    from .errors import KernelError
+
+    if x.data_ptr() % 16 or not x.is_contiguous():
+        x = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+    kernel = runtime.KERNELS.get(spec, x.device)
+    helper = kernel.helper
+    a = runtime.GemmArgs()
+    a.abi_version = runtime.ABI_VERSION
+    a.m, a.n, a.k, a.group_size = x.shape[0], n, k, group_size
+    a.sm_count = ops._sm_count(x.device.index)
+    a.activation = Activation(activation or "none").abi
+    a.weight, a.scales = qdata.data_ptr(), scales.data_ptr()
+    a.zeros = 0 if zeros is None else zeros.data_ptr()
+    a.x, a.y = x.data_ptr(), y.data_ptr()
+    a.ldx, a.ldy = k, y.shape[1]
+    params = ctypes.create_string_buffer(helper.params_size)
+    launch = runtime.Launch()
+    err = ctypes.create_string_buffer(512)
+    rc = _prepare_fn(helper.lib)(ctypes.byref(a), offsets.data_ptr(), qdata.shape[0], params, helper.params_size,
+                                 ctypes.byref(launch), err, len(err))
+    if rc != 0:
+        raise KernelError(f"{spec.name}: {err.value.decode()}")
+    runtime.launch_prepared(kernel, params, launch)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom op
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("mixgemm::grouped_gemm", mutates_args=())
+def _grouped_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                expert_offsets: torch.Tensor, weight_type: str, group_size: int, n: int, k: int,
+                activation: str = "none") -> torch.Tensor:
+    experts = PackedExperts(qdata, scales, zeros, WeightType(weight_type), group_size, n, k)
+    return grouped_gemm(x, experts, expert_offsets, activation=None if activation == "none" else activation)
+
+
+@_grouped_op.register_fake
+def _grouped_fake(x, qdata, scales, zeros, expert_offsets, weight_type, group_size, n, k, activation="none"):
+    return x.new_empty((x.shape[0], n // 2 if activation == "swiglu" else n))
+
+
+def grouped_gemm_op(x: torch.Tensor, experts: PackedExperts, expert_offsets: torch.Tensor,
+                    activation: Optional[str] = None) -> torch.Tensor:
+    """:func:`grouped_gemm` through the registered custom op (traceable by torch.compile)."""
+    return torch.ops.mixgemm.grouped_gemm(x, experts.qdata, experts.scales, experts.zeros, expert_offsets,
+                                          experts.weight_type.value, experts.group_size, experts.n, experts.k,
+                                          activation or "none")
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing and the fused layer
+# ---------------------------------------------------------------------------------------------
+class Routing(NamedTuple):
+    """The top-k assignments sorted by expert. ``order[j]`` is the flat index (``token * topk +
+    slot``) of sorted row j, ``tokens[j] = order[j] // topk`` its token, and ``expert_offsets``
+    (int32 ``[E + 1]``) the row range of each expert."""
+
+    order: torch.Tensor
+    tokens: torch.Tensor
+    expert_offsets: torch.Tensor
+
+
+def route(topk_ids: torch.Tensor, num_experts: int) -> Routing:
+    """Sort the top-k assignments ``topk_ids`` (``[T, topk]``, integer expert ids in
+    ``[0, num_experts)``) by expert, with torch ops on their device and no host sync (a stable
+    sort: rows of one expert stay in token order). Ids out of range are not checked (that would
+    need a sync); they make the counts wrong."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, topk], got {list(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    topk = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0, dtype=torch.int32)
+    return Routing(order, torch.div(order, topk, rounding_mode="floor"), offsets)
+
+
+def combine(y_sorted: torch.Tensor, routing: Routing, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The weighted sum over the top-k of each token: ``out[t] = sum_s w[t, s] * y[row of (t, s)]``,
+    in float32 in slot order (deterministic), rounded once to ``y_sorted``'s dtype."""
+    t, topk = topk_weights.shape
+    y = torch.empty_like(y_sorted)
+    y[routing.order] = y_sorted
+    acc = y.view(t, topk, -1).float() * topk_weights.float().unsqueeze(-1)
+    return acc.sum(1).to(y_sorted.dtype)
+
+
+def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """A MoE block's experts: ``out[t] = sum_s topk_weights[t, s] * expert_{topk_ids[t, s]}(x[t])``
+    with ``expert_e(v) = (silu(v @ gate_e.T) * (v @ up_e.T)) @ down_e.T``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[T, H]`` hidden states, bf16 / fp16.
+    w13 : PackedExperts
+        ``E x [2I, H]``: each expert's gate and up projections interleaved in 8-row stripes
+        (:func:`mixgemm.quantize.interleave_gate_up`), as the swiglu epilogue reads them.
+    w2 : PackedExperts
+        ``E x [H, I]``: the down projections.
+    topk_weights : torch.Tensor
+        ``[T, topk]`` routing weights (any float dtype; applied in float32).
+    topk_ids : torch.Tensor
+        ``[T, topk]`` integer expert ids in ``[0, E)``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[T, H]`` in x's dtype. Routing runs on the GPU (:func:`route`), no host sync.
+    """
+    if not isinstance(w13, PackedExperts) or not isinstance(w2, PackedExperts):
+        raise TypeError("w13 and w2 must be mixgemm.moe.PackedExperts")
+    if w13.num_experts != w2.num_experts:
+        raise ValueError(f"w13 has {w13.num_experts} experts, w2 has {w2.num_experts}")
+    if x.dim() != 2 or w13.k != x.shape[1] or w2.n != x.shape[1] or w2.k * 2 != w13.n:
+        raise ValueError(f"shapes disagree: x {list(x.shape)}, w13 E x [{w13.n}, {w13.k}] (want [2I, H]), "
+                         f"w2 E x [{w2.n}, {w2.k}] (want [H, I])")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_weights and topk_ids must both be [T={x.shape[0]}, topk], got "
+                         f"{list(topk_weights.shape)} and {list(topk_ids.shape)}")
+    routing = route(topk_ids, w13.num_experts)
+    xs = x[routing.tokens]
+    h = grouped_gemm(xs, w13, routing.expert_offsets, activation="swiglu")
+    y = grouped_gemm(h, w2, routing.expert_offsets)
+    return combine(y, routing, topk_weights)
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """The unfused MoE in torch, token by token and slot by slot, for tests: ``w13 [E, 2I, H]``
+    gate/up interleaved in 8-row stripes, ``w2 [E, H, I]`` (dense, e.g. dequantized), the
+    intermediate rounded to x's dtype as the fused path rounds it, float32 accumulation."""
+    from .quantize import deinterleave_rows
+
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        gate, up = deinterleave_rows(w13[e])
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        v = x[tok].float()
+        h = (torch.nn.functional.silu(v @ gate.float().T) * (v @ up.float().T)).to(x.dtype)
+        y = (h.float() @ w2[e].float().T).to(x.dtype)
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float().unsqueeze(-1))
+    return out.to(x.dtype)

@@ -1,0 +1,185 @@
+"""GPU correctness of the grouped (MoE) kernels and the fused MoE layer (needs an sm_90 GPU).
+
+Every grouped decode kernel against a float64 per-expert reference on the weights dequantized by
+the reference dequantizer, outputs poisoned with NaN (rows of experts are all written; rows past
+offsets[E] are left alone); routing with experts of zero rows, one row, all rows on one expert;
+E = 1 and E = 256; odd row counts; row counts above the token tile (the row loop); fused_moe
+against an unfused MoE on the dequantized weights; CUDA-graph capture and replay with routing
+that changes between replays; torch.compile(fullgraph=True) of QuantMoE.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixgemm import moe
+from mixgemm.codegen import ALL_ACTS, ALL_WEIGHTS, Activation
+from mixgemm.experts import PackedExperts
+from mixgemm.quantize import interleave_gate_up, quantize
+
+pytestmark = pytest.mark.gpu
+
+
+def _tolerance(k: int, dtype) -> float:
+    # as tests/test_gpu_gemm.py: 4x the output rounding plus 64x the float32 accumulation term
+    unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    return 4 * unit + 64 * (k ** 0.5) * 2.0 ** -24
+
+
+def _experts(act, wt, e, n, k, group, gated=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dtype = act.torch_dtype
+    group = k if group == "K" else group
+    if gated:
+        qws = [interleave_gate_up(quantize(torch.randn(n // 2, k, generator=g), wt.bits, group, wt.signed, dtype),
+                                  quantize(torch.randn(n // 2, k, generator=g), wt.bits, group, wt.signed, dtype))
+               for _ in range(e)]
+    else:
+        qws = [quantize(torch.randn(n, k, generator=g), wt.bits, group, wt.signed, dtype) for _ in range(e)]
+    ex = PackedExperts.from_quantized(qws).to("cuda")
+    return ex, ex.dequantize_reference().double()
+
+
+def _offsets(counts):
+    return torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def _reference(x, deq, counts, activation):
+    ref = []
+    r0 = 0
+    for e, c in enumerate(counts):
+        y = x[r0:r0 + c].double() @ deq[e].T
+        if activation == "swiglu":
+            p = y.view(c, y.shape[1] // 16, 2, 8)   # (an expert with no rows: c = 0)
+            y = (torch.nn.functional.silu(p[:, :, 0]) * p[:, :, 1]).reshape(c, y.shape[1] // 2)
+        ref.append(y)
+        r0 += c
+    return torch.cat(ref)
+
+
+def _check(x, ex, deq, counts, activation=None):
+    t = x.shape[0]
+    n_out = ex.n // 2 if activation == "swiglu" else ex.n
+    y = torch.full((t, n_out), float("nan"), device="cuda", dtype=x.dtype)
+    moe.grouped_gemm(x, ex, _offsets(counts), out=y, activation=activation)
+    used = sum(counts)
+    assert not torch.isnan(y[:used]).any(), "unwritten (or NaN) outputs"
+    assert torch.isnan(y[used:]).all(), "rows past offsets[E] were written"
+    ref = _reference(x[:used], deq, counts, activation)
+    err = ((y[:used].double() - ref).norm() / ref.norm()).item()
+    assert err <= _tolerance(ex.k, x.dtype), f"counts {counts}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("act", ALL_ACTS, ids=lambda a: a.value)
+@pytest.mark.parametrize("wt", ALL_WEIGHTS, ids=lambda w: w.value)
+@pytest.mark.parametrize("group", (32, 128, "K"))
+@pytest.mark.parametrize("activation", (None, "swiglu"))
+def test_every_grouped_kernel(requires_gpu, act, wt, group, activation):
+    e, n, k = 8, 256, 512
+    ex, deq = _experts(act, wt, e, n, k, group, gated=activation == "swiglu")
+    torch.manual_seed(1)
+    # zero rows, one row, odd counts, a count above the 16-row tile (the row loop)
+    for counts in ([0, 1, 0, 3, 0, 0, 2, 1], [1] * 8, [0, 0, 0, 0, 0, 7, 0, 0], [5, 0, 17, 1, 0, 2, 9, 0],
+                   [0, 40, 0, 0, 0, 0, 0, 3]):
+        x = torch.randn(sum(counts) + 2, k, device="cuda", dtype=act.torch_dtype)   # 2 rows past offsets[E]
+        _check(x, ex, deq, counts, activation)
+
+
+@pytest.mark.parametrize("e", (1, 256))
+def test_one_and_many_experts(requires_gpu, e):
+    from mixgemm.types import ActType, WeightType
+
+    ex, deq = _experts(ActType.BF16, WeightType.U4, e, 128, 256, 64)
+    g = torch.Generator().manual_seed(e)
+    counts = [3] if e == 1 else torch.randint(0, 3, (e,), generator=g).tolist()
+    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
+    _check(x, ex, deq, counts)
+    # all rows on one expert (the last)
+    counts = [0] * (e - 1) + [33]
+    x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
+    _check(x, ex, deq, counts)
+
+
+@pytest.mark.parametrize("act", ALL_ACTS, ids=lambda a: a.value)
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (2, True), (8, True)])
+@pytest.mark.parametrize("t,topk,e", [(1, 8, 64), (16, 2, 8), (7, 8, 128), (64, 4, 16)])
+def test_fused_moe_against_unfused(requires_gpu, act, bits, symmetric, t, topk, e):
+    h, inter = 256, 128
+    dtype = act.torch_dtype
+    w13 = PackedExperts.from_quantized([interleave_gate_up(quantize(torch.randn(inter, h) / 8, bits, 64, symmetric, dtype),
+                                                           quantize(torch.randn(inter, h) / 8, bits, 64, symmetric, dtype))
+                                        for _ in range(e)]).to("cuda")
+    w2 = PackedExperts.quantize(torch.randn(e, h, inter) / 8, bits, 64, symmetric, dtype).to("cuda")
+    torch.manual_seed(t)
+    x = torch.randn(t, h, device="cuda", dtype=dtype)
+    ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+    got = moe.fused_moe(x, w13, w2, w, ids)
+    ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
+    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    # two GEMMs, each rounded once to the activation dtype (the reference rounds the same places)
+    assert err <= 4 * _tolerance(h, dtype), f"relative error {err:.3e}"
+
+
+def test_cuda_graph_replay_with_changing_routing(requires_gpu):
+    from mixgemm.types import ActType, WeightType
+
+    e, t, topk, h, inter = 16, 8, 2, 256, 128
+    w13, _ = _experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
+    w2, _ = _experts(ActType.BF16, WeightType.U4, e, h, inter, 64, seed=3)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(t, topk, dtype=torch.long, device="cuda")
+    w = torch.full((t, topk), 0.5, device="cuda")
+    moe.fused_moe(x, w13, w2, w, ids)        # warm-up: kernels loaded before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe(x, w13, w2, w, ids)
+    for seed in range(4):                    # new routing, new inputs, same buffers
+        torch.manual_seed(seed)
+        ids.copy_(torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)]))
+        if seed == 3:
+            ids.fill_(5)                     # every row on one expert
+        w.copy_(torch.softmax(torch.randn(t, topk, device="cuda"), -1))
+        x.copy_(torch.randn(t, h, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = moe.fused_moe(x, w13, w2, w, ids)
+        assert torch.equal(out, want), f"replay {seed} differs from an eager call"
+
+
+def test_grouped_gemm_op_compiles_fullgraph(requires_gpu):
+    from mixgemm.types import ActType, WeightType
+
+    ex, deq = _experts(ActType.BF16, WeightType.S4, 4, 128, 256, 32)
+    counts = [2, 0, 3, 1]
+    offsets = _offsets(counts)
+    x = torch.randn(6, 256, device="cuda", dtype=torch.bfloat16)
+    f = torch.compile(lambda a, o: moe.grouped_gemm_op(a, ex, o), fullgraph=True)
+    y = f(x, offsets)
+    assert torch.equal(y, moe.grouped_gemm(x, ex, offsets))
+
+
+def test_quant_moe_from_mlps_compiles_fullgraph(requires_gpu):
+    from torch import nn
+
+    from mixgemm.nn_moe import QuantMoE
+
+    class Mlp(nn.Module):
+        def __init__(self, h, i):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+            self.down_proj = nn.Linear(i, h, bias=False)
+
+    torch.manual_seed(0)
+    e, h, i, t, topk = 8, 256, 128, 5, 2
+    mlps = [Mlp(h, i).to(torch.bfloat16) for _ in range(e)]
+    layer = QuantMoE.from_mlps(mlps, 4, 64).cuda()
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, e, (t, topk), device="cuda")
+    w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+    eager = layer(x, w, ids)
+    ref = moe.fused_moe(x, layer.experts("w13"), layer.experts("w2"), w, ids)
+    assert torch.equal(eager, ref)
+    compiled = torch.compile(layer, fullgraph=True)
+    # the same kernels; inductor may fuse the float32 top-k sum differently: one rounding apart
+    torch.testing.assert_close(compiled(x, w, ids), eager)

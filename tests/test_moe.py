@@ -1,0 +1,257 @@
+"""mixgemm.moe on the CPU: the grouped decode spec and its C++, routing against a torch reference,
+argument errors, and the launch path through the real host helper on a faked GPU."""
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import pytest
+import torch
+
+import fake_driver
+from fake_gpu import FakeGpu, function_handle
+
+from mixgemm import codegen, moe, paths, runtime
+from mixgemm.codegen import Activation, DecodeSpec, GroupedDecodeSpec, parse_name, render
+from mixgemm.experts import PackedExperts
+from mixgemm.quantize import interleave_gate_up, quantize
+from mixgemm.types import ActType, WeightType
+
+
+# ---------------------------------------------------------------------------------------------- specs
+def test_grouped_spec_name_encodes_every_field_and_parses_back():
+    specs = [GroupedDecodeSpec(a, w, t, warps, sb, 4, act, ks)
+             for a in ActType for w in WeightType for t in (8, 16, 32) for warps, ks in ((8, 1), (8, 8))
+             for sb in (1024, 2048) for act in Activation]
+    names = {s.name for s in specs}
+    assert len(names) == len(specs)                       # every field is in the name
+    for s in specs:
+        assert s.name.startswith("mixgemm_gdecode_") and parse_name(s.name) == s
+        assert s.dense.name == "mixgemm_decode_" + s.name[len("mixgemm_gdecode_"):]
+        assert isinstance(parse_name(s.dense.name), DecodeSpec)
+        assert s.max_tokens is None and s.programmatic_launch
+
+
+def test_grouped_spec_takes_the_decode_kernels_checks():
+    with pytest.raises(ValueError, match="tokens must be 8, 16 or 32"):
+        GroupedDecodeSpec(ActType.BF16, WeightType.U4, 24)
+    with pytest.raises(ValueError, match="kslices"):
+        GroupedDecodeSpec(ActType.BF16, WeightType.U4, 16, kslices=3)
+
+
+def test_render_instantiates_one_grouped_kernel():
+    spec = GroupedDecodeSpec(ActType.FP16, WeightType.S8, 8, kslices=8, activation=Activation.SWIGLU)
+    src = render(spec)
+    assert '#include "mixgemm/grouped_decode_kernel.hpp"' in src
+    assert src.count("MIXGEMM_GROUPED_DECODE_ENTRY(") == 1
+    assert f"MIXGEMM_GROUPED_DECODE_ENTRY({spec.name}, {spec.name}_config, mixgemm::Activation::kSwiglu)" in src
+    assert "mixgemm::decode::Config<int8_t, cutlass::half_t, 1, 8, 1024, 4, 8>" in src
+
+
+def test_select_grouped_spec():
+    ex = PackedExperts.quantize(torch.randn(2, 32, 128), 8, 64)
+    assert moe.select_grouped_spec(8, ex).tokens == 8 and moe.select_grouped_spec(8, ex).kslices == 8
+    s = moe.select_grouped_spec(9, ex, "swiglu")
+    assert (s.tokens, s.activation, s.weight, s.act) == (16, Activation.SWIGLU, WeightType.U8, ActType.BF16)
+
+
+# ---------------------------------------------------------------------------------------------- routing
+@pytest.mark.parametrize("t,topk,e", [(1, 1, 1), (7, 2, 8), (33, 8, 128), (5, 3, 256)])
+def test_route_matches_a_per_expert_reference(t, topk, e):
+    g = torch.Generator().manual_seed(t * e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(t)])
+    r = moe.route(ids, e)
+    flat = ids.reshape(-1)
+    # the reference: expert by expert, the (token, slot) pairs in token order
+    want = [i for ex in range(e) for i in range(flat.numel()) if flat[i] == ex]
+    assert r.order.tolist() == want
+    assert r.tokens.tolist() == [i // topk for i in want]
+    counts = [int((flat == ex).sum()) for ex in range(e)]
+    assert r.expert_offsets.dtype == torch.int32
+    assert r.expert_offsets.tolist() == [sum(counts[:ex]) for ex in range(e + 1)]
+
+
+def test_combine_is_the_weighted_sum_of_the_topk():
+    t, topk, h = 5, 3, 16
+    ids = torch.tensor([[0, 2, 1], [1, 0, 2], [2, 2, 0], [0, 1, 1], [1, 2, 0]])
+    w = torch.rand(t, topk)
+    r = moe.route(ids, 3)
+    y_flat = torch.randn(t * topk, h).to(torch.bfloat16)       # the expert outputs per (token, slot)
+    y_sorted = y_flat[r.order]
+    want = (y_flat.view(t, topk, h).float() * w.unsqueeze(-1)).sum(1).to(torch.bfloat16)
+    assert torch.equal(moe.combine(y_sorted, r, w), want)
+
+
+def test_route_refuses_bad_ids():
+    with pytest.raises(ValueError, match=r"\[T, topk\]"):
+        moe.route(torch.zeros(4, dtype=torch.long), 2)
+    with pytest.raises(TypeError, match="integer"):
+        moe.route(torch.zeros(4, 2), 2)
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def _experts(e=3, n=32, k=128, bits=4, symmetric=False, dtype=torch.bfloat16):
+    return PackedExperts.quantize(torch.randn(e, n, k), bits, 64, symmetric=symmetric, dtype=dtype)
+
+
+@pytest.mark.parametrize("call,err,msg", [
+    (lambda ex: moe.grouped_gemm(torch.zeros(4, 128, dtype=torch.bfloat16), ex, torch.zeros(4, dtype=torch.int32),
+                                 activation="relu"), ValueError, "activation must be"),
+    (lambda ex: moe.grouped_gemm(torch.zeros(4, 128, dtype=torch.bfloat16), ex.expert(0),
+                                 torch.zeros(4, dtype=torch.int32)), TypeError, "PackedExperts"),
+    (lambda ex: moe.grouped_gemm(torch.zeros(4, 128, dtype=torch.float16), ex, torch.zeros(4, dtype=torch.int32)),
+     TypeError, "packed for torch.bfloat16"),
+    (lambda ex: moe.grouped_gemm(torch.zeros(4, 64, dtype=torch.bfloat16), ex, torch.zeros(4, dtype=torch.int32)),
+     ValueError, r"x must be \[T, K=128\]"),
+    (lambda ex: moe.grouped_gemm(torch.zeros(4, 128, dtype=torch.bfloat16), ex, torch.zeros(4, dtype=torch.int64)),
+     ValueError, r"expert_offsets must be int32 of shape \[E \+ 1\] = \[4\]"),
+    (lambda ex: moe.grouped_gemm(torch.zeros(4, 128, dtype=torch.bfloat16), ex, torch.zeros(3, dtype=torch.int32)),
+     ValueError, "expert_offsets must be int32"),
+])
+def test_grouped_gemm_argument_errors(call, err, msg):
+    with pytest.raises(err, match=msg):
+        call(_experts())
+
+
+def test_grouped_gemm_needs_a_gpu():
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        moe.grouped_gemm(torch.zeros(4, 128, dtype=torch.bfloat16), _experts(), torch.zeros(4, dtype=torch.int32))
+
+
+def test_fused_moe_shape_errors():
+    w13 = _experts(n=128, k=128)
+    w2 = _experts(n=128, k=64)
+    x = torch.zeros(3, 128, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        moe.fused_moe(x, w13, _experts(n=64, k=128), torch.ones(3, 2), ids)
+    with pytest.raises(ValueError, match="w13 has 3 experts, w2 has 2"):
+        moe.fused_moe(x, w13, _experts(e=2, n=128, k=64), torch.ones(3, 2), ids)
+    with pytest.raises(ValueError, match="topk_weights and topk_ids"):
+        moe.fused_moe(x, w13, w2, torch.ones(3, 1), ids)
+
+
+# ---------------------------------------------------------------------------------------------- fake GPU
+pytest_fake = pytest.mark.skipif(fake_driver.compiler() is None or fake_driver.real_driver_present(),
+                                 reason="needs a C compiler for the fake CUDA driver, and no real one")
+
+#: grouped_decode::Params: decode::Params (8 pointers, 8 int32, ldx, ldy) then offsets, the three
+#: strides, experts
+_PARAMS = struct.Struct("=8Q8i2qQ3qi4x")
+
+
+@pytest_fake
+@pytest.mark.nvcc
+@pytest.mark.parametrize("bits,symmetric,activation", [(4, False, None), (8, True, "swiglu")])
+def test_grouped_launch_through_the_real_helper(tmp_path, monkeypatch, bits, symmetric, activation):
+    if paths.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    e, n, k, t = 5, 64, 256, 6
+    gate_up = [interleave_gate_up(quantize(torch.randn(n // 2, k), bits, 64, symmetric),
+                                  quantize(torch.randn(n // 2, k), bits, 64, symmetric)) for _ in range(e)]
+    ex = PackedExperts.from_quantized(gate_up)
+    x = torch.randn(t, k).to(torch.bfloat16)
+    offsets = torch.tensor([0, 2, 2, 5, 6, 6], dtype=torch.int32)
+    with FakeGpu(tmp_path / "fake") as gpu:
+        spec = moe.select_grouped_spec(t, ex, activation)
+        helper_size = runtime.HostHelper(str(__import__("fake_gpu").build_helper(spec, gpu.kernels.helper_dir)),
+                                         spec.name).params_size
+        assert helper_size == _PARAMS.size
+        gpu.driver.reset(params_size=helper_size)
+        y = moe.grouped_gemm(x, ex, offsets, activation=activation)
+        launches = gpu.launches()
+    n_out = n // 2 if activation else n
+    assert y.shape == (t, n_out) and y.dtype == torch.bfloat16
+    assert len(launches) == 1
+    L = launches[0]
+    assert L["function"] == function_handle(spec) and L["pdl"]
+    splits = L["grid"][1]
+    assert L["grid"][0] == n // 16 // (spec.warps // spec.kslices) + (n // 16 % (spec.warps // spec.kslices) > 0)
+    assert L["grid"][2] == e and L["cluster"] == (1, splits, 1) and 1 <= splits <= 8
+    f = _PARAMS.unpack(L["params"])
+    weight, scales, zeros, xp, bias, yp, partials, counters = f[:8]
+    m, pn, pk, gshift, aps, psplits = f[8:14]
+    ldx, ldy, offs, wstride, gstride, bstride, experts = f[16:23]
+    assert (weight, scales, xp, yp) == (ex.qdata.data_ptr(), ex.scales.data_ptr(), x.data_ptr(), y.data_ptr())
+    assert zeros == (0 if symmetric else ex.zeros.data_ptr()) and bias == partials == counters == 0
+    assert (pn, pk, gshift, psplits, ldx, ldy) == (n, k, 6, splits, k, n_out)
+    assert aps * splits >= k // 64
+    assert offs == offsets.data_ptr() and experts == e
+    assert wstride == ex.qdata[0].numel() and gstride == ex.scales[0].numel() and bstride == 0
+
+
+@pytest_fake
+@pytest.mark.nvcc
+def test_grouped_helper_refuses_what_the_kernel_cannot_run(tmp_path, monkeypatch):
+    if paths.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    from fake_gpu import build_helper
+
+    spec = GroupedDecodeSpec(ActType.BF16, WeightType.U4, 16)
+    helper = runtime.HostHelper(str(build_helper(spec, tmp_path)), spec.name)
+    prepare = moe._prepare_fn(helper.lib)
+
+    def refusal(offsets=64, experts=4, **fields):
+        a = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=40, n=64, k=256, group_size=64, sm_count=132,
+                             weight=256, scales=256, zeros=256, x=256, y=256, ldx=256, ldy=64)
+        for key, value in fields.items():
+            setattr(a, key, value)
+        buf = ctypes.create_string_buffer(helper.params_size)
+        err = ctypes.create_string_buffer(256)
+        rc = prepare(ctypes.byref(a), offsets, experts, buf, helper.params_size, ctypes.byref(runtime.Launch()),
+                     err, 256)
+        return err.value.decode() if rc else None
+
+    assert refusal() is None                       # 40 rows: more than the 16-row tile is fine (row loop)
+    assert "expert_offsets" in refusal(offsets=0)
+    assert "expert_offsets" in refusal(offsets=66)
+    assert "number of experts" in refusal(experts=0)
+    assert "at most 8 ways" in refusal(splits=9)
+    assert "zero points" in refusal(zeros=0)
+    assert "K must be" in refusal(k=100)
+    assert "must be >= 1" in refusal(m=0)
+    assert helper.check(runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=1, n=64, k=256, group_size=64,
+                                         weight=256, scales=256, zeros=256, x=256, y=256, ldx=256, ldy=64)) is None
+
+
+def test_quant_moe_from_mlps_packs_the_experts():
+    from torch import nn
+
+    from mixgemm.nn_moe import QuantMoE
+
+    class Mlp(nn.Module):
+        def __init__(self, h, i, bias=False):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(h, i, bias=bias), nn.Linear(h, i, bias=bias)
+            self.down_proj = nn.Linear(i, h, bias=bias)
+
+    torch.manual_seed(0)
+    mlps = [Mlp(128, 64) for _ in range(3)]
+    layer = QuantMoE.from_mlps(mlps, 4, 64, dtype=torch.bfloat16)
+    assert (layer.num_experts, layer.hidden_size, layer.intermediate_size) == (3, 128, 64)
+    w13, w2 = layer.experts("w13"), layer.experts("w2")
+    assert (w13.n, w13.k, w2.n, w2.k) == (128, 128, 128, 64)
+    # expert 1's down projection is exactly the quantized weight, and w13 its interleaved gate/up
+    assert torch.equal(w2.expert(1).qdata, PackedExperts.quantize(
+        torch.stack([m.down_proj.weight.detach() for m in mlps]), 4, 64, dtype=torch.bfloat16).qdata[1])
+    want13 = interleave_gate_up(quantize(mlps[2].gate_proj.weight.detach(), 4, 64, dtype=torch.bfloat16),
+                                quantize(mlps[2].up_proj.weight.detach(), 4, 64, dtype=torch.bfloat16))
+    assert torch.equal(w13.unpack()[2].qweight, want13.qweight)
+    assert set(dict(layer.named_buffers())) == {"w13_qdata", "w13_scales", "w13_zeros", "w2_qdata", "w2_scales",
+                                                "w2_zeros"}
+    with pytest.raises(ValueError, match="has a bias"):
+        QuantMoE.from_mlps([Mlp(128, 64, bias=True)], 4, 64)
+    with pytest.raises(ValueError, match=r"must be E x \[2I, H\]"):
+        QuantMoE(w2, w13)
+
+
+def test_grouped_specs_cover_what_grouped_gemm_picks():
+    specs = set(codegen.grouped_specs())
+    assert len(specs) == 2 * 6 * 2 * 2
+    for act in ActType:
+        for wt in WeightType:
+            ex = PackedExperts.quantize(torch.randn(1, 32, 128), wt.bits, 64, wt.signed, act.torch_dtype)
+            for rows in (1, 8, 9, 1000):
+                for activation in (None, "swiglu"):
+                    assert moe.select_grouped_spec(rows, ex, activation) in specs
