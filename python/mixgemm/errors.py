@@ -12,7 +12,7 @@ traceback only with ``--debug``.
 from __future__ import annotations
 
 __all__ = ["MixgemmError", "UserError", "CliError", "UsageError", "BuildError", "CudaError", "KernelError",
-           "MixgemmFormatError", "FormatError", "UnsupportedLayerError", "BenchError"]
+           "MixgemmFormatError", "FormatError", "UnsupportedLayerError", "CheckpointError", "BenchError"]
 
 
 class MixgemmError(Exception):
@@ -54,6 +54,12 @@ class KernelError(MixgemmError, ValueError):
 class MixgemmFormatError(MixgemmError, ValueError):
     """A file cannot be read as a (mixgemm) safetensors file: missing, corrupt, truncated,
     inconsistent, or written by a newer mixgemm."""
+
+
+class CheckpointError(MixgemmFormatError):
+    """A model checkpoint directory that cannot be loaded as it stands: a shard that is missing
+    or not valid safetensors, a tensor the model needs that is missing, one it does not know, a
+    shape or quantization config that disagrees with the model's config."""
 
 
 class FormatError(MixgemmError, ValueError):

@@ -1,0 +1,155 @@
+r"""Load a quantized Hugging Face checkpoint straight into a transformers model.
+
+:func:`from_pretrained` reads a local model directory -- ``config.json`` with its
+``quantization_config`` (AWQ, GPTQ v1/v2 with or without act-order, compressed-tensors
+pack-quantized, or a mixgemm checkpoint: :mod:`mixgemm.hf.config` says what each means) and
+its safetensors shards -- and returns the transformers model (``AutoModelForCausalLM``) with
+every quantized ``nn.Linear`` replaced by a :class:`~mixgemm.nn.QuantLinear` filled from the
+checkpoint's own codes, scales and zero points, converted without re-quantizing
+(:mod:`mixgemm.formats`).
+
+It never builds a full-precision copy of the quantized layers: the model is instantiated on the
+meta device (its parameters hold no memory; its buffers, e.g. the rotary frequencies, are
+computed as the model computes them), each quantized layer is converted and prepacked on its
+own, and only the other tensors (embeddings, norms, the LM head, layers kept in full precision)
+are read at their full size. One log line (logger ``mixgemm.hf``, level INFO) gives the bytes
+the model holds against what bf16 weights would take.
+
+It works in two steps, and the first touches no device:
+
+1. On the CPU: parse the config, open every shard (a truncated or corrupt file is refused
+   here), build the model on the meta device, import and prepack every quantized layer (the
+   bits and group size of the config are checked against the tensors), fuse the gated MLPs'
+   gate and up projections, and check every other tensor's shape against the model's. A
+   missing, unknown or mis-shaped tensor raises :class:`~mixgemm.errors.CheckpointError` (a
+   layer whose tensors do not form a valid layer: :class:`~mixgemm.errors.FormatError`) here,
+   before anything is allocated on the device.
+2. On the device: wrap the packed weights in ``QuantLinear`` modules and load the other tensors.
+
+Gated MLPs (modules with ``gate_proj``, ``up_proj`` and ``down_proj`` linears and a SiLU
+``act_fn``, e.g. LLaMA's, Mistral's, Qwen2's) whose gate and up projections have the same
+weight type, group size and act-order permutation become a :class:`GatedMLP`: one
+``QuantLinear(activation="swiglu")`` computes ``silu(gate(x)) * up(x)`` in one launch
+(:func:`mixgemm.quantize.interleave_gate_up`), then ``down_proj``.
+
+A layer mixgemm cannot represent (a shape the kernels cannot take, 3-bit codes, ...: the
+importers raise :class:`~mixgemm.errors.UnsupportedLayerError`) is kept as an ``nn.Linear``
+holding its weight dequantized with its format's own formula
+(:func:`mixgemm.hf.dequant.dequantize_layer`), with a warning that names it and says why.
+
+transformers is an optional dependency (``pip install 'mixgemm[hf]'``), imported when
+:func:`from_pretrained` is called; the rest of the package needs none of it.
+
+Modules: :mod:`~mixgemm.hf.config` (the ``quantization_config``), :mod:`~mixgemm.hf.shards`
+(reading the safetensors shards), :mod:`~mixgemm.hf.dequant` (the formats' own formulas),
+:mod:`~mixgemm.hf.plan` (step 1), :mod:`~mixgemm.hf.materialize` (step 2).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from . import materialize as _step2
+from . import plan as _step1
+from .materialize import GatedMLP, LoadSummary
+
+__all__ = ["from_pretrained", "GatedMLP", "LoadSummary"]
+
+_log = logging.getLogger(__name__)
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("mixgemm.hf needs transformers: pip install 'mixgemm[hf]' "
+                          "(or pip install transformers)") from e
+    return transformers
+
+
+def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device] = "cuda",
+                    dtype: Union[torch.dtype, str, None] = None, *, fuse_gate_up: bool = True,
+                    attn_implementation: Optional[str] = None) -> nn.Module:
+    """Load a quantized checkpoint directory into a transformers causal-LM model.
+
+    Parameters
+    ----------
+    model_dir : str or Path
+        A local directory: ``config.json`` with a ``quantization_config`` whose ``quant_method``
+        is ``"awq"``, ``"gptq"``, ``"compressed-tensors"`` or ``"mixgemm"``
+        (:mod:`mixgemm.hf.config`), and its ``*.safetensors`` shards (with
+        ``model.safetensors.index.json`` when sharded). ``generation_config.json`` is read if
+        present.
+    device : str or torch.device, default "cuda"
+        Where the model goes. The QuantLinear layers run on an sm_90 GPU; ``"cpu"`` loads the
+        model (to inspect or convert it) but cannot run them.
+    dtype : torch.dtype or str, optional
+        The activation dtype, bf16 or fp16: of the QuantLinear scales, the other weights and the
+        computation. Default: the config's ``torch_dtype`` (``dtype``) if it is one of them, else
+        bf16. A checkpoint whose scales are in the other dtype has them rounded (see
+        :mod:`mixgemm.formats`, "Bit-exactness").
+    fuse_gate_up : bool, default True
+        Fuse each gated MLP's gate and up projections into one swiglu QuantLinear
+        (:class:`GatedMLP`) where both have the same weight type, group size and permutation.
+    attn_implementation : str, optional
+        Passed to transformers (``"sdpa"``, ``"eager"``, ...); default transformers' choice.
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        In eval mode, without gradients, every tensor on ``device``; ``model.mixgemm_summary``
+        is its :class:`LoadSummary`, which is also logged (logger ``mixgemm.hf``, INFO).
+        ``model.generate()`` works in eager mode and with ``cache_implementation="static"``
+        under ``torch.compile``.
+
+    Raises
+    ------
+    ImportError
+        transformers is not installed.
+    ValueError
+        A bad ``device`` or ``dtype``, or ``device="cuda"`` without CUDA.
+    CheckpointError
+        A missing directory, config or shard; a shard that is not valid safetensors (truncated,
+        corrupt); a missing tensor, one the model does not have, or a shape that disagrees with
+        the config; an unsupported ``quant_method`` or format variant. Raised before anything is
+        put on the device.
+    FormatError
+        A layer's tensors do not form a valid layer of its format, or disagree with the bits or
+        group size of the config (the message names the layer). Raised before anything is put
+        on the device.
+
+    Warns
+    -----
+    UserWarning
+        For each quantized layer kept in full precision, with the reason.
+    """
+    transformers = _import_transformers()
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device must be a CUDA device (or 'cpu' to load without running), got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but CUDA is not available")
+    if dtype is not None:
+        _step1.resolve_dtype(dtype, {})
+    model_dir = Path(model_dir)
+    plan = _step1.plan(transformers, model_dir, dtype, fuse_gate_up, attn_implementation)   # no device work
+    try:
+        quantized = list(plan.quantized)
+        model = _step2.materialize(plan, device)
+    finally:
+        plan.shards.close()
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            model.generation_config = transformers.GenerationConfig.from_pretrained(str(model_dir))
+        except (OSError, ValueError) as e:
+            warnings.warn(f"mixgemm.hf: ignoring {gen}: {e}", stacklevel=2)
+    summary = _step2.summary(model, plan, model_dir, quantized)
+    model.mixgemm_summary = summary
+    _log.info("%s", summary)
+    return model

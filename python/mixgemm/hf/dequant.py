@@ -1,0 +1,184 @@
+r"""The formats' own dequantization formulas, for the layers mixgemm keeps in full precision.
+
+:func:`dequantize_layer` evaluates each format's own dequantization formula (in the scales'
+dtype), for the layers :func:`mixgemm.formats.import_layer` refuses with
+:class:`~mixgemm.errors.UnsupportedLayerError` (a shape the kernels cannot take, 3-bit codes, a
+scalar compressed-tensors scale, act-order groups of unequal size): the loader keeps them in full
+precision.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from ..errors import FormatError
+from ..formats import GPTQCheckpointFormat
+from .config import LayerScheme, QuantMethod
+
+__all__ = ["dequantize_layer"]
+
+
+def _unpack_stream(words: torch.Tensor, bits: int, count: int, dim: int) -> torch.Tensor:
+    """Codes from int32 words holding, along ``dim``, a little-endian bit stream of ``bits``-bit
+    codes (code ``i`` at bit ``i * bits``; 2/4/8 bits never straddle a word, 3 bits do). The
+    result is int64 with ``count`` codes along ``dim``."""
+    w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+    start = torch.arange(count) * bits
+    idx, off = start // 32, start % 32
+    if -(-count * bits // 32) > w.shape[-1]:
+        raise ValueError(f"{w.shape[-1]} int32 words cannot hold {count} {bits}-bit codes")
+    lo = w[..., idx] >> off
+    nxt = (idx + 1).clamp(max=w.shape[-1] - 1)
+    hi = torch.where(off + bits > 32, w[..., nxt] << (32 - off), torch.zeros_like(lo))
+    return ((lo | hi) & ((1 << bits) - 1)).movedim(-1, dim)
+
+
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # AutoAWQ: nibble i of a word holds column 8c + _AWQ_ORDER[i]
+
+
+def _need(tensors: Mapping, prefix: str, suffix: str) -> torch.Tensor:
+    key = f"{prefix}.{suffix}"
+    if key not in tensors:
+        raise FormatError(f"layer {prefix!r}: missing tensor {key!r}")
+    return tensors[key]
+
+
+def _groups_of(k: int, num_groups: int, group_size: Optional[int], g_idx: Optional[torch.Tensor],
+               prefix: str) -> torch.Tensor:
+    if g_idx is not None:
+        g = g_idx.to(torch.int64).flatten()
+        if g.numel() != k or (k and (int(g.min()) < 0 or int(g.max()) >= num_groups)):
+            raise FormatError(f"layer {prefix!r}: g_idx must hold {k} group numbers in [0, {num_groups})")
+        return g
+    gs = k if group_size in (None, -1) and num_groups == 1 else group_size
+    if gs is None:
+        gs = -(-k // num_groups)
+    if gs <= 0 or -(-k // gs) != num_groups:
+        raise FormatError(f"layer {prefix!r}: group size {gs} does not give the {num_groups} groups of the scales "
+                          f"for K={k}")
+    return torch.arange(k) // gs
+
+
+def dequantize_layer(method: QuantMethod, tensors: Mapping[str, torch.Tensor], prefix: str,
+                     scheme: LayerScheme) -> torch.Tensor:
+    """The layer ``prefix``'s weight by its format's own dequantization formula.
+
+    For the layers mixgemm's importers refuse (:class:`~mixgemm.errors.UnsupportedLayerError`);
+    the same formulas as :mod:`mixgemm.formats` documents, evaluated in the scales' dtype:
+
+    * AWQ: ``w[n, k] = (q[k, n] - z[k // g, n]) * s[k // g, n]`` (4-bit GEMM packing);
+    * GPTQ: ``w[n, k] = s[g_idx[k], n] * (q[k, n] - z[g_idx[k], n])``, codes and zero points as
+      little-endian bit streams along K and N (any width, 3-bit included), ``z`` the stored value
+      plus one for v1 (a stored ``2^b - 1`` reads as ``2^b``, as exllama does);
+    * compressed-tensors: ``w[n, k] = (q[n, k] - z[n, g]) * s[n, g]`` with signed codes, a
+      scalar scale ("tensor" strategy) or any group size.
+
+    Parameters
+    ----------
+    method : QuantMethod
+        AWQ, GPTQ or COMPRESSED_TENSORS.
+    tensors : Mapping[str, torch.Tensor]
+        The layer's tensors, named ``f"{prefix}.{suffix}"``.
+    prefix : str
+        The layer's name.
+    scheme : LayerScheme
+        Bits, group size and (GPTQ) checkpoint format from the config (``None``: inferred).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[N, K]`` (``nn.Linear``'s layout), in the scales' dtype, on the CPU.
+
+    Raises
+    ------
+    FormatError
+        Tensors that do not form a layer of the format.
+    """
+    try:
+        if method is QuantMethod.AWQ:
+            return _dequant_awq(tensors, prefix, scheme)
+        if method is QuantMethod.GPTQ:
+            return _dequant_gptq(tensors, prefix, scheme)
+        if method is QuantMethod.COMPRESSED_TENSORS:
+            return _dequant_ct(tensors, prefix, scheme)
+    except (ValueError, IndexError, RuntimeError) as e:
+        if isinstance(e, FormatError):
+            raise
+        raise FormatError(f"layer {prefix!r}: cannot dequantize its {method.value} tensors: {e}") from None
+    raise ValueError(f"no dequantization formula for {method}")
+
+
+def _dequant_awq(tensors: Mapping, prefix: str, scheme: LayerScheme) -> torch.Tensor:
+    if scheme.bits not in (None, 4):
+        raise FormatError(f"layer {prefix!r}: AWQ GEMM packing holds 4-bit codes, the config says {scheme.bits}")
+    qweight, qzeros, scales = (_need(tensors, prefix, s) for s in ("qweight", "qzeros", "scales"))
+    k, n, num_groups = qweight.shape[0], scales.shape[1], scales.shape[0]
+    if qweight.shape[1] * 8 != n or tuple(qzeros.shape) != (num_groups, n // 8):
+        raise FormatError(f"layer {prefix!r}: AWQ qweight {list(qweight.shape)}, qzeros {list(qzeros.shape)} and "
+                          f"scales {list(scales.shape)} do not fit together")
+    inverse = torch.argsort(torch.tensor(_AWQ_ORDER))
+
+    def unpack(t):   # [R, C] words -> [R, 8C] codes in column order
+        return _unpack_stream(t, 4, t.shape[1] * 8, 1).view(t.shape[0], -1, 8)[..., inverse].reshape(t.shape[0], -1)
+
+    g = _groups_of(k, num_groups, scheme.group_size, None, prefix)
+    q, z = unpack(qweight), unpack(qzeros)[g]                         # [K, N]
+    return ((q - z).to(scales.dtype) * scales[g]).t().contiguous()
+
+
+def _dequant_gptq(tensors: Mapping, prefix: str, scheme: LayerScheme) -> torch.Tensor:
+    qweight, qzeros, scales = (_need(tensors, prefix, s) for s in ("qweight", "qzeros", "scales"))
+    g_idx = tensors.get(f"{prefix}.g_idx")
+    num_groups, n = scales.shape
+    bits = scheme.bits
+    if bits is None:
+        bits, rem = divmod(qzeros.shape[1] * 32, n)
+        if rem:
+            raise FormatError(f"layer {prefix!r}: qzeros {list(qzeros.shape)} does not pack {n} zero points")
+    k = qweight.shape[0] * 32 // bits
+    if qweight.shape[1] != n or qzeros.shape[0] != num_groups:
+        raise FormatError(f"layer {prefix!r}: GPTQ qweight {list(qweight.shape)}, qzeros {list(qzeros.shape)} and "
+                          f"scales {list(scales.shape)} do not fit together")
+    q = _unpack_stream(qweight, bits, k, 0)                           # [K, N]
+    z = _unpack_stream(qzeros, bits, n, 1)                            # [G, N]
+    if scheme.checkpoint_format in (None, GPTQCheckpointFormat.V1.value):
+        z = z + 1
+    g = _groups_of(k, num_groups, scheme.group_size, g_idx, prefix)
+    return ((q - z[g]).to(scales.dtype) * scales[g]).t().contiguous()
+
+
+def _dequant_ct(tensors: Mapping, prefix: str, scheme: LayerScheme) -> torch.Tensor:
+    packed, scale = _need(tensors, prefix, "weight_packed"), _need(tensors, prefix, "weight_scale")
+    shape = tensors.get(f"{prefix}.weight_shape")
+    if shape is None:
+        raise FormatError(f"layer {prefix!r}: missing tensor {prefix + '.weight_shape'!r}")
+    n, k = (int(v) for v in shape.flatten().tolist())
+    words = packed.shape[1]
+    bits = scheme.bits
+    if bits is None:
+        fits = [b for b in range(1, 9) if -(-k * b // 32) == words]
+        if len(fits) != 1:
+            raise FormatError(f"layer {prefix!r}: weight_packed {list(packed.shape)} does not say the bits for K={k}")
+        bits = fits[0]
+    offset = 1 << (bits - 1)
+    q = _unpack_stream(packed, bits, k, 1) - offset                     # [N, K], signed
+    dt = scale.dtype
+    zp = tensors.get(f"{prefix}.weight_zero_point")
+    if scale.numel() == 1:                                            # "tensor" strategy
+        z = torch.zeros(()) if zp is None else zp.flatten()[:1].to(torch.int64).reshape(())
+        return ((q.to(dt) - z.to(dt)) * scale.reshape(())).contiguous()
+    if scale.dim() != 2 or scale.shape[0] != n:
+        raise FormatError(f"layer {prefix!r}: weight_scale {list(scale.shape)} is not [N={n}, G]")
+    num_groups = scale.shape[1]
+    g = _groups_of(k, num_groups, scheme.group_size, _ct_g_idx(tensors.get(f"{prefix}.weight_g_idx")), prefix)
+    w = q.to(dt)
+    if zp is not None:
+        if zp.dtype == torch.int32 and zp.shape[0] != n:
+            zp = _unpack_stream(zp, bits, n, 0) - offset                # packed along N
+        w = w - zp.to(dt)[:, g]
+    return (w * scale[:, g]).contiguous()
+
+
+def _ct_g_idx(g_idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if g_idx is None or bool((g_idx == -1).any()) else g_idx

@@ -1,0 +1,166 @@
+"""Step 2 of :func:`mixgemm.hf.from_pretrained`: put a :class:`~mixgemm.hf.plan.Plan` on the device
+(QuantLinear modules around the packed weights, :class:`GatedMLP` for fused MLPs, the other
+tensors read from the shards), and the :class:`LoadSummary` of the result.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+from torch import nn
+
+from ..nn import QuantLinear
+from .plan import Plan
+
+__all__ = ["GatedMLP", "LoadSummary", "materialize", "summary"]
+
+
+class GatedMLP(nn.Module):
+    """A gated MLP with its gate and up projections fused: ``down_proj(gate_up(x))``.
+
+    Parameters
+    ----------
+    gate_up : QuantLinear
+        ``activation="swiglu"``: returns ``silu(x @ gate.T + b_g) * (x @ up.T + b_u)``,
+        ``[..., I]`` for ``x`` ``[..., H]``.
+    down_proj : nn.Module
+        ``[..., I] -> [..., H]`` (a QuantLinear, or an ``nn.Linear`` kept in full precision).
+    """
+
+    def __init__(self, gate_up: QuantLinear, down_proj: nn.Module):
+        super().__init__()
+        if not isinstance(gate_up, QuantLinear) or gate_up.activation != "swiglu":
+            raise TypeError("gate_up must be a QuantLinear with activation='swiglu'")
+        self.gate_up = gate_up
+        self.down_proj = down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up(x))
+
+
+@dataclasses.dataclass
+class LoadSummary:
+    """What :func:`from_pretrained` loaded (also ``model.mixgemm_summary``).
+
+    Attributes
+    ----------
+    model_dir : str
+    method : str
+        The checkpoint's ``quant_method``.
+    quantized : list of str
+        The QuantLinear modules (a fused gate/up layer is ``"<mlp>.gate_up"``).
+    fused : list of str
+        The MLPs whose gate and up projections were fused (:class:`GatedMLP`).
+    full_precision : dict of str -> str
+        Quantized layers kept as ``nn.Linear`` in full precision, with the reason.
+    quantized_bytes, other_bytes : int
+        Bytes held by the QuantLinear modules (codes, scales, zeros, biases, permutations) and by
+        everything else (embeddings, norms, the LM head, full-precision layers, buffers).
+    bf16_bytes : int
+        What the same model takes with bf16 weights.
+    """
+
+    model_dir: str
+    method: str
+    quantized: List[str]
+    fused: List[str]
+    full_precision: Dict[str, str]
+    quantized_bytes: int
+    other_bytes: int
+    bf16_bytes: int
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.quantized_bytes + self.other_bytes
+
+    def __str__(self) -> str:
+        ratio = self.bf16_bytes / self.resident_bytes if self.resident_bytes else float("nan")
+        return (f"mixgemm.hf: loaded {self.model_dir} ({self.method}): {len(self.quantized)} quantized layers "
+                f"({len(self.fused)} gated MLPs fused), {len(self.full_precision)} kept in full precision; "
+                f"resident {_mib(self.resident_bytes)} (quantized {_mib(self.quantized_bytes)} + other "
+                f"{_mib(self.other_bytes)}) vs {_mib(self.bf16_bytes)} in bf16 ({ratio:.2f}x smaller)")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _set(model: nn.Module, name: str, value) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, value)
+
+
+def materialize(plan: Plan, device: torch.device) -> nn.Module:
+    """Step 2: put the planned model on ``device``."""
+    model, dtype = plan.model, plan.dtype
+    fused_keys = set(plan.fused.values())
+    layers: Dict[str, QuantLinear] = {}
+    for name in list(plan.quantized):
+        layer = plan.quantized.pop(name)           # frees the CPU copy as it goes
+        q = QuantLinear.from_packed(layer.packed.to(device),
+                                    bias=None if layer.bias is None else layer.bias.to(device, dtype),
+                                    perm=None if layer.perm is None else layer.perm.to(device))
+        if layer.swiglu:
+            q.activation, q.out_features = "swiglu", layer.packed.n // 2
+        layers[name] = q
+        if name not in fused_keys:
+            _set(model, name, q)
+    for name, (weight, bias, _) in plan.full.items():
+        lin = model.get_submodule(name)
+        lin.weight = nn.Parameter(weight.to(device, dtype), requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.to(device, dtype), requires_grad=False)
+    for mlp, key in plan.fused.items():
+        _set(model, mlp, GatedMLP(layers[key], model.get_submodule(mlp).down_proj))
+    for keys, names in plan.plain:
+        params = {}
+        for name in names:
+            key = name if name in keys else keys[0]
+            if key not in params:
+                like = model.get_parameter(name)
+                params[key] = nn.Parameter(plan.shards.get(key).to(device, like.dtype), requires_grad=False)
+            _set(model, name, params[key])
+    for key, name in plan.buffers:
+        buf = model.get_buffer(name)
+        _set_buffer(model, name, plan.shards.get(key).to(device, buf.dtype))
+    for mod in model.modules():
+        for bname, buf in list(mod._buffers.items()):
+            if buf is not None and buf.device != device:
+                mod._buffers[bname] = buf.to(device)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:   # every parameter was planned: this is a bug, not a checkpoint problem
+        raise RuntimeError(f"mixgemm.hf: {left[:3]} were left on the meta device")
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    parent, _, attr = name.rpartition(".")
+    (model.get_submodule(parent) if parent else model)._buffers[attr] = value
+
+
+def summary(model: nn.Module, plan: Plan, model_dir: Path, quantized: List[str]) -> LoadSummary:
+    seen, qbytes, total, bf16 = set(), 0, 0, 0
+    qtensors = set()
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            for t in list(mod.buffers(recurse=False)) + list(mod.parameters(recurse=False)):
+                qtensors.add(id(t))
+            bf16 += 2 * mod.weight_rows * mod.in_features + (0 if mod.bias is None else 2 * mod.bias.numel())
+    for t in list(model.parameters()) + list(model.buffers()):
+        ptr = (t.untyped_storage().data_ptr(), t.device)
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        nbytes = t.untyped_storage().nbytes()
+        total += nbytes
+        if id(t) in qtensors:
+            qbytes += nbytes
+        else:
+            bf16 += 2 * t.numel() if t.is_floating_point() and isinstance(t, nn.Parameter) else nbytes
+    return LoadSummary(str(model_dir), plan.method.value, quantized, list(plan.fused),
+                       {name: why for name, (_, _, why) in plan.full.items()}, qbytes, total - qbytes, bf16)

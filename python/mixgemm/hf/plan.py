@@ -1,0 +1,368 @@
+"""Step 1 of :func:`mixgemm.hf.from_pretrained`, on the CPU: build the model on the meta device,
+read, convert and prepack every quantized layer (fusing gated MLPs' gate and up), and check every
+other tensor against the model. Everything that can be wrong with a checkpoint is found here; the
+:class:`Plan` it returns holds what step 2 (:mod:`mixgemm.hf.materialize`) puts on the device.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from ..errors import CheckpointError, UnsupportedLayerError
+from ..formats import ImportedLayer, import_layer
+from ..layout import prepack, unpack
+from ..quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
+from ..types import ActType, PackedWeight, QuantizedWeight
+from .config import LayerScheme, QuantizationConfig, QuantMethod, parse_quantization_config
+from .dequant import dequantize_layer
+from .shards import Shards
+
+__all__ = ["Plan", "plan", "resolve_dtype"]
+
+_log = logging.getLogger("mixgemm.hf")
+
+
+@dataclasses.dataclass
+class _Layer:
+    """One quantized layer on the CPU: its logical weight (imported) or its packed weight
+    (mixgemm files), bias and act-order permutation."""
+
+    qweight: Optional[QuantizedWeight]
+    packed: Optional[PackedWeight]
+    bias: Optional[torch.Tensor]
+    perm: Optional[torch.Tensor]
+    swiglu: bool = False
+
+    def logical(self) -> QuantizedWeight:
+        return self.qweight if self.qweight is not None else unpack(self.packed)
+
+    def prepacked(self) -> "_Layer":
+        if self.packed is not None:
+            return self
+        return dataclasses.replace(self, qweight=None, packed=prepack(self.qweight))
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything step 1 decided; step 2 only moves it onto the device."""
+
+    model: nn.Module
+    shards: Shards
+    dtype: torch.dtype
+    method: QuantMethod
+    quantized: Dict[str, _Layer]                     # module name -> packed layer
+    fused: Dict[str, str]                            # MLP name -> its gate_up entry in quantized
+    full: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor], str]]   # linear -> (weight, bias, why)
+    plain: List[Tuple[List[str], List[str]]]         # ([checkpoint keys], [parameter names])
+    buffers: List[Tuple[str, str]]                   # (checkpoint key, buffer name)
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Every parameter registered inside goes to the meta device; buffers stay where they are
+    created (so the model computes them as usual, e.g. the rotary frequencies). Patches
+    ``nn.Module.register_parameter`` for the duration (the approach of accelerate's
+    ``init_empty_weights``). A layer's parameter is created uninitialized on the CPU and moved as
+    it is registered, before the layer initializes it: its memory is allocated for that moment
+    but never written."""
+    original = nn.Module.register_parameter
+
+    def register(module, name, param):
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            p = module._parameters[name]
+            module._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def resolve_dtype(dtype, raw_config: dict) -> torch.dtype:
+    """The activation dtype: ``dtype``, else config.json's ``dtype`` / ``torch_dtype`` if bf16 or
+    fp16, else bf16."""
+    if dtype is not None:
+        try:
+            return ActType.parse(dtype).torch_dtype
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16: {e}") from None
+    stored = raw_config.get("dtype") or raw_config.get("torch_dtype")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(stored), torch.bfloat16)
+
+
+def _read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: no such directory")
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: no config.json (a transformers model directory has one)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object")
+    return raw
+
+
+def _build_meta_model(transformers, model_dir: Path, dtype: torch.dtype, attn_implementation: Optional[str]):
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{model_dir / 'config.json'}: transformers cannot read it: {e}") from None
+    # the model is built as a plain one: its quantized layers are mixgemm's business
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    kwargs = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        with _parameters_on_meta():
+            return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError as e:
+        raise CheckpointError(f"{model_dir / 'config.json'}: transformers cannot build a causal-LM model from it: "
+                              f"{e}") from None
+
+
+def _children(shards: Shards) -> Dict[str, Dict[str, str]]:
+    """prefix -> {last name component: key} over the checkpoint's keys."""
+    out: Dict[str, Dict[str, str]] = {}
+    for key in shards:
+        prefix, _, last = key.rpartition(".")
+        out.setdefault(prefix, {})[last] = key
+    return out
+
+
+def _gated_mlps(model: nn.Module) -> Dict[str, nn.Module]:
+    """MLP modules of the LLaMA kind: ``gate_proj``, ``up_proj``, ``down_proj`` linears and a SiLU
+    ``act_fn``, nothing else, computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+    found = {}
+    for name, mod in model.named_modules():
+        kids = dict(mod.named_children())
+        if set(kids) != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+            continue
+        if not all(isinstance(kids[k], nn.Linear) for k in ("gate_proj", "up_proj", "down_proj")):
+            continue
+        if isinstance(kids["act_fn"], nn.SiLU) or type(kids["act_fn"]).__name__ in ("SiLUActivation", "SiLU"):
+            found[name] = mod
+    return found
+
+
+def _fuse_reason(gate: _Layer, up: _Layer) -> Optional[str]:
+    """Why gate and up cannot share one swiglu layer, or None."""
+    g, u = gate.logical(), up.logical()
+    if (g.n, g.k, g.bits, g.group_size, g.symmetric, g.dtype) != (u.n, u.k, u.bits, u.group_size, u.symmetric, u.dtype):
+        return (f"gate is {g.weight_type.value}/g{g.group_size} {g.n}x{g.k}, up is "
+                f"{u.weight_type.value}/g{u.group_size} {u.n}x{u.k}")
+    if (g.zero_offsets is None) != (u.zero_offsets is None):
+        return "only one of gate and up has fractional zero points"
+    if (gate.bias is None) != (up.bias is None):
+        return "only one of gate and up has a bias"
+    if (gate.perm is None) != (up.perm is None) or (gate.perm is not None and not torch.equal(gate.perm, up.perm)):
+        return "gate and up have different act-order permutations"
+    if g.n % GATE_UP_STRIPE:
+        return f"{g.n} rows are not a multiple of {GATE_UP_STRIPE}"
+    return None
+
+
+def _fuse(gate: _Layer, up: _Layer) -> _Layer:
+    qw = interleave_gate_up(gate.logical(), up.logical())
+    bias = None if gate.bias is None else interleave_rows(gate.bias, up.bias)
+    return _Layer(None, prepack(qw), bias, gate.perm, swiglu=True)
+
+
+def _check_linear(name: str, lin: nn.Linear, n: int, k: int, bias: Optional[torch.Tensor], where: str) -> None:
+    if (n, k) != (lin.out_features, lin.in_features):
+        raise CheckpointError(f"{where}: layer {name!r} holds a [{n}, {k}] weight, but the config makes it "
+                              f"[{lin.out_features}, {lin.in_features}] (out_features, in_features)")
+    if (bias is None) != (lin.bias is None):
+        raise CheckpointError(f"{where}: layer {name!r} " + (
+            f"has no bias tensor {name + '.bias'!r}, which the model's layer has" if bias is None else
+            f"has a bias tensor {name + '.bias'!r}, which the model's layer does not have"))
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise CheckpointError(f"{where}: {name + '.bias'!r} has shape {list(bias.shape)}, expected [{n}]")
+
+
+def _read_layer(name: str, lin: nn.Linear, kids: Dict[str, str], shards: Shards, qconfig: QuantizationConfig,
+                dtype: torch.dtype, where: str) -> Union[_Layer, Tuple[torch.Tensor, Optional[torch.Tensor], str]]:
+    """A quantized layer's tensors, converted: a _Layer, or (weight, bias, why) when mixgemm cannot
+    represent it."""
+    scheme: LayerScheme = qconfig.scheme_for(name, type(lin).__name__)
+    if not scheme.quantized:
+        raise CheckpointError(f"{where}: layer {name!r} holds quantized tensors, but the quantization_config "
+                              f"says it is not quantized")
+    tensors = {key: shards.get(key) for key in kids.values()}
+    if qconfig.method is QuantMethod.MIXGEMM:
+        packed = tensors[f"{name}.weight"]
+        perm, bias = tensors.get(f"{name}.perm"), tensors.get(f"{name}.bias")
+        _check_linear(name, lin, packed.n, packed.k, bias, where)
+        if perm is not None and (perm.dtype != torch.int64 or tuple(perm.shape) != (packed.k,)):
+            raise CheckpointError(f"{where}: {name + '.perm'!r} must be int64 [{packed.k}], got {perm.dtype} "
+                                  f"{list(perm.shape)}")
+        if packed.dtype != dtype:   # the activation dtype: scales rounded to it, integer zeros exact
+            packed = dataclasses.replace(packed, scales=packed.scales.to(dtype),
+                                         zeros=None if packed.zeros is None else packed.zeros.to(dtype))
+        return _Layer(None, packed, bias, perm)
+    try:
+        layer: ImportedLayer = import_layer(qconfig.method.format, tensors, name, dtype, bits=scheme.bits,
+                                            group_size=scheme.group_size,
+                                            checkpoint_format=scheme.checkpoint_format)
+    except UnsupportedLayerError as e:
+        weight = dequantize_layer(qconfig.method, tensors, name, scheme)
+        bias = tensors.get(f"{name}.bias")
+        _check_linear(name, lin, weight.shape[0], weight.shape[1], bias, where)
+        return weight, bias, str(e).removeprefix(f"layer {name!r}: ")
+    _check_linear(name, lin, layer.qweight.n, layer.qweight.k, layer.bias, where)
+    return _Layer(layer.qweight, None, layer.bias, layer.perm)
+
+
+def _is_ignorable(key: str, model: nn.Module) -> bool:
+    """Tensors a checkpoint may hold that the model computes itself (old checkpoints' rotary
+    frequencies) or says to ignore."""
+    if key.endswith(".inv_freq"):
+        return True
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return any(re.search(p, key) for p in patterns)
+
+
+def plan(transformers, model_dir: Path, dtype, fuse_gate_up: bool, attn_implementation: Optional[str]) -> Plan:
+    """Step 1: everything on the CPU, every check. Takes no device."""
+    raw = _read_config(model_dir)
+    where = str(model_dir)
+    if "quantization_config" not in raw:
+        raise CheckpointError(f"{model_dir / 'config.json'} has no quantization_config: not a quantized checkpoint "
+                              f"(load it with transformers, then mixgemm.nn.quantize_model to quantize it)")
+    qconfig = parse_quantization_config(raw["quantization_config"], str(model_dir / "config.json"))
+    dtype = resolve_dtype(dtype, raw)
+    shards = Shards(model_dir)
+    try:
+        model = _build_meta_model(transformers, model_dir, dtype, attn_implementation)
+        plan = Plan(model, shards, dtype, qconfig.method, {}, {}, {}, [], [])
+        children = _children(shards)
+        _plan_linears(plan, qconfig, children, where, fuse_gate_up)
+        _plan_rest(plan, children, where)
+        return plan
+    except BaseException:
+        shards.close()
+        raise
+
+
+def _plan_linears(plan: Plan, qconfig: QuantizationConfig, children: Dict[str, Dict[str, str]], where: str,
+                  fuse_gate_up: bool) -> None:
+    """Read, convert and pack every quantized linear layer (fusing gated MLPs' gate and up)."""
+    model, shards = plan.model, plan.shards
+    primary = qconfig.method.primary
+    mlps = _gated_mlps(model) if fuse_gate_up else {}
+    pending: Dict[str, Dict[str, object]] = {}     # MLP -> {"gate_proj": layer, "up_proj": layer}
+    for name, lin in model.named_modules():
+        if not isinstance(lin, nn.Linear):
+            continue
+        kids = children.get(name, {})
+        quantized = primary in kids and (qconfig.method is not QuantMethod.MIXGEMM
+                                         or shards.is_packed(kids[primary]))
+        if not quantized:
+            continue   # a plain (or tied) weight: _plan_rest loads it
+        if qconfig.method is not QuantMethod.MIXGEMM and "weight" in kids:
+            raise CheckpointError(f"{where}: layer {name!r} has both quantized tensors and a plain "
+                                  f"{kids['weight']!r}")
+        got = _read_layer(name, lin, kids, shards, qconfig, plan.dtype, where)
+        if isinstance(got, tuple):
+            warnings.warn(f"mixgemm.hf: keeping {name} in full precision ({plan.dtype}): {got[2]}", stacklevel=4)
+            plan.full[name] = got
+            got = None
+        parent, _, attr = name.rpartition(".")
+        if parent in mlps and attr in ("gate_proj", "up_proj"):
+            pending.setdefault(parent, {})[attr] = got      # packed when both are read
+            _maybe_fuse(plan, parent, pending)
+        elif got is not None:
+            plan.quantized[name] = got.prepacked()
+    for mlp, parts in pending.items():     # an MLP whose gate or up is stored unquantized
+        for attr, layer in parts.items():
+            if layer is not None:
+                plan.quantized[f"{mlp}.{attr}"] = layer.prepacked()
+
+
+def _maybe_fuse(plan: Plan, mlp: str, pending: Dict[str, Dict[str, object]]) -> None:
+    """Once both of an MLP's gate and up are read: fuse them, or pack each alone."""
+    parts = pending[mlp]
+    if set(parts) != {"gate_proj", "up_proj"}:
+        return
+    gate, up = parts["gate_proj"], parts["up_proj"]
+    del pending[mlp]
+    why = "one of them is kept in full precision" if gate is None or up is None else _fuse_reason(gate, up)
+    if why is None:
+        key = f"{mlp}.gate_up"
+        plan.quantized[key] = _fuse(gate, up)
+        plan.fused[mlp] = key
+        return
+    _log.info("mixgemm.hf: %s: gate and up not fused: %s", mlp, why)
+    for attr, layer in (("gate_proj", gate), ("up_proj", up)):
+        if layer is not None:
+            plan.quantized[f"{mlp}.{attr}"] = layer.prepacked()
+
+
+def _plan_rest(plan: Plan, children: Dict[str, Dict[str, str]], where: str) -> None:
+    """Every parameter of the model that no quantized layer replaces, and the persistent
+    buffers: which checkpoint tensor fills it, with its shape checked; then no tensor may be
+    left over."""
+    model, shards = plan.model, plan.shards
+    replaced = set(plan.quantized) | set(plan.full) | {f"{m}.{p}" for m in plan.fused for p in ("gate_proj", "up_proj")}
+    consumed = {key for name in replaced for key in children.get(name, {}).values()}
+    # tied parameters are one object under several names
+    groups: Dict[int, Tuple[nn.Parameter, List[str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name.rpartition(".")[0] in replaced:
+            continue
+        groups.setdefault(id(param), (param, []))[1].append(name)
+    missing = []
+    for param, names in groups.values():
+        keys = [n for n in names if n in shards]
+        if not keys:
+            missing.append(names[0])
+            continue
+        for key in keys:
+            if shards.is_packed(key):
+                raise CheckpointError(f"{where}: {key!r} is a mixgemm packed weight, but " + (
+                    f"the quantization_config's quant_method is {plan.method.value!r}"
+                    if plan.method is not QuantMethod.MIXGEMM else "the model's is not a linear layer's weight"))
+            shape = shards.shape(key)
+            if tuple(shape) != tuple(param.shape):
+                raise CheckpointError(f"{where}: tensor {key!r} ({shards.file_of(key)}) has shape {list(shape)}, "
+                                      f"but the config makes it {list(param.shape)}")
+            consumed.add(key)
+        plan.plain.append((keys, names))
+    if missing:
+        raise CheckpointError(f"{where}: the checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. "
+                              f"{missing[:3]} (truncated, or a config that does not match the weights?)")
+    for mod_name, mod in model.named_modules():
+        for bname, buf in mod._buffers.items():
+            full = f"{mod_name}.{bname}" if mod_name else bname
+            if buf is None or bname in mod._non_persistent_buffers_set or full not in shards:
+                continue
+            if tuple(shards.shape(full)) != tuple(buf.shape):
+                raise CheckpointError(f"{where}: tensor {full!r} has shape {list(shards.shape(full))}, but the "
+                                      f"model's buffer is {list(buf.shape)}")
+            plan.buffers.append((full, full))
+            consumed.add(full)
+    unexpected = [k for k in shards if k not in consumed and not _is_ignorable(k, model)]
+    modules = dict(model.named_modules())
+    for key in unexpected:       # quantized tensors of a module that is not an nn.Linear
+        owner = modules.get(key.rpartition(".")[0])
+        if owner is not None and not isinstance(owner, nn.Linear):
+            raise CheckpointError(f"{where}: {key!r} belongs to {key.rpartition('.')[0]!r}, a "
+                                  f"{type(owner).__name__}: mixgemm.hf reads quantized nn.Linear layers only")
+    if unexpected:
+        raise CheckpointError(f"{where}: {len(unexpected)} tensor(s) of the checkpoint belong to no layer of the "
+                              f"model the config describes, e.g. {unexpected[:3]} (a config that does not match "
+                              f"the weights?)")

@@ -1,0 +1,471 @@
+"""mixgemm.hf.from_pretrained on the CPU: the loading path.
+
+Tiny LLaMA checkpoints are written in each format (tests/hf_checkpoints.py) and loaded onto the
+CPU. Every QuantLinear's dequantized weight must equal its format's own dequantization bit for
+bit, and the loaded model, run in float32 with those weights (each QuantLinear swapped for an
+nn.Linear by the test: the package has no CPU fallback), must give the logits of the reference
+model built from the format's formula. Bad checkpoints must fail before the device step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers", reason="mixgemm.hf needs transformers (pip install 'mixgemm[hf]')")
+
+import hf_checkpoints as hc  # noqa: E402
+import test_formats as tf  # noqa: E402
+from mixgemm import hf  # noqa: E402
+from mixgemm.errors import CheckpointError, FormatError  # noqa: E402
+from mixgemm.hf import materialize  # noqa: E402
+from mixgemm.hf.config import LayerScheme, QuantMethod, parse_quantization_config  # noqa: E402
+from mixgemm.hf.dequant import dequantize_layer  # noqa: E402
+from mixgemm.nn import QuantLinear  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load(model_dir, **kw):
+    kw.setdefault("attn_implementation", "eager")
+    return hf.from_pretrained(model_dir, device="cpu", **kw)
+
+
+def assert_bitwise(a, b, what=""):
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+        f"{what}: {int((a.view(torch.int16) != b.view(torch.int16)).sum())} elements differ"
+
+
+def assert_same_logits(model, ref, ids=None):
+    ids = hc.input_ids() if ids is None else ids
+    with torch.no_grad():
+        got = hc.to_float32(model)(ids).logits
+        want = hc.reference_model(ref)(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(hc.WRITERS))
+def test_every_format_loads_exactly(tmp_path, kind):
+    ref = hc.WRITERS[kind](tmp_path / kind)
+    model = load(tmp_path / kind)
+    assert isinstance(model, transformers.LlamaForCausalLM) and not model.training
+    summary = model.mixgemm_summary
+    assert summary.method == ("mixgemm" if kind.startswith("mixgemm") else
+                              {"awq": "awq", "gpt": "gptq", "ct-": "compressed-tensors"}[kind[:3]])
+    # the gated MLPs are fused, every other quantized linear is a QuantLinear
+    assert summary.fused == [f"model.layers.{i}.mlp" for i in range(hc.LAYERS)]
+    for i in range(hc.LAYERS):
+        mlp = model.model.layers[i].mlp
+        assert isinstance(mlp, hf.GatedMLP) and mlp.gate_up.activation == "swiglu"
+        assert mlp.gate_up.out_features == 512 and mlp.gate_up.weight_rows == 1024
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            assert isinstance(getattr(model.model.layers[i].self_attn, proj), QuantLinear)
+        assert isinstance(mlp.down_proj, QuantLinear)
+    assert type(model.lm_head) is nn.Linear and not summary.full_precision
+    # each layer's weight is its format's own dequantization, bit for bit
+    got = hc.dequantized_linears(model)
+    assert sorted(got) == sorted(ref.linears)
+    for name, want in ref.linears.items():
+        assert_bitwise(got[name][0], want, name)
+    # the unquantized tensors are the checkpoint's, and nothing is left on the meta device
+    for name, want in ref.plain.items():
+        assert torch.equal(model.get_parameter(name), want), name
+    assert all(not t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    assert_same_logits(model, ref)
+
+
+def test_a_mixgemm_checkpoint_written_by_the_command_line(tmp_path, capsys):
+    """The README's recipe: `mixgemm prepack DIR -o OUT/model.safetensors --from gptq`, and the
+    source's config.json with the mixgemm quantization_config next to it."""
+    from mixgemm.cli import main
+
+    ref = hc.write_gptq(tmp_path / "src", act_order=True, fmt="gptq_v2")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["prepack", str(tmp_path / "src"), "-o", str(out / "model.safetensors"), "--from", "gptq"]) == 0
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mixgemm", "format_version": 1}
+    (out / "config.json").write_text(json.dumps(config))
+    model = load(out)
+    assert model.mixgemm_summary.method == "mixgemm" and len(model.mixgemm_summary.fused) == hc.LAYERS
+    assert model.model.layers[0].self_attn.q_proj.perm is not None
+    got = hc.dequantized_linears(model)
+    for name, want in ref.linears.items():
+        assert_bitwise(got[name][0], want, name)
+    assert_same_logits(model, ref)
+
+
+def test_tied_embeddings_share_one_tensor(tmp_path):
+    ref = hc.write_awq(tmp_path / "m", tie=True, shards=1)
+    assert "lm_head.weight" not in hc.checkpoint_keys(tmp_path / "m")
+    model = load(tmp_path / "m")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.device.type == "cpu"
+    assert_same_logits(model, ref)
+
+
+def test_memory_is_the_quantized_size_and_a_log_line_says_so(tmp_path, caplog):
+    hc.write_gptq(tmp_path / "m", bits=4, group_size=64)
+    with caplog.at_level(logging.INFO, logger="mixgemm.hf"):
+        model = load(tmp_path / "m")
+    lines = [r.getMessage() for r in caplog.records if r.name == "mixgemm.hf" and "resident" in r.getMessage()]
+    assert len(lines) == 1
+    s = model.mixgemm_summary
+    assert str(s) == lines[0] and "quantized" in lines[0] and "in bf16" in lines[0]
+    # the summary counts what the model holds
+    tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+               for t in list(model.parameters()) + list(model.buffers())}
+    assert s.resident_bytes == sum(tensors.values())
+    qlayers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert s.quantized_bytes == sum(q.packed.nbytes for q in qlayers)   # no biases or perms here
+    # every quantized weight is held at 4 bits (+ fp16 scales and zeros per 64): no full-precision copy
+    weights = sum(q.weight_rows * q.in_features for q in qlayers)
+    assert s.quantized_bytes == weights // 2 + 2 * 2 * weights // 64
+    assert s.bf16_bytes == 2 * weights + s.other_bytes      # the rest is fp16 already
+    no_linear = [n for n, m in model.named_modules() if type(m) is nn.Linear and n != "lm_head"]
+    assert no_linear == []
+
+
+def test_unsupported_layers_stay_in_full_precision_with_a_warning(tmp_path):
+    # GPTQ: intermediate size 672 = 10.5 * 64: down_proj's K is not a multiple of 64
+    ref = hc.write_gptq(tmp_path / "gptq", group_size=32, intermediate=672)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load(tmp_path / "gptq")
+    messages = [str(w.message) for w in caught if "mixgemm.hf" in str(w.message)]
+    assert len(messages) == 2 and len(ref.full_precision) == 2
+    for i, msg in enumerate(messages):
+        assert f"keeping model.layers.{i}.mlp.down_proj in full precision" in msg and "K=672" in msg
+    for name in ref.full_precision:
+        lin = model.get_submodule(name)
+        assert type(lin) is nn.Linear and lin.weight.dtype == torch.float16
+        assert_bitwise(lin.weight.detach(), ref.linears[name], name)   # GPTQ's formula, in its fp16
+    assert sorted(model.mixgemm_summary.full_precision) == sorted(ref.full_precision)
+    assert model.mixgemm_summary.fused == ["model.layers.0.mlp", "model.layers.1.mlp"]  # gate/up are fine
+    assert_same_logits(model, ref)
+
+    # compressed-tensors: o_proj quantized with one scale for the whole tensor
+    ref = hc.write_compressed_tensors(tmp_path / "ct", tensor_strategy_o_proj=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load(tmp_path / "ct")
+    messages = [str(w.message) for w in caught if "mixgemm.hf" in str(w.message)]
+    assert len(messages) == 2
+    for i, msg in enumerate(messages):
+        assert msg.startswith(f"mixgemm.hf: keeping model.layers.{i}.self_attn.o_proj in full precision "
+                              f"(torch.bfloat16): a scalar weight_scale (the 'tensor' strategy) is not supported")
+    for name in ref.full_precision:
+        assert_bitwise(model.get_submodule(name).weight.detach(), ref.linears[name], name)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert_same_logits(model, ref)
+
+
+def test_gate_and_up_with_different_permutations_stay_separate(tmp_path):
+    ref = hc.write_gptq(tmp_path / "m", act_order=True, fmt="gptq_v2", separate_mlp_orders=True)
+    model = load(tmp_path / "m")
+    mlp = model.model.layers[0].mlp
+    assert type(mlp).__name__ == "LlamaMLP" and model.mixgemm_summary.fused == []
+    assert isinstance(mlp.gate_proj, QuantLinear) and isinstance(mlp.up_proj, QuantLinear)
+    assert not torch.equal(mlp.gate_proj.perm, mlp.up_proj.perm)
+    assert_same_logits(model, ref)
+    unfused = load(tmp_path / "m", fuse_gate_up=False)
+    assert unfused.mixgemm_summary.fused == [] and len(unfused.mixgemm_summary.quantized) == 14
+
+
+def test_generate_on_the_dequantized_model_matches_the_reference(tmp_path):
+    """generate() runs through the loaded (fused) model's modules; in float32 with the dequantized
+    weights its greedy tokens are the reference model's, with a dynamic and a static cache."""
+    ref = hc.write_compressed_tensors(tmp_path / "m", act_order=True, symmetric=False, group_size=128)
+    model = hc.to_float32(load(tmp_path / "m"))
+    reference = hc.reference_model(ref)
+    ids = hc.input_ids(batch=1, length=6, seed=3)
+    for cache in (None, "static"):
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        if cache:
+            kw["cache_implementation"] = cache
+        got = model.generate(ids, **kw)
+        want = reference.generate(ids, **kw)
+        assert got.shape == (1, 12) and torch.equal(got, want), cache
+
+
+def test_the_loaded_model_traces_as_one_graph_with_a_static_cache(tmp_path):
+    """torch.compile(fullgraph=True) of a decoding step with a StaticCache traces the whole loaded
+    model (fused MLPs, act-order permutations) into one graph of mixgemm.gemm custom ops; the
+    backend stops before running it (the kernels need the GPU)."""
+    hc.write_gptq(tmp_path / "m", act_order=True, fmt="gptq_v2")
+    model = load(tmp_path / "m")
+    graphs = []
+
+    class Traced(Exception):
+        pass
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        raise Traced
+
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    step = torch.compile(model, fullgraph=True, backend=backend)
+    with pytest.raises(Exception, match="Traced"):
+        step(hc.input_ids(1, 1), past_key_values=cache, use_cache=True, cache_position=torch.tensor([0]))
+    assert len(graphs) == 1
+    graph = str(graphs[0].graph)
+    # per layer: q, k, v, o, the fused gate/up and down; each with its act-order permutation
+    assert graph.count("mixgemm.gemm") == 6 * hc.LAYERS and graph.count("index_select") == 6 * hc.LAYERS
+
+
+def test_other_activation_dtype_rounds_the_scales(tmp_path):
+    ref = hc.write_awq(tmp_path / "m", shards=1)
+    model = load(tmp_path / "m", dtype=torch.bfloat16)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    layer = model.model.layers[0].self_attn.q_proj
+    assert layer.scales.dtype == torch.bfloat16
+    got = hc.dequantized_linears(model)["model.layers.0.self_attn.q_proj"][0].double()
+    want = ref.linears["model.layers.0.self_attn.q_proj"].double()
+    # mixgemm.formats' documented bound for an fp16 checkpoint imported as bf16
+    assert bool(((got - want).abs() <= (2 ** -7 + 2 ** -16 + 2 ** -11) * want.abs() / (1 - 2 ** -11)).all())
+    assert not torch.equal(got, want)
+
+
+def test_stale_rotary_frequencies_in_a_checkpoint_are_ignored(tmp_path):
+    ref = hc.write_awq(tmp_path / "m", shards=1)
+    hc.rewrite(tmp_path / "m", lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(32)}))
+    assert_same_logits(load(tmp_path / "m"), ref)
+
+
+# ------------------------------------------------------------------------------- bad checkpoints
+
+
+@pytest.fixture
+def no_device_step(monkeypatch):
+    """Fail the test if from_pretrained reaches its device step."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("from_pretrained reached the device step")
+    monkeypatch.setattr(materialize, "materialize", refuse)
+
+
+def _truncate(path: Path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])
+
+
+def _drop(key):
+    return lambda t: t.pop(key, None)
+
+
+def _add_bias(layer):
+    def change(tensors):
+        if f"{layer}.qweight" in tensors:
+            tensors[f"{layer}.bias"] = torch.zeros(256, dtype=torch.float16)
+    return change
+
+
+def _replace(key, value):
+    return lambda t: t.update({key: value}) if key in t else None
+
+
+BAD = {
+    "truncated-shard": (lambda d: _truncate(d / "model-00002-of-00002.safetensors"), CheckpointError,
+                        r"model-00002-of-00002.safetensors: not a valid safetensors file \(truncated or corrupt"),
+    "garbage-shard": (lambda d: (d / "model-00001-of-00002.safetensors").write_bytes(os.urandom(5000)),
+                      CheckpointError, "not a valid safetensors file"),
+    "missing-shard": (lambda d: (d / "model-00001-of-00002.safetensors").unlink(), CheckpointError,
+                      r"'model-00001-of-00002.safetensors' listed in model.safetensors.index.json is missing"),
+    "stale-index": (lambda d: hc.rewrite(d, _drop("model.norm.weight"), update_index=False), CheckpointError,
+                    "disagrees with model.safetensors.index.json: tensor 'model.norm.weight' is listed but missing"),
+    "missing-norm": (lambda d: hc.rewrite(d, _drop("model.norm.weight")), CheckpointError,
+                     r"lacks 1 tensor\(s\) the model needs, e.g. \['model.norm.weight'\]"),
+    "missing-qzeros": (lambda d: hc.rewrite(d, _drop("model.layers.1.mlp.up_proj.qzeros")), FormatError,
+                       "'model.layers.1.mlp.up_proj'.*missing its companion tensor"),
+    "missing-layer": (lambda d: hc.rewrite(d, lambda t: [t.pop(k) for k in list(t) if ".layers.1.self_attn.k_proj." in k]),
+                      CheckpointError, r"lacks 1 tensor\(s\).*model.layers.1.self_attn.k_proj.weight"),
+    "embedding-shape": (lambda d: hc.rewrite(d, _replace("model.embed_tokens.weight", torch.zeros(500, 256, dtype=torch.float16))),
+                        CheckpointError, r"'model.embed_tokens.weight' .* has shape \[500, 256\], but the config makes it \[512, 256\]"),
+    "fewer-layers-in-config": (lambda d: hc.edit_config(d, num_hidden_layers=1), CheckpointError,
+                               r"tensor\(s\) of the checkpoint belong to no layer.*model.layers.1"),
+    "intermediate-size-in-config": (lambda d: hc.edit_config(d, intermediate_size=1024), CheckpointError,
+                                    r"'model.layers.0.mlp.gate_proj' holds a \[512, 256\] weight, but the config makes it \[1024, 256\]"),
+    "group-size-in-config": (lambda d: hc.edit_config(d, quantization_config={"group_size": 128}), FormatError,
+                             "'model.layers.0.self_attn.q_proj'.*group_size=128 means 2 groups"),
+    "bits-in-config": (lambda d: hc.edit_config(d, quantization_config={"bits": 8}), FormatError,
+                       "AWQ GEMM"),
+    "awq-gemv": (lambda d: hc.edit_config(d, quantization_config={"version": "gemv"}), CheckpointError,
+                 "AWQ version 'gemv' is not supported"),
+    "bitsandbytes": (lambda d: hc.edit_config(d, quantization_config={"quant_method": "bitsandbytes"}),
+                     CheckpointError, "quant_method 'bitsandbytes' is not supported"),
+    "no-quantization-config": (lambda d: hc.edit_config(d, quantization_config=None), CheckpointError,
+                               "has no quantization_config: not a quantized checkpoint"),
+    "bias-for-a-bias-free-layer": (lambda d: hc.rewrite(d, _add_bias("model.layers.0.self_attn.o_proj")),
+                                   CheckpointError, "'model.layers.0.self_attn.o_proj' has a bias tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_awq_checkpoints_fail_before_the_device_step(tmp_path, no_device_step, case, pin_case):
+    d = tmp_path / "m"
+    hc.write_awq(d)                                  # two shards with an index
+    damage, error, match = BAD[case]
+    damage(d)
+    with pytest.raises(error, match=match) as info:
+        hf.from_pretrained(d, device="cpu")
+    pin_case("hf.from_pretrained", case, "from_pretrained(dir)", type(info.value).__name__, str(info.value).splitlines()[0])
+
+
+def test_gptq_config_and_tensors_must_agree(tmp_path, no_device_step):
+    d = tmp_path / "m"
+    hc.write_gptq(d, bits=4, group_size=64, fmt="gptq_v2")
+    hc.edit_config(d, quantization_config={"bits": 8})
+    with pytest.raises(FormatError, match="bits=8 does not match qzeros"):
+        hf.from_pretrained(d, device="cpu")
+    hc.edit_config(d, quantization_config={"bits": 4, "checkpoint_format": "marlin"})
+    with pytest.raises(CheckpointError, match="unknown GPTQ checkpoint_format 'marlin'"):
+        hf.from_pretrained(d, device="cpu")
+    # GPTQModel's dynamic rule says o_proj is not quantized, but its tensors are
+    hc.edit_config(d, quantization_config={"checkpoint_format": "gptq_v2", "dynamic": {r"-:.*o_proj": {}}})
+    with pytest.raises(CheckpointError, match="'model.layers.0.self_attn.o_proj' holds quantized tensors, but the "
+                                              "quantization_config says it is not quantized"):
+        hf.from_pretrained(d, device="cpu")
+
+
+def test_quantized_tensors_the_loader_cannot_place(tmp_path, no_device_step):
+    d = tmp_path / "m"
+    hc.write_mixgemm(d)
+    hc.edit_config(d, quantization_config={"quant_method": "awq"})
+    with pytest.raises(CheckpointError, match="'model.layers.0.self_attn.q_proj.weight' is a mixgemm packed weight, "
+                                              "but the quantization_config's quant_method is 'awq'"):
+        hf.from_pretrained(d, device="cpu")
+    # a quantized embedding: mixgemm replaces linear layers only
+    hc.write_awq(tmp_path / "e", shards=1)
+    qweight = hc.checkpoint_keys(tmp_path / "e")
+    hc.rewrite(tmp_path / "e", lambda t: t.update({"model.embed_tokens.qweight": torch.zeros(4, 4, dtype=torch.int32)}))
+    assert "model.embed_tokens.qweight" not in qweight
+    with pytest.raises(CheckpointError, match="'model.embed_tokens.qweight' belongs to 'model.embed_tokens', a "
+                                              "Embedding: mixgemm.hf reads quantized nn.Linear layers only"):
+        hf.from_pretrained(tmp_path / "e", device="cpu")
+
+
+def test_mixgemm_checkpoint_from_the_future_is_refused(tmp_path, no_device_step):
+    d = tmp_path / "m"
+    hc.write_mixgemm(d)
+    hc.edit_config(d, quantization_config={"format_version": 2})
+    with pytest.raises(CheckpointError, match="format_version 2 is from the future.*upgrade mixgemm"):
+        hf.from_pretrained(d, device="cpu")
+
+
+def test_not_a_model_directory(tmp_path, no_device_step):
+    with pytest.raises(CheckpointError, match="no such directory"):
+        hf.from_pretrained(tmp_path / "nope", device="cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        hf.from_pretrained(tmp_path / "empty", device="cpu")
+    hc.write_awq(tmp_path / "m", shards=1)
+    for f in (tmp_path / "m").glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match=r"no \*.safetensors weights"):
+        hf.from_pretrained(tmp_path / "m", device="cpu")
+
+
+def test_bad_arguments(tmp_path, no_device_step):
+    hc.write_awq(tmp_path / "m", shards=1)
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16 or torch.float16"):
+        hf.from_pretrained(tmp_path / "m", device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="device must be a CUDA device"):
+        hf.from_pretrained(tmp_path / "m", device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            hf.from_pretrained(tmp_path / "m", device="cuda")
+
+
+# --------------------------------------------------------------------- config parsing, fallbacks
+
+
+def test_quantization_config_schemes():
+    awq = parse_quantization_config({"quant_method": "awq", "w_bit": 4, "q_group_size": 128,
+                                     "modules_to_not_convert": ["visual"]})
+    assert awq.scheme_for("model.layers.0.mlp.up_proj") == LayerScheme(bits=4, group_size=128)
+    assert not awq.scheme_for("model.visual.proj").quantized
+    gptq = parse_quantization_config({"quant_method": "gptq", "bits": 4, "group_size": 128, "format": "gptq_v2",
+                                      "dynamic": {r"+:.*down_proj": {"bits": 8}, r"-:.*lm_head": {}}})
+    assert gptq.scheme_for("model.layers.3.mlp.down_proj") == LayerScheme(bits=8, group_size=128,
+                                                                          checkpoint_format="gptq_v2")
+    assert gptq.scheme_for("model.layers.3.mlp.up_proj").bits == 4
+    assert not gptq.scheme_for("lm_head").quantized
+    assert parse_quantization_config({"quant_method": "gptq"}).default.checkpoint_format == "gptq"   # v1
+    ct = parse_quantization_config({
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"a": {"targets": ["re:.*down_proj$"], "weights": {"num_bits": 8, "strategy": "channel"}},
+                          "b": {"targets": ["Linear"], "weights": {"num_bits": 4, "strategy": "group",
+                                                                   "group_size": 32}}}})
+    assert ct.scheme_for("model.layers.0.mlp.down_proj") == LayerScheme(bits=8, group_size=-1)
+    assert ct.scheme_for("model.layers.0.mlp.gate_proj") == LayerScheme(bits=4, group_size=32)
+    assert not ct.scheme_for("lm_head").quantized
+    assert not ct.scheme_for("model.embed_tokens", "Embedding").quantized
+    with pytest.raises(CheckpointError, match="'float-quantized'.*not supported"):
+        parse_quantization_config({"quant_method": "compressed-tensors", "format": "float-quantized",
+                                   "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8,
+                                                                                              "type": "float"}}}})
+    with pytest.warns(UserWarning, match="quantizes the input activations"):
+        parse_quantization_config({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                   "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4},
+                                                           "input_activations": {"num_bits": 8}}}})
+
+
+def _gptq_3bit_layer(k, n, gs, gen):
+    """A 3-bit GPTQ layer: AutoGPTQ packs 32 codes of a column into 3 int32 words, i.e. a
+    little-endian bit stream along K (codes straddle words), and the zero points along N."""
+    q = tf.rand_codes((k, n), 3, gen)
+    z = tf.rand_codes((k // gs, n), 3, gen, lo=1)
+    s = tf.rand_scales((k // gs, n), torch.float16, gen)
+    return q, z, s, {"qweight": tf.ct_pack(q - 4, 3, 0), "qzeros": tf.ct_pack(z - 1 - 4, 3, 1), "scales": s}
+
+
+def test_dequantize_layer_is_each_formats_formula():
+    gen = tf.gen_for("hf-fallback")
+    k, n, gs = 256, 64, 64
+    # 3-bit GPTQ (v1: zeros stored minus one), codes straddling words
+    q, z, s, t = _gptq_3bit_layer(k, n, gs, gen)
+    assert t["qweight"].shape == (k * 3 // 32, n) and t["qzeros"].shape == (k // gs, n * 3 // 32)
+    g = torch.arange(k) // gs
+    want = ((q - z[g]).to(torch.float16) * s[g]).t()
+    got = dequantize_layer(QuantMethod.GPTQ, {f"L.{key}": v for key, v in t.items()}, "L",
+                           LayerScheme(bits=3, group_size=gs, checkpoint_format="gptq"))
+    assert_bitwise(got, want, "3-bit gptq")
+    # the 2/4/8-bit formats against tests/test_formats.py's reference dequantizers
+    qweight, qzeros, scales = tf.make_awq(192, 64, gen)
+    got = dequantize_layer(QuantMethod.AWQ, {"a.qweight": qweight, "a.qzeros": qzeros, "a.scales": scales}, "a",
+                           LayerScheme(bits=4, group_size=64))
+    assert_bitwise(got, tf.awq_reference_dequant(qweight, qzeros, scales, 64), "awq")
+    g_idx = tf.random_act_order_g_idx(192, 32, gen)
+    for fmt in ("gptq", "gptq_v2"):
+        t = tf.make_gptq(192, 32, 8, False, fmt, torch.bfloat16, gen, g_idx=g_idx)
+        got = dequantize_layer(QuantMethod.GPTQ, {f"p.{key}": v for key, v in t.items()}, "p",
+                               LayerScheme(checkpoint_format=fmt))
+        assert_bitwise(got, tf.gptq_reference_dequant(**t, bits=8, fmt=fmt), fmt)
+    for zp_packed in (True, False):
+        t = tf.make_ct(192, 64, 2, False, torch.bfloat16, gen, zp_packed=zp_packed)
+        got = dequantize_layer(QuantMethod.COMPRESSED_TENSORS, {f"c.{key}": v for key, v in t.items()}, "c",
+                               LayerScheme())
+        assert_bitwise(got, tf.ct_reference_dequant(**t, bits=2), "ct")
+    with pytest.raises(FormatError, match="'c': missing tensor 'c.weight_scale'"):
+        dequantize_layer(QuantMethod.COMPRESSED_TENSORS, {"c.weight_packed": t["weight_packed"]}, "c", LayerScheme())
+
+
+def test_package_imports_without_transformers():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import mixgemm, mixgemm.hf, mixgemm.hf.config, mixgemm.hf.shards, mixgemm.hf.dequant\n"
+            "try:\n    mixgemm.hf.from_pretrained('x')\nexcept ImportError as e:\n    print('ImportError:', e)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ImportError: mixgemm.hf needs transformers: pip install 'mixgemm[hf]'" in out.stdout
+    code = "import sys, mixgemm.hf; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
