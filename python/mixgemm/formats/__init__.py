@@ -1,16 +1,18 @@
-r"""Importers for third-party quantized checkpoints: AutoAWQ, GPTQ, compressed-tensors, HQQ.
+r"""Importers for third-party quantized checkpoints: AutoAWQ, GPTQ, compressed-tensors, HQQ,
+and llama.cpp's GGUF files.
 
 One module per format, named after it; everything is importable from this package:
 
-=========================  ====================================================================
-``formats.awq``            :func:`from_awq` (AutoAWQ ``version="GEMM"``)
-``formats.gptq``           :func:`from_gptq`, :class:`GPTQCheckpointFormat`
-``formats.compressed_tensors``  :func:`from_compressed_tensors` (``pack-quantized``)
-``formats.hqq``            :func:`from_hqq` (fractional zero points included)
-``formats.checkpoint``     state dicts of those formats: :class:`Format`, :func:`detect_format`,
-                           :func:`import_layer`, :func:`import_checkpoint`
-``formats.common``         what the converters share: :class:`ImportedLayer`, the checks
-=========================  ====================================================================
+* ``formats.awq``: :func:`from_awq` (AutoAWQ ``version="GEMM"``);
+* ``formats.gptq``: :func:`from_gptq`, :class:`GPTQCheckpointFormat`;
+* ``formats.compressed_tensors``: :func:`from_compressed_tensors` (``pack-quantized``);
+* ``formats.hqq``: :func:`from_hqq` (fractional zero points included);
+* ``formats.gguf``: :func:`from_gguf` (a whole ``.gguf`` file: Q8_0, Q4_0, Q4_1 tensors),
+  :func:`gguf_name_to_hf`, :func:`undo_llama_rope_permutation` (its accuracy is documented
+  there);
+* ``formats.checkpoint``: state dicts of the safetensors formats: :class:`Format`,
+  :func:`detect_format`, :func:`import_layer`, :func:`import_checkpoint`;
+* ``formats.common``: what the converters share (:class:`ImportedLayer`, the checks).
 
 Each converter turns one layer of a source format into mixgemm's logical
 :class:`~mixgemm.types.QuantizedWeight` **without re-quantizing**: the integer codes, scales
@@ -30,10 +32,11 @@ With ``dtype`` equal to the dtype the checkpoint stores its scales in (the defau
 weight that :func:`mixgemm.dequantize_reference` computes from an imported layer equals the
 source format's own dequantization formula, evaluated in that dtype, **bit for bit**: both
 sides form the exact integer ``q - z`` (``|q - z| <= 255`` is exact in bf16 and fp16), and
-round its product with the scale to nearest-even once. The one exception, per converter
-below, is HQQ with fractional zero points: imported with an integer zero point plus a float32
-offset per (row, group), within 2 ulp of ``2^b * |scale|`` of HQQ's formula (see
-:func:`from_hqq`).
+round its product with the scale to nearest-even once. The exceptions are the formats with
+a floating-point zero point, HQQ with fractional zero points and GGUF's Q4_1 (``q * d + m``):
+imported with an integer zero point plus a float32 offset per (row, group), within 2 ulp of
+``2^b * |scale|`` of HQQ's formula (see :func:`from_hqq`), and within the bounds documented
+in :mod:`mixgemm.formats.gguf` of GGUF's.
 
 If ``dtype`` differs from the checkpoint's scale dtype, the scales are first rounded to
 ``dtype`` (to nearest-even). That is exact when they are representable in it: bf16 scales in
@@ -80,6 +83,7 @@ from .awq import from_awq
 from .checkpoint import Format, detect_format, import_checkpoint, import_layer
 from .common import DTypeLike, ImportedLayer  # noqa: F401  (DTypeLike: for annotations)
 from .compressed_tensors import from_compressed_tensors
+from .gguf import from_gguf, gguf_name_to_hf, undo_llama_rope_permutation
 from .gptq import GPTQCheckpointFormat, from_gptq
 from .hqq import from_hqq
 
@@ -87,4 +91,5 @@ __all__ = [
     "Format", "GPTQCheckpointFormat", "FormatError", "UnsupportedLayerError", "ImportedLayer",
     "from_awq", "from_gptq", "from_compressed_tensors", "from_hqq",
     "detect_format", "import_layer", "import_checkpoint",
+    "from_gguf", "gguf_name_to_hf", "undo_llama_rope_permutation",
 ]
