@@ -114,10 +114,17 @@ def _add_prepack(subparsers) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace an existing OUT (atomically: readers see the old or the new file)")
     p.add_argument("--from", dest="from_format", metavar="FORMAT", default=None,
-                   choices=("awq", "gptq", "compressed-tensors", "hqq", "auto"),
+                   choices=("awq", "gptq", "compressed-tensors", "hqq", "auto", "gguf"),
                    help="convert an already quantized checkpoint (awq, gptq, compressed-tensors, "
                         "hqq, or auto-detect per layer) without re-quantizing; --bits/--group-size "
-                        "then come from the checkpoint")
+                        "then come from the checkpoint. 'gguf': one llama.cpp FILE.gguf (Q8_0, "
+                        "Q4_0, Q4_1 tensors; needs the gguf package); its token embedding and "
+                        "the quantized tensors matching --exclude are written dense (dequantized "
+                        "to --dtype, default fp16) instead of packed")
+    p.add_argument("--hf-names", action="store_true",
+                   help="with --from gguf, a Llama file: write Hugging Face tensor names "
+                        "(model.layers.N.self_attn.q_proj.weight, ...), q/k rows in Hugging "
+                        "Face's order (default: the GGUF names, blk.N.attn_q.weight, ...)")
     p.add_argument("--gptq-format", choices=("gptq", "gptq_v2"), default=None,
                    help="GPTQ zero-point convention (v1 'gptq' stores z-1); default: the "
                         "checkpoint_format of a quantize_config.json/config.json next to IN")
@@ -193,6 +200,8 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
     src, dst = Path(args.input), args.output
     if args.bits is not None or args.group_size is not None or args.symmetric:
         raise UsageError("--bits, --group-size and --symmetric come from the checkpoint with --from")
+    if args.from_format == "gguf":
+        return _run_prepack_gguf(args)
     if src.is_dir():
         files = sorted(src.glob("*.safetensors"))
         if not files:
@@ -259,7 +268,53 @@ def _stack_experts(out: dict) -> tuple[dict, str]:
     return out, describe_stacked(out)
 
 
+def _run_prepack_gguf(args: argparse.Namespace) -> int:
+    """`prepack --from gguf FILE.gguf`: import a llama.cpp file's Q8_0/Q4_0/Q4_1 tensors."""
+    from collections import Counter
+    from pathlib import Path
+
+    from . import formats
+    from . import io as mio
+    from ._version import __version__
+    from .layout import prepack
+    from .types import QuantizedWeight
+
+    src, dst = Path(args.input), args.output
+    if src.is_dir():
+        raise CliError(f"{src} is a directory: --from gguf reads one .gguf file")
+    if not src.is_file():
+        raise CliError(f"{src}: no such file or directory")
+    _check_output(dst, [src], args.force)
+    dense = ([] if args.no_default_exclude else [formats.gguf.EMBEDDING_TENSORS]) + \
+        [r.pattern for r in args.exclude or []]
+    try:
+        tensors = formats.from_gguf(src, args.dtype, dense="|".join(f"(?:{d})" for d in dense) or None,
+                                    hf_names=args.hf_names, progress=True)
+        out = {name: prepack(v) if isinstance(v, QuantizedWeight) else v for name, v in tensors.items()}
+    except ImportError as e:
+        raise CliError(str(e)) from None
+    except (formats.FormatError, ValueError, TypeError) as e:
+        raise CliError(str(e)) from None
+    kinds = Counter(v.weight_type.value + (" with float zero offsets" if v.zero_offsets is not None else "")
+                    for v in out.values() if hasattr(v, "qdata"))
+    if not kinds:
+        raise CliError(f"no Q8_0, Q4_0 or Q4_1 tensor to pack in {src} (all dense or plain)")
+    after = sum(v.nbytes if hasattr(v, "qdata") else v.numel() * v.element_size() for v in out.values())
+    try:
+        mio.save(dst, out, metadata={"source": str(src), "source_format": "gguf",
+                                     "mixgemm_version": __version__})
+    except (OSError, ValueError) as e:
+        raise CliError(f"cannot write {dst}: {e}") from None
+    packed = sum(kinds.values())
+    print(f"converted {packed} gguf tensors ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
+          f"copied {len(out) - packed} tensors; {_fmt_bytes(src.stat().st_size)} -> {_fmt_bytes(after)}; "
+          f"wrote {dst}")
+    return 0
+
+
 def _run_prepack(args: argparse.Namespace) -> int:
+    if args.hf_names and args.from_format != "gguf":
+        raise UsageError("--hf-names goes with --from gguf")
     if args.from_format is not None:
         return _run_prepack_from(args)
     if args.bits is None or args.group_size is None:

@@ -1,0 +1,299 @@
+"""State-dict level import of the safetensors formats (AWQ, GPTQ, compressed-tensors, HQQ):
+:class:`Format`, :func:`detect_format`, :func:`import_layer` and :func:`import_checkpoint`."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+
+from ..layout import prepack
+from ..types import PackedWeight
+from .awq import from_awq
+from .common import DTypeLike, ImportedLayer, _err, _key
+from .compressed_tensors import from_compressed_tensors
+from .gptq import GPTQCheckpointFormat, from_gptq
+from .hqq import _HQQ_META_KEYS, _hqq_meta_from, from_hqq
+
+
+class Format(str, enum.Enum):
+    """Checkpoint formats :func:`import_layer` and :func:`import_checkpoint` read."""
+
+    #: AutoAWQ ``version="GEMM"`` layers: ``qweight``, ``qzeros``, ``scales``.
+    AWQ = "awq"
+    #: GPTQ (AutoGPTQ / GPTQModel, ``checkpoint_format`` "gptq" or "gptq_v2"): ``qweight``,
+    #: ``qzeros``, ``scales``, ``g_idx``.
+    GPTQ = "gptq"
+    #: compressed-tensors ``format="pack-quantized"``: ``weight_packed``, ``weight_scale``,
+    #: ``weight_shape``, optional ``weight_zero_point`` and ``weight_g_idx``.
+    COMPRESSED_TENSORS = "compressed-tensors"
+    #: HQQ ``HQQLinear`` state dicts: ``W_q``, ``scale``, ``zero`` and the meta entries.
+    HQQ = "hqq"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: "Format | str") -> "Format":
+        """A :class:`Format` from itself or a name (case-insensitive; ``"autoawq"``,
+        ``"pack-quantized"``, ``"compressed_tensors"`` and ``"ct"`` are accepted too)."""
+        if isinstance(value, Format):
+            return value
+        aliases = {"awq": cls.AWQ, "autoawq": cls.AWQ, "awq-gemm": cls.AWQ, "gptq": cls.GPTQ,
+                   "compressed-tensors": cls.COMPRESSED_TENSORS,
+                   "compressed_tensors": cls.COMPRESSED_TENSORS,
+                   "pack-quantized": cls.COMPRESSED_TENSORS, "ct": cls.COMPRESSED_TENSORS,
+                   "hqq": cls.HQQ}
+        try:
+            return aliases[str(value).lower()]
+        except KeyError:
+            raise ValueError(f"unknown checkpoint format {value!r}; use one of "
+                             f"{[f.value for f in cls]}") from None
+
+
+#: The tensor that marks a layer of each format, and the companions a layer may have.
+_PRIMARY = {Format.AWQ: "qweight", Format.GPTQ: "qweight",
+            Format.COMPRESSED_TENSORS: "weight_packed", Format.HQQ: "W_q"}
+_COMPANIONS = {
+    Format.AWQ: ("qweight", "qzeros", "scales"),
+    Format.GPTQ: ("qweight", "qzeros", "scales", "g_idx"),
+    Format.COMPRESSED_TENSORS: ("weight_packed", "weight_scale", "weight_shape",
+                                "weight_zero_point", "weight_g_idx"),
+    Format.HQQ: ("W_q", "scale", "zero") + _HQQ_META_KEYS,
+}
+#: Names that only occur next to a format's primary tensor: seen alone, they are an error.
+_ORPHANS = {
+    Format.AWQ: ("qzeros", "scales", "g_idx"),
+    Format.GPTQ: ("qzeros", "scales", "g_idx"),
+    Format.COMPRESSED_TENSORS: ("weight_scale", "weight_zero_point", "weight_shape",
+                                "weight_g_idx"),
+    Format.HQQ: ("nbits", "packing", "unpack_view_dtype", "encoded_state_dict",
+                 "stores_quant_config"),
+}
+
+
+def detect_format(tensors: Mapping[str, torch.Tensor], prefix: str) -> Format:
+    """Which format the layer ``prefix`` of a state dict is stored in.
+
+    Parameters
+    ----------
+    tensors : Mapping[str, torch.Tensor]
+        A state dict (e.g. from ``safetensors.torch.load_file``).
+    prefix : str
+        The layer's name, e.g. ``"model.layers.0.mlp.down_proj"`` (``""``: no prefix).
+
+    Returns
+    -------
+    Format
+        (a ``str`` enum): ``HQQ`` if ``<prefix>.W_q`` exists, ``COMPRESSED_TENSORS`` for
+        ``<prefix>.weight_packed``, and for ``<prefix>.qweight`` ``GPTQ`` if it is
+        ``[K*bits/32, N]`` (N from ``<prefix>.scales``), ``AWQ`` if it is ``[K, N/8]``.
+
+    Raises
+    ------
+    FormatError
+        No quantized weight under ``prefix``, or a ``qweight`` whose shape fits neither.
+    """
+    if _key(prefix, "W_q") in tensors:
+        return Format.HQQ
+    if _key(prefix, "weight_packed") in tensors:
+        return Format.COMPRESSED_TENSORS
+    qkey = _key(prefix, "qweight")
+    if qkey in tensors:
+        skey = _key(prefix, "scales")
+        if skey not in tensors:
+            raise _err(prefix, f"has {qkey!r} but no {skey!r}")
+        qweight, scales = tensors[qkey], tensors[skey]
+        if isinstance(qweight, torch.Tensor) and isinstance(scales, torch.Tensor) \
+                and qweight.dim() == 2 and scales.dim() == 2:
+            n = scales.shape[1]
+            if qweight.shape[1] == n:
+                return Format.GPTQ
+            if qweight.shape[1] * 8 == n:
+                return Format.AWQ
+        raise _err(prefix, f"qweight {_shape_of(qweight)} with scales {_shape_of(scales)} is "
+                           f"neither GPTQ ([K*bits/32, N]) nor AutoAWQ GEMM ([K, N/8])")
+    raise _err(prefix, "no quantized weight found: expected one of "
+                       f"{[_key(prefix, p) for p in ('qweight', 'weight_packed', 'W_q')]}")
+
+
+def _shape_of(t: Any) -> Any:
+    return list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _get(tensors: Mapping, prefix: str, suffix: str, fmt: Format, required: bool = True):
+    key = _key(prefix, suffix)
+    if key in tensors:
+        return tensors[key]
+    if required:
+        raise _err(prefix, f"{fmt.value} layer is missing its companion tensor {key!r}")
+    return None
+
+
+def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tensor],
+                 prefix: str, dtype: DTypeLike = None, *, bits: Optional[int] = None,
+                 group_size: Optional[int] = None,
+                 checkpoint_format: Union[GPTQCheckpointFormat, str, None] = None,
+                 symmetric: Optional[bool] = None, tp_rank: int = 0, tp_size: int = 1, tp_dim: int = 0,
+                 tp_sections: Optional[Tuple[int, ...]] = None) -> ImportedLayer:
+    """Convert the layer ``prefix`` of a loaded state dict.
+
+    Parameters
+    ----------
+    fmt : Format or str or None
+        The checkpoint format; ``None`` or ``"auto"``: :func:`detect_format`.
+    tensors : Mapping[str, torch.Tensor]
+        The state dict (names as in the checkpoint, e.g. ``"<prefix>.qweight"``).
+    prefix : str
+        The layer's name (``""`` for none).
+    dtype : torch.dtype or str, optional
+        Activation dtype (bf16/fp16); default the layer's scale dtype.
+    bits, group_size : int, optional
+        From the checkpoint's quantization config; inferred from the shapes when ``None``
+        and checked against them otherwise. Not used for HQQ (read from its meta data).
+    checkpoint_format : GPTQCheckpointFormat or str
+        GPTQ only, and required there: ``"gptq"`` (v1) or ``"gptq_v2"``, see
+        :func:`from_gptq`.
+    symmetric : bool, optional
+        See the module docstring.
+    tp_rank, tp_size, tp_dim : int
+        Tensor parallelism (module docstring, :meth:`ImportedLayer.shard`): with ``tp_size >
+        1`` the rank's shard of the layer, bias included, along ``tp_dim``.
+    tp_sections : tuple of int, optional
+        ``tp_dim=0``: the row sections of a fused layer (q/k/v), each split on its own.
+
+    Returns
+    -------
+    ImportedLayer
+        The weight, the K permutation (act-order only) and ``<prefix>.bias`` if present.
+
+    Raises
+    ------
+    FormatError
+        Unrecognised or inconsistent tensors, naming the layer (see the converters).
+    UnsupportedLayerError
+        Valid layers mixgemm cannot represent exactly.
+    """
+    fmt = detect_format(tensors, prefix) if fmt is None or fmt == "auto" else Format.parse(fmt)
+    get = lambda suffix, required=True: _get(tensors, prefix, suffix, fmt, required)  # noqa: E731
+    if fmt is Format.AWQ:
+        layer = from_awq(get("qweight"), get("qzeros"), get("scales"), group_size=group_size,
+                         bits=4 if bits is None else bits, dtype=dtype, symmetric=symmetric,
+                         name=prefix)
+    elif fmt is Format.GPTQ:
+        if checkpoint_format is None:
+            raise _err(prefix, "GPTQ layers need checkpoint_format='gptq' (v1: zeros stored "
+                               "minus one; also when quantize_config.json has no "
+                               "checkpoint_format) or 'gptq_v2'")
+        layer = from_gptq(get("qweight"), get("qzeros"), get("scales"), get("g_idx", False),
+                          checkpoint_format=checkpoint_format, bits=bits,
+                          group_size=group_size, dtype=dtype, symmetric=symmetric,
+                          name=prefix)
+    elif fmt is Format.COMPRESSED_TENSORS:
+        layer = from_compressed_tensors(
+            get("weight_packed"), get("weight_scale"), get("weight_shape"),
+            get("weight_zero_point", False), get("weight_g_idx", False), bits=bits,
+            group_size=group_size, dtype=dtype, symmetric=symmetric, name=prefix)
+    else:
+        meta = _hqq_meta_from(tensors, prefix)
+        layer = from_hqq(get("W_q"), get("scale"), get("zero"), meta, dtype=dtype,
+                         symmetric=symmetric, name=prefix)
+    bias = tensors.get(_key(prefix, "bias"))
+    layer = dataclasses.replace(layer, bias=bias) if bias is not None else layer
+    return _shard_imported(layer, prefix, tp_rank, tp_size, tp_dim, tp_sections)
+
+
+def _split(key: str) -> Tuple[str, str]:
+    prefix, _, last = key.rpartition(".")
+    return prefix, last
+
+
+def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tensor],
+                      dtype: DTypeLike = None, *, bits: Optional[int] = None,
+                      group_size: Optional[int] = None,
+                      checkpoint_format: Union[GPTQCheckpointFormat, str, None] = None,
+                      symmetric: Optional[bool] = None, arch: str = "sm90a",
+                      progress: bool = False) -> Dict[str, Union[torch.Tensor, PackedWeight]]:
+    """Convert every quantized layer of a loaded state dict and prepack it.
+
+    Parameters
+    ----------
+    fmt : Format or str or None
+        The checkpoint format; ``None`` or ``"auto"``: detected per layer.
+    tensors : Mapping[str, torch.Tensor]
+        The whole state dict (e.g. ``safetensors.torch.load_file`` of every shard, merged).
+    dtype, bits, group_size, checkpoint_format, symmetric
+        Passed to :func:`import_layer` for every layer.
+    arch : str
+        Target of :func:`mixgemm.prepack` (``"sm90a"``).
+    progress : bool
+        Show a progress bar over the quantized layers.
+
+    Returns
+    -------
+    dict
+        In the input's order: for each quantized layer ``P``, ``"P.weight"`` ->
+        :class:`~mixgemm.types.PackedWeight` (in place of its packed tensors, scales, zeros,
+        ``g_idx`` and meta data) and, for act-order layers whose groups are not contiguous,
+        ``"P.perm"`` -> int64 ``[K]`` (apply ``x[..., perm]`` to the layer's input); every
+        other tensor (biases, norms, embeddings, ...) unchanged, as the same object.
+        :func:`mixgemm.save` writes the result.
+
+    Raises
+    ------
+    FormatError
+        A layer's tensors are inconsistent (the message names it); a companion tensor
+        without its layer's packed weight (e.g. ``qzeros`` without ``qweight``); a layer that
+        also has a plain ``P.weight`` (or ``P.perm``) tensor.
+    UnsupportedLayerError
+        A valid layer mixgemm cannot represent exactly.
+    """
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a dict of name -> torch.Tensor, got "
+                        f"{type(tensors).__name__}")
+    fixed = None if fmt is None or fmt == "auto" else Format.parse(fmt)
+    formats = [fixed] if fixed is not None else list(Format)
+    primaries = {_PRIMARY[f] for f in formats}
+    layers: Dict[str, Format] = {}
+    for key in tensors:
+        prefix, last = _split(key)
+        if last in primaries:
+            layers[prefix] = fixed if fixed is not None else detect_format(tensors, prefix)
+    consumed: Dict[str, str] = {}
+    for prefix, f in layers.items():
+        for suffix in _COMPANIONS[f]:
+            key = _key(prefix, suffix)
+            if key in tensors:
+                consumed[key] = prefix
+        for suffix in ("weight", "perm"):
+            if _key(prefix, suffix) in tensors:
+                raise _err(prefix, f"has both a {f.value} quantized weight and a plain tensor "
+                                   f"{_key(prefix, suffix)!r}, which the import would replace")
+    for key in tensors:
+        prefix, last = _split(key)
+        owners = [f for f in formats if last in _ORPHANS[f]]
+        if key not in consumed and owners:
+            wanted = " or ".join(sorted({repr(_key(prefix, _PRIMARY[f])) for f in owners}))
+            raise _err(prefix, f"{key!r} belongs to a {'/'.join(f.value for f in owners)} "
+                               f"layer, but there is no {wanted} (unrecognised or incomplete "
+                               f"quantized layer)")
+    from tqdm import tqdm
+
+    out: Dict[str, Union[torch.Tensor, PackedWeight]] = {}
+    with tqdm(total=len(layers), desc="mixgemm import", unit="layer", disable=not progress or None) as bar:
+        for key, value in tensors.items():
+            prefix, last = _split(key)
+            if key in consumed:
+                if prefix in layers and last == _PRIMARY[layers[prefix]]:
+                    layer = import_layer(layers[prefix], tensors, prefix, dtype, bits=bits,
+                                         group_size=group_size,
+                                         checkpoint_format=checkpoint_format, symmetric=symmetric)
+                    out[_key(prefix, "weight")] = prepack(layer.qweight, arch=arch)
+                    if layer.perm is not None:
+                        out[_key(prefix, "perm")] = layer.perm
+                    bar.update(1)
+                continue
+            out[key] = value
+    return out

@@ -1,0 +1,138 @@
+"""compressed-tensors ``format="pack-quantized"`` layers: :func:`from_compressed_tensors`."""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ..errors import UnsupportedLayerError
+from .common import (_shard_imported, _WORD_BITS, DTypeLike, ImportedLayer, _apply_groups, _check_bits,
+                     _check_kernel_shape, _check_tensor, _err, _finalize, _resolve_dtype,
+                     _resolve_group_size, _resolve_groups, _unpack_words)
+
+def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
+                            weight_shape: Optional[Union[torch.Tensor, Tuple[int, int]]] = None,
+                            weight_zero_point: Optional[torch.Tensor] = None,
+                            weight_g_idx: Optional[torch.Tensor] = None, *,
+                            bits: Optional[int] = None, group_size: Optional[int] = None,
+                            dtype: DTypeLike = None, symmetric: Optional[bool] = None,
+                            name: str = "<compressed-tensors>", tp_rank: int = 0, tp_size: int = 1,
+             tp_dim: int = 0) -> ImportedLayer:
+    """Convert a compressed-tensors ``format="pack-quantized"`` layer (int, "group" or
+    "channel" strategy).
+
+    compressed-tensors stores signed codes ``q`` (and zero points ``z``) in
+    ``[-2^(b-1), 2^(b-1)-1]`` and dequantizes (``_dequantize``)::
+
+        w[n, k] = (q[n, k].to(s.dtype) - z[n, g].to(s.dtype)) * s[n, g]   (z = 0 if symmetric)
+
+    with ``g = k // group_size`` (``g = g_idx[k]`` for ``actorder="group"`` layers). mixgemm
+    stores ``q + 2^(b-1)`` and ``z + 2^(b-1)`` (the same difference) when asymmetric, ``q``
+    when symmetric.
+
+    Bit-exact with this formula when ``dtype`` is the scales' dtype (the default); with
+    another ``dtype``, within the bound given under "Bit-exactness" in the module docstring.
+
+    Parameters
+    ----------
+    weight_packed : torch.Tensor
+        int32 ``[N, K * bits / 32]`` (``pack_to_int32``): code ``i`` of a row (offset to
+        unsigned, ``q + 2^(b-1)``) at bit ``i * bits`` of the row's little-endian bit stream,
+        i.e. code ``j`` of word ``c`` is element ``c * 32/bits + j`` at bits ``bits*j ..``.
+    weight_scale : torch.Tensor
+        ``[N, G]`` ("group") or ``[N, 1]`` ("channel"), floating point.
+    weight_shape : torch.Tensor or tuple, optional
+        ``[N, K]`` (int tensor of 2 elements); required unless ``bits`` is given.
+    weight_zero_point : torch.Tensor, optional
+        Asymmetric layers only: int32 ``[N * bits / 32, G]`` packed along N the same way
+        (``pack_to_int32(zp, bits, packed_dim=0)``, current compressed-tensors), or the
+        unpacked signed values ``[N, G]`` (integer-valued, any dtype).
+    weight_g_idx : torch.Tensor, optional
+        Integer ``[K]`` (``actorder="group"``); ignored when it contains ``-1`` (the
+        "no act-order" placeholder).
+    bits : int, optional
+        ``num_bits`` (8, 4 or 2); inferred from the shapes when ``None``, checked otherwise.
+    group_size, dtype, symmetric, name, tp_rank, tp_size, tp_dim
+        As for :func:`from_gptq` (``symmetric=None``: symmetric iff there is no zero point
+        or every zero point is 0).
+
+    Returns
+    -------
+    ImportedLayer
+        ``qweight`` ``[N, K]``; ``perm`` for act-order layers (see the module docstring).
+
+    Raises
+    ------
+    FormatError
+        Inconsistent shapes/dtypes or ``bits``, zero points out of range; N % 16, K % 64 or
+        the group size unsupported.
+    UnsupportedLayerError
+        Other bit widths; the "tensor" strategy (a scalar scale).
+    """
+    _check_tensor(name, "weight_packed", weight_packed, 2, (torch.int32,))
+    _check_tensor(name, "weight_scale", weight_scale, floating=True)
+    n, words = weight_packed.shape
+    if weight_shape is not None:
+        shape = [int(v) for v in (weight_shape.flatten().tolist()
+                                  if isinstance(weight_shape, torch.Tensor) else weight_shape)]
+        if len(shape) != 2:
+            raise _err(name, f"weight_shape must hold [N, K], got {shape}")
+        if shape[0] != n:
+            raise _err(name, f"weight_shape {shape} does not match weight_packed "
+                             f"{list(weight_packed.shape)} (N)")
+        k = shape[1]
+        _check_kernel_shape(name, n, k)
+        inferred, rem = divmod(words * _WORD_BITS, k)
+        if bits is None:
+            if rem:
+                raise _err(name, f"weight_packed {list(weight_packed.shape)} does not hold "
+                                 f"K={k} codes of a whole number of bits")
+            bits = inferred
+        elif -(-k * bits // _WORD_BITS) != words:
+            raise _err(name, f"bits={bits} does not match weight_packed "
+                             f"{list(weight_packed.shape)} for K={k}: need "
+                             f"{-(-k * bits // _WORD_BITS)} int32 words per row")
+    elif bits is None:
+        raise _err(name, "pass weight_shape (or bits) to size the weight")
+    else:
+        k = words * _WORD_BITS // bits
+    _check_bits(name, bits, "compressed-tensors")
+    if weight_scale.dim() != 2:
+        if weight_scale.numel() == 1:
+            raise _err(name, "a scalar weight_scale (the 'tensor' strategy) is not supported; "
+                             "only 'group' and 'channel'", UnsupportedLayerError)
+        raise _err(name, f"weight_scale must be [N, G], got {list(weight_scale.shape)}")
+    if weight_scale.shape[0] != n:
+        raise _err(name, f"weight_scale {list(weight_scale.shape)} does not match N={n}")
+    num_groups = weight_scale.shape[1]
+    gs = _resolve_group_size(name, k, num_groups, group_size)
+    _check_kernel_shape(name, n, k, gs)
+    act = _resolve_dtype(name, dtype, weight_scale.dtype)
+    if weight_g_idx is not None and isinstance(weight_g_idx, torch.Tensor) \
+            and bool((weight_g_idx == -1).any()):
+        weight_g_idx = None
+    perm, labels = _resolve_groups(name, weight_g_idx, k, num_groups)
+
+    offset = 1 << (bits - 1)
+    z_u = None
+    if weight_zero_point is not None:
+        zp = _check_tensor(name, "weight_zero_point", weight_zero_point, 2)
+        packed_rows = n * bits // _WORD_BITS
+        if zp.dtype == torch.int32 and tuple(zp.shape) == (packed_rows, num_groups) \
+                and packed_rows != n:
+            z_u = _unpack_words(zp, bits, dim=0)              # [N, G], already offset
+        elif tuple(zp.shape) == (n, num_groups):
+            zf = zp.to(torch.float64)
+            if not bool((zf == zf.round()).all()) or int(zf.min()) < -offset \
+                    or int(zf.max()) > offset - 1:
+                raise _err(name, f"weight_zero_point values must be integers in "
+                                 f"[{-offset}, {offset - 1}]")
+            z_u = (zp.to(torch.int16) + offset)
+        else:
+            raise _err(name, f"weight_zero_point must be int32 [{packed_rows}, {num_groups}] "
+                             f"(packed along N) or [{n}, {num_groups}], got {zp.dtype} "
+                             f"{list(zp.shape)}")
+    q_u = _unpack_words(weight_packed, bits, dim=1)[:, :k]     # [N, K], q + offset
+    q_u, z_u, s = _apply_groups(q_u, z_u, weight_scale, perm, labels)
+    qw = _finalize(name, q_u, z_u, s, bits=bits, group_size=gs, symmetric=symmetric, act=act)
+    return _shard_imported(ImportedLayer(qweight=qw, perm=perm), name, tp_rank, tp_size, tp_dim)
