@@ -187,10 +187,21 @@ def test_the_checkpoint_loads_into_transformers(checkpoint, smollm2, reference32
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason=(
+    "open (issue #18 part 4): on an H200 the bf16 model's logits are 4.6% from float32 on mixgemm's own "
+    "weights for prompt 0, against 1.8% for transformers' bf16 run of the gguf weights; the GEMM alone is "
+    "within 2.3e-3 of float64 on SmolLM2-shaped Q4_1 layers (better than F.linear's 2.8e-3), so the "
+    "difference is elsewhere in the model path (benchmarks/NOTES.md 12)"))
 def test_logits_and_greedy_tokens_on_the_gpu(requires_gpu, smollm2, request, capsys):
     """The mixgemm kernels in bf16 (QuantLinear: Q4_1 as u4 with float zero offsets, group 32)
     against the same model on the gguf-dequantized weights in bf16, with the float32 model as the
-    yardstick; then greedy tokens. At most 16 tokens per forward: the decode kernels only."""
+    yardstick; then greedy tokens. At most 16 tokens per forward: the decode kernels only.
+
+    The error is split in two: the kernels (their logits against the float32 model on mixgemm's
+    own dequantized weights: no more than bf16 compute adds to the gguf weights, 2x + 5e-3) and
+    the representation (mixgemm's bf16 weights in float32 against gguf's: bf16 scales round the
+    fp16 ``d``, mixgemm.formats.gguf's bound; the loading test's bar, 4x the bf16 model's own
+    error). Measured on an H200: prompt 0 5.2% against float32 in all, the bf16 reference 1.8%."""
     dev = requires_gpu
     # after the GPU check: module-scoped fixtures would otherwise be built before it skips
     checkpoint, reference32 = request.getfixturevalue("checkpoint"), request.getfixturevalue("reference32")
@@ -199,20 +210,24 @@ def test_logits_and_greedy_tokens_on_the_gpu(requires_gpu, smollm2, request, cap
     assert len(layers) == 30 * 6 and all(m.qdata.device == dev and m.zero_offsets is not None for m in layers)
     lowp = reference(smollm2, reference32, BF16, "sdpa").to(dev)
     full = reference(smollm2, reference32, torch.float32, "sdpa").to(dev)
+    own32 = hc.to_float32(hf.from_pretrained(checkpoint, device="cpu", dtype=BF16,
+                                              attn_implementation="sdpa")).to(dev)
     figures = []
     try:
         for i in range(len(PROMPTS)):
             ids = prompt(i, dev)
             with torch.no_grad():
-                got, want, base = model(ids).logits, lowp(ids).logits, full(ids).logits
+                got, want, base, own = model(ids).logits, lowp(ids).logits, full(ids).logits, own32(ids).logits
             assert got.dtype == BF16 and got.shape == want.shape
             err, err_full, err_base = rel_err(got, want), rel_err(got, base), rel_err(want, base)
+            err_kernels, err_weights = rel_err(got, own), rel_err(own, base)
             top1 = (got[0].argmax(-1) == want[0].argmax(-1)).double().mean().item()
             figures.append(f"prompt {i} ({ids.shape[1]} tokens): |mixgemm - bf16 ref| / |bf16 ref| = {err:.4f}; "
                            f"against float32: mixgemm {err_full:.4f}, bf16 ref {err_base:.4f}; "
-                           f"top-1 agreement with the bf16 ref {top1:.0%}")
-            # the bf16 scales add about half of the bf16 model's own error (on the CPU: 1.4% vs 2.6%)
-            assert err < 6e-2 and err_full <= 2 * err_base + 5e-3, figures[-1]
+                           f"of which the kernels {err_kernels:.4f} (vs float32 on mixgemm's weights), "
+                           f"the bf16 weights {err_weights:.4f}; top-1 agreement with the bf16 ref {top1:.0%}")
+            assert err < 6e-2 and err_kernels <= 2 * err_base + 5e-3, figures[-1]
+            assert err_weights <= 4 * err_base, figures[-1]
             assert top1 >= 0.75, figures[-1]
         kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=2)
         for i in range(len(PROMPTS)):
