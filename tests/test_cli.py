@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from mixgemm import cli
-from mixgemm.cli import DEFAULT_EXCLUDE, DEFAULT_INCLUDE, NO_GPU_MESSAGE, main
+from mixgemm.cli import NO_GPU_MESSAGE, main
+from mixgemm.cli_prepack import DEFAULT_EXCLUDE, DEFAULT_INCLUDE
 from mixgemm.io import load, read_metadata, save
 from mixgemm.layout import prepack, unpack
 from mixgemm.quantize import quantize
