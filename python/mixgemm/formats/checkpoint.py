@@ -12,7 +12,7 @@ import torch
 from ..layout import prepack
 from ..types import PackedWeight
 from .awq import from_awq
-from .common import DTypeLike, ImportedLayer, _err, _key
+from .common import DTypeLike, ImportedLayer, _err, _key, _shard_imported
 from .compressed_tensors import from_compressed_tensors
 from .gptq import GPTQCheckpointFormat, from_gptq
 from .hqq import _HQQ_META_KEYS, _hqq_meta_from, from_hqq
