@@ -89,64 +89,48 @@ def write_outputs(report: BenchReport, cfg: BenchConfig, log: Log = print) -> li
     return written
 
 
-def write_model_outputs(report: ModelReport, cfg: ModelConfig, log: Log = print) -> list[Path]:
-    """``--json`` and ``--plot`` with every preset; ``--save``: ``model-<preset>.json`` and
-    ``.png`` per preset in the GPU's results folder. Returns the paths written."""
-    jobs: list[tuple[Path, ModelReport]] = []
-    plots: list[tuple[Path, ModelReport]] = []
+def _write_per_preset(report, cfg, stem: str, split, write_json, write_plot, title: str,
+                      log: Log) -> list[Path]:
+    """``--json`` and ``--plot`` with every preset; ``--save``: ``<stem>-<preset>.json`` and
+    ``.png`` per preset (``split(report)``) in the GPU's results folder. Returns the paths written."""
+    jobs, plots = [], []
     if cfg.json_path:
         jobs.append((Path(cfg.json_path), report))
     if cfg.plot_path:
         plots.append((Path(cfg.plot_path), report))
     if cfg.save:
         folder = _save_folder(cfg, report.machine.gpu_name)
-        for name, part in split_by_preset(report).items():
-            jobs.append((folder / f"model-{name}.json", part))
-            plots.append((folder / f"model-{name}.png", part))
+        for name, part in split(report).items():
+            jobs.append((folder / f"{stem}-{name}.json", part))
+            plots.append((folder / f"{stem}-{name}.png", part))
     written = []
     for path, part in jobs:
-        written.append(write_model_json(path, part))
+        written.append(write_json(path, part))
         log(f"wrote {path}")
     for path, part in plots:
-        layers = part.config.get("layers")
-        ok, what = write_model_plot(part.points, path, title=f"{report.machine.gpu_name}: decode step of "
-                                    f"{layers} layers (context {part.config.get('context')}) and prefill, "
-                                    f"speedup over bf16 and fraction of the byte floor")
+        ok, what = write_plot(part.points, path, title=title)
         if ok:
             written.append(Path(what))
             log(f"wrote {what}")
         else:
             log(f"plot not written: {what}")
     return written
+
+
+def write_model_outputs(report: ModelReport, cfg: ModelConfig, log: Log = print) -> list[Path]:
+    """``--json`` and ``--plot`` with every preset; ``--save``: ``model-<preset>.json`` and
+    ``.png`` per preset in the GPU's results folder. Returns the paths written."""
+    title = (f"{report.machine.gpu_name}: decode step of {report.config.get('layers')} layers (context "
+             f"{report.config.get('context')}) and prefill, speedup over bf16 and fraction of the byte floor")
+    return _write_per_preset(report, cfg, "model", split_by_preset, write_model_json, write_model_plot, title, log)
 
 
 def write_moe_outputs(report: MoeReport, cfg: MoeConfig, log: Log = print) -> list[Path]:
     """``--json`` and ``--plot`` with every preset; ``--save``: ``moe-<preset>.json`` and
     ``.png`` per preset in the GPU's results folder. Returns the paths written."""
-    jobs: list[tuple[Path, MoeReport]] = []
-    plots: list[tuple[Path, MoeReport]] = []
-    if cfg.json_path:
-        jobs.append((Path(cfg.json_path), report))
-    if cfg.plot_path:
-        plots.append((Path(cfg.plot_path), report))
-    if cfg.save:
-        folder = _save_folder(cfg, report.machine.gpu_name)
-        for name, part in split_moe_by_preset(report).items():
-            jobs.append((folder / f"moe-{name}.json", part))
-            plots.append((folder / f"moe-{name}.png", part))
-    written = []
-    for path, part in jobs:
-        written.append(write_moe_json(path, part))
-        log(f"wrote {path}")
-    for path, part in plots:
-        ok, what = write_moe_plot(part.points, path, title=f"{report.machine.gpu_name}: one MoE layer (CUDA graph), "
-                                  f"speedup over bf16 and fraction of the byte floor")
-        if ok:
-            written.append(Path(what))
-            log(f"wrote {what}")
-        else:
-            log(f"plot not written: {what}")
-    return written
+    title = (f"{report.machine.gpu_name}: one MoE layer (CUDA graph), speedup over bf16 and fraction of "
+             f"the byte floor")
+    return _write_per_preset(report, cfg, "moe", split_moe_by_preset, write_moe_json, write_moe_plot, title, log)
 
 
 # ------------------------------------------------------------------------------------------
