@@ -153,6 +153,7 @@ def _worker(rank: int, world: int, port: int) -> None:
     try:
         with mock.patch.object(QuantLinear, "forward", reference_forward):
             _check_collectives(rank, world)
+        dist.barrier()          # both ranks done before the teardown (see test_hf_tp._worker)
     finally:
         dist.destroy_process_group()
 
