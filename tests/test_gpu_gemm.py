@@ -18,7 +18,7 @@ import torch
 
 import mixgemm
 from mixgemm import ops
-from mixgemm.codegen import (ALL_ACTS, ALL_WEIGHTS, GEMM_KINDS, Activation, DecodeSpec, Epilogue, GemmSpec, Loads,
+from mixgemm.codegen import (ALL_ACTS, ALL_WEIGHTS, GEMM_KINDS, Activation, DecodeSpec, Epilogue, GemmSpec,
                               Scheduler, default_specs)
 from mixgemm.quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
 from mixgemm.types import ActType, WeightType
@@ -173,10 +173,7 @@ def test_every_fused_activation_kernel(spec, group):
         packed, deq = _weights(spec.act, spec.weight, group, n, k)
         bias = torch.randn(n, device=dev, dtype=dtype)
         ref_fn = lambda x: _ACT_FN[activation](x.double() @ deq.T + bias.double())
-    if isinstance(spec, DecodeSpec) and spec.loads is Loads.DIRECT:
-        ms = sorted({1, 3, spec.tokens})
-        all_splits = (0, 1, 2, 8)    # the kernel's choice, then forced k-slices per stripe
-    elif isinstance(spec, DecodeSpec):
+    if isinstance(spec, DecodeSpec):
         ms = sorted({1, 3, spec.tokens})
         all_splits = (0, 1, 3, 12)   # the kernel's choice, then forced (3: in a cluster, 12: through global memory)
     else:
@@ -263,11 +260,6 @@ def test_decode_forced_splits(spec: DecodeSpec, splits):
     dtype = spec.act.torch_dtype
     packed, deq = _weights(spec.act, spec.weight, group, n, k)
     bias = torch.randn(n, device=dev, dtype=dtype)
-    if spec.loads is Loads.DIRECT and (splits & (splits - 1) or splits > spec.warps):
-        # the direct kernel's factor is its k-slices per stripe: a power of two up to its warps
-        with pytest.raises(ValueError, match="power of two"):
-            ops.gemm_with_spec(torch.randn(1, k, device=dev, dtype=dtype), packed, spec, splits=splits)
-        return
     for m in (1, spec.tokens):
         x = torch.randn(m, k, device=dev, dtype=dtype)
         ref = x.double() @ deq.T + bias.double()
@@ -320,8 +312,6 @@ def test_decode_kslices(spec: DecodeSpec, group):
                          ids=lambda s: s.name)
 @pytest.mark.parametrize("splits", (1, 4, 12))
 def test_back_to_back_decode_launches_wait_for_each_other(spec: DecodeSpec, splits):
-    if spec.loads is Loads.DIRECT and splits == 12:
-        splits = 8   # the direct kernel's k-slices: a power of two up to its warps
     """The decode kernels are launched with programmatic dependent launch: each may start while
     the previous kernel finishes, and must wait for it before reading its x (the previous
     kernel's output) or writing its y (a buffer the kernel before may still be reading). A chain

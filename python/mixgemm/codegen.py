@@ -98,18 +98,6 @@ class Raster(enum.Enum):
 SWIZZLES = (1, 2, 4, 8)
 
 
-class Loads(enum.Enum):
-    """How a decode kernel brings its weights in (a field of :class:`DecodeSpec`)."""
-
-    #: a per-warp ring of shared-memory stages filled by bulk copies, an x tile in shared memory,
-    #: split-K across CTAs (``decode_kernel.hpp``)
-    RING = "ring"
-    #: each lane's fragment chunks loaded straight into registers in batches, x's B fragments
-    #: read from global memory, the k-range split over the warps of a CTA only
-    #: (``decode_direct.hpp``; at most 8 tokens)
-    DIRECT = "direct"
-
-
 class KernelKind(enum.Enum):
     GEMM = "gemm"
     DECODE = "decode"
@@ -179,20 +167,12 @@ class GemmSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
-    """One decode kernel: ``y = x @ dequant(W)^T`` for at most ``tokens`` rows of x, mma.sync
-    m16n8k16, one warp per 16-row weight stripe (or per slice of it).
-
-    ``loads=Loads.RING`` (``cutlass_ext/mixgemm/decode_kernel.hpp``): weights streamed through a
-    per-warp ring of ``stages`` shared-memory stages of ``stage_bytes`` filled by bulk copies.
-    ``kslices`` warps share each 16-row weight stripe, each streaming a slice of the CTA's
-    k-range (their sums are added in shared memory), so a CTA holds ``warps / kslices`` stripes;
-    split-K across CTAs is chosen at launch.
-
-    ``loads=Loads.DIRECT`` (``cutlass_ext/mixgemm/decode_direct.hpp``, ``tokens=8`` only):
-    ``stage_bytes`` of weights per warp loaded straight into registers per batch (whole atoms,
-    at most 16), ``stages=1`` and ``kslices=1`` (the warps per stripe are chosen at launch, within
-    the CTA's ``warps``); no split-K across CTAs. The name ends in ``_direct``; a ring kernel's
-    name has no suffix.
+    """One decode kernel (``cutlass_ext/mixgemm/decode_kernel.hpp``): ``y = x @ dequant(W)^T``
+    for at most ``tokens`` rows of x, mma.sync m16n8k16, weights streamed through a per-warp ring
+    of ``stages`` shared-memory stages of ``stage_bytes`` filled by bulk copies. ``kslices``
+    warps share each 16-row weight stripe, each streaming a slice of the CTA's k-range (their
+    sums are added in shared memory), so a CTA holds ``warps / kslices`` stripes; split-K across
+    CTAs is chosen at launch.
     """
 
     act: ActType
@@ -203,10 +183,9 @@ class DecodeSpec:
     stages: int = 4
     activation: Activation = Activation.NONE
     kslices: int = 1
-    loads: Loads = Loads.RING
 
     kind = KernelKind.DECODE
-    programmatic_launch = True   # both kernels: wait_previous_grid() precedes every global access
+    programmatic_launch = True   # decode_kernel.hpp: wait_previous_grid() precedes every global access
 
     def __post_init__(self) -> None:
         if self.tokens not in (8, 16, 32):
@@ -217,20 +196,6 @@ class DecodeSpec:
         if self.stage_bytes % atom or self.stage_bytes <= 0:
             raise ValueError(f"stage_bytes must be a positive multiple of the {atom}-byte atom of "
                              f"{self.weight.value}, got {self.stage_bytes}")
-        if not isinstance(self.loads, Loads):
-            raise TypeError(f"loads must be a mixgemm.codegen.Loads, got {self.loads!r}")
-        if self.loads is Loads.DIRECT:
-            if self.tokens != 8:
-                raise ValueError(f"the direct decode kernel takes at most 8 tokens (tokens=8), got {self.tokens}")
-            if self.warps not in (1, 2, 4, 8, 16):
-                raise ValueError(f"the direct decode kernel's warps must be a power of two, got {self.warps}")
-            if self.stage_bytes // atom > 16:
-                raise ValueError(f"the direct decode kernel loads at most 16 atoms per batch "
-                                 f"(stage_bytes <= {16 * atom}), got {self.stage_bytes}")
-            if self.stages != 1 or self.kslices != 1:
-                raise ValueError("the direct decode kernel has no ring and picks its k-slices at launch: "
-                                 f"stages=1 and kslices=1, got stages={self.stages}, kslices={self.kslices}")
-            return
         if self.stages < 2:
             raise ValueError(f"stages must be >= 2, got {self.stages}")
         if self.warps * self.stages * self.stage_bytes > 160 * 1024:
@@ -246,8 +211,7 @@ class DecodeSpec:
     @property
     def name(self) -> str:
         return (f"mixgemm_decode_{self.act.value}_{self.weight.value}_m{self.tokens}_w{self.warps}_"
-                f"b{self.stage_bytes}_s{self.stages}_k{self.kslices}_{self.activation.value}"
-                + ("_direct" if self.loads is Loads.DIRECT else ""))
+                f"b{self.stage_bytes}_s{self.stages}_k{self.kslices}_{self.activation.value}")
 
     @property
     def max_tokens(self) -> int:
@@ -322,10 +286,8 @@ _GEMM_NAME = re.compile(
     r"(?P<schedule>\w+?)_(?P<scheduler>persistent|streamk)_(?P<epilogue>\w+)_s(?P<stages>\d+)$")
 _DECODE_NAME = re.compile(
     r"^mixgemm_decode_(?P<act>bf16|fp16)_(?P<weight>[su][248])_m(?P<tokens>\d+)_w(?P<warps>\d+)_"
-    r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_k(?P<kslices>\d+)_(?P<activation>none|silu|gelu|swiglu)"
-    r"(?P<direct>_direct)?$")
-_GROUPED_DECODE_NAME = re.compile("^mixgemm_gdecode_" + _DECODE_NAME.pattern[len("^mixgemm_decode_"):]
-                                  .replace("(?P<direct>_direct)?", ""))
+    r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_k(?P<kslices>\d+)_(?P<activation>none|silu|gelu|swiglu)$")
+_GROUPED_DECODE_NAME = re.compile("^mixgemm_gdecode_" + _DECODE_NAME.pattern[len("^mixgemm_decode_"):])
 _DEQUANT_NAME = re.compile(r"^mixgemm_dequant_(?P<act>bf16|fp16)_(?P<weight>[su][248])$")
 
 
@@ -339,8 +301,7 @@ def parse_name(name: str) -> KernelSpec:
     m = _DECODE_NAME.match(name)
     if m:
         return DecodeSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["tokens"]), int(m["warps"]),
-                          int(m["stage_bytes"]), int(m["stages"]), Activation(m["activation"]), int(m["kslices"]),
-                          Loads.DIRECT if m["direct"] else Loads.RING)
+                          int(m["stage_bytes"]), int(m["stages"]), Activation(m["activation"]), int(m["kslices"]))
     m = _GROUPED_DECODE_NAME.match(name)
     if m:
         return GroupedDecodeSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["tokens"]), int(m["warps"]),
@@ -401,18 +362,12 @@ class DecodeConfig:
     stages: int = 4
     #: k-slices (warps per weight stripe) for 8-bit codes; the narrower codes use one warp per stripe
     int8_kslices: int = 1
-    loads: Loads = Loads.RING
 
     @property
     def max_tokens(self) -> int:
         return self.tokens
 
     def spec(self, act: ActType, weight: WeightType, activation: Activation = Activation.NONE) -> DecodeSpec:
-        if self.loads is Loads.DIRECT:
-            # a batch of 128 bytes per lane (32 registers) for 8- and 4-bit codes, 64 for 2-bit
-            # (16 atoms of 8 bytes would keep 128 registers of x fragments live)
-            batch = 32 * (128 if weight.bits >= 4 else 64)
-            return DecodeSpec(act, weight, self.tokens, self.warps, batch, 1, activation, 1, Loads.DIRECT)
         stage_bytes = max(self.stage_bytes, 128 * weight.bits)
         kslices = self.int8_kslices if weight.bits == 8 else 1
         return DecodeSpec(act, weight, self.tokens, self.warps, stage_bytes, self.stages, activation, kslices)
@@ -421,8 +376,6 @@ class DecodeConfig:
 #: The kernel configs the heuristic (mixgemm.ops.select_tile) chooses from, by token count M:
 #:   M <= 8   : "dec8"    decode kernel, 8-token tile (8-bit codes: 8 k-slices, one stripe per CTA:
 #:                        measured 2-13% faster at M = 1 on 5 of 6 layers, NOTES 9b)
-#:              "direct8" the register-direct decode kernel (8-token tile; built and tested, not yet
-#:                        chosen: benchmarks/NOTES.md section 13)
 #:   M <= 16  : "dec16"   decode kernel, 16-token tile
 #:   M <= 32  : "dec32"   decode kernel, 32-token tile, on layers of at most 2**25 weights
 #:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K, on small layers (M <= 64: at most 2**26
@@ -438,7 +391,6 @@ class DecodeConfig:
 #: kernel with the gated epilogue for swiglu; the decode kernels fix their activation.
 TILE_CONFIGS = (
     DecodeConfig("dec8", 8, int8_kslices=8),
-    DecodeConfig("direct8", 8, loads=Loads.DIRECT),
     DecodeConfig("dec16", 16),
     DecodeConfig("dec32", 32),
     TileConfig("mid", 128, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
@@ -601,15 +553,6 @@ _HEADER = """\
 def render(spec: KernelSpec) -> str:
     """C++ source of exactly one kernel instantiation (types and tiles only)."""
     head = _HEADER.format(version=__version__, name=spec.name, spec=spec)
-    if isinstance(spec, DecodeSpec) and spec.loads is Loads.DIRECT:
-        L, _ = _cutlass_library()
-        code = L.DataTypeTag[getattr(L.DataType, _DATATYPE[spec.weight])]
-        act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
-        return (head + '#include "mixgemm/decode_direct.hpp"\n\n'
-                f"using {spec.name}_config = mixgemm::decode::DirectConfig<{code}, {act}, {spec.warps}, "
-                f"{spec.stage_bytes}>;\n"
-                f"MIXGEMM_DECODE_DIRECT_ENTRY({spec.name}, {spec.name}_config, "
-                f"mixgemm::Activation::{spec.activation.cpp})\n")
     if isinstance(spec, DecodeSpec):
         L, _ = _cutlass_library()
         code = L.DataTypeTag[getattr(L.DataType, _DATATYPE[spec.weight])]

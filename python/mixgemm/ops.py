@@ -134,13 +134,10 @@ def _gpu_name(device_index: int) -> str:
 
 
 def _tuned_splits(spec, w: PackedWeight, device: torch.device) -> int:
-    """The measured split-K factor of a ring decode launch (mixgemm.tuning), else 0: the
-    planner's (the direct decode kernel has no split-K across CTAs, and the table was measured
-    on the ring kernel)."""
+    """The measured split-K factor of a decode launch (mixgemm.tuning), else 0: the planner's."""
     from . import tuning
-    from .codegen import Loads
 
-    if spec.max_tokens is None or getattr(spec, "loads", Loads.RING) is not Loads.RING:
+    if spec.max_tokens is None:
         return 0
     return tuning.decode_splits(_gpu_name(device.index), w.n, w.k, spec.tokens, spec.weight.bits)
 

@@ -1,4 +1,4 @@
-"""Session 11: run ``mixgemm bench`` with the heuristic's M <= 8 choice set to a given decode
+"""Session 11 (runs on commit b79b5f3, where the direct kernel exists): run ``mixgemm bench`` with the heuristic's M <= 8 choice set to a given decode
 config ("dec8": the ring kernel, the shipped choice; "direct8": the register-direct kernel of
 cutlass_ext/mixgemm/decode_direct.hpp), so that a whole decode step (``--model``) can be timed
 with either kernel in separate processes, each with its own bf16 baseline.

@@ -1,4 +1,4 @@
-"""Session 11: one launch each of the ring (dec8) and register-direct (direct8) decode kernels at
+"""Session 11 (runs on commit b79b5f3, where the direct kernel exists): one launch each of the ring (dec8) and register-direct (direct8) decode kernels at
 M = 1, u4 g128, on a small and a large layer, for ncu (``ncu -k regex:mixgemm_decode``)."""
 import torch
 
