@@ -65,6 +65,8 @@ def _check(x, ex, deq, counts, activation=None):
     used = sum(counts)
     assert not torch.isnan(y[:used]).any(), "unwritten (or NaN) outputs"
     assert torch.isnan(y[used:]).all(), "rows past offsets[E] were written"
+    if used == 0:
+        return
     ref = _reference(x[:used], deq, counts, activation)
     err = ((y[:used].double() - ref).norm() / ref.norm()).item()
     assert err <= _tolerance(ex.k, x.dtype), f"counts {counts}: relative error {err:.3e}"
@@ -79,8 +81,10 @@ def test_every_grouped_kernel(requires_gpu, act, wt, group, activation):
     ex, deq = _experts(act, wt, e, n, k, group, gated=activation == "swiglu")
     torch.manual_seed(1)
     # zero rows, one row, odd counts, a count above the 16-row tile (the row loop)
+    # (fewer rows than experts: the grid is compacted to one CTA per row block and rank, and the
+    # CTAs find their experts from the offsets; the 2 extra rows count, so 0 to 5 routed rows)
     for counts in ([0, 1, 0, 3, 0, 0, 2, 1], [1] * 8, [0, 0, 0, 0, 0, 7, 0, 0], [5, 0, 17, 1, 0, 2, 9, 0],
-                   [0, 40, 0, 0, 0, 0, 0, 3]):
+                   [0, 40, 0, 0, 0, 0, 0, 3], [0, 0, 1, 0, 0, 0, 0, 2], [0] * 7 + [1], [0] * 8):
         x = torch.randn(sum(counts) + 2, k, device="cuda", dtype=act.torch_dtype)   # 2 rows past offsets[E]
         _check(x, ex, deq, counts, activation)
 
@@ -119,6 +123,22 @@ def test_fused_moe_against_unfused(requires_gpu, act, bits, symmetric, t, topk, 
     err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
     # two GEMMs, each rounded once to the activation dtype (the reference rounds the same places)
     assert err <= 4 * _tolerance(h, dtype), f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("e", (300, 1000))
+def test_compacted_grid_finds_experts_past_the_first_pass(requires_gpu, e):
+    """Fewer rows than experts: z is a rank among the experts with rows, found 256 experts per
+    pass; here the second expert with rows lies past the first pass (and the third, for 1000,
+    past the third)."""
+    from mixgemm.types import ActType, WeightType
+
+    ex, deq = _experts(ActType.BF16, WeightType.U4, e, 64, 128, 64)
+    counts = [0] * e
+    counts[5], counts[290] = 1, 2
+    if e == 1000:
+        counts[999] = 3
+    x = torch.randn(sum(counts), 128, device="cuda", dtype=torch.bfloat16)
+    _check(x, ex, deq, counts)
 
 
 def test_cuda_graph_replay_with_changing_routing(requires_gpu):

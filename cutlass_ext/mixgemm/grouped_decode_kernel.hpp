@@ -5,13 +5,16 @@
 // weights of one shape stacked (python/mixgemm/experts.py): expert e's codes, scales and zeros
 // are at a fixed stride from expert 0's.
 //
-// Grid: (row blocks, k-splits, experts); the k-splits of a row block are one cluster, as in the
-// dense decode kernel. A CTA reads its expert's row range from device memory (`offsets`, after
-// the programmatic-launch wait: the routing kernels that wrote it may still be finishing), so a
-// launch needs no host sync and can be captured in a CUDA graph with routing that changes
-// between replays. A CTA whose expert has no rows exits at once, before it reads any weight;
-// every CTA of a cluster has the same expert, hence the same row count, so they exit (and loop)
-// together.
+// Grid: (row blocks, k-splits, min(E, T)); the k-splits of a row block are one cluster, as in the
+// dense decode kernel. Grid index z is a rank among the experts that have rows: at most min(E, T)
+// of them do (T = the rows of x), so at decode (T = tokens x top-k, a few) the launch has a few
+// CTAs per row block instead of one per expert, most of which would only read the offsets and
+// exit (measured: 128 experts x 12 row blocks x 2 splits for 8 rows). A CTA finds its expert from
+// the offsets in device memory (after the programmatic-launch wait: the routing kernels that
+// wrote them may still be finishing), so a launch needs no host sync and can be captured in a
+// CUDA graph with routing that changes between replays. A CTA whose rank has no expert exits at
+// once, before it reads any weight; every CTA of a cluster has the same rank, hence the same
+// expert and row count, so they exit (and loop) together.
 //
 // The body is the dense decode kernel's run() (decode_kernel.hpp), unchanged, called on the
 // expert's pointers: once per tile of at most 8 * NTiles rows. An expert with more rows than the
@@ -39,14 +42,84 @@ struct Params {
 
 #if defined(__CUDACC__) && !defined(MIXGEMM_HOST_HELPER)
 
+// The expert of rank `rank` among those with rows (offsets[e + 1] > offsets[e]), in expert order,
+// with its first row and row count: {e, first, rows}, or {-1, 0, 0} if fewer experts have rows.
+// Called by all 32 lanes of one warp. The experts are taken 256 at a time (one pass for E <= 256):
+// lane l loads the 9 offsets around its 8 experts at once (independent loads, one round trip),
+// the warp's prefix sum of the lanes' counts finds the lane holding the rank, and that lane picks
+// the expert from its registers.
+CUTLASS_DEVICE int3 expert_of_rank(int32_t const* offsets, int experts, int rank, int lane) {
+  constexpr int kPer = 8;
+  int found = -1, first = 0, rows = 0;
+  int seen = 0;   // experts with rows in the earlier passes (the same in every lane)
+  for (int base = 0; base < experts; base += 32 * kPer) {
+    int const lo = base + lane * kPer;
+    int v[kPer + 1];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i <= kPer; ++i) {
+      v[i] = lo + i <= experts ? offsets[lo + i] : 0;   // offsets holds experts + 1 entries
+    }
+    int active = 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kPer; ++i) {
+      active += (lo + i < experts && v[i + 1] > v[i]) ? 1 : 0;
+    }
+    int incl = active;
+    CUTLASS_PRAGMA_UNROLL
+    for (int d = 1; d < 32; d *= 2) {
+      int const u = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += u;
+    }
+    int const excl = seen + incl - active;
+    if (rank >= excl && rank < excl + active) {
+      int want = rank - excl;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kPer; ++i) {
+        if (lo + i < experts && v[i + 1] > v[i]) {
+          if (want == 0) {
+            found = lo + i;
+            first = v[i];
+            rows = v[i + 1] - v[i];
+          }
+          --want;
+        }
+      }
+    }
+    seen += __shfl_sync(0xffffffffu, incl, 31);
+    if (seen > rank) break;   // warp-uniform: the rank was in this pass
+  }
+  unsigned const holder = __ballot_sync(0xffffffffu, found >= 0);
+  if (holder == 0) return make_int3(-1, 0, 0);
+  int const src = __ffs(holder) - 1;
+  return make_int3(__shfl_sync(0xffffffffu, found, src), __shfl_sync(0xffffffffu, first, src),
+                   __shfl_sync(0xffffffffu, rows, src));
+}
+
 template <class Cfg, Activation A>
 CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
   using Act = typename Cfg::Act;
   extern __shared__ __align__(128) char smem[];
-  int const e = blockIdx.z;
   decode::wait_previous_grid();   // the offsets may come from the kernel before this one
-  int const first = gp.offsets[e];
-  int const count = gp.offsets[e + 1] - first;
+  // With a grid of E along z, blockIdx.z is the expert. With fewer (min(E, rows) < E: no CTA is
+  // launched for most empty experts), blockIdx.z is the rank of the CTA's expert among the
+  // experts that have rows, found by the first warp from the offsets; a rank past the last such
+  // expert has nothing to do.
+  int e, first, count;
+  if (gridDim.z == unsigned(gp.experts)) {
+    e = int(blockIdx.z);
+    first = gp.offsets[e];
+    count = gp.offsets[e + 1] - first;
+  } else {
+    __shared__ int3 expert_rows;
+    if (threadIdx.x < 32) {
+      int3 const efr = expert_of_rank(gp.offsets, gp.experts, int(blockIdx.z), int(threadIdx.x));
+      if (threadIdx.x == 0) expert_rows = efr;
+    }
+    __syncthreads();
+    e = expert_rows.x;
+    first = expert_rows.y;
+    count = expert_rows.z;
+  }
   if (count > 0) {
     // The expert's tile parameters live in shared memory, not registers: run() reads them
     // where the dense kernel reads its grid constants (a register copy of the struct measured
@@ -188,7 +261,7 @@ struct Host {
     gp.bias_stride = a->bias ? a->n : 0;
     gp.experts = experts;
     std::memcpy(dst, &gp, sizeof(gp));
-    out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = uint32_t(experts);
+    out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = uint32_t(experts < a->m ? experts : a->m);   // at most min(E, rows) experts have rows
     out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;
     out->cluster[0] = 1; out->cluster[1] = uint32_t(pl.splits); out->cluster[2] = 1;
     out->smem_bytes = uint32_t(pl.smem_bytes);
