@@ -125,13 +125,14 @@ class FakeKernels(runtime.KernelCache):
     def _load(self, spec, device):
         from cuda.bindings import driver as drv
 
-        assert isinstance(spec, HELPER_KINDS), spec
         self.loads += 1
+        function = drv.CUfunction(function_handle(spec))
+        if not isinstance(spec, HELPER_KINDS):   # plain-argument kernels (dequant, MoE routing): no helper
+            return runtime.LoadedKernel(spec, device, None, function, None, None)
         if self.helpers == "real":
             helper = runtime.HostHelper(str(build_helper(spec, self.helper_dir)), spec.name)
         else:
             helper = FakeHelper(spec) if self.helpers == "fake" else self.helpers(spec)
-        function = drv.CUfunction(function_handle(spec))
         return runtime.LoadedKernel(spec, device, None, function, helper, None)
 
 

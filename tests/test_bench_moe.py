@@ -281,15 +281,24 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--moe", "qwen3-30b-a3b", "--tokens", "1", "--variants", "int4", "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
-    # 1 token x top-8 = 8 rows: the 8-row grouped tile, gate/up with swiglu and down without
-    assert len(names) == 2 and all(n.startswith("mixgemm_gdecode_bf16_u4_m8_") for n in names)
-    assert {n.rsplit("_", 1)[1] for n in names} == {"none", "swiglu"}
+    # 1 token x top-8 = 8 rows: the 8-row grouped tile, gate/up with swiglu and down without; the
+    # routing kernel for int64 ids and the combine kernel for bf16 outputs and float32 weights
+    routing = {"mixgemm_moe_route_i64", "mixgemm_moe_combine_bf16_wf32"}
+    grouped = [n for n in names if n not in routing]
+    assert len(names) == 4 and routing <= set(names)
+    assert len(grouped) == 2 and all(n.startswith("mixgemm_gdecode_bf16_u4_m8_") for n in grouped)
+    assert {n.rsplit("_", 1)[1] for n in grouped} == {"none", "swiglu"}
     assert bench.main(["--moe", "all", "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
-    assert len(names) == 12 and all(n.startswith("mixgemm_gdecode_bf16_") for n in names)  # 3 types x 2 tiles x 2
+    grouped = [n for n in names if n not in routing]
+    assert routing <= set(names)
+    assert len(grouped) == 12 and all(n.startswith("mixgemm_gdecode_bf16_") for n in grouped)  # 3 types x 2 tiles x 2
     from mixgemm import codegen
-    assert set(names) <= {s.name for s in codegen.grouped_specs()}
-    assert all(isinstance(s, GroupedDecodeSpec) for s in R.moe_kernel_specs(SMALL, U2, (1, 64)))
+    assert set(grouped) <= {s.name for s in codegen.grouped_specs()}
+    assert set(names) <= {s.name for s in codegen.default_specs()}
+    specs = R.moe_kernel_specs(SMALL, U2, (1, 64))
+    assert all(isinstance(s, GroupedDecodeSpec) for s in specs[:-2])
+    assert [s.name for s in specs[-2:]] == ["mixgemm_moe_route_i64", "mixgemm_moe_combine_bf16_wf32"]
     assert R.moe_kernel_specs(SMALL, V.BF16, (1,)) == []
 
 

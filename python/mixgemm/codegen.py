@@ -103,6 +103,32 @@ class KernelKind(enum.Enum):
     DECODE = "decode"
     GROUPED_DECODE = "gdecode"
     DEQUANT = "dequant"
+    MOE_ROUTE = "moe_route"
+    MOE_COMBINE = "moe_combine"
+
+
+class IndexType(enum.Enum):
+    """The integer type of MoE top-k expert ids (:class:`MoeRouteSpec`)."""
+
+    I32 = "i32"
+    I64 = "i64"
+
+    @property
+    def cpp(self) -> str:
+        return {IndexType.I32: "int32_t", IndexType.I64: "int64_t"}[self]
+
+
+class RoutingWeightType(enum.Enum):
+    """The float type of MoE top-k routing weights (:class:`MoeCombineSpec`)."""
+
+    F32 = "f32"
+    BF16 = "bf16"
+    F16 = "f16"
+
+    @property
+    def cpp(self) -> str:
+        return {RoutingWeightType.F32: "float", RoutingWeightType.BF16: "cutlass::bfloat16_t",
+                RoutingWeightType.F16: "cutlass::half_t"}[self]
 
 
 _DATATYPE = {
@@ -275,7 +301,41 @@ class DequantSpec:
         return f"mixgemm_dequant_{self.act.value}_{self.weight.value}"
 
 
-KernelSpec = Union[GemmSpec, DecodeSpec, GroupedDecodeSpec, DequantSpec]
+@dataclasses.dataclass(frozen=True)
+class MoeRouteSpec:
+    """The MoE routing kernel (``cutlass_ext/mixgemm/moe_route_kernel.hpp``) for top-k ids of one
+    integer type: the assignments sorted by expert (offsets, order, tokens, inv) and the rows of
+    x gathered in that order, one launch, no host sync. x is moved as 16-byte vectors, so one
+    kernel serves bf16 and fp16. Launched by :func:`mixgemm.moe.route_and_gather`."""
+
+    index: IndexType
+
+    kind = KernelKind.MOE_ROUTE
+    programmatic_launch = True   # griddepcontrol.wait precedes every global access
+
+    @property
+    def name(self) -> str:
+        return f"mixgemm_moe_route_{self.index.value}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeCombineSpec:
+    """The MoE combine kernel (``cutlass_ext/mixgemm/moe_route_kernel.hpp``): the weighted sum of
+    each token's top-k expert outputs, float32 in slot order, one rounding to ``act``; routing
+    weights of type ``weight``. Launched by :func:`mixgemm.moe.combine`."""
+
+    act: ActType
+    weight: RoutingWeightType
+
+    kind = KernelKind.MOE_COMBINE
+    programmatic_launch = True   # griddepcontrol.wait precedes every global access
+
+    @property
+    def name(self) -> str:
+        return f"mixgemm_moe_combine_{self.act.value}_w{self.weight.value}"
+
+
+KernelSpec = Union[GemmSpec, DecodeSpec, GroupedDecodeSpec, DequantSpec, MoeRouteSpec, MoeCombineSpec]
 #: The kernels that compute a GEMM (and have a host helper): what gemm_with_spec takes.
 GEMM_KINDS = (GemmSpec, DecodeSpec)
 #: The kernels built with a host helper library (helper.so).
@@ -289,6 +349,8 @@ _DECODE_NAME = re.compile(
     r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_k(?P<kslices>\d+)_(?P<activation>none|silu|gelu|swiglu)$")
 _GROUPED_DECODE_NAME = re.compile("^mixgemm_gdecode_" + _DECODE_NAME.pattern[len("^mixgemm_decode_"):])
 _DEQUANT_NAME = re.compile(r"^mixgemm_dequant_(?P<act>bf16|fp16)_(?P<weight>[su][248])$")
+_MOE_ROUTE_NAME = re.compile(r"^mixgemm_moe_route_(?P<index>i32|i64)$")
+_MOE_COMBINE_NAME = re.compile(r"^mixgemm_moe_combine_(?P<act>bf16|fp16)_w(?P<weight>f32|bf16|f16)$")
 
 
 def parse_name(name: str) -> KernelSpec:
@@ -310,6 +372,12 @@ def parse_name(name: str) -> KernelSpec:
     m = _DEQUANT_NAME.match(name)
     if m:
         return DequantSpec(ActType(m["act"]), WeightType(m["weight"]))
+    m = _MOE_ROUTE_NAME.match(name)
+    if m:
+        return MoeRouteSpec(IndexType(m["index"]))
+    m = _MOE_COMBINE_NAME.match(name)
+    if m:
+        return MoeCombineSpec(ActType(m["act"]), RoutingWeightType(m["weight"]))
     raise ValueError(f"not a mixgemm kernel name: {name!r}")
 
 
@@ -416,7 +484,8 @@ ALL_WEIGHTS = (WeightType.S8, WeightType.U8, WeightType.S4, WeightType.U4, Weigh
 def default_specs(acts: Iterable[ActType] = ALL_ACTS,
                   weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[KernelSpec]:
     """Every kernel the runtime may pick: each tile config for each type, the dequantizers, and
-    the grouped (MoE) decode kernels of :func:`grouped_specs`. Every type has its kernel on every
+    the MoE kernels: the grouped decode kernels of :func:`grouped_specs` and the routing and
+    combine kernels of :func:`moe_specs`. Every type has its kernel on every
     path. What ``mixgemm generate --list / --build`` covers."""
     acts, weights = list(acts), list(weights)
     specs: list[KernelSpec] = [tc.spec(a, w) for a in acts for w in weights for tc in TILE_CONFIGS]
@@ -428,7 +497,16 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
               if isinstance(tc, DecodeConfig) for act in Activation if act is not Activation.NONE]
     specs += [DequantSpec(a, w) for a in acts for w in weights]
     specs += grouped_specs(acts, weights)
+    specs += moe_specs(acts)
     return specs
+
+
+def moe_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[Union[MoeRouteSpec, MoeCombineSpec]]:
+    """The MoE routing kernels (int32 and int64 ids) and the combine kernels (each activation
+    type x each routing-weight type) of :func:`mixgemm.moe.fused_moe`. Part of
+    :func:`default_specs`; alone: ``mixgemm generate --build --kernels _moe_``."""
+    return ([MoeRouteSpec(i) for i in IndexType]
+            + [MoeCombineSpec(a, w) for a in acts for w in RoutingWeightType])
 
 
 def grouped_specs(acts: Iterable[ActType] = ALL_ACTS,
@@ -577,6 +655,14 @@ def render(spec: KernelSpec) -> str:
         act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
         return (head + '#include "mixgemm/dequant_kernel.hpp"\n\n'
                 f"MIXGEMM_DEQUANT_ENTRY({spec.name}, {code}, {act}, {str(spec.weight.has_zero).lower()})\n")
+    if isinstance(spec, MoeRouteSpec):
+        return (head + '#include "mixgemm/moe_route_kernel.hpp"\n\n'
+                f"MIXGEMM_MOE_ROUTE_ENTRY({spec.name}, {spec.index.cpp})\n")
+    if isinstance(spec, MoeCombineSpec):
+        L, _ = _cutlass_library()
+        act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
+        return (head + '#include "mixgemm/moe_route_kernel.hpp"\n\n'
+                f"MIXGEMM_MOE_COMBINE_ENTRY({spec.name}, {act}, {spec.weight.cpp})\n")
     if not isinstance(spec, GemmSpec):
         raise TypeError(f"not a kernel spec: {spec!r}")
     _, G = _cutlass_library()

@@ -6,9 +6,12 @@
   a grouped decode kernel (``cutlass_ext/mixgemm/grouped_decode_kernel.hpp``): experts without
   rows are skipped on the GPU without reading their weights, and the call reads nothing back to
   the host, so it can be captured in a CUDA graph with routing that changes between replays.
-* :func:`route`: the routing of top-k ids (sort by expert) with torch ops, on the GPU, no sync.
-* :func:`fused_moe`: vLLM's ``fused_experts`` calling convention: routing, gate/up with the
-  swiglu epilogue, down, and the weighted sum of the top-k.
+* :func:`route`, :func:`route_and_gather`, :func:`combine` (:mod:`mixgemm.moe_routing`): the
+  routing of top-k ids (sort by expert) and the gather of x's rows, and the weighted sum of the
+  top-k outputs; on an sm_90 GPU one launch each of mixgemm's own kernels, no host sync.
+* :func:`fused_moe`: vLLM's ``fused_experts`` calling convention: routing and gather, gate/up
+  with the swiglu epilogue, down, and the weighted sum of the top-k: four launches at decode
+  sizes.
 
 The grouped kernel handles an expert's rows in tiles of its token tile (8 or 16 rows), streaming
 the expert's weights once per tile: the decode regime (a few rows per expert) is what it is for.
@@ -22,15 +25,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from .experts import PackedExperts
+from .moe_routing import ROUTE_MAX_ASSIGNMENTS, Routing, combine, route, route_and_gather
 from .types import WeightType
 
-__all__ = ["PackedExperts", "grouped_gemm", "fused_moe", "route", "Routing", "select_grouped_spec",
-           "grouped_spec_for"]
+__all__ = ["PackedExperts", "grouped_gemm", "fused_moe", "route", "route_and_gather", "combine", "Routing",
+           "select_grouped_spec", "grouped_spec_for", "ROUTE_MAX_ASSIGNMENTS"]
 
 #: grouped_gemm's ``activation`` values
 ACTIVATIONS = ("silu", "gelu", "swiglu")
@@ -198,47 +202,8 @@ def grouped_gemm_op(x: torch.Tensor, experts: PackedExperts, expert_offsets: tor
 
 
 # ---------------------------------------------------------------------------------------------
-# Routing and the fused layer
+# The fused layer
 # ---------------------------------------------------------------------------------------------
-class Routing(NamedTuple):
-    """The top-k assignments sorted by expert. ``order[j]`` is the flat index (``token * topk +
-    slot``) of sorted row j, ``tokens[j] = order[j] // topk`` its token, and ``expert_offsets``
-    (int32 ``[E + 1]``) the row range of each expert."""
-
-    order: torch.Tensor
-    tokens: torch.Tensor
-    expert_offsets: torch.Tensor
-
-
-def route(topk_ids: torch.Tensor, num_experts: int) -> Routing:
-    """Sort the top-k assignments ``topk_ids`` (``[T, topk]``, integer expert ids in
-    ``[0, num_experts)``) by expert, with torch ops on their device and no host sync (a stable
-    sort: rows of one expert stay in token order). Ids out of range are not checked (that would
-    need a sync); they make the counts wrong."""
-    if topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be [T, topk], got {list(topk_ids.shape)}")
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-        raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
-    topk = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1).long()
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    offsets[1:] = torch.cumsum(counts, 0, dtype=torch.int32)
-    return Routing(order, torch.div(order, topk, rounding_mode="floor"), offsets)
-
-
-def combine(y_sorted: torch.Tensor, routing: Routing, topk_weights: torch.Tensor) -> torch.Tensor:
-    """The weighted sum over the top-k of each token: ``out[t] = sum_s w[t, s] * y[row of (t, s)]``,
-    in float32 in slot order (deterministic), rounded once to ``y_sorted``'s dtype."""
-    t, topk = topk_weights.shape
-    y = torch.empty_like(y_sorted)
-    y[routing.order] = y_sorted
-    acc = y.view(t, topk, -1).float() * topk_weights.float().unsqueeze(-1)
-    return acc.sum(1).to(y_sorted.dtype)
-
-
 def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """A MoE block's experts: ``out[t] = sum_s topk_weights[t, s] * expert_{topk_ids[t, s]}(x[t])``
@@ -261,7 +226,9 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
     Returns
     -------
     torch.Tensor
-        ``[T, H]`` in x's dtype. Routing runs on the GPU (:func:`route`), no host sync.
+        ``[T, H]`` in x's dtype. Routing runs on the GPU, no host sync: at decode sizes
+        (``T * topk <=`` :data:`ROUTE_MAX_ASSIGNMENTS`) four launches: routing and gather
+        (:func:`route_and_gather`), the two grouped GEMMs, :func:`combine`.
     """
     if not isinstance(w13, PackedExperts) or not isinstance(w2, PackedExperts):
         raise TypeError("w13 and w2 must be mixgemm.moe.PackedExperts")
@@ -273,8 +240,7 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_weights and topk_ids must both be [T={x.shape[0]}, topk], got "
                          f"{list(topk_weights.shape)} and {list(topk_ids.shape)}")
-    routing = route(topk_ids, w13.num_experts)
-    xs = x[routing.tokens]
+    routing, xs = route_and_gather(x, topk_ids, w13.num_experts)
     h = grouped_gemm(xs, w13, routing.expert_offsets, activation="swiglu")
     y = grouped_gemm(h, w2, routing.expert_offsets)
     return combine(y, routing, topk_weights)

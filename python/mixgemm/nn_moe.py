@@ -2,7 +2,8 @@
 
 The routing (the router's softmax and top-k) stays with the model; :meth:`QuantMoE.forward`
 takes the hidden states and the top-k weights and ids, as vLLM's ``fused_experts`` does, and
-runs :func:`mixgemm.moe.fused_moe` through the ``mixgemm::grouped_gemm`` custom op, so
+runs :func:`mixgemm.moe.fused_moe` through the ``mixgemm::route_and_gather``,
+``mixgemm::grouped_gemm`` and ``mixgemm::combine`` custom ops, so
 ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it (after a warm-up call).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from . import moe
+from . import moe, moe_routing
 from .experts import PackedExperts
 from .quantize import interleave_gate_up, quantize
 from .types import WeightType
@@ -90,11 +91,10 @@ class QuantMoE(nn.Module):
         tokens of x) -> ``[..., H]``."""
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
-        routing = moe.route(topk_ids, self.num_experts)
-        xs = x2[routing.tokens]
+        routing, xs = moe_routing.route_and_gather_op(x2, topk_ids, self.num_experts)
         h = moe.grouped_gemm_op(xs, self.experts("w13"), routing.expert_offsets, activation="swiglu")
         y = moe.grouped_gemm_op(h, self.experts("w2"), routing.expert_offsets)
-        return moe.combine(y, routing, topk_weights).reshape(shape)
+        return moe_routing.combine_op(y, routing, topk_weights).reshape(shape)
 
     def extra_repr(self) -> str:
         wt13, g13 = self._fields["w13"]

@@ -268,6 +268,29 @@ def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, 
           f"cuLaunchKernelEx({kernel.spec.name})")
 
 
+def launch_kernel(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, args: tuple) -> None:
+    """Launch a kernel without a host helper (its arguments are plain pointers and ints, given as
+    ctypes values in order) on torch's current stream, with programmatic stream serialization
+    where the kernel allows it (:func:`launch_prepared`'s rules)."""
+    drv = _driver()
+    argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes = 0
+    config.hStream = _stream_handle(kernel.device)
+    attrs = []
+    if kernel.spec.programmatic_launch:
+        pdl = drv.CUlaunchAttribute()
+        pdl.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        pdl.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(pdl)
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
+    check(drv.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(argv), 0),
+          f"cuLaunchKernelEx({kernel.spec.name})")
+
+
 def launch_dequant(kernel: LoadedKernel, qdata: int, scales: int, zeros: int, out: int,
                    n: int, k: int, group_size: int) -> None:
     drv = _driver()
