@@ -104,7 +104,8 @@ def _sequential_combine(y_sorted, inv, w):
 
 
 def _ulps(a, b) -> int:
-    """The largest distance of two 16-bit float tensors in units in the last place (same signs)."""
+    """The largest distance of two 16-bit float tensors in units in the last place, counted along
+    the number line (from -tiny to +tiny is 2)."""
     ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
     ai = torch.where(ai < 0, -(ai & 0x7FFF), ai)
     bi = torch.where(bi < 0, -(bi & 0x7FFF), bi)
@@ -123,9 +124,17 @@ def test_combine_kernel(requires_gpu, act, wdtype, t, topk, h):
     w = torch.softmax(torch.randn(t, topk, device="cuda"), -1).to(wdtype)
     got = moe.combine(y, r, w)
     assert got.dtype == act and got.shape == (t, h)
-    assert torch.equal(got, _sequential_combine(y, r.inv, w)), "not the slot-order float32 sum"
+    want = _sequential_combine(y, r.inv, w)
+    assert torch.equal(got, want), f"not the slot-order float32 sum: {_ulps(got, want)} ulps off"
+    # torch's combine sums the top-k in another association: the float32 sums differ by at most
+    # ~topk * 2^-24 of the terms' magnitudes (which, where the terms cancel, can be many output
+    # ulps), and the rounding to the output type by at most one ulp
     torch_combine = moe.combine(y, r._replace(inv=None), w)     # route()'s routing: torch's ops
-    assert _ulps(got, torch_combine) <= 1
+    terms = (y[r.inv.long()].float().view(t, topk, h).abs() * w.float().abs().view(t, topk, 1)).sum(1)
+    ulp = 2.0 ** -7 if act == torch.bfloat16 else 2.0 ** -10
+    bound = ulp * torch_combine.float().abs() + 2.0 ** -20 * terms + 1e-30
+    diff = (got.float() - torch_combine.float()).abs()
+    assert (diff <= bound).all(), f"{int((diff > bound).sum())} outputs beyond the bound, worst {float((diff / bound).max()):.2f}x"
 
 
 @pytest.mark.parametrize("ids_dtype,w_dtype", [(torch.int64, torch.float32), (torch.int32, torch.bfloat16)])
