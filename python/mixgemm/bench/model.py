@@ -34,7 +34,7 @@ from .grid import ERROR, FAIL, OK, UNAVAILABLE
 from .preset_report import (ERR, ITERS, PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, STATUS, VARIANT, Column, PresetReport,
                             PresetTable, failed, first_seen, megabytes, split_by_preset, write_report_json)
 from .report import MachineInfo, fmt
-from .timing import TimingStats
+from .timing import TimingStats, floor_us
 from .variants import ELEMENT_BYTES, BF16, DEFAULT_VARIANTS, Variant, parse_variants
 
 MODEL_SCHEMA = "mixgemm.bench.model/1"
@@ -168,11 +168,6 @@ def layer_traffic(preset: ModelPreset, shape: StepShape, weight_bytes: int) -> L
     return LayerTraffic(weights=int(weight_bytes), kv_read=shape.batch * shape.cache_length * kv_row,
                         kv_write=shape.batch * shape.tokens * kv_row,
                         activations=shape.m * per_token * ELEMENT_BYTES)
-
-
-def floor_us(nbytes: int, read_bw_gbps: float) -> float:
-    """Microseconds to read ``nbytes`` at ``read_bw_gbps`` (10^9 bytes per second)."""
-    return nbytes / (read_bw_gbps * 1e9) * 1e6
 
 
 # ---------------------------------------------------------------------------------------------

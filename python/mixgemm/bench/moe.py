@@ -41,7 +41,7 @@ from .grid import ERROR, FAIL, OK, UNAVAILABLE
 from .preset_report import (ERR, ITERS, PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, STATUS, VARIANT, Column, PresetReport,
                             PresetTable, failed, first_seen, megabytes, split_by_preset, write_report_json)
 from .report import MachineInfo, fmt
-from .timing import TimingStats
+from .timing import TimingStats, floor_us
 from .variants import BF16, DEFAULT_VARIANTS, ELEMENT_BYTES, Variant, parse_variants, projection_weight_bytes
 
 MOE_SCHEMA = "mixgemm.bench.moe/1"
@@ -166,11 +166,6 @@ def moe_traffic(preset: MoePreset, tokens: int, experts_touched: int, expert_byt
     rows = tokens * preset.topk
     act = ELEMENT_BYTES * (2 * tokens * h + rows * (h + i) + rows * (i + h)) + 8 * rows
     return MoeTraffic(weights=int(experts_touched) * int(expert_bytes), activations=act)
-
-
-def floor_us(nbytes: int, read_bw_gbps: float) -> float:
-    """Microseconds to read ``nbytes`` at ``read_bw_gbps`` (10^9 bytes per second)."""
-    return nbytes / (read_bw_gbps * 1e9) * 1e6
 
 
 # ---------------------------------------------------------------------------------------------
