@@ -377,7 +377,8 @@ if __name__ == "__main__":
     code = main()
     # leave without the interpreter's teardown: torch's gloo backend (2.13, CPU) sometimes
     # aborts there ("terminate called without an active exception", a still-joinable thread)
-    # after the group was destroyed and the results written, ~1 run in 30
+    # after the group was destroyed and the results written, ~1 run in 30. The tests share this
+    # as tests/dist_worker.py; a benchmark a user runs does not import from the test folder.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

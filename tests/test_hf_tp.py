@@ -11,7 +11,6 @@ device step.
 """
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers", reason="mixgemm.hf needs transformers (pip install 'mixgemm[hf]')")
 
 import hf_checkpoints as hc  # noqa: E402
+from dist_worker import exit_without_teardown, process_group  # noqa: E402
 import mixgemm  # noqa: E402
 from mixgemm import hf  # noqa: E402
 from mixgemm.errors import ShardError  # noqa: E402
@@ -122,10 +122,8 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, root: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
+    with process_group(rank=rank, world_size=world, port=port):
+        torch.set_num_threads(1)
         for kind in KINDS:
             path = Path(root) / kind
             whole = load(path)
@@ -138,24 +136,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
             others = [torch.empty_like(got) for _ in range(world)]
             dist.all_gather(others, got)
             assert all(torch.equal(o, got) for o in others), kind
-        # both ranks done before either tears the group down: without it a rank that exits
-        # while its peer's last all-gather is in flight aborted at interpreter exit in about
-        # 1 run in 4 ("terminate called without an active exception", torch 2.13 gloo)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    _exit_passed()
-
-
-def _exit_passed() -> None:
-    """A worker that passed leaves without the interpreter's teardown, where torch's gloo
-    backend (2.13, CPU) still aborted about 1 run in 30 after the barrier and the destroy (a
-    still-joinable C++ thread). A failing worker raises before this, as mp.spawn reports."""
-    import sys
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()         # passed (see tests/dist_worker.py for why)
 
 
 def test_split_model_gives_the_whole_models_logits(tmp_path):

@@ -8,9 +8,7 @@ all-reduce around the GEMM. ``benchmarks/tp_bench.py`` runs the real kernels on 
 """
 from __future__ import annotations
 
-import os
 import socket
-import sys
 from unittest import mock
 
 import pytest
@@ -18,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_worker import exit_without_teardown, process_group
 from mixgemm.nn import ColumnParallelQuantLinear, QuantLinear, RowParallelQuantLinear
 from mixgemm.quantize import GATE_UP_STRIPE, dequantize_reference
 
@@ -147,19 +146,10 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with process_group(rank=rank, world_size=world, port=port):
         with mock.patch.object(QuantLinear, "forward", reference_forward):
             _check_collectives(rank, world)
-        dist.barrier()          # both ranks done before the teardown (see test_hf_tp._worker)
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)                 # passed: no interpreter teardown (see test_hf_tp._exit_passed)
+    exit_without_teardown()         # passed (see tests/dist_worker.py for why)
 
 
 def _check_collectives(rank: int, world: int) -> None:

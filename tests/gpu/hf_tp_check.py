@@ -27,6 +27,8 @@ import torch  # noqa: E402
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 
+from dist_worker import exit_without_teardown, process_group  # noqa: E402
+
 #: fp16 u4/g64 (AWQ), bf16 s4/g64 (compressed-tensors), bf16 u4/g64 + s8/g128 (mixgemm): the
 #: kernels tests/test_gpu_hf.py builds too
 KINDS = ("awq", "ct-sym", "mixgemm")
@@ -49,12 +51,17 @@ def reference_forward(self, x):
 
 
 def run(args) -> int:
+    with process_group("gloo" if args.cpu else "nccl"):          # a barrier, then destroy
+        return _check(args)
+
+
+def _check(args) -> int:
+    """Every rank's checks in the process group; 0 when all pass, else 1."""
     import torch.distributed as dist
 
     import hf_checkpoints as hc
     from mixgemm import hf
 
-    dist.init_process_group("gloo" if args.cpu else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.cpu:
         device = torch.device("cpu")
@@ -94,8 +101,6 @@ def run(args) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"schema": "mixgemm.hf_tp_check/1", "tp": world, "cpu": args.cpu,
                                          "kinds": results, "ok": ok}, indent=2) + "\n")
-    dist.barrier()
-    dist.destroy_process_group()
     return 0 if ok else 1
 
 
@@ -122,10 +127,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # leave without the interpreter's teardown: torch's gloo backend (2.13, CPU) sometimes
-    # aborts there ("terminate called without an active exception", a still-joinable thread)
-    # after the group was destroyed and the results written, ~1 run in 30
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # no interpreter teardown, where CPU gloo may abort after all has passed (tests/dist_worker.py)
+    exit_without_teardown(main())

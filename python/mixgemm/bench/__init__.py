@@ -27,7 +27,8 @@ One module per concern:
   shapes (bf16 ``torch._grouped_mm``, torch int4 per expert, mixgemm's ``fused_moe``) under CUDA
   graphs: what is reported, and the GPU run;
 * :mod:`.host`: ``--host``, the host's microseconds per call and the eager decode step;
-* :mod:`.report` and :mod:`.plots`: tables, JSON, merges and plots;
+* :mod:`.report` and :mod:`.plots`: tables, JSON, merges and plots; :mod:`.preset_report`: the
+  report that ``--model`` and ``--moe`` share (JSON, split per preset, merge, table layout);
 * :mod:`.options` and :mod:`.command`: the command line (``add_arguments``; ``run_cli``, ``main``).
 
 Everything that needs no GPU (byte counting, bandwidth, speedups, the best-peer choice, the

@@ -28,15 +28,12 @@ from ..errors import BenchError, CliError
 from .block import run_block_cli
 from .decoder import PRESETS
 from .grid import FAIL, BenchConfig, analyze, run_benchmark
-from .model import (MODEL_SCHEMA, ModelConfig, ModelReport, analyze_model, failed, format_model_table,
-                    merge_model_reports, model_report_from_dict, split_by_preset, write_model_json)
-from .moe import (MOE_PRESETS, MOE_SCHEMA, MoeConfig, MoeReport, analyze_moe, format_moe_table, merge_moe_reports,
-                  moe_report_from_dict, write_moe_json)
-from .moe import failed as moe_failed
-from .moe import split_by_preset as split_moe_by_preset
+from .model import ModelConfig, ModelReport, analyze_model, format_model_table
+from .moe import MOE_PRESETS, MoeConfig, MoeReport, analyze_moe, format_moe_table
 from .options import build_parser, config_from_args, host_step_config, model_config_from_args, moe_config_from_args
 from .peers import QuantCache, make_impls
 from .plots import write_model_plot, write_moe_plot, write_plot
+from .preset_report import PresetReport, failed, split_by_preset, write_report_json
 from .report import (JSON_SCHEMA, BenchReport, default_results_root, format_table, machine_info, merge_reports,
                      report_from_dict, results_dir, write_json)
 from .timing import measure_copy_bandwidth, measure_dense_tflops, measure_read_bandwidth
@@ -89,10 +86,10 @@ def write_outputs(report: BenchReport, cfg: BenchConfig, log: Log = print) -> li
     return written
 
 
-def _write_per_preset(report, cfg, stem: str, split, write_json, write_plot, title: str,
-                      log: Log) -> list[Path]:
+def _write_per_preset(report: PresetReport, cfg, stem: str, write_plot, title: str, log: Log) -> list[Path]:
     """``--json`` and ``--plot`` with every preset; ``--save``: ``<stem>-<preset>.json`` and
-    ``.png`` per preset (``split(report)``) in the GPU's results folder. Returns the paths written."""
+    ``.png`` per preset (:func:`.preset_report.split_by_preset`) in the GPU's results folder.
+    Returns the paths written."""
     jobs, plots = [], []
     if cfg.json_path:
         jobs.append((Path(cfg.json_path), report))
@@ -100,12 +97,12 @@ def _write_per_preset(report, cfg, stem: str, split, write_json, write_plot, tit
         plots.append((Path(cfg.plot_path), report))
     if cfg.save:
         folder = _save_folder(cfg, report.machine.gpu_name)
-        for name, part in split(report).items():
+        for name, part in split_by_preset(report).items():
             jobs.append((folder / f"{stem}-{name}.json", part))
             plots.append((folder / f"{stem}-{name}.png", part))
     written = []
     for path, part in jobs:
-        written.append(write_json(path, part))
+        written.append(write_report_json(path, part))
         log(f"wrote {path}")
     for path, part in plots:
         ok, what = write_plot(part.points, path, title=title)
@@ -122,7 +119,7 @@ def write_model_outputs(report: ModelReport, cfg: ModelConfig, log: Log = print)
     ``.png`` per preset in the GPU's results folder. Returns the paths written."""
     title = (f"{report.machine.gpu_name}: decode step of {report.config.get('layers')} layers (context "
              f"{report.config.get('context')}) and prefill, speedup over bf16 and fraction of the byte floor")
-    return _write_per_preset(report, cfg, "model", split_by_preset, write_model_json, write_model_plot, title, log)
+    return _write_per_preset(report, cfg, "model", write_model_plot, title, log)
 
 
 def write_moe_outputs(report: MoeReport, cfg: MoeConfig, log: Log = print) -> list[Path]:
@@ -130,41 +127,39 @@ def write_moe_outputs(report: MoeReport, cfg: MoeConfig, log: Log = print) -> li
     ``.png`` per preset in the GPU's results folder. Returns the paths written."""
     title = (f"{report.machine.gpu_name}: one MoE layer (CUDA graph), speedup over bf16 and fraction of "
              f"the byte floor")
-    return _write_per_preset(report, cfg, "moe", split_moe_by_preset, write_moe_json, write_moe_plot, title, log)
+    return _write_per_preset(report, cfg, "moe", write_moe_plot, title, log)
 
 
 # ------------------------------------------------------------------------------------------
 # Modes
 # ------------------------------------------------------------------------------------------
 def _merge_cli(args: argparse.Namespace, log: Log) -> int:
-    """``mixgemm bench --merge A.json B.json ...``: one report from split runs (grid or --model)."""
+    """``mixgemm bench --merge A.json B.json ...``: one report from split runs (grid, --model or --moe)."""
     if not (args.json or args.plot or args.save):
         raise _user_error("--merge needs --json, --plot or --save")
     try:
         docs = [json.loads(Path(p).read_text(encoding="utf-8")) for p in args.merge]
         schemas = {d.get("schema") if isinstance(d, dict) else None for d in docs}
-        if schemas == {MODEL_SCHEMA}:
-            report = merge_model_reports([model_report_from_dict(d) for d in docs])
-        elif schemas == {MOE_SCHEMA}:
-            report = merge_moe_reports([moe_report_from_dict(d) for d in docs])
+        kind = next((cls for cls in (ModelReport, MoeReport) if schemas == {cls.SCHEMA}), None)
+        if kind is not None:
+            report = kind.merge([kind.from_dict(d) for d in docs])
         elif schemas == {JSON_SCHEMA}:
             report = merge_reports([report_from_dict(d) for d in docs])
         else:
-            raise ValueError(f"expected reports of one kind ({JSON_SCHEMA}, {MODEL_SCHEMA} or {MOE_SCHEMA}), got schemas "
-                             f"{sorted(map(str, schemas))}")
+            raise ValueError(f"expected reports of one kind ({JSON_SCHEMA}, {ModelReport.SCHEMA} or "
+                             f"{MoeReport.SCHEMA}), got schemas {sorted(map(str, schemas))}")
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise _user_error(f"--merge: {e}") from None
+    outputs = dict(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
     if isinstance(report, MoeReport):
-        cfg = MoeConfig(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
         log(format_moe_table(report.points, report.machine, report.config))
-        write_moe_outputs(report, cfg, log=log)
-        return 1 if moe_failed(report.points) else 0
-    if isinstance(report, ModelReport):
-        cfg = ModelConfig(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
-        log(format_model_table(report.points, report.machine, report.config))
-        write_model_outputs(report, cfg, log=log)
+        write_moe_outputs(report, MoeConfig(**outputs), log=log)
         return 1 if failed(report.points) else 0
-    cfg = BenchConfig(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
+    if isinstance(report, ModelReport):
+        log(format_model_table(report.points, report.machine, report.config))
+        write_model_outputs(report, ModelConfig(**outputs), log=log)
+        return 1 if failed(report.points) else 0
+    cfg = BenchConfig(**outputs)
     log(format_table(report.results, report.machine, report.config))
     write_outputs(report, cfg, log=log)
     return 1 if any(r.status == FAIL for r in report.results) else 0
@@ -241,16 +236,8 @@ def run_moe_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int
     report = MoeReport(machine, cfg.to_json(), {n: dataclasses.asdict(MOE_PRESETS[n]) for n in cfg.presets}, points)
     log(format_moe_table(points, machine, report.config))
     write_moe_outputs(report, cfg, log=log)
-    errors = [p for p in points if p.status == "error"]
-    if errors:
-        print("mixgemm bench: errors (not measured): " + "; ".join(
-            f"{p.preset} {p.variant} {p.routing} T={p.tokens}: {p.note}" for p in errors[:5]), file=sys.stderr)
-    bad = moe_failed(points)
-    if bad:
-        print(f"mixgemm bench: {len(bad)} point(s) FAILED (wrong or non-finite results): "
-              + ", ".join(sorted({f"{p.preset} {p.variant}" for p in bad})), file=sys.stderr)
-        return 1
-    return 0
+    return _exit_status(points, lambda p: f"{p.preset} {p.variant} {p.routing} T={p.tokens}",
+                        lambda p: f"{p.preset} {p.variant}")
 
 
 def run_host_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int:
@@ -278,7 +265,10 @@ def run_host_cli(args: argparse.Namespace, device: torch.device, log: Log) -> in
     return _exit_status(step_points, lambda p: f"step {p.variant} {p.mode}")
 
 
-def _exit_status(points: Sequence, name: Callable) -> int:
+def _exit_status(points: Sequence, name: Callable, failed_name: Optional[Callable] = None) -> int:
+    """1 when a point FAILed, else 0; the errors (``name(point)``) and the failures
+    (``failed_name(point)``, by default ``name``) said on stderr."""
+    failed_name = failed_name or name
     bad = failed(points)
     errors = [p for p in points if p.status == "error"]
     if errors:
@@ -286,7 +276,7 @@ def _exit_status(points: Sequence, name: Callable) -> int:
               file=sys.stderr)
     if bad:
         print(f"mixgemm bench: {len(bad)} point(s) FAILED (wrong or non-finite results): "
-              + ", ".join(sorted({name(p) for p in bad})), file=sys.stderr)
+              + ", ".join(sorted({failed_name(p) for p in bad})), file=sys.stderr)
         return 1
     return 0
 

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from .decoder import PRESETS, ModelPreset
 from .grid import ERROR, FAIL, OK, UNAVAILABLE
-from .report import MachineInfo, align, fmt, gpu_line, machine_line, write_json_doc
-from .timing import TimingStats
+from .preset_report import (ERR, ITERS, PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, STATUS, VARIANT, Column, PresetReport,
+                            PresetTable, failed, first_seen, megabytes, split_by_preset, write_report_json)
+from .report import MachineInfo, fmt
+from .timing import TimingStats, floor_us
 from .variants import ELEMENT_BYTES, BF16, DEFAULT_VARIANTS, Variant, parse_variants
 
 MODEL_SCHEMA = "mixgemm.bench.model/1"
@@ -169,11 +170,6 @@ def layer_traffic(preset: ModelPreset, shape: StepShape, weight_bytes: int) -> L
                         activations=shape.m * per_token * ELEMENT_BYTES)
 
 
-def floor_us(nbytes: int, read_bw_gbps: float) -> float:
-    """Microseconds to read ``nbytes`` at ``read_bw_gbps`` (10^9 bytes per second)."""
-    return nbytes / (read_bw_gbps * 1e9) * 1e6
-
-
 # ---------------------------------------------------------------------------------------------
 # Measurements and their analysis
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +234,15 @@ class ModelPoint:
     @property
     def key(self) -> tuple:
         return (self.preset, self.phase, self.batch, self.tokens, self.context, self.variant, self.mode)
+
+    @property
+    def shape(self) -> StepShape:
+        return StepShape(self.phase, self.batch, self.tokens, self.context)
+
+    @property
+    def label(self) -> str:
+        """The point in words (messages)."""
+        return f"{self.variant} {self.mode} {self.preset} {self.phase} b{self.batch}"
 
 
 def _finite(x: Optional[float]) -> Optional[float]:
@@ -308,81 +313,46 @@ def analyze_model(measurements: Iterable[StepMeasurement], read_bw_gbps: Optiona
 
 
 # ---------------------------------------------------------------------------------------------
-# The report: JSON, merge, table
+# The report (:mod:`.preset_report`): JSON, split, merge, table
 # ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ModelReport:
-    """A whole ``--model`` run: where, how, the presets' shapes and every point."""
+class ModelReport(PresetReport):
+    """A whole ``--model`` run: where, how, the presets' shapes and every :class:`ModelPoint`."""
 
-    machine: MachineInfo
-    config: dict
-    presets: dict
-    points: list
+    SCHEMA = MODEL_SCHEMA
+    POINT = ModelPoint
 
 
-def model_report_to_dict(report: ModelReport) -> dict:
-    """The JSON document of a ``--model`` report (standard JSON only: no NaN)."""
-    return {"schema": MODEL_SCHEMA, "machine": dataclasses.asdict(report.machine), "config": dict(report.config),
-            "presets": {k: dict(v) for k, v in report.presets.items()},
-            "points": [dataclasses.asdict(p) for p in report.points]}
+#: this module's names from before the report was shared (mixgemm.bench exports them; tools use them)
+model_report_to_dict = ModelReport.to_dict
+model_report_from_dict = ModelReport.from_dict
+merge_model_reports = ModelReport.merge
+write_model_json = write_report_json
 
 
-def model_report_from_dict(data: Mapping[str, Any]) -> ModelReport:
-    """Inverse of :func:`model_report_to_dict` (ValueError for another document)."""
-    if data.get("schema") != MODEL_SCHEMA:
-        raise ValueError(f"not a {MODEL_SCHEMA} document (schema {data.get('schema')!r})")
-    return ModelReport(machine=MachineInfo(**data["machine"]), config=dict(data["config"]),
-                       presets={k: dict(v) for k, v in data["presets"].items()},
-                       points=[ModelPoint(**p) for p in data["points"]])
+def _model_order(points: list) -> Callable[[ModelPoint], tuple]:
+    steps = first_seen((p.phase, p.batch, p.tokens) for p in points)
+    variants = first_seen(p.variant for p in points)
+    return lambda p: (steps[(p.phase, p.batch, p.tokens)], variants[p.variant],
+                      MODES.index(p.mode) if p.mode in MODES else 9)
 
 
-def write_model_json(path: Path, report: ModelReport) -> Path:
-    """Write the report as JSON, atomically (creating the folder); returns the path."""
-    return write_json_doc(path, model_report_to_dict(report))
+def _model_heading(name: str, preset: ModelPreset, points: list) -> str:
+    return (f"{name}: hidden {preset.hidden}, intermediate {preset.intermediate}, heads "
+            f"{preset.heads}/{preset.kv_heads} x {preset.head_dim}{', qkv bias' if preset.qkv_bias else ''}; "
+            f"{points[0].layers} of its {preset.model_layers} layers; context {points[0].context} (decode)")
 
 
-def split_by_preset(report: ModelReport) -> dict[str, ModelReport]:
-    """One report per preset (``--save`` writes ``model-<preset>.json``)."""
-    names = list(dict.fromkeys(p.preset for p in report.points))
-    return {name: ModelReport(report.machine, {**report.config, "presets": [name]},
-                              {name: report.presets[name]} if name in report.presets else {},
-                              [p for p in report.points if p.preset == name])
-            for name in names}
-
-
-def merge_model_reports(reports: Sequence[ModelReport]) -> ModelReport:
-    """One report from ``--model`` runs on the same GPU (e.g. one preset per process): the
-    points of all, each as its run measured it; ``config["runs"]`` lists each run's timestamp,
-    read bandwidth and presets.
-
-    Raises
-    ------
-    ValueError
-        No reports, different GPUs, or a point measured twice.
-    """
-    if not reports:
-        raise ValueError("nothing to merge")
-    first = reports[0]
-    seen: set = set()
-    points: list = []
-    presets: dict = {}
-    for r in reports:
-        if r.machine.gpu_name != first.machine.gpu_name:
-            raise ValueError(f"runs on different GPUs: {first.machine.gpu_name!r} and {r.machine.gpu_name!r}")
-        for p in r.points:
-            if p.key in seen:
-                raise ValueError(f"{p.variant} {p.mode} {p.preset} {p.phase} b{p.batch} is in more than one run")
-            seen.add(p.key)
-            points.append(p)
-        presets.update(r.presets)
-    config = {**first.config, "presets": list(presets),
-              "runs": [{"timestamp": r.machine.timestamp, "read_bw_gbps": r.machine.read_bw_gbps,
-                        "presets": list(r.presets)} for r in reports]}
-    return ModelReport(first.machine, config, presets, points)
-
-
-MODEL_TABLE_HEADER = ("step", "variant", "mode", "us/layer", "floor us", "%floor", "x bf16", "MB/layer",
-                      "err", "kv err", "iters", "status")
+MODEL_TABLE = PresetTable(
+    columns=(Column("step", lambda p: p.shape.label, right=False), VARIANT,
+             Column("mode", lambda p: p.mode, right=False),
+             Column("us/layer", lambda p: fmt(p.us_per_layer, ".1f")),
+             Column("floor us", lambda p: fmt(p.floor_us_per_layer, ".1f")), PERCENT_OF_FLOOR, SPEEDUP_VS_BF16,
+             Column("MB/layer", lambda p: megabytes(p.bytes_per_layer)), ERR,
+             Column("kv err", lambda p: fmt(p.kv_err, ".1e")), ITERS, STATUS),
+    how=lambda config: (f"median of up to {config.get('iters')} runs (L2 flushed before each); "
+                        f"floor = bytes / read bandwidth"),
+    heading=_model_heading, order=_model_order, note_key=lambda p: f"{p.variant} {p.mode} {p.shape.label}")
+MODEL_TABLE_HEADER = MODEL_TABLE.header
 
 
 def format_model_table(points: Sequence[ModelPoint], machine: Optional[MachineInfo] = None,
@@ -390,49 +360,7 @@ def format_model_table(points: Sequence[ModelPoint], machine: Optional[MachineIn
                        presets: Mapping[str, ModelPreset] = PRESETS) -> str:
     """The report as aligned text: one block per preset, rows by step, variant, then mode; the
     reasons for any status but ok listed under each block."""
-    lines: list[str] = []
-    if machine is not None:
-        lines += [gpu_line(machine), machine_line(machine)]
-    if config:
-        quick = "  QUICK RUN (fewer iterations: not a measurement)" if config.get("quick") else ""
-        lines.append(f"bf16 activations, group size {config.get('group_size')}, median of up to "
-                     f"{config.get('iters')} runs (L2 flushed before each); floor = bytes / read bandwidth{quick}")
-    by_preset: dict[str, list[ModelPoint]] = {}
-    for p in points:
-        by_preset.setdefault(p.preset, []).append(p)
-    for name, rows_in in by_preset.items():
-        preset = presets.get(name)
-        lines.append("")
-        if preset is not None:
-            lines.append(f"{name}: hidden {preset.hidden}, intermediate {preset.intermediate}, heads "
-                         f"{preset.heads}/{preset.kv_heads} x {preset.head_dim}{', qkv bias' if preset.qkv_bias else ''}; "
-                         f"{rows_in[0].layers} of its {preset.model_layers} layers; context {rows_in[0].context} "
-                         f"(decode)")
-        else:
-            lines.append(name)
-        variants = list(dict.fromkeys(p.variant for p in rows_in))
-        steps = list(dict.fromkeys((p.phase, p.batch, p.tokens) for p in rows_in))
-        rows = [list(MODEL_TABLE_HEADER)]
-        notes: dict[str, str] = {}
-        for p in sorted(rows_in, key=lambda p: (steps.index((p.phase, p.batch, p.tokens)),
-                                                variants.index(p.variant), MODES.index(p.mode) if p.mode in MODES else 9)):
-            label = f"decode b{p.batch}" if p.phase == DECODE else f"prefill {p.tokens}"
-            rows.append([label, p.variant, p.mode, fmt(p.us_per_layer, ".1f"), fmt(p.floor_us_per_layer, ".1f"),
-                         fmt(None if p.frac_of_floor is None else 100 * p.frac_of_floor, ".0f", "%"),
-                         fmt(p.speedup_vs_bf16, ".2f", "x"),
-                         fmt(None if p.bytes_per_layer is None else p.bytes_per_layer / 1e6, ".1f"),
-                         fmt(p.err, ".1e"), fmt(p.kv_err, ".1e"), fmt(p.iters, "d"), p.status])
-            if p.status != OK and p.note:
-                key = p.variant if p.status == UNAVAILABLE else f"{p.variant} {p.mode} {label}"
-                notes.setdefault(key, f"{p.status}: {p.note}")
-        lines += align(rows, [False, False, False, True, True, True, True, True, True, True, True, False])
-        lines += [f"  {k}: {v}" for k, v in notes.items()]
-    return "\n".join(lines)
-
-
-def failed(points: Iterable[ModelPoint]) -> list[ModelPoint]:
-    """The points that FAILed (wrong or non-finite results)."""
-    return [p for p in points if p.status == FAIL]
+    return MODEL_TABLE.format(points, machine, config, presets)
 
 
 __all__ = ["MODEL_SCHEMA", "DEFAULT_LAYERS", "DEFAULT_BATCHES", "DEFAULT_CONTEXT", "DEFAULT_PREFILL", "MODEL_ITERS",
@@ -440,4 +368,4 @@ __all__ = ["MODEL_SCHEMA", "DEFAULT_LAYERS", "DEFAULT_BATCHES", "DEFAULT_CONTEXT
            "StepShape", "step_shapes", "ModelConfig", "LayerTraffic", "layer_traffic", "floor_us", "StepMeasurement",
            "ModelPoint", "classify_step", "analyze_model", "ModelReport", "model_report_to_dict",
            "model_report_from_dict", "write_model_json", "split_by_preset", "merge_model_reports",
-           "MODEL_TABLE_HEADER", "format_model_table", "failed"]
+           "MODEL_TABLE", "MODEL_TABLE_HEADER", "format_model_table", "failed"]

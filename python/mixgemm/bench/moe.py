@@ -33,14 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from .grid import ERROR, FAIL, OK, UNAVAILABLE
-from .report import MachineInfo, align, fmt, gpu_line, machine_line, write_json_doc
-from .timing import TimingStats
+from .preset_report import (ERR, ITERS, PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, STATUS, VARIANT, Column, PresetReport,
+                            PresetTable, failed, first_seen, megabytes, split_by_preset, write_report_json)
+from .report import MachineInfo, fmt
+from .timing import TimingStats, floor_us
 from .variants import BF16, DEFAULT_VARIANTS, ELEMENT_BYTES, Variant, parse_variants, projection_weight_bytes
 
 MOE_SCHEMA = "mixgemm.bench.moe/1"
@@ -167,11 +168,6 @@ def moe_traffic(preset: MoePreset, tokens: int, experts_touched: int, expert_byt
     return MoeTraffic(weights=int(experts_touched) * int(expert_bytes), activations=act)
 
 
-def floor_us(nbytes: int, read_bw_gbps: float) -> float:
-    """Microseconds to read ``nbytes`` at ``read_bw_gbps`` (10^9 bytes per second)."""
-    return nbytes / (read_bw_gbps * 1e9) * 1e6
-
-
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
@@ -285,6 +281,11 @@ class MoePoint:
     def key(self) -> tuple:
         return (self.preset, self.routing, self.tokens, self.variant)
 
+    @property
+    def label(self) -> str:
+        """The point in words (messages)."""
+        return f"{self.variant} {self.preset} {self.routing} T={self.tokens}"
+
 
 def _finite(x: Optional[float]) -> Optional[float]:
     return x if x is not None and math.isfinite(x) else None
@@ -349,91 +350,51 @@ def analyze_moe(measurements: Iterable[MoeMeasurement], read_bw_gbps: Optional[f
     return out
 
 
-def failed(points: Iterable[MoePoint]) -> list[MoePoint]:
-    """The points that FAILed (wrong or non-finite results)."""
-    return [p for p in points if p.status == FAIL]
-
-
 # ---------------------------------------------------------------------------------------------
-# The report: JSON, split, table
+# The report (:mod:`.preset_report`): JSON, split, merge, table
 # ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class MoeReport:
-    """A whole ``--moe`` run: where, how, the presets' shapes and every point."""
+class MoeReport(PresetReport):
+    """A whole ``--moe`` run: where, how, the presets' shapes and every :class:`MoePoint`. A merge
+    (e.g. one preset, or a few token counts, per process) also checks that the group sizes agree,
+    and lists the union of the token counts (and each run's)."""
 
-    machine: MachineInfo
-    config: dict
-    presets: dict
-    points: list
-
-
-def moe_report_to_dict(report: MoeReport) -> dict:
-    """The JSON document of a ``--moe`` report (standard JSON only: no NaN)."""
-    return {"schema": MOE_SCHEMA, "machine": dataclasses.asdict(report.machine), "config": dict(report.config),
-            "presets": {k: dict(v) for k, v in report.presets.items()},
-            "points": [dataclasses.asdict(p) for p in report.points]}
+    SCHEMA = MOE_SCHEMA
+    POINT = MoePoint
+    MERGE_SAME = (("group_size", "group sizes"),)
+    MERGE_UNION = ("tokens",)
 
 
-def moe_report_from_dict(data: Mapping[str, Any]) -> MoeReport:
-    """Inverse of :func:`moe_report_to_dict` (ValueError for another document)."""
-    if data.get("schema") != MOE_SCHEMA:
-        raise ValueError(f"not a {MOE_SCHEMA} document (schema {data.get('schema')!r})")
-    return MoeReport(machine=MachineInfo(**data["machine"]), config=dict(data["config"]),
-                     presets={k: dict(v) for k, v in data["presets"].items()},
-                     points=[MoePoint(**p) for p in data["points"]])
+#: this module's names from before the report was shared (mixgemm.bench exports them; tools use them)
+moe_report_to_dict = MoeReport.to_dict
+moe_report_from_dict = MoeReport.from_dict
+merge_moe_reports = MoeReport.merge
+write_moe_json = write_report_json
 
 
-def write_moe_json(path: Path, report: MoeReport) -> Path:
-    """Write the report as JSON, atomically (creating the folder); returns the path."""
-    return write_json_doc(path, moe_report_to_dict(report))
+def _moe_order(points: list) -> Callable[[MoePoint], tuple]:
+    routings = first_seen(p.routing for p in points)
+    variants = first_seen(p.variant for p in points)
+    return lambda p: (routings[p.routing], p.tokens, variants[p.variant])
 
 
-def split_by_preset(report: MoeReport) -> dict[str, MoeReport]:
-    """One report per preset (``--save`` writes ``moe-<preset>.json``)."""
-    names = list(dict.fromkeys(p.preset for p in report.points))
-    return {name: MoeReport(report.machine, {**report.config, "presets": [name]},
-                            {name: report.presets[name]} if name in report.presets else {},
-                            [p for p in report.points if p.preset == name])
-            for name in names}
+def _moe_footer(points: list) -> list[str]:
+    impls = dict.fromkeys(f"{p.variant}: {p.impl}" for p in points if p.impl)
+    return ((["  computed by: " + "; ".join(impls)] if impls else [])
+            + ["  experts: touched (most rows on one expert)"])
 
 
-def merge_moe_reports(reports: Sequence[MoeReport]) -> MoeReport:
-    """One report from ``--moe`` runs on the same GPU (e.g. one preset, or a few token counts,
-    per process): the points of all, each as its run measured it; ``config["runs"]`` lists each
-    run's timestamp, read bandwidth, presets and tokens.
-
-    Raises
-    ------
-    ValueError
-        No reports, different GPUs or group sizes, or a point measured twice.
-    """
-    if not reports:
-        raise ValueError("nothing to merge")
-    first = reports[0]
-    seen: set = set()
-    points: list = []
-    presets: dict = {}
-    for r in reports:
-        if r.machine.gpu_name != first.machine.gpu_name:
-            raise ValueError(f"runs on different GPUs: {first.machine.gpu_name!r} and {r.machine.gpu_name!r}")
-        if r.config.get("group_size") != first.config.get("group_size"):
-            raise ValueError(f"runs with different group sizes: {first.config.get('group_size')} and "
-                             f"{r.config.get('group_size')}")
-        for p in r.points:
-            if p.key in seen:
-                raise ValueError(f"{p.variant} {p.preset} {p.routing} T={p.tokens} is in more than one run")
-            seen.add(p.key)
-            points.append(p)
-        presets.update(r.presets)
-    config = {**first.config, "presets": list(presets),
-              "tokens": sorted({t for r in reports for t in r.config.get("tokens", [])}),
-              "runs": [{"timestamp": r.machine.timestamp, "read_bw_gbps": r.machine.read_bw_gbps,
-                        "presets": list(r.presets), "tokens": r.config.get("tokens")} for r in reports]}
-    return MoeReport(first.machine, config, presets, points)
-
-
-MOE_TABLE_HEADER = ("routing", "tokens", "experts", "variant", "us", "floor us", "%floor", "x bf16", "MB",
-                    "err", "iters", "status")
+MOE_TABLE = PresetTable(
+    columns=(Column("routing", lambda p: p.routing, right=False), Column("tokens", lambda p: str(p.tokens)),
+             Column("experts", lambda p: "" if p.experts_touched is None else
+                    f"{p.experts_touched} (<={p.max_expert_rows})"), VARIANT,
+             Column("us", lambda p: fmt(p.time_us, ".1f")), Column("floor us", lambda p: fmt(p.floor_us, ".1f")),
+             PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, Column("MB", lambda p: megabytes(p.total_bytes)), ERR, ITERS, STATUS),
+    how=lambda config: (f"the whole layer in a CUDA graph, median of up to {config.get('iters')} replays (L2 "
+                        f"flushed before each); floor = bytes of the experts touched + activations / read bandwidth"),
+    heading=lambda name, preset, points: (f"{name}: hidden {preset.hidden}, expert intermediate "
+                                          f"{preset.intermediate}, {preset.experts} experts, top-{preset.topk}"),
+    order=_moe_order, note_key=lambda p: f"{p.variant} {p.routing} T={p.tokens}", footer=_moe_footer)
+MOE_TABLE_HEADER = MOE_TABLE.header
 
 
 def format_moe_table(points: Sequence[MoePoint], machine: Optional[MachineInfo] = None,
@@ -441,43 +402,7 @@ def format_moe_table(points: Sequence[MoePoint], machine: Optional[MachineInfo] 
                      presets: Mapping[str, MoePreset] = MOE_PRESETS) -> str:
     """The report as aligned text: one block per preset, rows by routing, tokens, then variant;
     the implementations and the reasons for any status but ok listed under each block."""
-    lines: list[str] = []
-    if machine is not None:
-        lines += [gpu_line(machine), machine_line(machine)]
-    if config:
-        quick = "  QUICK RUN (fewer iterations: not a measurement)" if config.get("quick") else ""
-        lines.append(f"bf16 activations, group size {config.get('group_size')}, the whole layer in a CUDA graph, "
-                     f"median of up to {config.get('iters')} replays (L2 flushed before each); floor = bytes of the "
-                     f"experts touched + activations / read bandwidth{quick}")
-    by_preset: dict[str, list[MoePoint]] = {}
-    for p in points:
-        by_preset.setdefault(p.preset, []).append(p)
-    for name, rows_in in by_preset.items():
-        preset = presets.get(name)
-        lines.append("")
-        lines.append(f"{name}: hidden {preset.hidden}, expert intermediate {preset.intermediate}, {preset.experts} "
-                     f"experts, top-{preset.topk}" if preset is not None else name)
-        variants = list(dict.fromkeys(p.variant for p in rows_in))
-        routings = list(dict.fromkeys(p.routing for p in rows_in))
-        rows = [list(MOE_TABLE_HEADER)]
-        notes: dict[str, str] = {}
-        for p in sorted(rows_in, key=lambda p: (routings.index(p.routing), p.tokens, variants.index(p.variant))):
-            experts = "" if p.experts_touched is None else f"{p.experts_touched} (<={p.max_expert_rows})"
-            rows.append([p.routing, str(p.tokens), experts, p.variant, fmt(p.time_us, ".1f"), fmt(p.floor_us, ".1f"),
-                         fmt(None if p.frac_of_floor is None else 100 * p.frac_of_floor, ".0f", "%"),
-                         fmt(p.speedup_vs_bf16, ".2f", "x"),
-                         fmt(None if p.total_bytes is None else p.total_bytes / 1e6, ".1f"),
-                         fmt(p.err, ".1e"), fmt(p.iters, "d"), p.status])
-            if p.status != OK and p.note:
-                key = p.variant if p.status == UNAVAILABLE else f"{p.variant} {p.routing} T={p.tokens}"
-                notes.setdefault(key, f"{p.status}: {p.note}")
-        lines += align(rows, [False, True, True, False, True, True, True, True, True, True, True, False])
-        impls = dict.fromkeys(f"{p.variant}: {p.impl}" for p in rows_in if p.impl)
-        if impls:
-            lines.append("  computed by: " + "; ".join(impls))
-        lines.append("  experts: touched (most rows on one expert)")
-        lines += [f"  {k}: {v}" for k, v in notes.items()]
-    return "\n".join(lines)
+    return MOE_TABLE.format(points, machine, config, presets)
 
 
 __all__ = ["MOE_SCHEMA", "DEFAULT_TOKENS", "UNIFORM", "ZIPF", "ROUTINGS", "ZIPF_EXPONENT", "MOE_ITERS", "MOE_WARMUP",
@@ -485,4 +410,5 @@ __all__ = ["MOE_SCHEMA", "DEFAULT_TOKENS", "UNIFORM", "ZIPF", "ROUTINGS", "ZIPF_
            "routing_seed", "expert_popularity", "make_routing", "expert_counts", "expert_weight_bytes", "MoeTraffic",
            "moe_traffic", "floor_us", "MoeConfig", "parse_routings", "parse_moe_presets", "MoeMeasurement",
            "MoePoint", "classify_moe", "analyze_moe", "failed", "MoeReport", "moe_report_to_dict",
-           "moe_report_from_dict", "write_moe_json", "split_by_preset", "merge_moe_reports", "MOE_TABLE_HEADER", "format_moe_table"]
+           "moe_report_from_dict", "write_moe_json", "split_by_preset", "merge_moe_reports", "MOE_TABLE",
+           "MOE_TABLE_HEADER", "format_moe_table"]

@@ -78,6 +78,11 @@ def effective_gbps(nbytes: int, time_us: float) -> float:
     return nbytes / (time_us * 1e-6) / 1e9
 
 
+def floor_us(nbytes: int, read_bw_gbps: float) -> float:
+    """Microseconds to read ``nbytes`` at ``read_bw_gbps`` (10^9 bytes per second)."""
+    return nbytes / (read_bw_gbps * 1e9) * 1e6
+
+
 def tflops(m: int, n: int, k: int, time_us: float) -> float:
     """``2*M*N*K`` floating-point operations in ``time_us`` microseconds, in TFLOP/s."""
     return 2.0 * m * n * k / (time_us * 1e-6) / 1e12
@@ -266,6 +271,6 @@ def measure_dense_tflops(device: torch.device, n: int = DENSE_N, dtype: torch.dt
 
 
 __all__ = ["FLUSH_L2_MULTIPLE", "HOST_LEAD_CYCLES", "COPY_BYTES", "DENSE_N", "TimingStats",
-           "summarize_times", "effective_gbps", "tflops", "flush_size", "device_flush_size", "Clock",
+           "summarize_times", "effective_gbps", "floor_us", "tflops", "flush_size", "device_flush_size", "Clock",
            "CudaEventClock", "eager_clock", "time_cuda", "budgeted_iters", "measure_copy_bandwidth",
            "measure_read_bandwidth", "measure_dense_tflops"]
