@@ -237,27 +237,25 @@ def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
     del workspace
 
 
-def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, stream=None) -> None:
-    """Launch ``kernel`` with params and a launch shape its helper prepared, on ``stream``
-    (default: torch's current stream), with its cluster shape and, where the kernel allows it,
-    programmatic stream serialization."""
+def _launch_ex(kernel: LoadedKernel, grid, block, smem_bytes: int, stream, argv: ctypes.Array,
+               cluster=None) -> None:
+    """cuLaunchKernelEx of ``kernel`` with a ``void**`` to its arguments, a cluster shape if
+    given, and programmatic stream serialization where the kernel allows it: the kernel may
+    start (and set up) while the previous kernel in the stream finishes; it waits for it before
+    touching global memory."""
     drv = _driver()
-    if stream is None:
-        stream = _stream_handle(kernel.device)
-    argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     config = drv.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = (int(v) for v in launch.grid)
-    config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in launch.block)
-    config.sharedMemBytes = int(launch.smem_bytes)
+    config.gridDimX, config.gridDimY, config.gridDimZ = (int(v) for v in grid)
+    config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in block)
+    config.sharedMemBytes = int(smem_bytes)
     config.hStream = stream
     attrs = []
-    cluster = drv.CUlaunchAttribute()
-    cluster.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = (int(v) for v in launch.cluster)
-    attrs.append(cluster)
+    if cluster is not None:
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = (int(v) for v in cluster)
+        attrs.append(attr)
     if kernel.spec.programmatic_launch:
-        # Programmatic dependent launch: the kernel may start (and set up) while the previous
-        # kernel in the stream finishes; it waits for it before touching global memory.
         pdl = drv.CUlaunchAttribute()
         pdl.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         pdl.value.programmaticStreamSerializationAllowed = 1
@@ -266,29 +264,24 @@ def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, 
     config.numAttrs = len(attrs)
     check(drv.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(argv), 0),
           f"cuLaunchKernelEx({kernel.spec.name})")
+
+
+def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, stream=None) -> None:
+    """Launch ``kernel`` with params and a launch shape its helper prepared, on ``stream``
+    (default: torch's current stream), with its cluster shape and, where the kernel allows it,
+    programmatic stream serialization."""
+    if stream is None:
+        stream = _stream_handle(kernel.device)
+    argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    _launch_ex(kernel, launch.grid, launch.block, launch.smem_bytes, stream, argv, cluster=launch.cluster)
 
 
 def launch_kernel(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, args: tuple) -> None:
     """Launch a kernel without a host helper (its arguments are plain pointers and ints, given as
     ctypes values in order) on torch's current stream, with programmatic stream serialization
     where the kernel allows it (:func:`launch_prepared`'s rules)."""
-    drv = _driver()
     argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    config = drv.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid
-    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
-    config.sharedMemBytes = 0
-    config.hStream = _stream_handle(kernel.device)
-    attrs = []
-    if kernel.spec.programmatic_launch:
-        pdl = drv.CUlaunchAttribute()
-        pdl.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        pdl.value.programmaticStreamSerializationAllowed = 1
-        attrs.append(pdl)
-    config.attrs = attrs
-    config.numAttrs = len(attrs)
-    check(drv.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(argv), 0),
-          f"cuLaunchKernelEx({kernel.spec.name})")
+    _launch_ex(kernel, grid, (block, 1, 1), 0, _stream_handle(kernel.device), argv)
 
 
 def launch_dequant(kernel: LoadedKernel, qdata: int, scales: int, zeros: int, out: int,

@@ -13,42 +13,12 @@ from mixgemm.bench.model_run import _compiled
 from mixgemm.nn import QuantLinear
 from mixgemm.quantize import quantize
 
-dev = torch.device("cuda", 0)
-L2 = torch.cuda.get_device_properties(dev).L2_cache_size
-wbuf = torch.empty(2 * L2, dtype=torch.uint8, device=dev)
-rbuf = torch.ones(2 * L2 // 4, dtype=torch.float32, device=dev)
-sink = torch.empty((), dtype=torch.float32, device=dev)
-def flush():
-    wbuf.fill_(3); sink.copy_(rbuf.sum())
-
-def time_graph(fn, iters=30):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(); fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        flush(); g.replay()
-    ev = []
-    for _ in range(iters):
-        flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); ev.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+from harness import DEV as dev, flush, read_gbps, time_graph
 
 SHAPES = ("6144x4096,4096x4096,28672x4096,4096x14336,10240x8192,8192x8192,57344x8192,8192x28672,"
           "4608x3584,3584x3584,37888x3584,3584x18944,7168x5120,5120x5120,55296x5120,5120x27648").split(",")
 out = {"chain": []}
-bw_t = []
-big = torch.ones(1 << 28, dtype=torch.float32, device=dev)
-for _ in range(10):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record(); big.sum(); b.record(); torch.cuda.synchronize(); bw_t.append(a.elapsed_time(b))
-out["read_gbps"] = bw = (1 << 30) / (statistics.median(bw_t) * 1e-3) / 1e9
-del big
+out["read_gbps"] = bw = read_gbps()
 for shape in SHAPES:
     n, k = map(int, shape.split("x"))
     w = torch.randn(n, k, device=dev) * 0.02

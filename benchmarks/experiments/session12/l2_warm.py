@@ -10,27 +10,7 @@ from mixgemm.nn import QuantLinear
 
 dev = ps.dev
 ps.FUNC = ps.load_prefetch()
-L2 = ps.L2
-wbuf = torch.empty(2 * L2, dtype=torch.uint8, device=dev)
-rbuf = torch.ones(2 * L2 // 4, dtype=torch.float32, device=dev)
-sink = torch.empty((), dtype=torch.float32, device=dev)
-def flush():
-    wbuf.fill_(3); sink.copy_(rbuf.sum())
-
-def time_graph(fn, pre, iters=50):
-    fn(); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        pre(); g.replay()
-    ev = []
-    for _ in range(iters):
-        pre()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); ev.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+from harness import flush, time_graph
 
 rows = []
 for wt in sys.argv[2].split(","):
@@ -56,12 +36,12 @@ for wt in sys.argv[2].split(","):
                                         ctypes.addressof(argv), 0), "pf")
         with torch.no_grad():
             res = dict(weight=wt, shape=shape, mb=round(nbytes / 1e6, 2))
-            res["cold"] = time_graph(lambda: layer(x), flush)
-            res["warm"] = time_graph(lambda: layer(x), lambda: None)
-            res["spin"] = time_graph(lambda: (torch.cuda._sleep(40000), layer(x)), flush)
-            res["pf"] = time_graph(lambda: (prefetch_same_stream(), layer(x)), flush)
-            res["pf+spin"] = time_graph(lambda: (prefetch_same_stream(), torch.cuda._sleep(40000), layer(x)), flush)
-            res["pf+spin_only"] = time_graph(lambda: (prefetch_same_stream(), torch.cuda._sleep(40000)), flush)
+            res["cold"] = time_graph(lambda: layer(x), pre=flush)
+            res["warm"] = time_graph(lambda: layer(x), pre=lambda: None)
+            res["spin"] = time_graph(lambda: (torch.cuda._sleep(40000), layer(x)), pre=flush)
+            res["pf"] = time_graph(lambda: (prefetch_same_stream(), layer(x)), pre=flush)
+            res["pf+spin"] = time_graph(lambda: (prefetch_same_stream(), torch.cuda._sleep(40000), layer(x)), pre=flush)
+            res["pf+spin_only"] = time_graph(lambda: (prefetch_same_stream(), torch.cuda._sleep(40000)), pre=flush)
         res = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in res.items()}
         rows.append(res); print(json.dumps(res), flush=True)
 open(sys.argv[1], "w").write(json.dumps(rows, indent=1))

@@ -17,32 +17,7 @@ from mixgemm.bench import decoder, variants
 from mixgemm.bench.model_run import _compiled
 from mixgemm.nn import QuantLinear
 
-dev = torch.device("cuda", 0)
-L2 = torch.cuda.get_device_properties(dev).L2_cache_size
-wbuf = torch.empty(2 * L2, dtype=torch.uint8, device=dev)
-rbuf = torch.ones(2 * L2 // 4, dtype=torch.float32, device=dev)
-sink = torch.empty((), dtype=torch.float32, device=dev)
-def flush():
-    wbuf.fill_(3); sink.copy_(rbuf.sum())
-
-
-def time_graph(fn, iters=40):
-    s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(); fn()
-    torch.cuda.current_stream().wait_stream(s); torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        flush(); g.replay()
-    ev = []
-    for _ in range(iters):
-        flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); ev.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+from harness import DEV as dev, flush, read_gbps, time_graph
 
 
 class NullProjections(decoder.Projections):
@@ -58,13 +33,7 @@ class NullProjections(decoder.Projections):
 
 
 out = {"step": [], "chain": []}
-bw_t = []
-big = torch.ones(1 << 28, dtype=torch.float32, device=dev)
-for _ in range(10):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record(); big.sum(); b.record(); torch.cuda.synchronize(); bw_t.append(a.elapsed_time(b))
-out["read_gbps"] = bw = (1 << 30) / (statistics.median(bw_t) * 1e-3) / 1e9
-del big
+out["read_gbps"] = bw = read_gbps()
 print(f"read {bw:.0f} GB/s", flush=True)
 
 # (b) chains first (small)
