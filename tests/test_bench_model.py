@@ -38,7 +38,12 @@ U4, U2, S8 = (V.Variant(V.VariantKind.MIXGEMM, w) for w in (WeightType.U4, Weigh
 # --------------------------------------------------------------------------------- variants
 def test_variant_names_and_parsing():
     assert [v.name for v in V.parse_variants(V.DEFAULT_VARIANTS)] == [
-        "bf16", "mixgemm-u4", "mixgemm-u2", "mixgemm-s8", "torch-int4"]
+        "bf16", "mixgemm-u4", "mixgemm-u2", "mixgemm-s8", "torch-int4", "no-gemm"]
+    assert V.parse_variant("no-gemm") == V.parse_variant(" No-GEMM ") == V.NO_GEMM
+    assert V.NO_GEMM.name == "no-gemm" and V.NO_GEMM.kind is V.VariantKind.NO_GEMM
+    assert not V.NO_GEMM.quantized and not V.BF16.quantized and U4.quantized and V.TORCH_INT4.quantized
+    with pytest.raises(ValueError):
+        V.Variant(V.VariantKind.NO_GEMM, WeightType.U4)
     assert V.parse_variants(["int4"]) == (V.BF16, U4)                       # bf16 always, first
     assert V.parse_variants(["mixgemm-s4", "u8", "int4", "mixgemm-u4"])[1:] == (
         V.Variant(V.VariantKind.MIXGEMM, WeightType.S4), V.Variant(V.VariantKind.MIXGEMM, WeightType.U8), U4)
@@ -119,6 +124,66 @@ def test_torch_int4_variant_runs_on_the_cpu_against_its_reference():
         V.torch_int4_layer(SMALL, 0, 3, CPU, 48)
 
 
+# --------------------------------------------------------------------------------- no-gemm
+class _AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the name of every aten op dispatched inside it (``aten.mm.default``, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_gemm_projections_are_broadcast_views_of_their_input():
+    proj, ref = V.build_layer(SMALL, V.NO_GEMM, 0, 3, CPU, 64)
+    assert isinstance(proj, V.NoGemmProjections) and ref is None
+    widths = {"qkv": SMALL.qkv_rows, "o": SMALL.hidden, "mlp_in": SMALL.intermediate, "down": SMALL.hidden}
+    ins = {"qkv": SMALL.hidden, "o": SMALL.q_size, "mlp_in": SMALL.hidden, "down": SMALL.intermediate}
+    for name, n in widths.items():
+        x = torch.randn(5, ins[name], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+        with _AtenOps() as ops:
+            y = getattr(proj, name)(x)
+        assert y.shape == (5, n) and y.stride(1) == 0                        # a broadcast: nothing written
+        assert y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        assert torch.equal(y, x[:, :1].expand(5, n))
+        assert set(ops.names) <= {"aten.slice.Tensor", "aten.expand.default"}, ops.names
+    assert proj.weight_tensors() == [] and proj.weight_bytes() == 0
+    assert V.kernel_specs(SMALL, V.NO_GEMM, [1, 16]) == []
+    # the norms only (2 * 128 * 2 bytes): SMALL has a qkv bias, which no-gemm does not add
+    assert V.layer_weight_bytes(SMALL, V.NO_GEMM, 64) == 512
+    assert V.projection_weight_bytes(4096, 4096, V.NO_GEMM, 128) == 0
+
+
+def test_no_gemm_layer_runs_the_layer_without_a_matmul():
+    """The very same decoder layer code with no-gemm projections, on the CPU: the output has the
+    layer's shape, is finite and depends on the input, the keys and values are written, and no
+    matrix product is dispatched (the bf16 layer's are, through the same recorder)."""
+    def run(projections, seed):
+        states = [layer_state(SMALL, i, 3, 2, 9, CPU, torch.bfloat16) for i in range(2)]
+        before = states[0].k_cache[:, :, 8].clone()
+        x = torch.randn(2, 1, SMALL.hidden, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        stack = DecoderStack(SMALL, projections, states, Rotary(32, 1e4, 9, torch.bfloat16))
+        with _AtenOps() as ops:
+            y = stack(x, 8)
+        return x, y, ops.names, before, states[0].k_cache[:, :, 8]
+
+    no_gemm = [V.build_layer(SMALL, V.NO_GEMM, i, 3, CPU, 64)[0] for i in range(2)]
+    x, y, ops, k_before, k_after = run(no_gemm, 1)
+    assert y.shape == x.shape and bool(torch.isfinite(y).all()) and not torch.equal(y, x)
+    assert not torch.equal(k_before, k_after)                             # the cache write ran
+    x2, y2, _, _, _ = run(no_gemm, 2)
+    assert not torch.equal(y2, y) and not torch.equal(y2 - x2, y - x)     # depends on its input
+    matmuls = {"aten.mm.default", "aten.addmm.default", "aten.linear.default", "aten.matmul.default"}
+    assert not matmuls & set(ops)
+    assert DecoderStack(SMALL, no_gemm, [layer_state(SMALL, i, 3, 1, 1, CPU, torch.bfloat16) for i in range(2)],
+                        Rotary(32, 1e4, 1, torch.bfloat16)).weight_bytes() == 2 * 512
+    dense = [V.build_layer(SMALL, V.BF16, i, 3, CPU, 64)[0] for i in range(2)]
+    assert matmuls & set(run(dense, 1)[2])                                # the recorder sees GEMMs
+
+
 def test_layer_traffic_by_hand():
     # decode, batch 4, 10 cached tokens: a KV row is 2 (k, v) * 2 heads * 32 * 2 bytes = 256
     t = layer_traffic(SMALL, StepShape("decode", 4, 1, 10), 1000)
@@ -144,7 +209,7 @@ def test_step_shapes():
 # ---------------------------------------------------------------------------------- analysis
 def step(variant, us, mode="graph", batch=1, err=1e-3, kv_err=1e-3, phase="decode", preset="small", layers=4, **kw):
     timing = None if us is None else bench.summarize_times([us / 1e3] * 5)
-    quantized = variant != "bf16"
+    quantized = variant not in ("bf16", "no-gemm")                    # no-gemm: no reference either
     tokens, context = (1, 10) if phase == "decode" else (8, 0)
     return StepMeasurement(preset, phase, batch, tokens, context, layers, variant, mode, timing=timing,
                            err=err if quantized else None, kv_err=kv_err if quantized else None, **kw)
@@ -207,6 +272,98 @@ def test_unavailable_and_errors():
     pts = analyze_model(meas, 100.0, group_size=64, presets=PRESETS_T)
     assert pts[1].status == bench.UNAVAILABLE and pts[1].note == "no tinygemm" and pts[1].us_per_layer is None
     assert pts[2].status == bench.ERROR and pts[2].floor_us_per_layer is not None   # the floor needs no time
+
+
+# The bound, by hand: 4 layers; bf16 400 us (100 per layer), no-gemm 40 us (10 per layer).
+# u4 reads HAND["mixgemm-u4"] = 83,968 weight bytes, of which 512 (the norms) no-gemm reads too:
+# 83,456 bytes at 83.456 GB/s take 1 us, so u4's bound is 100 / (10 + 1); bf16's: 295,424 bytes,
+# 295,424 / 83,456 us.
+BOUND_BW = 83.456
+
+
+def test_bound_by_hand():
+    meas = [step("bf16", 400.0), step("mixgemm-u4", 120.0), step("no-gemm", 40.0), step("torch-int4", 200.0),
+            step("bf16", 600.0, mode="eager"), step("mixgemm-u4", 300.0, mode="eager"),
+            step("bf16", 500.0, batch=4), step("mixgemm-u4", 200.0, batch=4)]
+    assert by(meas, "no-gemm").err is None and by(meas, "no-gemm").kv_err is None   # unchecked, still ok:
+    pts = analyze_model(meas, BOUND_BW, group_size=64, presets=PRESETS_T)
+    assert all(p.status == bench.OK for p in pts), [p.note for p in pts]
+    ng = by(pts, "no-gemm")
+    assert ng.weight_bytes == 512 and ng.err is None and ng.speedup_vs_bf16 == pytest.approx(10.0)
+    assert ng.bound_speedup is None                                       # not its own bound
+    assert by(pts, "mixgemm-u4").bound_speedup == pytest.approx(100 / 11, rel=1e-12)
+    assert by(pts, "torch-int4").bound_speedup == pytest.approx(100 / 11, rel=1e-12)  # same bytes as u4 (HAND)
+    assert by(pts, "bf16").bound_speedup == pytest.approx(100 / (10 + 295_424 / 83_456), rel=1e-12)
+    assert M.bound_speedup(100.0, (10.0, 512), 83_968, BOUND_BW) == pytest.approx(100 / 11, rel=1e-12)
+    # no no-gemm point in eager mode or at batch 4; none without a read bandwidth
+    assert by(pts, "mixgemm-u4", "eager").bound_speedup is None and by(pts, "bf16", "eager").bound_speedup is None
+    assert by(pts, "mixgemm-u4", batch=4).bound_speedup is None
+    assert all(p.bound_speedup is None for p in analyze_model(meas, None, group_size=64, presets=PRESETS_T))
+    # the bound is per layer: a no-gemm run of 2 layers (20 us) gives the same bound
+    pts2 = analyze_model([step("bf16", 400.0), step("mixgemm-u4", 120.0), step("no-gemm", 20.0, layers=2)],
+                         BOUND_BW, group_size=64, presets=PRESETS_T)
+    assert by(pts2, "mixgemm-u4").bound_speedup == pytest.approx(100 / 11, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", ["no-gemm", "mixgemm-u4", "bf16"])
+def test_no_bound_from_or_for_a_point_that_is_not_ok(bad):
+    meas = [step("bf16", 400.0), step("mixgemm-u4", 120.0), step("no-gemm", 40.0)]
+    meas = [StepMeasurement(**{**m.__dict__, "output_finite": False}) if m.variant == bad else m for m in meas]
+    pts = analyze_model(meas, BOUND_BW, group_size=64, presets=PRESETS_T)
+    assert by(pts, bad).status == bench.FAIL
+    assert all(p.bound_speedup is None for p in pts if p.variant in ("mixgemm-u4", bad))
+
+
+def test_bound_in_the_table_and_the_json(tmp_path):
+    meas = [step(v, us, mode=mode) for mode in ("graph", "eager")
+            for v, us in (("bf16", 400.0), ("mixgemm-u4", 120.0), ("no-gemm", 40.0))]
+    meas = [m for m in meas if (m.variant, m.mode) != ("no-gemm", "eager")]   # eager: no bound
+    pts = analyze_model(meas, BOUND_BW, group_size=64, presets=PRESETS_T)
+    rep = M.ModelReport(machine(read_bw_gbps=BOUND_BW), {}, {}, pts)
+    doc = M.model_report_to_dict(rep)
+    with_bound = [d for d in doc["points"] if "bound_speedup" in d]
+    assert [(d["variant"], d["mode"]) for d in with_bound] == [("bf16", "graph"), ("mixgemm-u4", "graph")]
+    keys = list(with_bound[1])
+    assert keys.index("bound_speedup") == keys.index("speedup_vs_bf16") + 1
+    assert all("bound_speedup" not in d for d in doc["points"] if d["mode"] == "eager" or d["variant"] == "no-gemm")
+    path = M.write_model_json(tmp_path / "b.json", rep)
+    text = path.read_text()
+    back = M.model_report_from_dict(json.loads(text))
+    assert back == rep and M.write_model_json(tmp_path / "again.json", back).read_text() == text
+    # a document without the field (as written before it existed) loads with None and writes back the same
+    old = json.loads(text)
+    for d in old["points"]:
+        d.pop("bound_speedup", None)
+    old_rep = M.model_report_from_dict(old)
+    assert all(p.bound_speedup is None for p in old_rep.points)
+    assert M.model_report_to_dict(old_rep) == old
+    merged = M.merge_model_reports([rep])                                 # merge keeps each point's bound
+    assert merged.points == rep.points
+
+    text = M.format_model_table(pts, rep.machine, {"iters": 50, "group_size": 64}, presets=PRESETS_T)
+    header = next(line for line in text.splitlines() if line.startswith("step"))
+    assert header.split() == " ".join(M.MODEL_TABLE_HEADER).split() and "bound" in M.MODEL_TABLE_HEADER
+    cols = header.split()
+    rows = {tuple(line.split()[2:4]): line.split() for line in text.splitlines() if line.startswith("decode")}
+    u4 = rows[("mixgemm-u4", "graph")]
+    # a row's words against the header's: the step is two words ("decode b1"), "x bf16" two titles
+    assert u4[cols.index("bound") - 1] == "9.09x" and u4[cols.index("x")] == "3.33x"
+    assert rows[("no-gemm", "graph")][cols.index("x")] == "10.00x"
+    assert rows[("no-gemm", "graph")][cols.index("bound") - 1] == "-"
+    assert rows[("mixgemm-u4", "eager")][cols.index("bound") - 1] == "-"
+    assert "no-gemm: the same layers with every projection a broadcast view" in text and "bound = bf16 /" in text
+    no_ng = M.format_model_table([p for p in pts if p.variant != "no-gemm"], presets=PRESETS_T)
+    assert "bound = bf16 /" not in no_ng
+
+
+def test_model_plot_with_no_gemm(tmp_path):
+    pytest.importorskip("matplotlib")
+    meas = [step(v, us, batch=b) for b in (1, 16) for v, us in (("bf16", 400.0), ("mixgemm-u4", 120.0),
+                                                                ("no-gemm", 40.0))]
+    ok, where = bench.write_model_plot(analyze_model(meas, BOUND_BW, group_size=64, presets=PRESETS_T),
+                                       tmp_path / "ng.png")
+    assert ok, where
+    assert Path(where).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ----------------------------------------------------------------------------------- report
@@ -310,7 +467,8 @@ def test_model_defaults():
     cfg = bench.model_config_from_args(parse("--model", "llama3-8b"))
     assert cfg.presets == ("llama3-8b",) and cfg.layers == 8 and cfg.batches == (1, 16, 64, 256)
     assert (cfg.context, cfg.prefill, cfg.iters, cfg.warmup) == (1024, 2048, 50, 5)
-    assert [v.name for v in cfg.variants] == ["bf16", "mixgemm-u4", "mixgemm-u2", "mixgemm-s8", "torch-int4"]
+    assert [v.name for v in cfg.variants] == ["bf16", "mixgemm-u4", "mixgemm-u2", "mixgemm-s8", "torch-int4",
+                                              "no-gemm"]
     assert cfg.modes == ("graph", "eager") and cfg.max_error == 5e-2 and cfg.group_size == 128
     assert [s.label for s in cfg.shapes()] == ["decode b1", "decode b16", "decode b64", "decode b256", "prefill 2048"]
 
@@ -479,6 +637,34 @@ def test_the_run_on_the_cpu():
         if p.variant == "torch-int4":
             assert 0 < p.err < cfg.max_error and 0 < p.kv_err < cfg.max_error
     assert any("layers built" in line for line in logs)
+
+
+def test_the_no_gemm_run_on_the_cpu(monkeypatch):
+    """run_model with no-gemm on the CPU, eager and compiled (Dynamo's "eager" backend): its
+    points run the very same stack, are ok without err / kv_err (nothing to check against), the
+    compiled step traces as one graph and replays the eager output, and the bf16 points get a
+    bound from them."""
+    from mixgemm.bench import model_run
+    from mixgemm.bench.model_run import run_model
+
+    monkeypatch.setattr(model_run, "COMPILE_BACKEND", "eager")
+    cfg = M.ModelConfig(presets=("small",), layers=2, batches=(1, 3), context=6, prefill=0,
+                        variants=V.parse_variants(["no-gemm"]), modes=("eager", "compiled"), iters=2, warmup=1,
+                        quick=True, group_size=128)
+    meas = run_model(cfg, CPU, log=lambda line: None, make_clock=lambda mode: WallClock(), presets=[SMALL])
+    pts = analyze_model(meas, 100.0, cfg.max_error, cfg.group_size, presets=PRESETS_T)
+    ng = [p for p in pts if p.variant == "no-gemm"]
+    assert len(ng) == 4 and all(p.status == bench.OK for p in ng), [p.note for p in ng]
+    for p in ng:
+        assert p.err is None and p.kv_err is None and p.time_us > 0 and p.speedup_vs_bf16 is not None
+        assert p.weight_bytes == V.layer_weight_bytes(SMALL, V.NO_GEMM, 128) == 512 and p.bound_speedup is None
+    compiled = next(m for m in meas if m.variant == "no-gemm" and m.mode == "compiled")
+    assert compiled.replay_err is not None and compiled.replay_err < 1e-2
+    bf16 = [p for p in pts if p.variant == "bf16"]
+    assert len(bf16) == 4 and all(p.bound_speedup is not None and p.bound_speedup > 0 for p in bf16)
+    p = bf16[0]
+    ref = next(q for q in ng if (q.batch, q.mode) == (p.batch, p.mode))
+    assert p.bound_speedup == pytest.approx(p.us_per_layer / (ref.us_per_layer + (p.weight_bytes - 512) / 1e5))
 
 
 def test_the_compiled_mode_traces_the_whole_step_as_one_graph(monkeypatch):

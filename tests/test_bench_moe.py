@@ -243,6 +243,7 @@ def test_moe_defaults_and_overrides():
     (["--moe", "qwen3-30b-a3b", "--iters", "10"], "--quick"),
     (["--moe", "qwen3-30b-a3b", "--routing", "pareto"], "--routing"),
     (["--moe", "qwen3-30b-a3b", "--variants", "int3"], "--variants"),
+    (["--moe", "qwen3-30b-a3b", "--variants", "int4,no-gemm"], "no-gemm is a --model"),
     (["--moe", "qwen3-30b-a3b", "--dtype", "fp16"], "bf16"),
     (["--moe", "qwen3-30b-a3b", "--moe-max-error", "0"], "positive"),
     (["--moe", "qwen3-30b-a3b", "--layers", "2"], "only apply to --model and --host"),

@@ -32,6 +32,7 @@ import torch
 from ..types import WeightType
 from .grid import ERROR, OK, WEIGHT_STD
 from .model import ModelConfig, ModelPoint, analyze_model, format_model_table
+from .preset_report import point_to_dict
 from .report import MachineInfo, align, fmt, gpu_line, machine_line, write_json_doc
 from .timing import device_flush_size, time_cuda
 from .variants import BF16, Variant, VariantKind
@@ -111,7 +112,7 @@ def host_report_to_dict(report: HostReport) -> dict:
     """The JSON document of a ``--host`` report."""
     return {"schema": HOST_SCHEMA, "machine": dataclasses.asdict(report.machine), "config": dict(report.config),
             "calls": [dataclasses.asdict(p) for p in report.calls],
-            "step": [dataclasses.asdict(p) for p in report.step]}
+            "step": [point_to_dict(p) for p in report.step]}
 
 
 def host_report_from_dict(data: Mapping[str, Any]) -> HostReport:

@@ -18,16 +18,24 @@ Each point reports:
   ``frac_of_floor`` = floor / time (1.0 would stream at the measured read rate). A prefill is
   compute-bound, so its fraction of the byte floor is small by nature;
 * ``speedup_vs_bf16``: the bf16 step's time over this one's, in the same mode;
+* ``bound_speedup`` (when the run has a ``no-gemm`` point of the same preset, step and mode):
+  ``bf16 / (no-gemm + the variant's weight bytes / read bandwidth)``, per layer: the speedup the
+  step would reach with its GEMMs at their byte floor, since every variant also pays the layer's
+  other kernels (norms, rotary, cache writes, attention, residual adds), which the no-gemm step
+  times alone (:class:`.variants.NoGemmProjections`). The weight bytes only: the no-gemm step
+  already reads the KV cache and moves the activations (and the norms, whose bytes are taken
+  off); the speedup of the no-gemm point itself is the most any variant can gain;
 * ``err``: ``||y - y_ref|| / ||y_ref - x||``, the step's output ``y`` against the bf16 step run
   on the variant's own dequantized weights (``y_ref``), relative to what the layers add to their
   input ``x``; ``kv_err``: the largest relative error of the keys and values the step wrote, over
-  the layers; ``replay_err``: the graph's replayed output against the eager step's.
+  the layers; ``replay_err``: the graph's replayed output against the eager step's. Neither bf16
+  (the reference) nor no-gemm (whose output means nothing) has ``err`` or ``kv_err``.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence
 
 from .decoder import PRESETS, ModelPreset
 from .grid import ERROR, FAIL, OK, UNAVAILABLE
@@ -35,7 +43,7 @@ from .preset_report import (ERR, ITERS, PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, STATU
                             PresetTable, failed, first_seen, megabytes, split_by_preset, write_report_json)
 from .report import MachineInfo, fmt
 from .timing import TimingStats, floor_us
-from .variants import ELEMENT_BYTES, BF16, DEFAULT_VARIANTS, Variant, parse_variants
+from .variants import ELEMENT_BYTES, BF16, DEFAULT_VARIANTS, NO_GEMM, Variant, parse_variants
 
 MODEL_SCHEMA = "mixgemm.bench.model/1"
 DEFAULT_LAYERS = 8
@@ -227,9 +235,13 @@ class ModelPoint:
     floor_us_per_layer: Optional[float] = None
     frac_of_floor: Optional[float] = None
     speedup_vs_bf16: Optional[float] = None
+    bound_speedup: Optional[float] = None
     err: Optional[float] = None
     kv_err: Optional[float] = None
     replay_err: Optional[float] = None
+
+    #: left out of the JSON when None (results written before the field existed lack it)
+    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ("bound_speedup",)
 
     @property
     def key(self) -> tuple:
@@ -252,11 +264,12 @@ def _finite(x: Optional[float]) -> Optional[float]:
 def classify_step(meas: StepMeasurement, max_error: float) -> tuple[str, str]:
     """Status and note: ``n/a`` / ``error`` when it did not run; ``FAIL`` for a non-finite output
     or an error (any of err, kv_err, replay_err) that is not finite or above ``max_error``; the
-    quantized variants must have ``err`` and ``kv_err`` measured."""
+    quantized variants must have ``err`` and ``kv_err`` measured (bf16 and no-gemm have no
+    reference)."""
     if meas.timing is None:
         return (UNAVAILABLE if meas.unavailable else ERROR), (meas.error or "did not run")
     problems = [] if meas.output_finite else ["output has NaN/inf"]
-    needed = ("err", "kv_err") if meas.variant != BF16.name else ()
+    needed = ("err", "kv_err") if meas.variant not in (BF16.name, NO_GEMM.name) else ()
     for label in ("err", "kv_err", "replay_err"):
         value = getattr(meas, label)
         if value is None:
@@ -269,28 +282,51 @@ def classify_step(meas: StepMeasurement, max_error: float) -> tuple[str, str]:
     return (FAIL, "; ".join(problems)) if problems else (OK, "")
 
 
+def bound_speedup(bf16_us_per_layer: Optional[float], no_gemm: Optional[tuple[float, int]], weight_bytes: int,
+                  read_bw_gbps: Optional[float]) -> Optional[float]:
+    """``bf16 / (no_gemm + floor(weight_bytes - no-gemm's weight bytes))``, per layer: the speedup
+    over bf16 of a step whose GEMMs stream the variant's weights at ``read_bw_gbps`` and whose
+    other kernels take what the no-gemm step took. ``no_gemm`` is ``(us per layer, weight bytes
+    it read)`` (its norms: read in both, so counted once). None when anything is missing.
+    """
+    if bf16_us_per_layer is None or no_gemm is None or not read_bw_gbps:
+        return None
+    no_gemm_us, no_gemm_bytes = no_gemm
+    return bf16_us_per_layer / (no_gemm_us + floor_us(max(0, weight_bytes - no_gemm_bytes), read_bw_gbps))
+
+
 def analyze_model(measurements: Iterable[StepMeasurement], read_bw_gbps: Optional[float],
                   max_error: float = DEFAULT_MODEL_MAX_ERROR, group_size: int = 128,
                   presets: Mapping[str, ModelPreset] = PRESETS) -> list[ModelPoint]:
     """Every reported number from the raw measurements (same order). Speedups are given for ok
-    points over the ok bf16 point of the same preset, step and mode; the weight bytes are the
-    measured ones, else the formula's (:func:`.variants.layer_weight_bytes`)."""
+    points over the ok bf16 point of the same preset, step and mode; bounds (with a read
+    bandwidth) for the ok points of every variant but no-gemm, from the ok bf16 and no-gemm
+    points of the same preset, step and mode (see the module docstring); the weight bytes are
+    the measured ones, else the formula's (:func:`.variants.layer_weight_bytes`)."""
     from .variants import layer_weight_bytes, parse_variant
 
     meas = list(measurements)
     status = {id(m): classify_step(m, max_error) for m in meas}
-    base: dict[tuple, float] = {}
-    for m in meas:
-        if m.variant == BF16.name and status[id(m)][0] == OK and m.timing is not None:
-            base[(m.preset, m.phase, m.batch, m.tokens, m.context, m.mode)] = m.timing.median_us
+
+    def weight_bytes(m: StepMeasurement) -> int:
+        if m.weight_bytes is not None:
+            return m.weight_bytes
+        return layer_weight_bytes(presets[m.preset], parse_variant(m.variant), group_size)
+
+    def step_key(m: StepMeasurement) -> tuple:
+        return (m.preset, m.phase, m.batch, m.tokens, m.context, m.mode)
+
+    timed_ok = [m for m in meas if status[id(m)][0] == OK and m.timing is not None]
+    base = {step_key(m): m.timing.median_us for m in timed_ok if m.variant == BF16.name}
+    # per layer: the bf16 step, and the no-gemm step with the weight bytes it reads (its norms)
+    base_layer = {step_key(m): m.timing.median_us / m.layers for m in timed_ok if m.variant == BF16.name}
+    no_gemm = {step_key(m): (m.timing.median_us / m.layers, weight_bytes(m)) for m in timed_ok
+               if m.variant == NO_GEMM.name}
     out = []
     for m in meas:
         st, note = status[id(m)]
         preset = presets[m.preset]
-        wbytes = m.weight_bytes
-        if wbytes is None:
-            wbytes = layer_weight_bytes(preset, parse_variant(m.variant), group_size)
-        traffic = layer_traffic(preset, m.shape, wbytes)
+        traffic = layer_traffic(preset, m.shape, weight_bytes(m))
         row: dict[str, Any] = dict(
             preset=m.preset, phase=m.phase, batch=m.batch, tokens=m.tokens, context=m.context, layers=m.layers,
             variant=m.variant, mode=m.mode, status=st, note=note, weight_bytes=traffic.weights,
@@ -305,9 +341,13 @@ def analyze_model(measurements: Iterable[StepMeasurement], read_bw_gbps: Optiona
                        iters=m.timing.iters)
             if read_bw_gbps:
                 row["frac_of_floor"] = row["floor_us_per_layer"] / row["us_per_layer"]
-            ref = base.get((m.preset, m.phase, m.batch, m.tokens, m.context, m.mode))
+            ref = base.get(step_key(m))
             if st == OK and ref is not None:
                 row["speedup_vs_bf16"] = ref / t
+            bound = bound_speedup(base_layer.get(step_key(m)), no_gemm.get(step_key(m)), traffic.weights,
+                                  read_bw_gbps)
+            if st == OK and m.variant != NO_GEMM.name and bound is not None:
+                row["bound_speedup"] = bound
         out.append(ModelPoint(**row))
     return out
 
@@ -342,16 +382,34 @@ def _model_heading(name: str, preset: ModelPreset, points: list) -> str:
             f"{points[0].layers} of its {preset.model_layers} layers; context {points[0].context} (decode)")
 
 
+def _model_footer(points: list) -> list[str]:
+    """What the no-gemm row and the bound mean, under a block that has a no-gemm point."""
+    if not any(p.variant == NO_GEMM.name for p in points):
+        return []
+    return ["  no-gemm: the same layers with every projection a broadcast view of its input (no GEMM, no weight, "
+            "not checked: err -):",
+            "    its time is the layer's other kernels (norms, rotary, cache writes, attention, residual adds), "
+            "which every variant pays;",
+            "    its x bf16 is the most any variant could gain. bound = bf16 / (no-gemm + the variant's weight "
+            "bytes / read bandwidth):",
+            "    the variant's x bf16 with its GEMMs at their byte floor (same step and mode; the KV cache and "
+            "activations are in no-gemm's time)."]
+
+
+#: The bound's column: the speedup over bf16 with the GEMMs at their byte floor.
+BOUND = Column("bound", lambda p: fmt(p.bound_speedup, ".2f", "x"))
+
 MODEL_TABLE = PresetTable(
     columns=(Column("step", lambda p: p.shape.label, right=False), VARIANT,
              Column("mode", lambda p: p.mode, right=False),
              Column("us/layer", lambda p: fmt(p.us_per_layer, ".1f")),
              Column("floor us", lambda p: fmt(p.floor_us_per_layer, ".1f")), PERCENT_OF_FLOOR, SPEEDUP_VS_BF16,
-             Column("MB/layer", lambda p: megabytes(p.bytes_per_layer)), ERR,
+             BOUND, Column("MB/layer", lambda p: megabytes(p.bytes_per_layer)), ERR,
              Column("kv err", lambda p: fmt(p.kv_err, ".1e")), ITERS, STATUS),
     how=lambda config: (f"median of up to {config.get('iters')} runs (L2 flushed before each); "
                         f"floor = bytes / read bandwidth"),
-    heading=_model_heading, order=_model_order, note_key=lambda p: f"{p.variant} {p.mode} {p.shape.label}")
+    heading=_model_heading, order=_model_order, note_key=lambda p: f"{p.variant} {p.mode} {p.shape.label}",
+    footer=_model_footer)
 MODEL_TABLE_HEADER = MODEL_TABLE.header
 
 
@@ -366,6 +424,6 @@ def format_model_table(points: Sequence[ModelPoint], machine: Optional[MachineIn
 __all__ = ["MODEL_SCHEMA", "DEFAULT_LAYERS", "DEFAULT_BATCHES", "DEFAULT_CONTEXT", "DEFAULT_PREFILL", "MODEL_ITERS",
            "MODEL_WARMUP", "DEFAULT_POINT_BUDGET_S", "DEFAULT_MODEL_MAX_ERROR", "MODES", "DEFAULT_MODES", "DECODE", "PREFILL",
            "StepShape", "step_shapes", "ModelConfig", "LayerTraffic", "layer_traffic", "floor_us", "StepMeasurement",
-           "ModelPoint", "classify_step", "analyze_model", "ModelReport", "model_report_to_dict",
+           "ModelPoint", "classify_step", "bound_speedup", "analyze_model", "BOUND", "ModelReport", "model_report_to_dict",
            "model_report_from_dict", "write_model_json", "split_by_preset", "merge_model_reports",
            "MODEL_TABLE", "MODEL_TABLE_HEADER", "format_model_table", "failed"]

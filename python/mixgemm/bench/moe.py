@@ -58,7 +58,8 @@ DEFAULT_MOE_POINT_BUDGET_S = 3.0
 #: dequantized weights: float32 accumulation in another order and the swiglu intermediate rounded
 #: to bf16 (~5e-3 for mixgemm's fused epilogue); a wrong expert, layout or routing is off by > 0.3.
 DEFAULT_MOE_MAX_ERROR = 2e-2
-MOE_VARIANTS = DEFAULT_VARIANTS
+#: ``--moe``'s default variants: ``--model``'s but no-gemm (a ``--model`` variant only).
+MOE_VARIANTS = tuple(v for v in DEFAULT_VARIANTS if v != "no-gemm")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from .model import (DEFAULT_BATCHES, DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_MO
 from .moe import (DEFAULT_MOE_MAX_ERROR, DEFAULT_MOE_POINT_BUDGET_S, DEFAULT_TOKENS, MOE_ITERS, MOE_PRESETS,
                   MOE_VARIANTS, MOE_WARMUP, ROUTINGS, MoeConfig, parse_moe_presets, parse_routings)
 from .peers import BASELINE, impl_names, select_impl_names
-from .variants import DEFAULT_VARIANTS, parse_variants
+from .variants import DEFAULT_VARIANTS, NO_GEMM, parse_variants
 
 # ------------------------------------------------------------------------------------------
 # Argument parsing helpers (pure)
@@ -208,8 +208,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--prefill", type=_non_negative_int, default=None, metavar="TOKENS",
                        help=f"tokens of the prefill at batch 1 (default {DEFAULT_PREFILL}; 0: no prefill)")
     model.add_argument("--variants", type=parse_name_list, default=None, metavar="NAME,...",
-                       help=f"variants (--model, --host and --moe; default {','.join(DEFAULT_VARIANTS)}; int4/int2/int8 "
-                            f"= mixgemm u4/u2/s8, or mixgemm-<type>); bf16 always runs")
+                       help=f"variants (--model, --host and --moe; default {','.join(DEFAULT_VARIANTS)}, --moe without "
+                            f"no-gemm; int4/int2/int8 = mixgemm u4/u2/s8, or mixgemm-<type>; no-gemm: the step "
+                            f"without its GEMMs, --model's bound); bf16 always runs")
     model.add_argument("--modes", type=parse_name_list, default=None, metavar="MODE,...",
                        help="graph, eager and/or compiled (torch.compile, then a CUDA graph; default graph,eager)")
     model.add_argument("--point-budget", type=float, default=None, metavar="SECONDS",
@@ -353,8 +354,8 @@ def moe_config_from_args(args: argparse.Namespace) -> MoeConfig:
     Raises
     ------
     BenchError
-        Too few iterations without ``--quick``, an unknown variant or routing, a non-positive
-        error bar or point budget, fp16 activations, or a ``--model`` / grid option.
+        Too few iterations without ``--quick``, an unknown variant (or no-gemm) or routing, a
+        non-positive error bar or point budget, fp16 activations, or a ``--model`` / grid option.
     """
     _check_model_only(args)
     iters, warmup, quick = _iterations(args, MOE_ITERS, MOE_WARMUP)
@@ -365,6 +366,8 @@ def moe_config_from_args(args: argparse.Namespace) -> MoeConfig:
         routings = parse_routings(args.routing if args.routing is not None else ROUTINGS)
     except ValueError as e:
         raise BenchError(f"{'--routing' if 'routing' in str(e) else '--variants'}: {e}") from None
+    if NO_GEMM in variants:
+        raise BenchError("--variants: no-gemm is a --model (and --host) variant: --moe has no step without its GEMMs")
     max_error = DEFAULT_MOE_MAX_ERROR if args.moe_max_error is None else args.moe_max_error
     if not max_error > 0:
         raise BenchError(f"--moe-max-error must be positive, got {max_error}")

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from ..codegen import TILE_CONFIGS
 from .grid import OK, PointResult
 from .peers import BASELINE, base_name
+from .variants import NO_GEMM
 
 
 def _matplotlib():
@@ -114,7 +115,9 @@ def write_model_plot(points: Sequence[Any], path: Path, title: str = "") -> tupl
     """Plot ``--model`` points (:class:`.model.ModelPoint`): one column per preset; top row the
     speedup over bf16 per step (the decode batches, then the prefill), bottom row the fraction
     of the byte floor reached; one colour per variant, solid for CUDA graphs, dashed for eager.
-    Ok points only. Needs matplotlib (optional).
+    The no-gemm variant (the step without its GEMMs: the ceiling of every variant's speedup) is
+    drawn in the top row only, grey, with crosses (dotted for graphs, dash-dotted for eager). Ok points only. Needs matplotlib
+    (optional).
 
     Returns
     -------
@@ -131,7 +134,8 @@ def write_model_plot(points: Sequence[Any], path: Path, title: str = "") -> tupl
     if not presets:
         return False, "no ok points to plot"
     variants = list(dict.fromkeys(p.variant for p in points))
-    colors = {v: f"C{i % 10}" for i, v in enumerate(variants)}
+    colors = {v: f"C{i % 10}" for i, v in enumerate(v for v in variants if v != NO_GEMM.name)}
+    colors[NO_GEMM.name] = "0.5"
     width = max(4.2 * len(presets), 6.0)
     fig = Figure(figsize=(width, 7.0), layout="constrained")
     FigureCanvasAgg(fig)
@@ -146,11 +150,13 @@ def write_model_plot(points: Sequence[Any], path: Path, title: str = "") -> tupl
         for variant in variants:
             for mode, style in (("graph", "-"), ("eager", "--")):
                 pts = [p for p in mine if p.variant == variant and p.mode == mode]
+                no_gemm = variant == NO_GEMM.name
                 for ax, attr in ((top, "speedup_vs_bf16"), (bottom, "frac_of_floor")):
                     xy = sorted((steps.index((p.phase, p.batch, p.tokens)), getattr(p, attr)) for p in pts
                                 if getattr(p, attr) is not None)
-                    if xy and not (ax is top and variant == "bf16"):
-                        ax.plot([a for a, _ in xy], [b for _, b in xy], marker="o", ms=3, lw=1.2, ls=style,
+                    if xy and not (ax is top and variant == "bf16") and not (ax is bottom and no_gemm):
+                        ax.plot([a for a, _ in xy], [b for _, b in xy], marker="x" if no_gemm else "o",
+                                ms=4 if no_gemm else 3, lw=1.0 if no_gemm else 1.2, ls=(":" if mode == "graph" else "-.") if no_gemm else style,
                                 color=colors[variant], label=f"{variant} ({mode})")
         for ax, ylabel in ((top, "speedup over bf16 (same mode)"), (bottom, "fraction of byte floor")):
             ax.set_xticks(range(len(steps)))

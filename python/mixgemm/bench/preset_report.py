@@ -11,7 +11,9 @@ point type, and one table layout, :class:`PresetTable`, that each mode fills wit
 
 A point is a frozen dataclass with at least ``preset``, ``variant``, ``status`` and ``note``
 fields and ``key`` (what a merge must not see twice) and ``label`` (the point in words)
-properties.
+properties. Fields named in its ``OMIT_WHEN_NONE`` class attribute (optional fields added after
+results were committed) are left out of the JSON when None (:func:`point_to_dict`), so that older
+files, which lack them, load and write back byte for byte.
 """
 from __future__ import annotations
 
@@ -23,6 +25,16 @@ from .grid import FAIL, OK, UNAVAILABLE
 from .report import MachineInfo, align, fmt, gpu_line, machine_line, write_json_doc
 
 R = TypeVar("R", bound="PresetReport")
+
+
+def point_to_dict(point: Any) -> dict:
+    """A point's JSON object: its fields in order (``dataclasses.asdict``), less those named in
+    its class's ``OMIT_WHEN_NONE`` that are None (absent from a document means None)."""
+    out = dataclasses.asdict(point)
+    for name in getattr(type(point), "OMIT_WHEN_NONE", ()):
+        if out.get(name, 0) is None:
+            del out[name]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +64,7 @@ class PresetReport:
         """The JSON document (standard JSON only: no NaN)."""
         return {"schema": self.SCHEMA, "machine": dataclasses.asdict(self.machine), "config": dict(self.config),
                 "presets": {k: dict(v) for k, v in self.presets.items()},
-                "points": [dataclasses.asdict(p) for p in self.points]}
+                "points": [point_to_dict(p) for p in self.points]}
 
     @classmethod
     def from_dict(cls: type[R], data: Mapping[str, Any]) -> R:
@@ -204,5 +216,5 @@ class PresetTable:
         return "\n".join(lines)
 
 
-__all__ = ["PresetReport", "split_by_preset", "write_report_json", "failed", "Column", "megabytes", "VARIANT",
+__all__ = ["point_to_dict", "PresetReport", "split_by_preset", "write_report_json", "failed", "Column", "megabytes", "VARIANT",
            "PERCENT_OF_FLOOR", "SPEEDUP_VS_BF16", "ERR", "ITERS", "STATUS", "first_seen", "PresetTable"]

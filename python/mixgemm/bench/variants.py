@@ -9,6 +9,12 @@
 * ``torch-int4``: PyTorch's tinygemm (``aten._weight_int4pack_mm``), asymmetric int4 on
   mixgemm's round-to-nearest codes (:func:`.peers.torch_int4_pack`); gate/up as one GEMM then
   ``silu * up`` in torch, the qkv bias added in torch.
+* ``no-gemm``: no linear at all: each projection returns a broadcast view of its input's first
+  column with the projection's output width (:class:`NoGemmProjections`: no GEMM, no weights,
+  no bias, nothing ``torch.compile`` can fold). The step then times the layer's other kernels
+  (norms, rotary, KV cache writes, attention, residual adds), which every variant pays alike:
+  the base of the report's ``bound`` (:func:`.model.analyze_model`). Its output means nothing,
+  so it is not checked against a reference.
 
 Each quantized variant also gives its own dequantized weights as :class:`.decoder.DenseProjections`
 (mixgemm: :func:`mixgemm.dequantize_reference`; torch-int4: tinygemm's formula,
@@ -37,6 +43,7 @@ class VariantKind(enum.Enum):
     DENSE = "bf16"
     MIXGEMM = "mixgemm"
     TORCH_INT4 = "torch-int4"
+    NO_GEMM = "no-gemm"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,20 +66,25 @@ class Variant:
 
     @property
     def quantized(self) -> bool:
-        return self.kind is not VariantKind.DENSE
+        """Whether the variant computes the linears on quantized weights (and so is checked against
+        the bf16 step on its own dequantized weights): mixgemm and torch-int4."""
+        return self.kind in (VariantKind.MIXGEMM, VariantKind.TORCH_INT4)
 
 
 BF16 = Variant(VariantKind.DENSE)
 TORCH_INT4 = Variant(VariantKind.TORCH_INT4)
+NO_GEMM = Variant(VariantKind.NO_GEMM)
 #: ``--variants`` aliases: the bit widths, with their default weight types.
-ALIASES = {"bf16": BF16, "torch-int4": TORCH_INT4, "int4": Variant(VariantKind.MIXGEMM, WeightType.U4),
+ALIASES = {"bf16": BF16, "torch-int4": TORCH_INT4, "no-gemm": NO_GEMM,
+           "int4": Variant(VariantKind.MIXGEMM, WeightType.U4),
            "int2": Variant(VariantKind.MIXGEMM, WeightType.U2), "int8": Variant(VariantKind.MIXGEMM, WeightType.S8)}
-DEFAULT_VARIANTS = ("bf16", "int4", "int2", "int8", "torch-int4")
+#: ``--model``'s default variants (no-gemm is cheap: a step without GEMMs, the report's bound).
+DEFAULT_VARIANTS = ("bf16", "int4", "int2", "int8", "torch-int4", "no-gemm")
 
 
 def parse_variant(text: str) -> Variant:
-    """``bf16``, ``torch-int4``, ``int4`` / ``int2`` / ``int8`` (u4, u2, s8) or ``mixgemm-<wt>`` /
-    ``<wt>`` for any mixgemm weight type (``mixgemm-s4``, ``u8``, ...).
+    """``bf16``, ``torch-int4``, ``no-gemm``, ``int4`` / ``int2`` / ``int8`` (u4, u2, s8) or
+    ``mixgemm-<wt>`` / ``<wt>`` for any mixgemm weight type (``mixgemm-s4``, ``u8``, ...).
 
     Raises
     ------
@@ -86,8 +98,8 @@ def parse_variant(text: str) -> Variant:
     try:
         return Variant(VariantKind.MIXGEMM, WeightType(wt))
     except ValueError:
-        raise ValueError(f"unknown variant {text.strip()!r}: expected bf16, torch-int4, int4, int2, int8 "
-                         f"or mixgemm-<type> with a type of {', '.join(w.value for w in WeightType)}") from None
+        raise ValueError(f"unknown variant {text.strip()!r}: expected bf16, torch-int4, no-gemm, int4, int2, "
+                         f"int8 or mixgemm-<type> with a type of {', '.join(w.value for w in WeightType)}") from None
 
 
 def parse_variants(texts: Sequence[str]) -> tuple[Variant, ...]:
@@ -116,9 +128,12 @@ def projection_weight_bytes(n: int, k: int, variant: Variant, group_size: int) -
     * bf16: ``2 N K``;
     * mixgemm: ``N K b / 8`` codes + 16-bit scales ``[K/g, N]`` (+ as many zeros when asymmetric),
       :attr:`mixgemm.PackedWeight.nbytes`;
-    * torch-int4: ``N K / 2`` packed codes + ``[K/g, N, 2]`` 16-bit scales and zeros.
+    * torch-int4: ``N K / 2`` packed codes + ``[K/g, N, 2]`` 16-bit scales and zeros;
+    * no-gemm: none.
     """
     groups = k // group_size
+    if variant.kind is VariantKind.NO_GEMM:
+        return 0
     if variant.kind is VariantKind.DENSE:
         return ELEMENT_BYTES * n * k
     if variant.kind is VariantKind.TORCH_INT4:
@@ -129,9 +144,10 @@ def projection_weight_bytes(n: int, k: int, variant: Variant, group_size: int) -
 
 def layer_weight_bytes(preset: ModelPreset, variant: Variant, group_size: int) -> int:
     """Every weight byte one layer of ``variant`` reads: the four linears (qkv, o, gate/up,
-    down), the qkv bias (Qwen2) and the two RMSNorm weights."""
+    down), the qkv bias (Qwen2) and the two RMSNorm weights. no-gemm reads the norms only (no
+    linear, no bias)."""
     linears = sum(projection_weight_bytes(n, k, variant, group_size) for n, k in preset.projection_shapes().values())
-    bias = ELEMENT_BYTES * preset.qkv_rows if preset.qkv_bias else 0
+    bias = ELEMENT_BYTES * preset.qkv_rows if preset.qkv_bias and variant.kind is not VariantKind.NO_GEMM else 0
     return linears + bias + 2 * ELEMENT_BYTES * preset.hidden
 
 
@@ -210,6 +226,36 @@ class TorchInt4Projections(Projections):
         return out + ([self.b_qkv] if self.b_qkv is not None else [])
 
 
+class NoGemmProjections(Projections):
+    """No linear: each projection returns ``x[:, :1].expand(M, N_out)``, a broadcast view of its
+    input ``[M, K]``'s first column with the projection's output width (qkv: ``q + 2 kv``, o and
+    down: ``hidden``, mlp_in: ``intermediate``). No kernel runs, no weight is read, and the
+    layer's other kernels still see data that depends on the input (so ``torch.compile`` cannot
+    fold them into constants, as it folds projections that return preallocated tensors)."""
+
+    def __init__(self, preset: ModelPreset):
+        self.widths = {"qkv": preset.qkv_rows, "o": preset.hidden, "mlp_in": preset.intermediate,
+                       "down": preset.hidden}
+
+    def _view(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x[:, :1].expand(x.shape[0], self.widths[name])
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return self._view(x, "qkv")
+
+    def o(self, x: torch.Tensor) -> torch.Tensor:
+        return self._view(x, "o")
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self._view(x, "mlp_in")
+
+    def down(self, x: torch.Tensor) -> torch.Tensor:
+        return self._view(x, "down")
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return []
+
+
 def _floats(preset: ModelPreset, layer: int, seed: int, device: torch.device, *names: str) -> torch.Tensor:
     return torch.cat([float_weight(preset, n, layer, seed, device) for n in names])
 
@@ -271,7 +317,9 @@ def torch_int4_layer(preset: ModelPreset, layer: int, seed: int, device: torch.d
 def build_layer(preset: ModelPreset, variant: Variant, layer: int, seed: int, device: torch.device,
                 group_size: int) -> tuple[Projections, Optional[DenseProjections]]:
     """``layer``'s projections for ``variant`` and, for a quantized variant, the reference
-    (its dequantized weights, dense); None for bf16."""
+    (its dequantized weights, dense); None for bf16 and no-gemm."""
+    if variant.kind is VariantKind.NO_GEMM:
+        return NoGemmProjections(preset), None
     if variant.kind is VariantKind.DENSE:
         return dense_projections(preset, layer, seed, device), None
     if variant.kind is VariantKind.MIXGEMM:
@@ -297,6 +345,6 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
     return list(specs.values())
 
 
-__all__ = ["ELEMENT_BYTES", "VariantKind", "Variant", "BF16", "TORCH_INT4", "ALIASES", "DEFAULT_VARIANTS",
-           "parse_variant", "parse_variants", "projection_weight_bytes", "layer_weight_bytes", "MixgemmProjections",
-           "TorchInt4Projections", "mixgemm_layer", "torch_int4_layer", "build_layer", "kernel_specs"]
+__all__ = ["ELEMENT_BYTES", "VariantKind", "Variant", "BF16", "TORCH_INT4", "NO_GEMM", "ALIASES",
+           "DEFAULT_VARIANTS", "parse_variant", "parse_variants", "projection_weight_bytes", "layer_weight_bytes", "MixgemmProjections",
+           "TorchInt4Projections", "NoGemmProjections", "mixgemm_layer", "torch_int4_layer", "build_layer", "kernel_specs"]
