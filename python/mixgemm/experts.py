@@ -20,8 +20,8 @@ import torch
 
 from .layout import ATOM_K, ATOM_N, atom_bytes, prepack, unpack
 from .quantize import dequantize_reference, quantize
-from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight, QuantizedWeight, WeightType, \
-    check_group_size
+from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedProperties, PackedWeight, QuantizedWeight, \
+    WeightType, check_group_size
 
 __all__ = ["PackedExperts"]
 
@@ -30,7 +30,7 @@ EXPERTS_FORMAT = "mixgemm.packed_experts"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class PackedExperts:
+class PackedExperts(PackedProperties):
     """E prepacked weights of one shape and type, stacked (see the module docstring).
 
     Attributes
@@ -94,30 +94,6 @@ class PackedExperts:
     @property
     def num_experts(self) -> int:
         return self.qdata.shape[0]
-
-    @property
-    def bits(self) -> int:
-        return self.weight_type.bits
-
-    @property
-    def symmetric(self) -> bool:
-        return self.weight_type.signed
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.scales.dtype
-
-    @property
-    def act_type(self) -> ActType:
-        return ActType.from_torch(self.scales.dtype)
-
-    @property
-    def device(self) -> torch.device:
-        return self.qdata.device
-
-    @property
-    def num_groups(self) -> int:
-        return self.k // self.group_size
 
     @property
     def nbytes(self) -> int:

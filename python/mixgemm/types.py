@@ -241,8 +241,38 @@ def _check_zero_offsets(offsets: Optional[torch.Tensor], wt: "WeightType", shape
                          f"{offsets.dtype} {list(offsets.shape)}")
 
 
+class PackedProperties:
+    """What a prepacked weight (:class:`PackedWeight`) and a stack of them
+    (:class:`mixgemm.experts.PackedExperts`) derive alike from their ``weight_type``, ``qdata``,
+    ``scales``, ``k`` and ``group_size``."""
+
+    @property
+    def bits(self) -> int:
+        return self.weight_type.bits
+
+    @property
+    def symmetric(self) -> bool:
+        return self.weight_type.signed
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def act_type(self) -> ActType:
+        return ActType.from_torch(self.scales.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qdata.device
+
+    @property
+    def num_groups(self) -> int:
+        return self.k // self.group_size
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class PackedWeight:
+class PackedWeight(PackedProperties):
     """A quantized weight prepacked for the sm90a kernels.
 
     Attributes
@@ -312,30 +342,6 @@ class PackedWeight:
         devices = {t.device for t in (self.qdata, self.scales, self.zeros, self.zero_offsets) if t is not None}
         if len(devices) != 1:
             raise ValueError(f"qdata, scales and zeros must be on one device, got {devices}")
-
-    @property
-    def bits(self) -> int:
-        return self.weight_type.bits
-
-    @property
-    def symmetric(self) -> bool:
-        return self.weight_type.signed
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.scales.dtype
-
-    @property
-    def act_type(self) -> ActType:
-        return ActType.from_torch(self.scales.dtype)
-
-    @property
-    def device(self) -> torch.device:
-        return self.qdata.device
-
-    @property
-    def num_groups(self) -> int:
-        return self.k // self.group_size
 
     @property
     def nbytes(self) -> int:
