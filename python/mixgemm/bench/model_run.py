@@ -20,7 +20,6 @@ before the next (a LLaMA-3 70B layer is ~1.7 GB of bf16 weights). For each step:
 """
 from __future__ import annotations
 
-import gc
 import time
 from typing import Callable, Optional, Sequence
 
@@ -29,26 +28,17 @@ import torch
 from .decoder import PRESETS, DecoderStack, LayerState, ModelPreset, Rotary, layer_state, random_tensor, tensor_seed
 from .grid import relative_error
 from .model import DECODE, ModelConfig, StepMeasurement, StepShape
-from .peers import ImplUnavailable, kernel_is_cached, mixgemm_available, prebuild_kernels, torch_int4_available
+from .peers import ImplUnavailable
+from .run_support import Log, cuda_capture, describe, free, prebuild_variants, recover, sync, variant_available
 from .timing import Clock, CudaEventClock, budgeted_iters, device_flush_size, eager_clock, time_cuda
-from .variants import Variant, VariantKind, build_layer, kernel_specs
+from .variants import Variant, build_layer, kernel_specs
 
-Log = Callable[[str], None]
 #: ``make_clock(mode)``: the clock that times a mode's runs (tests pass a CPU one).
 ClockFactory = Callable[[str], Clock]
 #: torch.compile's backend for the ``compiled`` mode (the CPU tests trace with "eager")
 COMPILE_BACKEND = "inductor"
 #: the modes that time replays of a captured CUDA graph
 GRAPH_MODES = ("graph", "compiled")
-
-
-def variant_available(variant: Variant) -> tuple[bool, str]:
-    """Whether ``variant`` can run here; ``(False, reason)`` if not."""
-    if variant.kind is VariantKind.MIXGEMM:
-        return mixgemm_available()
-    if variant.kind is VariantKind.TORCH_INT4:
-        return torch_int4_available()
-    return True, ""
 
 
 def run_kernel_specs(cfg: ModelConfig, presets: Sequence[ModelPreset]) -> list:
@@ -61,46 +51,8 @@ def run_kernel_specs(cfg: ModelConfig, presets: Sequence[ModelPreset]) -> list:
 def prebuild(cfg: ModelConfig, presets: Sequence[ModelPreset], log: Log) -> dict[str, str]:
     """Build the run's mixgemm kernels; ``{variant name: reason}`` for the variants whose kernels
     did not build (their points are reported as errors)."""
-    mix = [v for v in cfg.variants if v.kind is VariantKind.MIXGEMM and variant_available(v)[0]]
-    if not mix:
-        return {}
     ms = sorted({s.m for s in cfg.shapes()})
-    specs = [s for p in presets for v in mix for s in kernel_specs(p, v, ms)]
-    log(f"building (or finding cached) {len({s.name for s in specs})} mixgemm kernels ...")
-    if prebuild_kernels(specs, log) is None:
-        return {}
-    failed = {}
-    for v in mix:
-        for spec in (s for p in presets for s in kernel_specs(p, v, ms)):
-            ok, why = kernel_is_cached(spec)
-            if not ok:
-                failed[v.name] = why
-                break
-    return failed
-
-
-def _free() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Warm ``fn`` up on a side stream (loads kernels, sets up cuBLAS workspaces), then capture it."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+    return prebuild_variants(cfg.variants, lambda v: [s for p in presets for s in kernel_specs(p, v, ms)], log)
 
 
 def _delta_error(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -166,10 +118,10 @@ class PresetRun:
         try:
             with torch.no_grad():
                 y = stack(x, pos)                 # the first call also loads the kernels
-                _sync(self.device)
+                sync(self.device)
                 t0 = time.perf_counter()
                 stack(x, pos)
-                _sync(self.device)
+                sync(self.device)
                 single_us = (time.perf_counter() - t0) * 1e6   # sizes the iteration budget
                 finite = bool(torch.isfinite(y).all())
                 err = kv_err = None
@@ -181,7 +133,7 @@ class PresetRun:
                     kv_err = max(relative_error(a, b) for a, b in zip(kv, kv_ref))
                     del kv, kv_ref, y_ref
         except Exception as e:   # a kernel fault may leave the context unusable: record it, go on
-            return [StepMeasurement(**base, mode=mode, weight_bytes=wbytes, error=_describe(e)) for mode in cfg.modes]
+            return [StepMeasurement(**base, mode=mode, weight_bytes=wbytes, error=describe(e)) for mode in cfg.modes]
         iters, warmup = budgeted_iters(single_us, cfg.iters, cfg.warmup, cfg.point_budget_s)
         out = []
         for mode in cfg.modes:
@@ -196,12 +148,12 @@ class PresetRun:
                     elif mode in GRAPH_MODES:
                         if mode == "compiled":
                             step = _compiled(stack, pos)
-                            graph, y_graph = _capture(lambda: step(x))
+                            graph, y_graph = cuda_capture(lambda: step(x))
                         else:
-                            graph, y_graph = _capture(lambda: stack(x, pos))
+                            graph, y_graph = cuda_capture(lambda: stack(x, pos))
                         stats = time_cuda(graph.replay, iters, warmup, self.flush, clock=self.make_clock(mode))
                         graph.replay()
-                        _sync(self.device)
+                        sync(self.device)
                         replay_err = _delta_error(y_graph, y, x)
                         finite_mode = finite and bool(torch.isfinite(y_graph).all())
                         del graph, y_graph
@@ -212,8 +164,8 @@ class PresetRun:
                 out.append(StepMeasurement(**base, mode=mode, weight_bytes=wbytes, timing=stats, err=err,
                                            kv_err=kv_err, replay_err=replay_err, output_finite=finite_mode))
             except Exception as e:
-                out.append(StepMeasurement(**base, mode=mode, weight_bytes=wbytes, error=_describe(e)))
-                _recover()
+                out.append(StepMeasurement(**base, mode=mode, weight_bytes=wbytes, error=describe(e)))
+                recover()
         log(f"  {preset.name} {shape.label} {variant.name}: " + ", ".join(
             f"{m.mode} {m.timing.median_us / cfg.layers:.1f} us/layer" if m.timing else f"{m.mode} {m.error}"
             for m in out) + ("" if err is None else f", err {err:.1e}"))
@@ -229,19 +181,6 @@ def _compiled(stack: DecoderStack, pos: int) -> Callable[[torch.Tensor], torch.T
         return stack(x, pos)
 
     return torch.compile(step, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
-
-
-def _describe(e: Exception) -> str:
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text}"
-
-
-def _recover() -> None:
-    try:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    except Exception:
-        pass
 
 
 def build_stack(preset: ModelPreset, variant: Variant, cfg: ModelConfig,
@@ -283,18 +222,18 @@ def run_preset(preset: ModelPreset, cfg: ModelConfig, device: torch.device, buil
         except ImplUnavailable as e:
             failure = (str(e), True)
         except Exception as e:
-            failure = (f"building the layers failed: {_describe(e)}", False)
+            failure = (f"building the layers failed: {describe(e)}", False)
         if failure is not None:
             skipped(variant, *failure)
-            _free()         # outside the handler: the traceback no longer holds the partial stack
+            free()         # outside the handler: the traceback no longer holds the partial stack
             continue
         log(f"{preset.name} {variant.name}: {cfg.layers} layers built in {time.perf_counter() - t0:.1f} s")
         for shape in shapes:
             out.extend(run.measure(variant, projections, references, shape, log))
         del projections, references
-        _free()
+        free()
     del run
-    _free()
+    free()
     return out
 
 

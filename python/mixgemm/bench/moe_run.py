@@ -21,7 +21,6 @@ counts computed on the host before the capture, for that point's routing; mixgem
 """
 from __future__ import annotations
 
-import gc
 import time
 from typing import Callable, Optional, Sequence
 
@@ -33,12 +32,11 @@ from ..quantize import interleave_rows
 from ..types import ActType
 from .grid import relative_error
 from .moe import MOE_PRESETS, MoeConfig, MoeMeasurement, MoePreset, expert_counts, make_routing
-from .peers import (TORCH_INT4_GROUP_SIZES, ImplUnavailable, kernel_is_cached, mixgemm_available, prebuild_kernels,
-                    torch_int4_available, torch_int4_dequant, torch_int4_mm, torch_int4_pack)
+from .peers import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
+from .run_support import Log, cuda_capture, describe, free, prebuild_variants, recover, sync, variant_available
 from .timing import Clock, CudaEventClock, budgeted_iters, device_flush_size, time_cuda
 from .variants import Variant, VariantKind
 
-Log = Callable[[str], None]
 #: ``capture(fn) -> (graph, out)``: ``graph.replay()`` reruns ``fn`` into ``out`` (tests pass a
 #: CPU stand-in; the default captures a CUDA graph).
 Capture = Callable[[Callable[[], torch.Tensor]], tuple]
@@ -215,15 +213,6 @@ class MixgemmLayer(MoeLayer):
                 PerExpert(lambda e: dequantize_reference(self.w2.expert(e))))
 
 
-def variant_available(variant: Variant) -> tuple[bool, str]:
-    """Whether ``variant`` can run here; ``(False, reason)`` if not."""
-    if variant.kind is VariantKind.MIXGEMM:
-        return mixgemm_available()
-    if variant.kind is VariantKind.TORCH_INT4:
-        return torch_int4_available()
-    return True, ""
-
-
 def build_layer(variant: Variant, w13: torch.Tensor, w2: torch.Tensor, group_size: int,
                 device: torch.device) -> MoeLayer:
     """``variant``'s layer from the bf16 experts."""
@@ -261,56 +250,13 @@ def run_kernel_specs(cfg: MoeConfig, presets: Sequence[MoePreset]) -> list:
 def prebuild(cfg: MoeConfig, presets: Sequence[MoePreset], log: Log) -> dict[str, str]:
     """Build the run's mixgemm kernels; ``{variant name: reason}`` for variants whose kernels
     did not build."""
-    mix = [v for v in cfg.variants if v.kind is VariantKind.MIXGEMM and variant_available(v)[0]]
-    specs = [s for p in presets for v in mix for s in moe_kernel_specs(p, v, cfg.tokens)]
-    if not specs:
-        return {}
-    log(f"building (or finding cached) {len({s.name for s in specs})} grouped mixgemm kernels ...")
-    if prebuild_kernels(specs, log) is None:
-        return {}
-    failed = {}
-    for v in mix:
-        for spec in (s for p in presets for s in moe_kernel_specs(p, v, cfg.tokens)):
-            ok, why = kernel_is_cached(spec)
-            if not ok:
-                failed[v.name] = why
-                break
-    return failed
+    return prebuild_variants(cfg.variants, lambda v: [s for p in presets for s in moe_kernel_specs(p, v, cfg.tokens)],
+                             log, "grouped mixgemm kernels")
 
 
 # ---------------------------------------------------------------------------------------------
 # Points
 # ---------------------------------------------------------------------------------------------
-def cuda_capture(fn: Callable[[], torch.Tensor]) -> tuple:
-    """Warm ``fn`` up on a side stream (loads kernels, sets up cuBLAS workspaces), then capture it."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _describe(e: BaseException) -> str:
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text}"
-
-
 class PointInputs:
     """One (routing, tokens) point: hidden states and routing on the device, host counts."""
 
@@ -341,10 +287,10 @@ def measure_point(layer: MoeLayer, variant: Variant, preset: MoePreset, pt: Poin
     try:
         with torch.no_grad():
             y = call()                            # the first call also loads the kernels
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             call()
-            _sync(device)
+            sync(device)
             single_us = (time.perf_counter() - t0) * 1e6
             finite = bool(torch.isfinite(y).all())
             w13_ref, w2_ref = layer.reference_weights()
@@ -355,25 +301,16 @@ def measure_point(layer: MoeLayer, variant: Variant, preset: MoePreset, pt: Poin
             graph, y_graph = capture(call)
             stats = time_cuda(graph.replay, iters, warmup, flush, clock=clock)
             graph.replay()
-            _sync(device)
+            sync(device)
             replay_err = relative_error(y_graph, y)
             finite = finite and bool(torch.isfinite(y_graph).all())
             del graph, y_graph
     except Exception as e:        # a kernel fault may leave the context unusable: record it, go on
-        _recover()
-        return MoeMeasurement(**base, error=_describe(e))
+        recover()
+        return MoeMeasurement(**base, error=describe(e))
     log(f"  {preset.name} {pt.routing} T={pt.tokens} ({pt.experts_touched} experts) {variant.name}: "
         f"{stats.median_us:.1f} us, err {err:.1e}")
     return MoeMeasurement(**base, timing=stats, err=err, replay_err=replay_err, output_finite=finite)
-
-
-def _recover() -> None:
-    try:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-    except Exception:
-        pass
 
 
 def run_preset(preset: MoePreset, cfg: MoeConfig, device: torch.device, build_failures: dict[str, str], log: Log,
@@ -408,18 +345,18 @@ def run_preset(preset: MoePreset, cfg: MoeConfig, device: torch.device, build_fa
         except ImplUnavailable as e:
             failure = (str(e), True)
         except Exception as e:
-            failure = (f"building the experts failed: {_describe(e)}", False)
+            failure = (f"building the experts failed: {describe(e)}", False)
         if failure is not None:
             skipped(variant, *failure)
-            _free()
+            free()
             continue
         log(f"{preset.name} {variant.name}: experts built in {time.perf_counter() - t0:.1f} s ({layer.impl})")
         for pt in points:
             out.append(measure_point(layer, variant, preset, pt, cfg, clock, flush, capture, device, log))
         del layer
-        _free()
+        free()
     del w13, w2
-    _free()
+    free()
     return out
 
 

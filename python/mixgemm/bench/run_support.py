@@ -1,0 +1,90 @@
+"""What the ``--model`` and ``--moe`` runs (:mod:`.model_run`, :mod:`.moe_run`) do alike around
+their points: which variants can run here, building a run's mixgemm kernels up front, capturing
+a CUDA graph, and keeping one failed point from spoiling the next."""
+from __future__ import annotations
+
+import gc
+from typing import Callable, Sequence
+
+import torch
+
+from .peers import kernel_is_cached, mixgemm_available, prebuild_kernels, torch_int4_available
+from .variants import Variant, VariantKind
+
+Log = Callable[[str], None]
+
+
+def variant_available(variant: Variant) -> tuple[bool, str]:
+    """Whether ``variant`` can run here; ``(False, reason)`` if not."""
+    if variant.kind is VariantKind.MIXGEMM:
+        return mixgemm_available()
+    if variant.kind is VariantKind.TORCH_INT4:
+        return torch_int4_available()
+    return True, ""
+
+
+def prebuild_variants(variants: Sequence[Variant], specs_of: Callable[[Variant], list], log: Log,
+                      what: str = "mixgemm kernels") -> dict[str, str]:
+    """Build the kernels ``specs_of(v)`` of every mixgemm variant that can run here; ``{variant
+    name: reason}`` for the variants whose kernels did not build (their points are reported as
+    errors)."""
+    mix = [v for v in variants if v.kind is VariantKind.MIXGEMM and variant_available(v)[0]]
+    specs = [s for v in mix for s in specs_of(v)]
+    if not specs:
+        return {}
+    log(f"building (or finding cached) {len({s.name for s in specs})} {what} ...")
+    if prebuild_kernels(specs, log) is None:
+        return {}
+    failed = {}
+    for v in mix:
+        for spec in specs_of(v):
+            ok, why = kernel_is_cached(spec)
+            if not ok:
+                failed[v.name] = why
+                break
+    return failed
+
+
+def cuda_capture(fn: Callable[[], torch.Tensor]) -> tuple:
+    """Warm ``fn`` up on a side stream (loads kernels, sets up cuBLAS workspaces), then capture
+    it: ``(graph, output)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def describe(e: BaseException) -> str:
+    """``Type: first line of the message``: a point's error in the report."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
+
+
+def recover() -> None:
+    """After a failed point: wait for the GPU and release the cached memory, never raising."""
+    try:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+__all__ = ["variant_available", "prebuild_variants", "cuda_capture", "sync", "free", "describe", "recover"]
