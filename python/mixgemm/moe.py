@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from .experts import PackedExperts
-from .moe_routing import ROUTE_MAX_ASSIGNMENTS, Routing, combine, route, route_and_gather
+from .moe_routing import ROUTE_MAX_ASSIGNMENTS, Routing, aligned_contiguous, combine, route, route_and_gather
 from .types import WeightType
 
 __all__ = ["PackedExperts", "grouped_gemm", "fused_moe", "route", "route_and_gather", "combine", "Routing",
@@ -153,8 +153,7 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     from .codegen import Activation
     from .errors import KernelError
 
-    if x.data_ptr() % 16 or not x.is_contiguous():
-        x = x.contiguous().clone() if x.is_contiguous() else x.contiguous()
+    x = aligned_contiguous(x)
     kernel = runtime.KERNELS.get(spec, x.device)
     helper = kernel.helper
     a = runtime.GemmArgs()

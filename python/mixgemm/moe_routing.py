@@ -114,7 +114,7 @@ def routing_specs(act_type, ids_dtype: torch.dtype = torch.int64, weights_dtype:
     return out + [combine_spec(torch.empty(0, dtype=act_type.torch_dtype), torch.empty(0, dtype=weights_dtype))]
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
+def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` contiguous with a 16-byte aligned start (a copy only if it is not)."""
     if t.is_contiguous() and t.data_ptr() % 16 == 0:
         return t
@@ -127,7 +127,7 @@ def _launch_route(spec, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     t, topk = topk_ids.shape
     n, h = t * topk, x.shape[1]
     dev = x.device
-    x, ids = _aligned(x), topk_ids.contiguous()
+    x, ids = aligned_contiguous(x), topk_ids.contiguous()
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
     order = torch.empty(n, dtype=torch.int64, device=dev)
     tokens = torch.empty(n, dtype=torch.int64, device=dev)
@@ -209,7 +209,7 @@ def _launch_combine(y_sorted: torch.Tensor, inv: torch.Tensor, topk_weights: tor
     spec = combine_spec(y_sorted, topk_weights)
     t, topk = topk_weights.shape
     h = y_sorted.shape[1]
-    y = _aligned(y_sorted)
+    y = aligned_contiguous(y_sorted)
     w = topk_weights.to(_WEIGHT_DTYPES[spec.weight.value]).contiguous()
     inv = inv.contiguous()
     out = torch.empty((t, h), dtype=y.dtype, device=y.device)
