@@ -31,6 +31,16 @@ template <class T, class = void> struct has_splits : std::false_type {};
 template <class T, class = void> struct is_gated : std::false_type {};
 template <class T> struct is_gated<T, std::void_t<decltype(T::kGated)>> : std::bool_constant<T::kGated> {};
 template <class T> struct has_splits<T, std::void_t<decltype(std::declval<T&>().splits)>> : std::true_type {};
+// The grouped scheduler (grouped_scheduler.hpp) reads the token tiles' table.
+template <class T, class = void> struct has_tiles : std::false_type {};
+template <class T> struct has_tiles<T, std::void_t<decltype(std::declval<T&>().tiles)>> : std::true_type {};
+
+// The grouped (MoE) form's extra arguments: the device table of token tiles (grouped_scheduler.hpp:
+// [U, expert of tile 0, ...]) and the number of stacked experts. Dense launches pass none.
+struct Grouping {
+  int32_t const* tiles = nullptr;
+  int32_t experts = 1;
+};
 
 inline int fail(char* err, int errlen, char const* msg) {
   if (err && errlen > 0) { std::snprintf(err, size_t(errlen), "%s", msg); }
@@ -38,7 +48,7 @@ inline int fail(char* err, int errlen, char const* msg) {
 }
 
 template <class Kernel>
-typename Kernel::Arguments make_arguments(abi::GemmArgs const& a) {
+typename Kernel::Arguments make_arguments(abi::GemmArgs const& a, Grouping const& g = {}) {
   using Mainloop = typename Kernel::CollectiveMainloop;
   using Epilogue = typename Kernel::CollectiveEpilogue;
   using ElementAct = typename Mainloop::ElementAct;
@@ -55,6 +65,8 @@ typename Kernel::Arguments make_arguments(abi::GemmArgs const& a) {
   args.mainloop.ptr_S = reinterpret_cast<ElementAct const*>(a.scales);
   args.mainloop.ptr_Z = reinterpret_cast<ElementAct const*>(a.zeros);
   args.mainloop.group_size = a.group_size;
+  args.mainloop.tile_expert = g.tiles ? g.tiles + 1 : nullptr;
+  args.mainloop.num_experts = g.experts;
 
   auto& fusion = args.epilogue.thread;
   fusion.alpha = 1.0f;
@@ -81,13 +93,22 @@ typename Kernel::Arguments make_arguments(abi::GemmArgs const& a) {
   if constexpr (has_splits<SchedulerArgs>::value) {
     args.scheduler.splits = a.splits > 1 ? a.splits : 1;
   }
+  if constexpr (has_tiles<SchedulerArgs>::value) {
+    args.scheduler.tiles = g.tiles;
+  }
   return args;
 }
 
 // Why the kernel cannot run these arguments (nullptr if it can). Pure host logic: no driver call.
 template <class Kernel>
-char const* check(abi::GemmArgs const* a) {
+char const* check(abi::GemmArgs const* a, Grouping const& g = {}) {
   if (a == nullptr) return "null argument";
+  constexpr bool kGrouped = has_tiles<typename Kernel::TileSchedulerArguments>::value;
+  if (kGrouped && g.tiles == nullptr)
+    return "a grouped GEMM kernel launches with mixgemm_grouped_gemm_prepare (a token-tile table)";
+  if (!kGrouped && g.tiles != nullptr) return "this GEMM kernel is not a grouped one";
+  if (g.experts < 1) return "at least one expert";
+  if (kGrouped && a->bias) return "the grouped GEMM takes no bias";
   if (a->abi_version != abi::kAbiVersion) return "ABI version mismatch between the runtime and the kernel's host helper";
   using Fusion = std::remove_reference_t<decltype(std::declval<typename Kernel::Arguments&>().epilogue.thread)>;
   if (a->activation < 0 || a->activation > int(Activation::kSwiglu)) return "unknown activation";
@@ -104,7 +125,7 @@ char const* check(abi::GemmArgs const* a) {
   if (a->raster < 0 || a->raster > 2) return "unknown raster order (0: heuristic, 1: along weight rows, 2: along tokens)";
   if (a->swizzle != 0 && a->swizzle != 1 && a->swizzle != 2 && a->swizzle != 4 && a->swizzle != 8)
     return "the scheduler swizzle must be 1, 2, 4 or 8";
-  auto args = make_arguments<Kernel>(*a);
+  auto args = make_arguments<Kernel>(*a, g);
   using Mainloop = typename Kernel::CollectiveMainloop;
   if (char const* why = Mainloop::why_not(args.problem_shape, args.mainloop)) return why;
   if ((a->ldy * int64_t(sizeof(typename Kernel::CollectiveEpilogue::ElementD))) % 16 || a->y % 16)
@@ -121,11 +142,12 @@ uint64_t workspace_size(abi::GemmArgs const* a) {
 
 // Params bytes and launch geometry. Encodes the TMA descriptors (a driver call).
 template <class Kernel>
-int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* out, char* err, int errlen) {
-  if (char const* why = check<Kernel>(a)) return fail(err, errlen, why);
+int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* out, char* err, int errlen,
+            Grouping const& g = {}) {
+  if (char const* why = check<Kernel>(a, g)) return fail(err, errlen, why);
   if (dst == nullptr || out == nullptr) return fail(err, errlen, "null output buffer");
   if (capacity < sizeof(typename Kernel::Params)) return fail(err, errlen, "params buffer too small");
-  auto args = make_arguments<Kernel>(*a);
+  auto args = make_arguments<Kernel>(*a, g);
   std::memset(out, 0, sizeof(*out));
   out->workspace_bytes = Kernel::get_workspace_size(args);
   out->workspace_zero_bytes = 0xffffffffu;  // CUTLASS's stream-K workspace starts zeroed, all of it
@@ -171,7 +193,18 @@ int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* o
                                       mixgemm::abi::Launch* out, char* err, int errlen) {         \
     return mixgemm::host::prepare<KERNEL>(a, dst, cap, out, err, errlen);                         \
   }
+// A grouped (MoE) GEMM kernel (grouped_scheduler.hpp): the entry above, plus the prepare that takes
+// the device table of token tiles and the number of stacked experts.
+#define MIXGEMM_GROUPED_GEMM_ENTRY(NAME, KERNEL)                                                  \
+  MIXGEMM_GEMM_ENTRY(NAME, KERNEL)                                                                \
+  extern "C" int mixgemm_grouped_gemm_prepare(mixgemm::abi::GemmArgs const* a, uint64_t tiles,    \
+                                              int32_t experts, void* dst, uint32_t cap,           \
+                                              mixgemm::abi::Launch* out, char* err, int errlen) {  \
+    mixgemm::host::Grouping g{reinterpret_cast<int32_t const*>(tiles), experts};                  \
+    return mixgemm::host::prepare<KERNEL>(a, dst, cap, out, err, errlen, g);                      \
+  }
 #else
+#define MIXGEMM_GROUPED_GEMM_ENTRY(NAME, KERNEL) MIXGEMM_GEMM_ENTRY(NAME, KERNEL)
 #define MIXGEMM_GEMM_ENTRY(NAME, KERNEL)                                                          \
   MIXGEMM_CHECK_SMEM(KERNEL)                                                                      \
   extern "C" __global__ void __launch_bounds__(KERNEL::MaxThreadsPerBlock,                        \

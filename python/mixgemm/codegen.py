@@ -102,6 +102,7 @@ class KernelKind(enum.Enum):
     GEMM = "gemm"
     DECODE = "decode"
     GROUPED_DECODE = "gdecode"
+    GROUPED_GEMM = "ggemm"
     DEQUANT = "dequant"
     MOE_ROUTE = "moe_route"
     MOE_COMBINE = "moe_combine"
@@ -288,6 +289,51 @@ class GroupedDecodeSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupedGemmSpec:
+    """One grouped (MoE) sm90 GEMM kernel: the GEMM of :class:`GemmSpec` (cooperative, persistent)
+    over E stacked experts (:class:`mixgemm.experts.PackedExperts`), for many rows per expert.
+    x's rows are sorted by expert with every expert's rows starting at a multiple of ``tile_n``
+    (:mod:`mixgemm.moe_padding`), so each ``tile_n``-row token tile belongs to one expert; the
+    table of token tiles (how many, and each one's expert) is read on the GPU
+    (``cutlass_ext/mixgemm/grouped_scheduler.hpp``). Each weight tile is converted once per
+    token tile, on wgmma."""
+
+    act: ActType
+    weight: WeightType
+    tile_m: int
+    tile_n: int
+    tile_k: int
+    epilogue: Epilogue = Epilogue.BIAS_ACT
+    stages: int = 0
+
+    kind = KernelKind.GROUPED_GEMM
+    programmatic_launch = False   # as GemmSpec
+
+    def __post_init__(self) -> None:
+        self.dense   # the GEMM's checks
+        if self.epilogue is Epilogue.BIAS:
+            raise ValueError("the grouped GEMM takes no bias: its epilogues are biasact (none / silu / gelu) and swiglu")
+
+    @property
+    def dense(self) -> GemmSpec:
+        """The dense GEMM kernel this one is, but for the grouped scheduler and expert loads."""
+        return GemmSpec(self.act, self.weight, self.tile_m, self.tile_n, self.tile_k, Schedule.COOPERATIVE,
+                        Scheduler.PERSISTENT, self.epilogue, self.stages)
+
+    @property
+    def fixed_activation(self) -> "Activation | None":
+        return self.dense.fixed_activation
+
+    @property
+    def name(self) -> str:
+        return (f"mixgemm_ggemm_{self.act.value}_{self.weight.value}_t{self.tile_m}x{self.tile_n}x{self.tile_k}_"
+                f"{self.epilogue.value}_s{self.stages}")
+
+    #: any number of rows
+    max_tokens = None
+
+
+@dataclasses.dataclass(frozen=True)
 class DequantSpec:
     """The GPU dequantizer of one (activation type, weight type) pair."""
 
@@ -335,11 +381,12 @@ class MoeCombineSpec:
         return f"mixgemm_moe_combine_{self.act.value}_w{self.weight.value}"
 
 
-KernelSpec = Union[GemmSpec, DecodeSpec, GroupedDecodeSpec, DequantSpec, MoeRouteSpec, MoeCombineSpec]
+KernelSpec = Union[GemmSpec, DecodeSpec, GroupedDecodeSpec, GroupedGemmSpec, DequantSpec, MoeRouteSpec,
+                   MoeCombineSpec]
 #: The kernels that compute a GEMM (and have a host helper): what gemm_with_spec takes.
 GEMM_KINDS = (GemmSpec, DecodeSpec)
 #: The kernels built with a host helper library (helper.so).
-HELPER_KINDS = (GemmSpec, DecodeSpec, GroupedDecodeSpec)
+HELPER_KINDS = (GemmSpec, DecodeSpec, GroupedDecodeSpec, GroupedGemmSpec)
 
 _GEMM_NAME = re.compile(
     r"^mixgemm_gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)_"
@@ -348,6 +395,9 @@ _DECODE_NAME = re.compile(
     r"^mixgemm_decode_(?P<act>bf16|fp16)_(?P<weight>[su][248])_m(?P<tokens>\d+)_w(?P<warps>\d+)_"
     r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_k(?P<kslices>\d+)_(?P<activation>none|silu|gelu|swiglu)$")
 _GROUPED_DECODE_NAME = re.compile("^mixgemm_gdecode_" + _DECODE_NAME.pattern[len("^mixgemm_decode_"):])
+_GROUPED_GEMM_NAME = re.compile(
+    r"^mixgemm_ggemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)_"
+    r"(?P<epilogue>biasact|swiglu)_s(?P<stages>\d+)$")
 _DEQUANT_NAME = re.compile(r"^mixgemm_dequant_(?P<act>bf16|fp16)_(?P<weight>[su][248])$")
 _MOE_ROUTE_NAME = re.compile(r"^mixgemm_moe_route_(?P<index>i32|i64)$")
 _MOE_COMBINE_NAME = re.compile(r"^mixgemm_moe_combine_(?P<act>bf16|fp16)_w(?P<weight>f32|bf16|f16)$")
@@ -369,6 +419,10 @@ def parse_name(name: str) -> KernelSpec:
         return GroupedDecodeSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["tokens"]), int(m["warps"]),
                                  int(m["stage_bytes"]), int(m["stages"]), Activation(m["activation"]),
                                  int(m["kslices"]))
+    m = _GROUPED_GEMM_NAME.match(name)
+    if m:
+        return GroupedGemmSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["m"]), int(m["n"]), int(m["k"]),
+                               Epilogue(m["epilogue"]), int(m["stages"]))
     m = _DEQUANT_NAME.match(name)
     if m:
         return DequantSpec(ActType(m["act"]), WeightType(m["weight"]))
@@ -484,7 +538,8 @@ ALL_WEIGHTS = (WeightType.S8, WeightType.U8, WeightType.S4, WeightType.U4, Weigh
 def default_specs(acts: Iterable[ActType] = ALL_ACTS,
                   weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[KernelSpec]:
     """Every kernel the runtime may pick: each tile config for each type, the dequantizers, and
-    the MoE kernels: the grouped decode kernels of :func:`grouped_specs` and the routing and
+    the MoE kernels: the grouped decode kernels of :func:`grouped_specs`, the grouped GEMMs of
+    :func:`grouped_gemm_specs` and the routing and
     combine kernels of :func:`moe_specs`. Every type has its kernel on every
     path. What ``mixgemm generate --list / --build`` covers."""
     acts, weights = list(acts), list(weights)
@@ -497,8 +552,24 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
               if isinstance(tc, DecodeConfig) for act in Activation if act is not Activation.NONE]
     specs += [DequantSpec(a, w) for a in acts for w in weights]
     specs += grouped_specs(acts, weights)
+    specs += grouped_gemm_specs(acts, weights)
     specs += moe_specs(acts)
     return specs
+
+
+#: The grouped sm90 GEMM's tiles (weight rows x token tile x k) for many rows per expert
+#: (:func:`mixgemm.moe.select_grouped_spec` picks by rows per expert with rows): token tiles of
+#: 64, 128 and 256 rows, each expert's rows padded to a multiple of it.
+GROUPED_GEMM_TILES = {"g64": (128, 64, 64), "g128": (128, 128, 64), "g256": (128, 256, 64)}
+
+
+def grouped_gemm_specs(acts: Iterable[ActType] = ALL_ACTS,
+                       weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[GroupedGemmSpec]:
+    """The grouped sm90 GEMM kernels: each tile of :data:`GROUPED_GEMM_TILES` for each type, with
+    the epilogue that takes none / silu / gelu and with swiglu. Part of :func:`default_specs`;
+    alone: ``mixgemm generate --build --kernels _ggemm_``."""
+    return [GroupedGemmSpec(a, w, *tile, epi) for a in acts for w in weights
+            for tile in GROUPED_GEMM_TILES.values() for epi in (Epilogue.BIAS_ACT, Epilogue.SWIGLU)]
 
 
 def moe_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[Union[MoeRouteSpec, MoeCombineSpec]]:
@@ -549,6 +620,10 @@ class _MixgemmEpilogueSchedule(enum.Enum):
     GatedNoSmem = enum.auto()
 
 
+class _MixgemmTileScheduler(enum.Enum):
+    GroupedTokenTiles = enum.auto()
+
+
 _TAGS = {
     "LayoutTag": {_MixgemmLayout.PrepackedSm90: "mixgemm::layout::PrepackedSm90"},
     "KernelScheduleTag": {
@@ -559,6 +634,8 @@ _TAGS = {
                              _MixgemmEpilogueFunctor.PerRowBiasAct: "mixgemm::epilogue::PerRowBiasAct",
                              _MixgemmEpilogueFunctor.Swiglu: "mixgemm::epilogue::Swiglu"},
     "EpilogueScheduleTag": {_MixgemmEpilogueSchedule.GatedNoSmem: "mixgemm::EpilogueGatedNoSmem"},
+    "TileSchedulerTag": {_MixgemmTileScheduler.GroupedTokenTiles: "mixgemm::GroupedTokenTiles"},
+    "TileSchedulerSuffixes": {_MixgemmTileScheduler.GroupedTokenTiles: "_grouped_token_tiles"},
 }
 
 
@@ -578,7 +655,8 @@ def _cutlass_library():
     return library, gemm_operation
 
 
-def _gemm_operation(spec: GemmSpec):
+def _gemm_operation(spec: GemmSpec, grouped: bool = False):
+    """cutlass_library's operation for ``spec``; ``grouped``: with mixgemm's grouped scheduler."""
     L, G = _cutlass_library()
 
     class _NamedGemmOperation(G.GemmOperation):
@@ -607,6 +685,8 @@ def _gemm_operation(spec: GemmSpec):
         epilogue_schedule = _MixgemmEpilogueSchedule.GatedNoSmem
     scheduler = {Scheduler.PERSISTENT: L.TileSchedulerType.Persistent,
                  Scheduler.STREAMK: L.TileSchedulerType.StreamK}[spec.scheduler]
+    if grouped:
+        scheduler = _MixgemmTileScheduler.GroupedTokenTiles
     mode = L.MixedInputMode.ScaleOnly if spec.weight.signed else L.MixedInputMode.ScaleWithZeroPoint
     align_a = 128 // spec.weight.bits
     return _NamedGemmOperation(
@@ -663,18 +743,24 @@ def render(spec: KernelSpec) -> str:
         act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
         return (head + '#include "mixgemm/moe_route_kernel.hpp"\n\n'
                 f"MIXGEMM_MOE_COMBINE_ENTRY({spec.name}, {act}, {spec.weight.cpp})\n")
-    if not isinstance(spec, GemmSpec):
+    grouped = isinstance(spec, GroupedGemmSpec)
+    if not isinstance(spec, GemmSpec) and not grouped:
         raise TypeError(f"not a kernel spec: {spec!r}")
     _, G = _cutlass_library()
-    op = _gemm_operation(spec)
+    dense = spec.dense if grouped else spec
+    op = _gemm_operation(dense, grouped)
+    op._mixgemm_name = f"{spec.name}_op"
     body = G.EmitGemmUniversal3xInstance().emit(op)
     op_name = op.procedural_name()
     include = '#include "mixgemm/gemm_prelude.hpp"\n'
-    if spec.epilogue is Epilogue.SWIGLU:
+    if grouped:
+        include += '#include "mixgemm/grouped_scheduler.hpp"\n'
+    if dense.epilogue is Epilogue.SWIGLU:
         include += '#include "mixgemm/epilogue_gated.hpp"\n'
+    entry = "MIXGEMM_GROUPED_GEMM_ENTRY" if grouped else "MIXGEMM_GEMM_ENTRY"
     return (head + include + body +
             f"\nstatic_assert(mixgemm::uses_prepacked_mainloop_v<{op_name}>,\n"
             f'              "{spec.name}: the builder did not select mixgemm\'s prepacked mainloop");\n\n'
-            f"MIXGEMM_GEMM_ENTRY({spec.name}, {op_name})\n")
+            f"{entry}({spec.name}, {op_name})\n")
 
 

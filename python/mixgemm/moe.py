@@ -13,10 +13,15 @@
   with the swiglu epilogue, down, and the weighted sum of the top-k: four launches at decode
   sizes.
 
-The grouped kernel handles an expert's rows in tiles of its token tile (8 or 16 rows), streaming
-the expert's weights once per tile: the decode regime (a few rows per expert) is what it is for.
-Many rows per expert run correctly but re-read the weights per tile; the sm90 pointer-array
-grouped GEMM is the planned kernel for that regime.
+Two grouped kernels, picked by rows per expert with rows (:func:`select_grouped_spec`):
+
+* the grouped decode kernel handles an expert's rows in tiles of 8 or 16 rows, streaming the
+  expert's weights once per tile: the decode regime (a few rows per expert);
+* the grouped sm90 GEMM (``cutlass_ext/mixgemm/grouped_scheduler.hpp``, the prepacked wgmma
+  mainloop of the dense GEMM) for many rows per expert: x's rows laid out in token tiles of 64,
+  128 or 256 rows of one expert each (:mod:`mixgemm.moe_tiles`, torch ops on the GPU), each
+  weight tile converted once per token tile. The tile table is read on the GPU, so this path
+  too needs no host sync.
 
 ``torch.ops.mixgemm.grouped_gemm`` is registered with a fake implementation, so
 ``torch.compile(fullgraph=True)`` traces it.
@@ -30,7 +35,9 @@ from typing import Optional
 import torch
 
 from .experts import PackedExperts
+from .codegen import KernelKind
 from .moe_routing import ROUTE_MAX_ASSIGNMENTS, Routing, aligned_contiguous, combine, route, route_and_gather
+from .moe_tiles import TokenTiles, token_tiles
 from .types import WeightType
 
 __all__ = ["PackedExperts", "grouped_gemm", "fused_moe", "route", "route_and_gather", "combine", "Routing",
@@ -40,17 +47,38 @@ __all__ = ["PackedExperts", "grouped_gemm", "fused_moe", "route", "route_and_gat
 ACTIVATIONS = ("silu", "gelu", "swiglu")
 
 
+#: Rows per expert with rows (``rows / min(E, rows)``) from which the grouped sm90 GEMM replaces the
+#: grouped decode kernel, and from which it takes its 128- and 256-row token tiles
+#: (benchmarks/NOTES.md section 17).
+TILES_FROM_ROWS = 32
+TILE128_FROM_ROWS = 96
+TILE256_FROM_ROWS = 192
+
+
 def select_grouped_spec(rows: int, experts: PackedExperts, activation: Optional[str] = None):
-    """The grouped decode kernel for ``rows`` rows of x over ``experts``: the 8-row tile (8-bit
-    codes with 8 k-slices, as the dense "dec8") when ``rows <= 8``, else the 16-row tile."""
-    return grouped_spec_for(rows, experts.act_type, experts.weight_type, activation)
+    """The grouped kernel for ``rows`` rows of x over ``experts``. By rows per expert with rows
+    (``rows / min(E, rows)``): below :data:`TILES_FROM_ROWS` the grouped decode kernel (the 8-row
+    tile, 8-bit codes with 8 k-slices as the dense "dec8", when ``rows <= 8``, else the 16-row
+    tile), which streams an expert's weights once per 16 rows; from there the grouped sm90 GEMM
+    (:class:`mixgemm.codegen.GroupedGemmSpec`), which converts each weight tile once per token
+    tile of 64, 128 or 256 rows."""
+    return grouped_spec_for(rows, experts.act_type, experts.weight_type, activation, experts.num_experts, experts.n)
 
 
-def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: Optional[str] = None):
-    """:func:`select_grouped_spec` from the activation and weight types alone (no weights needed:
-    e.g. to list or build a run's kernels beforehand)."""
-    from .codegen import TILE_CONFIGS, Activation, GroupedDecodeSpec
+def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: Optional[str] = None,
+                     num_experts: int = 1, n: Optional[int] = None):
+    """:func:`select_grouped_spec` from the activation and weight types, the number of experts and
+    their N alone (no weights needed: e.g. to list or build a run's kernels beforehand). The
+    grouped GEMM needs N to be a multiple of its 128-row weight tile (a tile must not straddle
+    two experts); without ``n`` that is assumed."""
+    from .codegen import GROUPED_GEMM_TILES, TILE_CONFIGS, Activation, Epilogue, GroupedDecodeSpec, GroupedGemmSpec
 
+    per_expert = rows / max(1, min(num_experts, rows))
+    if per_expert >= TILES_FROM_ROWS and (n is None or n % GROUPED_GEMM_TILES["g64"][0] == 0):
+        label = ("g256" if per_expert >= TILE256_FROM_ROWS else "g128" if per_expert >= TILE128_FROM_ROWS
+                 else "g64")
+        epilogue = Epilogue.SWIGLU if activation == "swiglu" else Epilogue.BIAS_ACT
+        return GroupedGemmSpec(act_type, weight_type, *GROUPED_GEMM_TILES[label], epilogue)
     label = "dec8" if rows <= 8 else "dec16"
     tc = next(t for t in TILE_CONFIGS if t.label == label)
     d = tc.spec(act_type, weight_type, Activation(activation or "none"))
@@ -125,13 +153,103 @@ def grouped_gemm(x: torch.Tensor, experts: PackedExperts, expert_offsets: torch.
     torch.Tensor
         ``[T, N]`` (``[T, N/2]`` for swiglu), x's dtype. Accumulation in float32, one rounding.
     """
+    return grouped_gemm_with_spec(x, experts, expert_offsets, None, out, activation)
+
+
+def grouped_gemm_with_spec(x: torch.Tensor, experts: PackedExperts, expert_offsets: torch.Tensor, spec,
+                           out: Optional[torch.Tensor] = None, activation: Optional[str] = None) -> torch.Tensor:
+    """:func:`grouped_gemm` on the grouped kernel ``spec`` (a :class:`mixgemm.codegen.GroupedDecodeSpec`
+    or :class:`mixgemm.codegen.GroupedGemmSpec`; None: :func:`select_grouped_spec`'s), e.g. to
+    test or time every kernel."""
+    from .codegen import Activation
+
     n_out = _check(x, experts, expert_offsets, out, activation)
+    if spec is None:
+        spec = select_grouped_spec(x.shape[0], experts, activation)
+    elif spec.kind not in (KernelKind.GROUPED_DECODE, KernelKind.GROUPED_GEMM):
+        raise TypeError(f"not a grouped kernel: {spec.name}")
+    elif (spec.act, spec.weight) != (experts.act_type, experts.weight_type):
+        raise ValueError(f"{spec.name} is for {spec.act.value} x {spec.weight.value}, the experts are "
+                         f"{experts.act_type.value} x {experts.weight_type.value}")
+    fixed = spec.fixed_activation
+    if (fixed is Activation.SWIGLU) != (activation == "swiglu") or (
+            spec.kind is KernelKind.GROUPED_DECODE and fixed is not Activation(activation or "none")):
+        raise ValueError(f"{spec.name} computes {fixed.value if fixed else 'none / silu / gelu'}, the call asks "
+                         f"for {activation or 'none'}")
     y = out if out is not None else torch.empty((x.shape[0], n_out), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return y
+    if spec.kind is KernelKind.GROUPED_GEMM:
+        # the grouped sm90 GEMM: x's rows into token tiles of one expert each, and back
+        tiles = token_tiles(expert_offsets, x.shape[0], spec.tile_n)
+        xp = x.new_empty((tiles.capacity + 1, x.shape[1]))
+        xp.index_copy_(0, tiles.positions, x)
+        yp = launch_tiles(xp, experts, tiles, activation, spec)
+        kept = (tiles.positions < tiles.capacity).unsqueeze(1)
+        y.copy_(torch.where(kept, yp.index_select(0, tiles.positions), y))
+        return y
     return _launch(x, experts.qdata, experts.scales, experts.zeros, expert_offsets, y, experts.weight_type,
-                   experts.group_size, experts.n, experts.k, activation, select_grouped_spec(x.shape[0], experts,
-                                                                                            activation))
+                   experts.group_size, experts.n, experts.k, activation, spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles_prepare_fn(lib_handle):
+    from .runtime import GemmArgs, Launch
+
+    f = lib_handle.mixgemm_grouped_gemm_prepare
+    f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_uint64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_uint32,
+                  ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, activation: Optional[str],
+                 spec, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One launch of the grouped sm90 GEMM ``spec`` (:class:`mixgemm.codegen.GroupedGemmSpec`) on x
+    laid out in token tiles (:mod:`mixgemm.moe_tiles`): ``xp [tiles.capacity + 1, K]`` (contiguous,
+    16-byte aligned; the last row is the spare row). Returns ``yp [tiles.capacity + 1, N]`` (N/2
+    for swiglu), or writes ``out`` of that shape; its padding rows hold whatever the kernel
+    computed from the padding rows of x, the spare row is not written. Nothing is read back
+    from the GPU."""
+    from . import ops, runtime
+    from .codegen import Activation
+    from .errors import KernelError
+
+    if spec.tile_n != tiles.tile:
+        raise ValueError(f"{spec.name} takes token tiles of {spec.tile_n} rows, the layout has {tiles.tile}")
+    if experts.n % spec.tile_m:
+        raise ValueError(f"{spec.name} needs every expert's N to be a multiple of {spec.tile_m}, got {experts.n}")
+    if tuple(xp.shape) != (tiles.capacity + 1, experts.k) or xp.dtype != experts.dtype:
+        raise ValueError(f"xp must be {experts.dtype} [{tiles.capacity + 1}, {experts.k}], got {xp.dtype} "
+                         f"{list(xp.shape)}")
+    n_out = experts.n // 2 if activation == "swiglu" else experts.n
+    yp = out if out is not None else xp.new_empty((tiles.capacity + 1, n_out))
+    if tuple(yp.shape) != (tiles.capacity + 1, n_out) or not yp.is_contiguous() or yp.data_ptr() % 16:
+        raise ValueError(f"out must be contiguous, 16-byte aligned, [{tiles.capacity + 1}, {n_out}]")
+    xp = aligned_contiguous(xp)
+    kernel = runtime.KERNELS.get(spec, xp.device)
+    helper = kernel.helper
+    a = runtime.GemmArgs()
+    a.abi_version = runtime.ABI_VERSION
+    a.m, a.n, a.k, a.group_size = tiles.capacity, experts.n, experts.k, experts.group_size
+    a.sm_count = ops._sm_count(xp.device.index)
+    a.activation = Activation(activation or "none").abi
+    a.swizzle = 1
+    a.weight, a.scales = experts.qdata.data_ptr(), experts.scales.data_ptr()
+    a.zeros = 0 if experts.zeros is None else experts.zeros.data_ptr()
+    a.x, a.y = xp.data_ptr(), yp.data_ptr()
+    a.ldx, a.ldy = experts.k, n_out
+    params = ctypes.create_string_buffer(helper.params_size)
+    launch = runtime.Launch()
+    err = ctypes.create_string_buffer(512)
+    rc = _tiles_prepare_fn(helper.lib)(ctypes.byref(a), tiles.table.data_ptr(), experts.num_experts, params,
+                                       helper.params_size, ctypes.byref(launch), err, len(err))
+    if rc != 0:
+        raise KernelError(f"{spec.name}: {err.value.decode()}")
+    if launch.workspace_bytes:
+        raise KernelError(f"{spec.name}: asks for a {launch.workspace_bytes}-byte workspace; the grouped GEMM has none")
+    runtime.launch_prepared(kernel, params, launch)
+    return yp
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,7 +345,9 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
     torch.Tensor
         ``[T, H]`` in x's dtype. Routing runs on the GPU, no host sync: at decode sizes
         (``T * topk <=`` :data:`ROUTE_MAX_ASSIGNMENTS`) four launches: routing and gather
-        (:func:`route_and_gather`), the two grouped GEMMs, :func:`combine`.
+        (:func:`route_and_gather`), the two grouped GEMMs, :func:`combine`. With many rows per
+        expert (:func:`select_grouped_spec`) the GEMMs are the grouped sm90 GEMM over x's rows
+        laid out in token tiles (:mod:`mixgemm.moe_tiles`: a few torch ops more).
     """
     if not isinstance(w13, PackedExperts) or not isinstance(w2, PackedExperts):
         raise TypeError("w13 and w2 must be mixgemm.moe.PackedExperts")
@@ -240,6 +360,20 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
         raise ValueError(f"topk_weights and topk_ids must both be [T={x.shape[0]}, topk], got "
                          f"{list(topk_weights.shape)} and {list(topk_ids.shape)}")
     routing, xs = route_and_gather(x, topk_ids, w13.num_experts)
+    rows = xs.shape[0]
+    spec13 = select_grouped_spec(rows, w13, "swiglu")
+    spec2 = select_grouped_spec(rows, w2)
+    if spec13.kind is KernelKind.GROUPED_GEMM and spec2.kind is KernelKind.GROUPED_GEMM \
+            and spec13.tile_n == spec2.tile_n:
+        # many rows per expert: both GEMMs on the grouped sm90 GEMM over one token-tile layout
+        tiles = token_tiles(routing.expert_offsets, rows, spec13.tile_n)
+        xp = xs.new_empty((tiles.capacity + 1, xs.shape[1]))
+        xp.index_copy_(0, tiles.positions, xs)
+        hp = launch_tiles(xp, w13, tiles, "swiglu", spec13)
+        yp = launch_tiles(hp, w2, tiles, None, spec2)
+        inv = routing.inv.long()
+        inv_p = torch.where(inv >= 0, tiles.positions[inv.clamp(min=0)], -1).to(torch.int32)
+        return combine(yp, routing._replace(inv=inv_p), topk_weights)
     h = grouped_gemm(xs, w13, routing.expert_offsets, activation="swiglu")
     y = grouped_gemm(h, w2, routing.expert_offsets)
     return combine(y, routing, topk_weights)

@@ -197,6 +197,12 @@ def route_and_gather(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) 
 
 def _combine_torch(y_sorted: torch.Tensor, routing: Routing, topk_weights: torch.Tensor) -> torch.Tensor:
     t, topk = topk_weights.shape
+    if routing.inv is not None:
+        # each slot's row through inv (which may point into a padded y, moe_tiles); -1 adds nothing
+        inv = routing.inv.long()
+        y = y_sorted.index_select(0, inv.clamp(min=0)) * (inv >= 0).unsqueeze(1).to(y_sorted.dtype)
+        acc = y.view(t, topk, y_sorted.shape[1]).float() * topk_weights.float().unsqueeze(-1)
+        return acc.sum(1).to(y_sorted.dtype)
     y = torch.empty_like(y_sorted)
     y[routing.order] = y_sorted
     acc = y.view(t, topk, y_sorted.shape[1]).float() * topk_weights.float().unsqueeze(-1)
@@ -233,7 +239,9 @@ def combine(y_sorted: torch.Tensor, routing: Routing, topk_weights: torch.Tensor
     Parameters
     ----------
     y_sorted : torch.Tensor
-        ``[T * topk, H]`` expert outputs in sorted order (rows of ``routing``).
+        ``[T * topk, H]`` expert outputs in sorted order (rows of ``routing``); with ``inv``, any
+        number of rows at least ``T * topk`` that ``inv`` points into (e.g. the padded layout of
+        :mod:`mixgemm.moe_tiles`).
     routing : Routing
         From :func:`route_and_gather` (``inv`` set: the combine kernel on an sm_90 GPU) or
         :func:`route` (torch ops).
@@ -248,9 +256,11 @@ def combine(y_sorted: torch.Tensor, routing: Routing, topk_weights: torch.Tensor
         may pair the slots differently, so the two may differ by one float32 rounding), rounded
         once. Slots whose ``inv`` is -1 (dropped ids) add nothing.
     """
-    if topk_weights.dim() != 2 or y_sorted.dim() != 2 or y_sorted.shape[0] != topk_weights.numel():
-        raise ValueError(f"y_sorted must be [T * topk, H] for topk_weights [T, topk] = {list(topk_weights.shape)}, "
-                         f"got {list(y_sorted.shape)}")
+    rows_ok = (y_sorted.shape[0] >= topk_weights.numel() if routing.inv is not None
+               else y_sorted.shape[0] == topk_weights.numel()) if y_sorted.dim() == 2 else False
+    if topk_weights.dim() != 2 or y_sorted.dim() != 2 or not rows_ok:
+        raise ValueError(f"y_sorted must be [T * topk, H] (or more rows, through routing.inv) for topk_weights "
+                         f"[T, topk] = {list(topk_weights.shape)}, got {list(y_sorted.shape)}")
     if not topk_weights.dtype.is_floating_point:
         raise TypeError(f"topk_weights must be a float tensor, got {topk_weights.dtype}")
     for name, t in (("topk_weights", topk_weights), ("routing.order", routing.order), ("routing.inv", routing.inv)):

@@ -14,6 +14,10 @@
 // k-tile touches (group_size is a runtime value: 32..256 or K); their transaction bytes are part
 // of the stage's barrier, which is a runtime value in Params.
 //
+// Grouped (MoE) form: with Arguments::tile_expert set, A, the scales and the zeros hold
+// num_experts stacked experts, and the producer loads token tile j's weights, scales and zeros
+// from expert tile_expert[j] (a device table written by the routing; grouped_scheduler.hpp).
+//
 // The collective implements the interface that CUTLASS's sm90 GemmUniversal kernels
 // (warp-specialized cooperative and ping-pong, any tile scheduler incl. stream-K) expect.
 #pragma once
@@ -147,6 +151,11 @@ struct CollectiveMmaPrepacked {
     ElementAct const* ptr_S = nullptr;    // scales [G, N_w], N_w contiguous
     ElementAct const* ptr_Z = nullptr;    // zero points [G, N_w] (HasZero only)
     int group_size = 0;
+    // Grouped (MoE) form: A, S and Z hold num_experts stacked experts ([E, ...] of the above), and
+    // token tile j of B reads expert tile_expert[j] (device memory, written by the routing;
+    // grouped_scheduler.hpp). nullptr: one weight, the dense GEMM.
+    int32_t const* tile_expert = nullptr;
+    int32_t num_experts = 1;
   };
 
   // TMA over the packed weight viewed as uint64 [atom words, K/64 atoms, N_w/16 atoms].
@@ -174,6 +183,8 @@ struct CollectiveMmaPrepacked {
     int32_t k_atoms = 0;                // K / 64
     int32_t m_atoms = 0;                // N_w / 16
     int32_t groups = 0;                 // K / group_size
+    int32_t const* tile_expert = nullptr;  // expert of each token tile (grouped form), or nullptr
+    int32_t num_experts = 1;
   };
 
   // Scale rows a k-tile needs: BLK_K / group_size when the group is smaller than the tile, else 1.
@@ -188,16 +199,18 @@ struct CollectiveMmaPrepacked {
     int32_t k_atoms = int32_t(K) / kAtomCols;
     int32_t m_atoms = int32_t(M) / kAtomRows;
     int32_t groups = int32_t(K) / args.group_size;
+    int32_t experts = args.num_experts > 0 ? args.num_experts : 1;
 
+    // Stacked experts are one taller weight ([E * N_w/16] atom rows) and E * G scale rows.
     auto gA = make_tensor(make_gmem_ptr(reinterpret_cast<uint64_t const*>(args.ptr_A)),
-                          GmemLayoutA{make_shape(Int<kAtomWords>{}, k_atoms, m_atoms),
+                          GmemLayoutA{make_shape(Int<kAtomWords>{}, k_atoms, m_atoms * experts),
                                       make_stride(_1{}, int64_t(kAtomWords), int64_t(kAtomWords) * k_atoms)});
     auto gB = make_tensor(make_gmem_ptr(args.ptr_B), make_layout(make_shape(int32_t(N), int32_t(K), int32_t(L)), args.dB));
     auto gS = make_tensor(make_gmem_ptr(args.ptr_S),
-                          GmemLayoutScale{make_shape(int32_t(M), groups), make_stride(_1{}, int64_t(M))});
+                          GmemLayoutScale{make_shape(int32_t(M), groups * experts), make_stride(_1{}, int64_t(M))});
     // With no zero points the zero TMA is a copy of the scale one and is never issued.
     auto gZ = make_tensor(make_gmem_ptr(HasZero ? args.ptr_Z : args.ptr_S),
-                          GmemLayoutScale{make_shape(int32_t(M), groups), make_stride(_1{}, int64_t(M))});
+                          GmemLayoutScale{make_shape(int32_t(M), groups * experts), make_stride(_1{}, int64_t(M))});
 
     int gpt = group_rows_per_tile(args.group_size);
     uint32_t tx = kStageBytesA + kStageBytesB + uint32_t(gpt) * kBytesPerScaleRow * (HasZero ? 2u : 1u);
@@ -206,7 +219,7 @@ struct CollectiveMmaPrepacked {
       make_tma_copy_B_sm90(SM90_TMA_LOAD{}, gB, SmemLayoutB{}(_, _, Int<0>{}), TileShape{}, ClusterShape{}),
       make_tma_copy(SM90_TMA_LOAD{}, gS, SmemLayoutScaleRow{}),
       make_tma_copy(SM90_TMA_LOAD{}, gZ, SmemLayoutScaleRow{}),
-      tx, int32_t(args.group_size), int32_t(gpt), k_atoms, m_atoms, groups};
+      tx, int32_t(args.group_size), int32_t(gpt), k_atoms, m_atoms, groups, args.tile_expert, experts};
   }
 
   // Why an argument set cannot run, or nullptr if it can. (can_implement's reason, for the
@@ -216,6 +229,8 @@ struct CollectiveMmaPrepacked {
     auto [M, N, K, L] = append<4>(problem_shape, 1);
     auto aligned16 = [](void const* p) { return (reinterpret_cast<uintptr_t>(p) % 16) == 0; };
     if (L != 1) return "batched (L > 1) problems are not supported";
+    if (args.num_experts < 1) return "num_experts must be at least 1";
+    if (args.tile_expert && M % BLK_M) return "the grouped form needs every expert's N to be a multiple of the weight tile";
     if (M <= 0 || N <= 0 || K <= 0) return "empty problem";
     if (M % kAtomRows) return "N (weight rows) must be a multiple of 16";
     if (K % kAtomCols) return "K must be a multiple of 64";
@@ -285,10 +300,15 @@ struct CollectiveMmaPrepacked {
       return;
     }
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    // Grouped form: this token tile's expert, whose weight-row tiles follow the earlier experts'.
+    int const expert = params.tile_expert ? params.tile_expert[n_coord] : 0;
+    int const m_tile = m_coord + expert * (params.m_atoms / kAtomsM);
+    int const group0 = expert * params.groups;
 
     // A: uint64 [atom words, k atoms, m atoms]; one tile = (all words, kAtomsK, kAtomsM).
-    Tensor mA = params.tma_load_a.get_tma_tensor(make_shape(Int<kAtomWords>{}, params.k_atoms, params.m_atoms));
-    Tensor gA = local_tile(mA, shape(SmemLayoutA{}), make_coord(_0{}, _, m_coord));       // (W,KA,MA,k)
+    Tensor mA = params.tma_load_a.get_tma_tensor(
+        make_shape(Int<kAtomWords>{}, params.k_atoms, params.m_atoms * params.num_experts));
+    Tensor gA = local_tile(mA, shape(SmemLayoutA{}), make_coord(_0{}, _, m_tile));       // (W,KA,MA,k)
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()),
                             append(SmemLayoutA{}, Layout<Int<Stages>, Int<cosize_v<SmemLayoutA>>>{}));  // (W,KA,MA,PIPE)
     auto tma_a = params.tma_load_a.get_slice(0);
@@ -304,7 +324,8 @@ struct CollectiveMmaPrepacked {
     Tensor tBsB = tma_b.partition_D(sB);
 
     // Scales (and zeros): rows of [G, N_w]; a tile's rows land at [stage][row][BLK_M].
-    Tensor mS = params.tma_load_scale.get_tma_tensor(make_shape(params.m_atoms * kAtomRows, params.groups));
+    Tensor mS = params.tma_load_scale.get_tma_tensor(
+        make_shape(params.m_atoms * kAtomRows, params.groups * params.num_experts));
     Tensor gS = local_tile(mS, shape(SmemLayoutScaleRow{}), make_coord(m_coord, _));        // (BLK_M,1,g)
     Tensor sS = make_tensor(make_smem_ptr(shared_tensors.smem_scale.data()),
                             make_layout(make_shape(Int<BLK_M>{}, _1{}, Int<kGroupRowsMax * Stages>{})));
@@ -330,7 +351,7 @@ struct CollectiveMmaPrepacked {
 
       copy(params.tma_load_a.with(*tma_barrier), tAgA(_, _, _, _, k_tile), tAsA(_, _, _, _, stage));
       copy(params.tma_load_b.with(*tma_barrier), tBgB(_, _, _, k_tile), tBsB(_, _, _, stage));
-      int row0 = (k_tile * BLK_K) / params.group_size;
+      int row0 = group0 + (k_tile * BLK_K) / params.group_size;
       for (int r = 0; r < gpt; ++r) {
         copy(params.tma_load_scale.with(*tma_barrier), tSgS(_, _, _, row0 + r), tSsS(_, _, _, stage * kGroupRowsMax + r));
         if constexpr (HasZero) {

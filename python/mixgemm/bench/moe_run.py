@@ -234,8 +234,8 @@ def moe_kernel_specs(preset: MoePreset, variant: Variant, tokens: Sequence[int])
         return []
     specs = {}
     for t in tokens:
-        for act in ("swiglu", None):
-            s = grouped_spec_for(t * preset.topk, ActType.BF16, variant.weight_type, act)
+        for act, n in (("swiglu", 2 * preset.intermediate), (None, preset.hidden)):
+            s = grouped_spec_for(t * preset.topk, ActType.BF16, variant.weight_type, act, preset.experts, n)
             specs[s.name] = s
     for s in routing_specs(ActType.BF16, torch.int64, torch.float32):
         specs[s.name] = s

@@ -1,0 +1,126 @@
+"""The token-tile layout of the grouped sm90 GEMM (mixgemm.moe_tiles), its kernel specs, and the
+combine through a padded layout: CPU only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixgemm import codegen, moe
+from mixgemm.codegen import KernelKind
+from mixgemm.moe_routing import Routing, _combine_torch, route
+from mixgemm.moe_tiles import capacity_tiles, token_tiles
+from mixgemm.types import ActType, WeightType
+
+
+def _offsets(counts):
+    return torch.tensor([0] + torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+
+
+COUNTS = ([0, 1, 0, 3, 0, 0, 2, 1], [5, 0, 67, 1, 0, 130, 9, 0], [64] * 8, [0] * 7 + [257], [0] * 8, [1],
+          [300], [63, 65, 0, 128, 129])
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=str)
+@pytest.mark.parametrize("tile", (64, 128, 256))
+def test_layout_puts_each_expert_on_whole_tiles(counts, tile):
+    rows = sum(counts)
+    tt = token_tiles(_offsets(counts), rows, tile)
+    assert tt.capacity == capacity_tiles(rows, len(counts), tile) * tile
+    pos = tt.positions.tolist()
+    assert len(set(pos)) == rows, "two rows share a padded row"
+    assert all(0 <= p < tt.capacity for p in pos)
+    used = tt.table[0].item()
+    assert used == sum(-(-c // tile) for c in counts)
+    assert used <= tt.table.numel() - 1
+    r = 0
+    for e, c in enumerate(counts):
+        if c:
+            first = pos[r]
+            assert first % tile == 0, f"expert {e} starts mid-tile"
+            assert pos[r:r + c] == list(range(first, first + c)), f"expert {e}'s rows are not contiguous"
+            for j in range(first // tile, (first + c - 1) // tile + 1):
+                assert tt.table[1 + j].item() == e, f"token tile {j} names the wrong expert"
+        r += c
+    # tiles in use hold rows of their expert only, in expert order
+    assert tt.table[1:1 + used].tolist() == sorted(tt.table[1:1 + used].tolist())
+
+
+def test_capacity_holds_for_the_worst_routing():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        e = int(torch.randint(1, 300, (1,), generator=g))
+        tile = (64, 128, 256)[int(torch.randint(0, 3, (1,), generator=g))]
+        counts = torch.randint(0, 3 * tile, (e,), generator=g)
+        counts[torch.rand(e, generator=g) < 0.5] = 0
+        rows = int(counts.sum())
+        tt = token_tiles(_offsets(counts.tolist()), rows, tile)
+        assert tt.table[0].item() * tile <= tt.capacity
+
+
+def test_dropped_rows_go_to_the_spare_row():
+    # the routing kernel counts dropped ids in no expert: sorted rows past offsets[E]
+    offsets = _offsets([2, 0, 3])
+    tt = token_tiles(offsets, 7, 64)
+    assert tt.positions[5:].tolist() == [tt.capacity, tt.capacity]
+    assert tt.positions[:5].tolist() == [0, 1, 64, 65, 66]
+
+
+def test_bad_offsets_are_refused():
+    with pytest.raises(ValueError, match="int32"):
+        token_tiles(torch.tensor([0, 3]), 3, 64)
+    with pytest.raises(ValueError, match="tile"):
+        token_tiles(_offsets([3]), 3, 0)
+
+
+def test_combine_reads_a_padded_layout_through_inv():
+    torch.manual_seed(0)
+    t, topk, e, h = 37, 3, 5, 16
+    ids = torch.randint(0, e, (t, topk))
+    w = torch.softmax(torch.randn(t, topk), -1)
+    r = route(ids, e)
+    n = t * topk
+    inv = torch.empty(n, dtype=torch.int32)
+    inv.scatter_(0, r.order, torch.arange(n, dtype=torch.int32))
+    y = torch.randn(n, h, dtype=torch.bfloat16)
+    want = _combine_torch(y, r, w)                      # sorted rows through order
+    tt = token_tiles(r.expert_offsets, n, 64)
+    yp = torch.full((tt.capacity + 1, h), float("nan"), dtype=torch.bfloat16)
+    yp[tt.positions] = y
+    got = _combine_torch(yp, Routing(r.order, r.tokens, r.expert_offsets, tt.positions[inv.long()].int()), w)
+    assert torch.equal(got, want)
+
+
+def test_grouped_gemm_specs_cover_every_type_tile_and_epilogue():
+    specs = codegen.grouped_gemm_specs()
+    assert len(specs) == len(codegen.ALL_ACTS) * len(codegen.ALL_WEIGHTS) * len(codegen.GROUPED_GEMM_TILES) * 2
+    assert len({s.name for s in specs}) == len(specs)
+    for s in specs:
+        assert codegen.parse_name(s.name) == s
+    assert set(specs) <= set(codegen.default_specs())
+
+
+def test_grouped_gemm_source_names_the_grouped_scheduler():
+    spec = codegen.GroupedGemmSpec(ActType.FP16, WeightType.S2, 128, 128, 64, codegen.Epilogue.SWIGLU)
+    src = codegen.render(spec)
+    assert "mixgemm::GroupedTokenTiles" in src
+    assert '#include "mixgemm/grouped_scheduler.hpp"' in src
+    assert '#include "mixgemm/epilogue_gated.hpp"' in src
+    assert f"MIXGEMM_GROUPED_GEMM_ENTRY({spec.name}," in src
+    dense = codegen.render(spec.dense)
+    assert "GroupedTokenTiles" not in dense and "MIXGEMM_GROUPED_GEMM_ENTRY" not in dense
+
+
+def test_grouped_gemm_spec_refuses_what_it_cannot_build():
+    with pytest.raises(ValueError):
+        codegen.GroupedGemmSpec(ActType.BF16, WeightType.U4, 64, 64, 64)       # cooperative needs 128 rows
+    with pytest.raises(ValueError, match="bias"):
+        codegen.GroupedGemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, codegen.Epilogue.BIAS)
+
+
+@pytest.mark.parametrize("rows,e,want", [(1, 8, "gdecode"), (8 * 31, 8, "gdecode"), (8 * 32, 8, "t128x64x64"),
+                                         (8 * 100, 8, "t128x128x64"), (8 * 200, 8, "t128x256x64"),
+                                         (4096, 128, "t128x64x64"), (3, 512, "gdecode")])
+def test_grouped_spec_by_rows_per_expert(rows, e, want):
+    spec = moe.grouped_spec_for(rows, ActType.BF16, WeightType.U4, None, e)
+    assert want in spec.name
+    assert (spec.kind is KernelKind.GROUPED_GEMM) == want.startswith("t")
