@@ -117,10 +117,22 @@ def test_grouped_gemm_spec_refuses_what_it_cannot_build():
         codegen.GroupedGemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, codegen.Epilogue.BIAS)
 
 
-@pytest.mark.parametrize("rows,e,want", [(1, 8, "gdecode"), (8 * 31, 8, "gdecode"), (8 * 32, 8, "t128x64x64"),
-                                         (8 * 100, 8, "t128x128x64"), (8 * 200, 8, "t128x256x64"),
-                                         (4096, 128, "t128x64x64"), (3, 512, "gdecode")])
-def test_grouped_spec_by_rows_per_expert(rows, e, want):
-    spec = moe.grouped_spec_for(rows, ActType.BF16, WeightType.U4, None, e)
+@pytest.mark.parametrize("rows,e,k,want", [(1, 8, 0, "gdecode"), (8 * 31, 8, 0, "gdecode"), (8 * 32, 8, 0, "t128x64x64"),
+                                           (8 * 16, 8, 4096, "t128x64x64"), (8 * 15, 8, 4096, "gdecode"),
+                                           (8 * 100, 8, 0, "t128x128x64"), (8 * 200, 8, 0, "t128x256x64"),
+                                           (4096, 128, 0, "t128x64x64"), (3, 512, 0, "gdecode")])
+def test_grouped_spec_by_rows_per_expert(rows, e, k, want):
+    spec = moe.grouped_spec_for(rows, ActType.BF16, WeightType.U4, None, e, None, k)
     assert want in spec.name
     assert (spec.kind is KernelKind.GROUPED_GEMM) == want.startswith("t")
+
+
+
+@pytest.mark.parametrize("tokens", (1, 16, 64, 256, 1024, 4096))
+def test_fused_moe_runs_both_gemms_on_one_layout(tokens):
+    # mixtral's experts at top-2: gate/up decides, down follows on the same token tiles
+    s13, s2 = moe.fused_moe_specs(tokens * 2, ActType.BF16, WeightType.U4, 8, 4096, 14336)
+    assert s13.kind == s2.kind
+    if s13.kind is KernelKind.GROUPED_GEMM:
+        assert (s13.tile_n, s13.epilogue, s2.epilogue) == (s2.tile_n, codegen.Epilogue.SWIGLU, codegen.Epilogue.BIAS_ACT)
+    assert (s13.kind is KernelKind.GROUPED_GEMM) == (tokens >= 64)

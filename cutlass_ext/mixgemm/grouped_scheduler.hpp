@@ -14,11 +14,16 @@
 // changes between replays.
 //
 // The scheduler is CUTLASS's static persistent sm90 scheduler with the walk replaced: the output
-// tiles are the U token tiles x the weight-row tiles of one expert, numbered with the token tile
-// fastest, so that CTAs running at the same time share an expert's weight tile through L2. Tiles
-// past U are never scheduled (their rows are padding or unused capacity). The work tile's L index
-// is always 0: the whole padded x and y are one problem of the kernel; only the mainloop's weight,
-// scale and zero loads follow the expert.
+// tiles are the U token tiles x the weight-row tiles of one expert, in one of two orders (the
+// launch's raster order):
+//   * token tiles fastest (RasterOrderOptions::AlongN or Heuristic): CTAs running at the same time
+//     share a weight tile through L2 -- for few experts with several token tiles each;
+//   * weight-row tiles fastest (AlongM): CTAs running at the same time share a token tile's rows
+//     of x through L2 -- for many experts, whose token tiles' x would not stay in L2 while every
+//     weight-row tile walks past them.
+// Tiles past U are never scheduled (their rows are padding or unused capacity). The work tile's L
+// index is always 0: the whole padded x and y are one problem of the kernel; only the mainloop's
+// weight, scale and zero loads follow the expert.
 #pragma once
 
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
@@ -36,8 +41,8 @@ namespace kernel {
 // its enclosing class's functions.)
 struct GroupedTokenTileArguments {
   using RasterOrderOptions = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions;
-  int max_swizzle_size = 1;                                       // unused: the walk is fixed
-  RasterOrderOptions raster_order = RasterOrderOptions::Heuristic;  // unused: the walk is fixed
+  int max_swizzle_size = 1;                                       // unused
+  RasterOrderOptions raster_order = RasterOrderOptions::Heuristic;  // AlongM: weight-row tiles fastest
   int32_t const* tiles = nullptr;                                 // device: [U, expert of tile 0, ...]
 };
 
@@ -55,6 +60,7 @@ class GroupedTokenTileScheduler : public cutlass::gemm::kernel::detail::Persiste
     int32_t const* tiles = nullptr;
     int32_t tiles_m = 0;                                       // weight-row tiles of one expert
     int32_t tiles_n = 0;                                       // token tiles the problem holds (>= U)
+    bool weights_fastest = false;                              // the walk's order (see the top)
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -74,6 +80,7 @@ class GroupedTokenTileScheduler : public cutlass::gemm::kernel::detail::Persiste
     params.tiles = arguments.tiles;
     params.tiles_m = int32_t(cute::ceil_div(cute::get<0>(problem_shape_mnkl), cute::get<0>(tile_shape)));
     params.tiles_n = int32_t(cute::ceil_div(cute::get<1>(problem_shape_mnkl), cute::get<1>(tile_shape)));
+    params.weights_fastest = arguments.raster_order == RasterOrderOptions::AlongM;
     return params;
   }
 
@@ -112,6 +119,7 @@ class GroupedTokenTileScheduler : public cutlass::gemm::kernel::detail::Persiste
                   uint64_t(blockIdx.z) * gridDim.x * gridDim.y;
     grid_size_ = uint64_t(gridDim.x) * gridDim.y * gridDim.z;
     tiles_m_ = params.tiles_m;
+    weights_fastest_ = params.weights_fastest;
     int32_t used = __ldg(params.tiles);
     tiles_n_ = used < 0 ? 0 : (used > params.tiles_n ? params.tiles_n : used);
 #endif
@@ -142,12 +150,16 @@ class GroupedTokenTileScheduler : public cutlass::gemm::kernel::detail::Persiste
   }
 
  private:
-  // Tile i of the walk: token tile i % U, weight-row tile i / U.
+  // Tile i of the walk: token tile i % U and weight-row tile i / U, or (weights fastest) weight-row
+  // tile i % M and token tile i / M.
   CUTLASS_DEVICE WorkTileInfo work_for(uint64_t idx) const {
     if (tiles_n_ <= 0 || idx >= uint64_t(tiles_m_) * uint64_t(tiles_n_)) {
       return WorkTileInfo::invalid_work_tile();
     }
     uint32_t i = uint32_t(idx);
+    if (weights_fastest_) {
+      return {int32_t(i % uint32_t(tiles_m_)), int32_t(i / uint32_t(tiles_m_)), 0, true};
+    }
     return {int32_t(i / uint32_t(tiles_n_)), int32_t(i % uint32_t(tiles_n_)), 0, true};
   }
 
@@ -155,6 +167,7 @@ class GroupedTokenTileScheduler : public cutlass::gemm::kernel::detail::Persiste
   uint64_t grid_size_ = 1;
   int32_t tiles_m_ = 0;
   int32_t tiles_n_ = 0;
+  bool weights_fastest_ = false;
 };
 
 }  // namespace kernel

@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from .experts import PackedExperts
-from .codegen import KernelKind
+from .codegen import GroupedGemmSpec, KernelKind, Raster
 from .moe_routing import ROUTE_MAX_ASSIGNMENTS, Routing, aligned_contiguous, combine, route, route_and_gather
 from .moe_tiles import TokenTiles, token_tiles
 from .types import WeightType
@@ -48,11 +48,18 @@ ACTIVATIONS = ("silu", "gelu", "swiglu")
 
 
 #: Rows per expert with rows (``rows / min(E, rows)``) from which the grouped sm90 GEMM replaces the
-#: grouped decode kernel, and from which it takes its 128- and 256-row token tiles
-#: (benchmarks/NOTES.md section 17).
+#: grouped decode kernel (:data:`TILES_FROM_ROWS_LONG_K` when K is at least :data:`LONG_K`: a
+#: longer k-loop per tile), and from which it takes its 128- and 256-row token tiles. Measured on
+#: the three bench --moe presets (benchmarks/NOTES.md section 17).
 TILES_FROM_ROWS = 32
-TILE128_FROM_ROWS = 96
+TILES_FROM_ROWS_LONG_K = 16
+LONG_K = 4096
+TILE128_FROM_ROWS = 64
 TILE256_FROM_ROWS = 192
+#: The grouped sm90 GEMM's walk of its tiles: weight-row tiles first, so that the CTAs running at
+#: once share a token tile's rows of x through L2 (token tiles first, the other order, measured
+#: 0-35% slower on every preset: NOTES section 17).
+TILES_RASTER = Raster.WEIGHT_ROWS
 
 
 def select_grouped_spec(rows: int, experts: PackedExperts, activation: Optional[str] = None):
@@ -62,19 +69,21 @@ def select_grouped_spec(rows: int, experts: PackedExperts, activation: Optional[
     tile), which streams an expert's weights once per 16 rows; from there the grouped sm90 GEMM
     (:class:`mixgemm.codegen.GroupedGemmSpec`), which converts each weight tile once per token
     tile of 64, 128 or 256 rows."""
-    return grouped_spec_for(rows, experts.act_type, experts.weight_type, activation, experts.num_experts, experts.n)
+    return grouped_spec_for(rows, experts.act_type, experts.weight_type, activation, experts.num_experts, experts.n,
+                            experts.k)
 
 
 def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: Optional[str] = None,
-                     num_experts: int = 1, n: Optional[int] = None):
+                     num_experts: int = 1, n: Optional[int] = None, k: int = 0):
     """:func:`select_grouped_spec` from the activation and weight types, the number of experts and
-    their N alone (no weights needed: e.g. to list or build a run's kernels beforehand). The
+    their N and K alone (no weights needed: e.g. to list or build a run's kernels beforehand). The
     grouped GEMM needs N to be a multiple of its 128-row weight tile (a tile must not straddle
     two experts); without ``n`` that is assumed."""
     from .codegen import GROUPED_GEMM_TILES, TILE_CONFIGS, Activation, Epilogue, GroupedDecodeSpec, GroupedGemmSpec
 
     per_expert = rows / max(1, min(num_experts, rows))
-    if per_expert >= TILES_FROM_ROWS and (n is None or n % GROUPED_GEMM_TILES["g64"][0] == 0):
+    from_rows = TILES_FROM_ROWS_LONG_K if k >= LONG_K else TILES_FROM_ROWS
+    if per_expert >= from_rows and (n is None or n % GROUPED_GEMM_TILES["g64"][0] == 0):
         label = ("g256" if per_expert >= TILE256_FROM_ROWS else "g128" if per_expert >= TILE128_FROM_ROWS
                  else "g64")
         epilogue = Epilogue.SWIGLU if activation == "swiglu" else Epilogue.BIAS_ACT
@@ -235,6 +244,7 @@ def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, ac
     a.sm_count = ops._sm_count(xp.device.index)
     a.activation = Activation(activation or "none").abi
     a.swizzle = 1
+    a.raster = TILES_RASTER.abi
     a.weight, a.scales = experts.qdata.data_ptr(), experts.scales.data_ptr()
     a.zeros = 0 if experts.zeros is None else experts.zeros.data_ptr()
     a.x, a.y = xp.data_ptr(), yp.data_ptr()
@@ -321,6 +331,18 @@ def grouped_gemm_op(x: torch.Tensor, experts: PackedExperts, expert_offsets: tor
 # ---------------------------------------------------------------------------------------------
 # The fused layer
 # ---------------------------------------------------------------------------------------------
+def fused_moe_specs(rows: int, act_type, weight_type: WeightType, num_experts: int, hidden: int,
+                    intermediate: int) -> tuple:
+    """The grouped kernels (gate/up with swiglu, down) :func:`fused_moe` runs for ``rows = T * topk``
+    assignments over experts ``[2 * intermediate, hidden]`` / ``[hidden, intermediate]``: gate/up's
+    choice (:func:`grouped_spec_for`) decides; when it is the grouped sm90 GEMM, down runs on the
+    same token tiles (one padded layout for both)."""
+    spec13 = grouped_spec_for(rows, act_type, weight_type, "swiglu", num_experts, 2 * intermediate, hidden)
+    if spec13.kind is KernelKind.GROUPED_GEMM and hidden % spec13.tile_m == 0:
+        return spec13, GroupedGemmSpec(act_type, weight_type, spec13.tile_m, spec13.tile_n, spec13.tile_k)
+    return spec13, grouped_spec_for(rows, act_type, weight_type, None, num_experts, hidden, intermediate)
+
+
 def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """A MoE block's experts: ``out[t] = sum_s topk_weights[t, s] * expert_{topk_ids[t, s]}(x[t])``
@@ -361,10 +383,9 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
                          f"{list(topk_weights.shape)} and {list(topk_ids.shape)}")
     routing, xs = route_and_gather(x, topk_ids, w13.num_experts)
     rows = xs.shape[0]
-    spec13 = select_grouped_spec(rows, w13, "swiglu")
-    spec2 = select_grouped_spec(rows, w2)
-    if spec13.kind is KernelKind.GROUPED_GEMM and spec2.kind is KernelKind.GROUPED_GEMM \
-            and spec13.tile_n == spec2.tile_n:
+    spec13, spec2 = fused_moe_specs(rows, w13.act_type, w13.weight_type, w13.num_experts, w2.n, w2.k)
+    if spec2.kind is KernelKind.GROUPED_GEMM and spec13.kind is KernelKind.GROUPED_GEMM \
+            and spec2.tile_n == spec13.tile_n:
         # many rows per expert: both GEMMs on the grouped sm90 GEMM over one token-tile layout
         tiles = token_tiles(routing.expert_offsets, rows, spec13.tile_n)
         xp = xs.new_empty((tiles.capacity + 1, xs.shape[1]))
