@@ -16,7 +16,7 @@ from mixgemm.bench import moe_run as R
 from mixgemm.bench import variants as V
 from mixgemm.codegen import GroupedDecodeSpec
 from mixgemm.moe import fused_moe_reference
-from mixgemm.types import WeightType
+from mixgemm.types import ActType, WeightType
 
 from bench_helpers import machine, parse, stats
 
@@ -293,12 +293,20 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
     names = capsys.readouterr().out.split()
     grouped = [n for n in names if n not in routing]
     assert routing <= set(names)
-    assert len(grouped) == 12 and all(n.startswith("mixgemm_gdecode_bf16_") for n in grouped)  # 3 types x 2 tiles x 2
+    # every preset at 1..4096 tokens: the grouped decode kernels and the grouped GEMMs the plans name
     from mixgemm import codegen
-    assert set(grouped) <= {s.name for s in codegen.grouped_specs()}
+    from mixgemm.bench.moe import DEFAULT_TOKENS, MOE_PRESETS
+    from mixgemm.moe import plan_fused_moe
+    want = {s.name for p in MOE_PRESETS.values() for t in DEFAULT_TOKENS for wt in (WeightType.U4, WeightType.U2, WeightType.S8)
+            for s in plan_fused_moe(t * p.topk, ActType.BF16, wt, p.experts, p.hidden, p.intermediate).specs}
+    assert set(grouped) == want
+    assert any(n.startswith("mixgemm_ggemm_bf16_") for n in grouped)
+    assert set(grouped) <= {s.name for s in codegen.grouped_specs() + codegen.grouped_gemm_specs()}
     assert set(names) <= {s.name for s in codegen.default_specs()}
     specs = R.moe_kernel_specs(SMALL, U2, (1, 64))
-    assert all(isinstance(s, GroupedDecodeSpec) for s in specs[:-2])
+    plans = [plan_fused_moe(t * 2, ActType.BF16, WeightType.U2, 6, 128, 128) for t in (1, 64)]
+    assert [s.name for s in specs[:-2]] == list(dict.fromkeys(s.name for p in plans for s in p.specs))
+    assert isinstance(specs[0], GroupedDecodeSpec)
     assert [s.name for s in specs[-2:]] == ["mixgemm_moe_route_i64", "mixgemm_moe_combine_bf16_wf32"]
     assert R.moe_kernel_specs(SMALL, V.BF16, (1,)) == []
 

@@ -146,3 +146,53 @@ def test_cuda_graph_replay_with_changing_routing(requires_gpu):
         ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         assert err <= 4 * _tolerance(h, torch.bfloat16), f"replay {seed}: relative error {err:.3e}"
+
+
+def _skewed_ids(t, topk, e, kind, generator_seed=0):
+    g = torch.Generator(device="cuda").manual_seed(generator_seed)
+    ids = torch.stack([torch.randperm(e, device="cuda", generator=g)[:topk] for _ in range(t)])
+    if kind == "one-hot-expert":            # most tokens' first slot on expert 3: one expert far above the mean
+        hot = torch.rand(t, device="cuda", generator=g) < 0.7
+        ids[:, 0] = torch.where(hot & (ids[:, 1:] != 3).all(1), 3, ids[:, 0])
+    elif kind == "two-experts":             # every row on experts 1 and 2: both hot, all others empty
+        ids = torch.tensor([[1, 2] + [1] * (topk - 2)], device="cuda").expand(t, topk).contiguous()
+    return ids
+
+
+@pytest.mark.parametrize("act", codegen.ALL_ACTS, ids=lambda a: a.value)
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (2, True), (8, True)])
+@pytest.mark.parametrize("kind", ("uniform", "one-hot-expert", "two-experts"))
+def test_fused_moe_split_against_unfused(requires_gpu, act, bits, symmetric, kind):
+    e, t, topk, h, inter = 32, 128, 4, 256, 128          # 16 rows per expert on average: the split plan
+    w13, w2 = _moe_weights(act, bits, symmetric, e, h, inter)
+    assert moe.plan_fused_moe(t * topk, act, w13.weight_type, e, h, inter).kind == "split"
+    torch.manual_seed(7)
+    x = torch.randn(t, h, device="cuda", dtype=act.torch_dtype)
+    ids = _skewed_ids(t, topk, e, kind)
+    w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+    got = moe.fused_moe(x, w13, w2, w, ids)
+    ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
+    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err <= 4 * _tolerance(h, act.torch_dtype), f"{kind}: relative error {err:.3e}"
+
+
+def test_cuda_graph_replay_of_the_split_plan(requires_gpu):
+    e, t, topk, h, inter = 32, 128, 4, 256, 128
+    w13, w2 = _moe_weights(ActType.BF16, 4, False, e, h, inter)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids = _skewed_ids(t, topk, e, "uniform")
+    w = torch.full((t, topk), 0.25, device="cuda")
+    moe.fused_moe(x, w13, w2, w, ids)        # warm-up: kernels loaded before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe(x, w13, w2, w, ids)
+    for seed, kind in enumerate(("one-hot-expert", "uniform", "two-experts", "one-hot-expert")):
+        ids.copy_(_skewed_ids(t, topk, e, kind, seed))   # which experts are hot changes between replays
+        w.copy_(torch.softmax(torch.randn(t, topk, device="cuda"), -1))
+        x.copy_(torch.randn(t, h, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe.fused_moe(x, w13, w2, w, ids)), f"replay {seed} ({kind}) differs from an eager call"
+        ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
+        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert err <= 4 * _tolerance(h, torch.bfloat16), f"replay {seed} ({kind}): relative error {err:.3e}"

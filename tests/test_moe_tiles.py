@@ -131,8 +131,53 @@ def test_grouped_spec_by_rows_per_expert(rows, e, k, want):
 @pytest.mark.parametrize("tokens", (1, 16, 64, 256, 1024, 4096))
 def test_fused_moe_runs_both_gemms_on_one_layout(tokens):
     # mixtral's experts at top-2: gate/up decides, down follows on the same token tiles
-    s13, s2 = moe.fused_moe_specs(tokens * 2, ActType.BF16, WeightType.U4, 8, 4096, 14336)
-    assert s13.kind == s2.kind
-    if s13.kind is KernelKind.GROUPED_GEMM:
-        assert (s13.tile_n, s13.epilogue, s2.epilogue) == (s2.tile_n, codegen.Epilogue.SWIGLU, codegen.Epilogue.BIAS_ACT)
-    assert (s13.kind is KernelKind.GROUPED_GEMM) == (tokens >= 64)
+    plan = moe.plan_fused_moe(tokens * 2, ActType.BF16, WeightType.U4, 8, 4096, 14336)
+    assert plan.kind == ("tiles" if tokens >= 64 else "each")
+    if plan.kind == "tiles":
+        assert plan.gate_up.tile_n == plan.down.tile_n
+        assert (plan.gate_up.epilogue, plan.down.epilogue) == (codegen.Epilogue.SWIGLU, codegen.Epilogue.BIAS_ACT)
+    else:
+        assert {s.kind for s in plan.specs} == {KernelKind.GROUPED_DECODE}
+
+
+def test_fused_moe_splits_hot_experts_between_the_thresholds():
+    # qwen3's experts at top-8: 256 tokens are 16 rows per expert on average
+    plan = moe.plan_fused_moe(256 * 8, ActType.BF16, WeightType.U4, 128, 2048, 768)
+    assert plan.kind == "split" and plan.hot_from == moe.TILES_FROM_ROWS
+    assert [s.kind for s in plan.specs] == [KernelKind.GROUPED_DECODE] * 2 + [KernelKind.GROUPED_GEMM] * 2
+    assert plan.hot_gate_up.epilogue is codegen.Epilogue.SWIGLU and plan.hot_down.epilogue is codegen.Epilogue.BIAS_ACT
+    assert moe.plan_fused_moe(64 * 8, ActType.BF16, WeightType.U4, 128, 2048, 768).kind == "each"
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=str)
+@pytest.mark.parametrize("hot_from", (1, 32, 100, 10 ** 6))
+def test_split_layout_sends_each_expert_to_one_kernel(counts, hot_from):
+    from mixgemm.moe_tiles import split_layout
+
+    rows, tile = sum(counts), 64
+    lay = split_layout(_offsets(counts), rows, tile, hot_from)
+    pos = lay.tiles.positions.tolist()
+    assert len(set(pos)) == rows and all(0 <= p < rows + lay.tiles.capacity for p in pos)
+    cold = lay.cold_offsets.tolist()
+    assert cold[0] == 0 and cold == sorted(cold)
+    used = lay.tiles.table[0].item()
+    assert used == sum(-(-c // tile) for c in counts if c >= hot_from)
+    r = 0
+    for e, c in enumerate(counts):
+        mine = pos[r:r + c]
+        if c >= hot_from:                           # hot: whole token tiles past the cold rows
+            assert cold[e + 1] == cold[e]
+            assert mine == list(range(mine[0], mine[0] + c)) and (mine[0] - rows) % tile == 0
+            for j in range((mine[0] - rows) // tile, (mine[-1] - rows) // tile + 1):
+                assert lay.tiles.table[1 + j].item() == e
+        else:                                       # cold: its rows of the decode kernel's offsets
+            assert mine == list(range(cold[e], cold[e + 1]))
+        r += c
+
+
+def test_split_layout_sends_dropped_rows_to_the_spare_row():
+    from mixgemm.moe_tiles import split_layout
+
+    lay = split_layout(_offsets([2, 40, 1]), 45, 64, 32)
+    spare = 45 + lay.tiles.capacity
+    assert lay.tiles.positions[43:].tolist() == [spare, spare]

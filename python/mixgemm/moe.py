@@ -35,13 +35,14 @@ from typing import Optional
 import torch
 
 from .experts import PackedExperts
-from .codegen import GroupedGemmSpec, KernelKind, Raster
+from .codegen import KernelKind, Raster
 from .moe_routing import ROUTE_MAX_ASSIGNMENTS, Routing, aligned_contiguous, combine, route, route_and_gather
 from .moe_tiles import TokenTiles, token_tiles
 from .types import WeightType
 
-__all__ = ["PackedExperts", "grouped_gemm", "fused_moe", "route", "route_and_gather", "combine", "Routing",
-           "select_grouped_spec", "grouped_spec_for", "ROUTE_MAX_ASSIGNMENTS"]
+__all__ = ["PackedExperts", "grouped_gemm", "grouped_gemm_with_spec", "fused_moe", "plan_fused_moe", "MoePlan",
+           "route", "route_and_gather", "combine", "Routing", "select_grouped_spec", "grouped_spec_for",
+           "ROUTE_MAX_ASSIGNMENTS"]
 
 #: grouped_gemm's ``activation`` values
 ACTIVATIONS = ("silu", "gelu", "swiglu")
@@ -79,7 +80,7 @@ def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: O
     their N and K alone (no weights needed: e.g. to list or build a run's kernels beforehand). The
     grouped GEMM needs N to be a multiple of its 128-row weight tile (a tile must not straddle
     two experts); without ``n`` that is assumed."""
-    from .codegen import GROUPED_GEMM_TILES, TILE_CONFIGS, Activation, Epilogue, GroupedDecodeSpec, GroupedGemmSpec
+    from .codegen import GROUPED_GEMM_TILES, Epilogue, GroupedGemmSpec
 
     per_expert = rows / max(1, min(num_experts, rows))
     from_rows = TILES_FROM_ROWS_LONG_K if k >= LONG_K else TILES_FROM_ROWS
@@ -88,6 +89,14 @@ def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: O
                  else "g64")
         epilogue = Epilogue.SWIGLU if activation == "swiglu" else Epilogue.BIAS_ACT
         return GroupedGemmSpec(act_type, weight_type, *GROUPED_GEMM_TILES[label], epilogue)
+    return decode_spec_for(rows, act_type, weight_type, activation)
+
+
+def decode_spec_for(rows: int, act_type, weight_type: WeightType, activation: Optional[str] = None):
+    """The grouped decode kernel for ``rows`` rows: the 8-row tile (8-bit codes with 8 k-slices, as
+    the dense "dec8") when ``rows <= 8``, else the 16-row tile."""
+    from .codegen import TILE_CONFIGS, Activation, GroupedDecodeSpec
+
     label = "dec8" if rows <= 8 else "dec16"
     tc = next(t for t in TILE_CONFIGS if t.label == label)
     d = tc.spec(act_type, weight_type, Activation(activation or "none"))
@@ -328,91 +337,6 @@ def grouped_gemm_op(x: torch.Tensor, experts: PackedExperts, expert_offsets: tor
                                           activation or "none")
 
 
-# ---------------------------------------------------------------------------------------------
-# The fused layer
-# ---------------------------------------------------------------------------------------------
-def fused_moe_specs(rows: int, act_type, weight_type: WeightType, num_experts: int, hidden: int,
-                    intermediate: int) -> tuple:
-    """The grouped kernels (gate/up with swiglu, down) :func:`fused_moe` runs for ``rows = T * topk``
-    assignments over experts ``[2 * intermediate, hidden]`` / ``[hidden, intermediate]``: gate/up's
-    choice (:func:`grouped_spec_for`) decides; when it is the grouped sm90 GEMM, down runs on the
-    same token tiles (one padded layout for both)."""
-    spec13 = grouped_spec_for(rows, act_type, weight_type, "swiglu", num_experts, 2 * intermediate, hidden)
-    if spec13.kind is KernelKind.GROUPED_GEMM and hidden % spec13.tile_m == 0:
-        return spec13, GroupedGemmSpec(act_type, weight_type, spec13.tile_m, spec13.tile_n, spec13.tile_k)
-    return spec13, grouped_spec_for(rows, act_type, weight_type, None, num_experts, hidden, intermediate)
-
-
-def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """A MoE block's experts: ``out[t] = sum_s topk_weights[t, s] * expert_{topk_ids[t, s]}(x[t])``
-    with ``expert_e(v) = (silu(v @ gate_e.T) * (v @ up_e.T)) @ down_e.T``.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-        ``[T, H]`` hidden states, bf16 / fp16.
-    w13 : PackedExperts
-        ``E x [2I, H]``: each expert's gate and up projections interleaved in 8-row stripes
-        (:func:`mixgemm.quantize.interleave_gate_up`), as the swiglu epilogue reads them.
-    w2 : PackedExperts
-        ``E x [H, I]``: the down projections.
-    topk_weights : torch.Tensor
-        ``[T, topk]`` routing weights (any float dtype; applied in float32).
-    topk_ids : torch.Tensor
-        ``[T, topk]`` integer expert ids in ``[0, E)``.
-
-    Returns
-    -------
-    torch.Tensor
-        ``[T, H]`` in x's dtype. Routing runs on the GPU, no host sync: at decode sizes
-        (``T * topk <=`` :data:`ROUTE_MAX_ASSIGNMENTS`) four launches: routing and gather
-        (:func:`route_and_gather`), the two grouped GEMMs, :func:`combine`. With many rows per
-        expert (:func:`select_grouped_spec`) the GEMMs are the grouped sm90 GEMM over x's rows
-        laid out in token tiles (:mod:`mixgemm.moe_tiles`: a few torch ops more).
-    """
-    if not isinstance(w13, PackedExperts) or not isinstance(w2, PackedExperts):
-        raise TypeError("w13 and w2 must be mixgemm.moe.PackedExperts")
-    if w13.num_experts != w2.num_experts:
-        raise ValueError(f"w13 has {w13.num_experts} experts, w2 has {w2.num_experts}")
-    if x.dim() != 2 or w13.k != x.shape[1] or w2.n != x.shape[1] or w2.k * 2 != w13.n:
-        raise ValueError(f"shapes disagree: x {list(x.shape)}, w13 E x [{w13.n}, {w13.k}] (want [2I, H]), "
-                         f"w2 E x [{w2.n}, {w2.k}] (want [H, I])")
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_weights and topk_ids must both be [T={x.shape[0]}, topk], got "
-                         f"{list(topk_weights.shape)} and {list(topk_ids.shape)}")
-    routing, xs = route_and_gather(x, topk_ids, w13.num_experts)
-    rows = xs.shape[0]
-    spec13, spec2 = fused_moe_specs(rows, w13.act_type, w13.weight_type, w13.num_experts, w2.n, w2.k)
-    if spec2.kind is KernelKind.GROUPED_GEMM and spec13.kind is KernelKind.GROUPED_GEMM \
-            and spec2.tile_n == spec13.tile_n:
-        # many rows per expert: both GEMMs on the grouped sm90 GEMM over one token-tile layout
-        tiles = token_tiles(routing.expert_offsets, rows, spec13.tile_n)
-        xp = xs.new_empty((tiles.capacity + 1, xs.shape[1]))
-        xp.index_copy_(0, tiles.positions, xs)
-        hp = launch_tiles(xp, w13, tiles, "swiglu", spec13)
-        yp = launch_tiles(hp, w2, tiles, None, spec2)
-        inv = routing.inv.long()
-        inv_p = torch.where(inv >= 0, tiles.positions[inv.clamp(min=0)], -1).to(torch.int32)
-        return combine(yp, routing._replace(inv=inv_p), topk_weights)
-    h = grouped_gemm(xs, w13, routing.expert_offsets, activation="swiglu")
-    y = grouped_gemm(h, w2, routing.expert_offsets)
-    return combine(y, routing, topk_weights)
-
-
-def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
-    """The unfused MoE in torch, token by token and slot by slot, for tests: ``w13 [E, 2I, H]``
-    gate/up interleaved in 8-row stripes, ``w2 [E, H, I]`` (dense, e.g. dequantized), the
-    intermediate rounded to x's dtype as the fused path rounds it, float32 accumulation."""
-    from .quantize import deinterleave_rows
-
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in torch.unique(topk_ids).tolist():
-        gate, up = deinterleave_rows(w13[e])
-        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
-        v = x[tok].float()
-        h = (torch.nn.functional.silu(v @ gate.float().T) * (v @ up.float().T)).to(x.dtype)
-        y = (h.float() @ w2[e].float().T).to(x.dtype)
-        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float().unsqueeze(-1))
-    return out.to(x.dtype)
+# The fused layer (mixgemm.moe_layer, which builds on the grouped GEMM above; it imports this
+# module only inside its functions, so either module can be imported first).
+from .moe_layer import MoePlan, fused_moe, fused_moe_reference, plan_fused_moe  # noqa: E402

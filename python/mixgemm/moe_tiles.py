@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["TokenTiles", "capacity_tiles", "token_tiles"]
+__all__ = ["TokenTiles", "SplitLayout", "capacity_tiles", "token_tiles", "split_layout"]
 
 
 class TokenTiles(NamedTuple):
@@ -72,3 +72,51 @@ def token_tiles(expert_offsets: torch.Tensor, rows: int, tile: int) -> TokenTile
     positions = r - offsets[clamped] + tile * starts[clamped]
     positions = torch.where(expert < e, positions, torch.full_like(positions, cap_tiles * tile))
     return TokenTiles(tile, table, positions, cap_tiles * tile)
+
+
+class SplitLayout(NamedTuple):
+    """x's sorted rows split between the two grouped kernels by their expert's row count: the
+    rows of experts with fewer than ``hot_from`` rows ("cold") in ``[0, rows)`` in expert order with
+    the offsets ``cold_offsets`` (int32 ``[E + 1]``; the other experts empty), for the grouped decode
+    kernel; the rows of the others ("hot") from row ``rows`` on, in token tiles (``tiles``: its
+    table and capacity; its positions are those of this layout), for the grouped GEMM. One buffer
+    of ``rows + tiles.capacity + 1`` rows holds both; ``tiles.positions[j]`` is sorted row j's row
+    in it (dropped assignments: the spare last row)."""
+
+    cold_offsets: torch.Tensor
+    tiles: TokenTiles
+    rows: int
+
+
+def split_layout(expert_offsets: torch.Tensor, rows: int, tile: int, hot_from: int) -> SplitLayout:
+    """:class:`SplitLayout` of ``rows`` sorted rows with ``expert_offsets`` (int32 ``[E + 1]``):
+    experts with at least ``hot_from`` rows go to token tiles of ``tile`` rows. Torch ops on the
+    offsets' device, nothing read back to the host: which experts are hot is decided on the GPU."""
+    if expert_offsets.dtype != torch.int32 or expert_offsets.dim() != 1 or expert_offsets.numel() < 2:
+        raise ValueError(f"expert_offsets must be int32 [E + 1], got {expert_offsets.dtype} "
+                         f"{list(expert_offsets.shape)}")
+    if tile <= 0 or hot_from <= 0:
+        raise ValueError(f"tile and hot_from must be positive, got {tile} and {hot_from}")
+    dev = expert_offsets.device
+    e = expert_offsets.numel() - 1
+    cap_tiles = capacity_tiles(rows, e, tile)
+    offsets = expert_offsets.long()
+    counts = offsets[1:] - offsets[:-1]
+    hot = counts >= hot_from
+    zero = torch.zeros_like(counts)
+    cold_offsets = torch.zeros(e + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(torch.where(hot, zero, counts), 0, out=cold_offsets[1:])
+    starts = torch.zeros(e + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(torch.where(hot, torch.div(counts + (tile - 1), tile, rounding_mode="floor"), zero), 0,
+                 out=starts[1:])
+    table = torch.empty(1 + cap_tiles, dtype=torch.int32, device=dev)
+    table[:1] = starts[e:]
+    j = torch.arange(cap_tiles, dtype=torch.int64, device=dev)
+    table[1:] = torch.searchsorted(starts[1:], j, right=True).clamp_(max=e - 1)
+    r = torch.arange(rows, dtype=torch.int64, device=dev)
+    expert = torch.searchsorted(offsets[1:], r, right=True)
+    clamped = expert.clamp(max=e - 1)
+    within = r - offsets[clamped]
+    positions = torch.where(hot[clamped], rows + tile * starts[clamped] + within, cold_offsets[clamped].long() + within)
+    positions = torch.where(expert < e, positions, torch.full_like(positions, rows + cap_tiles * tile))
+    return SplitLayout(cold_offsets, TokenTiles(tile, table, positions, cap_tiles * tile), rows)

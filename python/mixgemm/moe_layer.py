@@ -1,0 +1,189 @@
+"""The fused MoE layer: routing, gate/up with swiglu, down and the weighted top-k sum, on the
+grouped kernels of :mod:`mixgemm.moe` (re-exported there: ``mixgemm.moe.fused_moe``).
+
+:func:`plan_fused_moe` picks, from what the host knows (the rows ``T * topk``, the number of
+experts, the shapes), one of three plans (:class:`MoePlan`):
+
+* **decode**: both GEMMs on the grouped decode kernel (a few rows per expert);
+* **tiles**: both GEMMs on the grouped sm90 GEMM over x's rows in token tiles (many rows per
+  expert; :func:`mixgemm.moe_tiles.token_tiles`);
+* **split**: in between, the experts with fewer than ``hot_from`` rows on the grouped decode
+  kernel and the others on the grouped GEMM (:func:`mixgemm.moe_tiles.split_layout`). Which
+  experts are hot is decided on the GPU from the routing, so skewed routing (one expert with
+  hundreds of rows among many with a few) costs the hot experts one token-tile pass each instead
+  of one weight pass per 16 rows, with no host sync. Both kernels are launched; the one with
+  nothing to do exits at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .codegen import KernelKind
+from .experts import PackedExperts
+from .moe_routing import combine, route_and_gather
+from .moe_tiles import split_layout, token_tiles
+from .types import WeightType
+
+__all__ = ["MoePlan", "plan_fused_moe", "fused_moe", "fused_moe_reference"]
+
+#: Rows per expert with rows (mean) from which :func:`plan_fused_moe` splits the experts between the
+#: grouped decode kernel and the grouped GEMM, below the grouped GEMM's own threshold
+#: (benchmarks/NOTES.md section 17).
+SPLIT_FROM_ROWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MoePlan:
+    """The grouped kernels of one :func:`fused_moe` call. ``gate_up`` / ``down``: the grouped decode
+    kernels (plan "decode" and the cold experts of "split") or the grouped GEMMs (plan "tiles").
+    ``hot_gate_up`` / ``hot_down``: the grouped GEMMs of plan "split" for the experts with at least
+    ``hot_from`` rows."""
+
+    gate_up: object
+    down: object
+    hot_gate_up: Optional[object] = None
+    hot_down: Optional[object] = None
+    hot_from: int = 0
+
+    @property
+    def kind(self) -> str:
+        """"split" (hot experts on the grouped GEMM), "tiles" (both GEMMs on the grouped GEMM over
+        one token-tile layout) or "each" (one :func:`mixgemm.moe.grouped_gemm_with_spec` call per
+        GEMM: the grouped decode kernels, or gate/up and down on different token tiles)."""
+        if self.hot_gate_up is not None:
+            return "split"
+        if (self.gate_up.kind is KernelKind.GROUPED_GEMM and self.down.kind is KernelKind.GROUPED_GEMM
+                and self.gate_up.tile_n == self.down.tile_n):
+            return "tiles"
+        return "each"
+
+    @property
+    def specs(self) -> tuple:
+        """Every kernel the plan launches (gate/up, down, then the hot ones)."""
+        return tuple(s for s in (self.gate_up, self.down, self.hot_gate_up, self.hot_down) if s is not None)
+
+
+def plan_fused_moe(rows: int, act_type, weight_type: WeightType, num_experts: int, hidden: int,
+                   intermediate: int) -> MoePlan:
+    """The :class:`MoePlan` of :func:`fused_moe` for ``rows = T * topk`` assignments over experts
+    ``[2 * intermediate, hidden]`` (gate/up) and ``[hidden, intermediate]`` (down). Gate/up's
+    kernel (:func:`mixgemm.moe.grouped_spec_for`) decides; down follows on the same layout. Below
+    the grouped GEMM's threshold but from :data:`SPLIT_FROM_ROWS` rows per expert: "split", the
+    experts with at least that threshold's rows on the 64-row grouped GEMM."""
+    from . import moe
+    from .codegen import GROUPED_GEMM_TILES, GroupedGemmSpec
+
+    tile_m = GROUPED_GEMM_TILES["g64"][0]
+    spec13 = moe.grouped_spec_for(rows, act_type, weight_type, "swiglu", num_experts, 2 * intermediate, hidden)
+    if spec13.kind is KernelKind.GROUPED_GEMM and hidden % tile_m == 0:
+        return MoePlan(spec13, GroupedGemmSpec(act_type, weight_type, spec13.tile_m, spec13.tile_n, spec13.tile_k))
+    spec2 = moe.decode_spec_for(rows, act_type, weight_type)
+    per_expert = rows / max(1, min(num_experts, rows))
+    if spec13.kind is KernelKind.GROUPED_DECODE and per_expert >= SPLIT_FROM_ROWS \
+            and (2 * intermediate) % tile_m == 0 and hidden % tile_m == 0:
+        tile = GROUPED_GEMM_TILES["g64"]
+        hot_from = moe.TILES_FROM_ROWS_LONG_K if hidden >= moe.LONG_K else moe.TILES_FROM_ROWS
+        from .codegen import Epilogue
+        return MoePlan(spec13, spec2, GroupedGemmSpec(act_type, weight_type, *tile, Epilogue.SWIGLU),
+                       GroupedGemmSpec(act_type, weight_type, *tile), hot_from)
+    if spec13.kind is KernelKind.GROUPED_GEMM:   # gate/up on the grouped GEMM, down cannot follow
+        spec2 = moe.grouped_spec_for(rows, act_type, weight_type, None, num_experts, hidden, intermediate)
+    return MoePlan(spec13, spec2)
+
+
+def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """A MoE block's experts: ``out[t] = sum_s topk_weights[t, s] * expert_{topk_ids[t, s]}(x[t])``
+    with ``expert_e(v) = (silu(v @ gate_e.T) * (v @ up_e.T)) @ down_e.T``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[T, H]`` hidden states, bf16 / fp16.
+    w13 : PackedExperts
+        ``E x [2I, H]``: each expert's gate and up projections interleaved in 8-row stripes
+        (:func:`mixgemm.quantize.interleave_gate_up`), as the swiglu epilogue reads them.
+    w2 : PackedExperts
+        ``E x [H, I]``: the down projections.
+    topk_weights : torch.Tensor
+        ``[T, topk]`` routing weights (any float dtype; applied in float32).
+    topk_ids : torch.Tensor
+        ``[T, topk]`` integer expert ids in ``[0, E)``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[T, H]`` in x's dtype. Routing runs on the GPU, no host sync: at decode sizes
+        (``T * topk <=`` :data:`mixgemm.moe.ROUTE_MAX_ASSIGNMENTS`) four launches: routing and
+        gather (:func:`mixgemm.moe.route_and_gather`), the two grouped GEMMs,
+        :func:`mixgemm.moe.combine`. With more rows per expert (:func:`plan_fused_moe`) the GEMMs
+        run on the grouped sm90 GEMM over x's rows in token tiles, for all experts or for those
+        the routing gave many rows (a few torch ops more lay the rows out, on the GPU).
+    """
+    from . import moe
+
+    if not isinstance(w13, PackedExperts) or not isinstance(w2, PackedExperts):
+        raise TypeError("w13 and w2 must be mixgemm.moe.PackedExperts")
+    if w13.num_experts != w2.num_experts:
+        raise ValueError(f"w13 has {w13.num_experts} experts, w2 has {w2.num_experts}")
+    if x.dim() != 2 or w13.k != x.shape[1] or w2.n != x.shape[1] or w2.k * 2 != w13.n:
+        raise ValueError(f"shapes disagree: x {list(x.shape)}, w13 E x [{w13.n}, {w13.k}] (want [2I, H]), "
+                         f"w2 E x [{w2.n}, {w2.k}] (want [H, I])")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_weights and topk_ids must both be [T={x.shape[0]}, topk], got "
+                         f"{list(topk_weights.shape)} and {list(topk_ids.shape)}")
+    routing, xs = route_and_gather(x, topk_ids, w13.num_experts)
+    rows = xs.shape[0]
+    plan = plan_fused_moe(rows, w13.act_type, w13.weight_type, w13.num_experts, w2.n, w2.k)
+    if rows == 0 or plan.kind == "each":
+        h = moe.grouped_gemm_with_spec(xs, w13, routing.expert_offsets, plan.gate_up, activation="swiglu")
+        y = moe.grouped_gemm_with_spec(h, w2, routing.expert_offsets, plan.down)
+        return combine(y, routing, topk_weights)
+    if plan.kind == "tiles":
+        # both GEMMs on the grouped sm90 GEMM over one token-tile layout
+        tiles = token_tiles(routing.expert_offsets, rows, plan.gate_up.tile_n)
+        xp = xs.new_empty((tiles.capacity + 1, xs.shape[1]))
+        xp.index_copy_(0, tiles.positions, xs)
+        hp = moe.launch_tiles(xp, w13, tiles, "swiglu", plan.gate_up)
+        yp = moe.launch_tiles(hp, w2, tiles, None, plan.down)
+        return combine(yp, _through(routing, tiles.positions), topk_weights)
+    # split: one buffer, the cold experts' rows first (grouped decode), then the hot experts' tiles
+    lay = split_layout(routing.expert_offsets, rows, plan.hot_gate_up.tile_n, plan.hot_from)
+    total = rows + lay.tiles.capacity + 1
+    xb = xs.new_empty((total, xs.shape[1]))
+    xb.index_copy_(0, lay.tiles.positions, xs)
+    hb = xs.new_empty((total, w13.n // 2))
+    yb = xs.new_empty((total, w2.n))
+    moe.grouped_gemm_with_spec(xb[:rows], w13, lay.cold_offsets, plan.gate_up, out=hb[:rows], activation="swiglu")
+    moe.launch_tiles(xb[rows:], w13, lay.tiles, "swiglu", plan.hot_gate_up, out=hb[rows:])
+    moe.grouped_gemm_with_spec(hb[:rows], w2, lay.cold_offsets, plan.down, out=yb[:rows])
+    moe.launch_tiles(hb[rows:], w2, lay.tiles, None, plan.hot_down, out=yb[rows:])
+    return combine(yb, _through(routing, lay.tiles.positions), topk_weights)
+
+
+def _through(routing, positions: torch.Tensor):
+    """``routing`` with ``inv`` sent through ``positions`` (sorted row -> row of a laid-out buffer);
+    -1 (a dropped assignment) stays -1."""
+    inv = routing.inv.long()
+    return routing._replace(inv=torch.where(inv >= 0, positions[inv.clamp(min=0)], -1).to(torch.int32))
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """The unfused MoE in torch, token by token and slot by slot, for tests: ``w13 [E, 2I, H]``
+    gate/up interleaved in 8-row stripes, ``w2 [E, H, I]`` (dense, e.g. dequantized), the
+    intermediate rounded to x's dtype as the fused path rounds it, float32 accumulation."""
+    from .quantize import deinterleave_rows
+
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_ids).tolist():
+        gate, up = deinterleave_rows(w13[e])
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        v = x[tok].float()
+        h = (torch.nn.functional.silu(v @ gate.float().T) * (v @ up.float().T)).to(x.dtype)
+        y = (h.float() @ w2[e].float().T).to(x.dtype)
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float().unsqueeze(-1))
+    return out.to(x.dtype)
