@@ -14,7 +14,7 @@ from mixgemm import bench
 from mixgemm.bench import moe as B
 from mixgemm.bench import moe_run as R
 from mixgemm.bench import variants as V
-from mixgemm.codegen import GroupedDecodeSpec
+from mixgemm.codegen import GroupedDecodeSpec, MoeLayoutSpec
 from mixgemm.moe import fused_moe_reference
 from mixgemm.types import ActType, WeightType
 
@@ -291,8 +291,8 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
     assert {n.rsplit("_", 1)[1] for n in grouped} == {"none", "swiglu"}
     assert bench.main(["--moe", "all", "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
-    grouped = [n for n in names if n not in routing]
-    assert routing <= set(names)
+    grouped = [n for n in names if n not in routing and n != "mixgemm_moe_layout"]
+    assert routing | {"mixgemm_moe_layout"} <= set(names)
     # every preset at 1..4096 tokens: the grouped decode kernels and the grouped GEMMs the plans name
     from mixgemm import codegen
     from mixgemm.bench.moe import DEFAULT_TOKENS, MOE_PRESETS
@@ -305,7 +305,8 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
     assert set(names) <= {s.name for s in codegen.default_specs()}
     specs = R.moe_kernel_specs(SMALL, U2, (1, 64))
     plans = [plan_fused_moe(t * 2, ActType.BF16, WeightType.U2, 6, 128, 128) for t in (1, 64)]
-    assert [s.name for s in specs[:-2]] == list(dict.fromkeys(s.name for p in plans for s in p.specs))
+    want = list(dict.fromkeys(s.name for p in plans for s in p.specs + ((MoeLayoutSpec(),) if p.kind != "each" else ())))
+    assert [s.name for s in specs[:-2]] == want
     assert isinstance(specs[0], GroupedDecodeSpec)
     assert [s.name for s in specs[-2:]] == ["mixgemm_moe_route_i64", "mixgemm_moe_combine_bf16_wf32"]
     assert R.moe_kernel_specs(SMALL, V.BF16, (1,)) == []

@@ -196,3 +196,33 @@ def test_cuda_graph_replay_of_the_split_plan(requires_gpu):
         ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         assert err <= 4 * _tolerance(h, torch.bfloat16), f"replay {seed} ({kind}): relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("e", (1, 8, 128, 2048))
+@pytest.mark.parametrize("tile", (64, 256))
+@pytest.mark.parametrize("hot_from", (1, 32))
+def test_layout_kernel_equals_the_torch_layout(requires_gpu, e, tile, hot_from):
+    from mixgemm.moe_tiles import _layout_kernel, _layout_torch, capacity_tiles
+
+    g = torch.Generator().manual_seed(e + tile)
+    for case in range(4):
+        counts = torch.randint(0, 3 * tile // 2, (e,), generator=g)
+        if case == 1:
+            counts[torch.rand(e, generator=g) < 0.7] = 0
+        elif case == 2:
+            counts.zero_()
+            counts[-1] = 3000                                    # everything on the last expert
+        dropped = 5 if case == 3 else 0                          # rows past offsets[E]
+        rows = int(counts.sum()) + dropped
+        offsets = torch.tensor([0] + counts.cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+        n = rows + 7
+        inv = torch.randint(-1, max(rows, 1), (n,), generator=g).to(torch.int32).cuda()
+        cap = capacity_tiles(rows, e, tile)
+        for cold, base in ((False, 0), (True, rows)):
+            want = _layout_torch(offsets, rows, tile, hot_from, base, inv, cold, cap)
+            got = _layout_kernel(offsets, rows, tile, hot_from, base, inv, cold, cap)
+            for name, a, b in zip(("cold_offsets", "table", "positions", "inv"), got, want):
+                if b is None:
+                    assert a is None, name
+                else:
+                    assert torch.equal(a, b), f"case {case} cold={cold}: {name} differs"

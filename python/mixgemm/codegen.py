@@ -106,6 +106,7 @@ class KernelKind(enum.Enum):
     DEQUANT = "dequant"
     MOE_ROUTE = "moe_route"
     MOE_COMBINE = "moe_combine"
+    MOE_LAYOUT = "moe_layout"
 
 
 class IndexType(enum.Enum):
@@ -381,8 +382,23 @@ class MoeCombineSpec:
         return f"mixgemm_moe_combine_{self.act.value}_w{self.weight.value}"
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeLayoutSpec:
+    """The MoE layout kernel (``cutlass_ext/mixgemm/moe_layout_kernel.hpp``): the sorted rows'
+    layout for the grouped GEMMs (token tiles, and in the split plan the cold experts' offsets),
+    the positions and the routing's inverse through them, one CTA, no host sync. Launched by
+    :func:`mixgemm.moe_tiles.token_tiles` and :func:`mixgemm.moe_tiles.split_layout`."""
+
+    kind = KernelKind.MOE_LAYOUT
+    programmatic_launch = False
+
+    @property
+    def name(self) -> str:
+        return "mixgemm_moe_layout"
+
+
 KernelSpec = Union[GemmSpec, DecodeSpec, GroupedDecodeSpec, GroupedGemmSpec, DequantSpec, MoeRouteSpec,
-                   MoeCombineSpec]
+                   MoeCombineSpec, MoeLayoutSpec]
 #: The kernels that compute a GEMM (and have a host helper): what gemm_with_spec takes.
 GEMM_KINDS = (GemmSpec, DecodeSpec)
 #: The kernels built with a host helper library (helper.so).
@@ -429,6 +445,8 @@ def parse_name(name: str) -> KernelSpec:
     m = _MOE_ROUTE_NAME.match(name)
     if m:
         return MoeRouteSpec(IndexType(m["index"]))
+    if name == MoeLayoutSpec().name:
+        return MoeLayoutSpec()
     m = _MOE_COMBINE_NAME.match(name)
     if m:
         return MoeCombineSpec(ActType(m["act"]), RoutingWeightType(m["weight"]))
@@ -572,12 +590,12 @@ def grouped_gemm_specs(acts: Iterable[ActType] = ALL_ACTS,
             for tile in GROUPED_GEMM_TILES.values() for epi in (Epilogue.BIAS_ACT, Epilogue.SWIGLU)]
 
 
-def moe_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[Union[MoeRouteSpec, MoeCombineSpec]]:
+def moe_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[Union[MoeRouteSpec, MoeCombineSpec, MoeLayoutSpec]]:
     """The MoE routing kernels (int32 and int64 ids) and the combine kernels (each activation
-    type x each routing-weight type) of :func:`mixgemm.moe.fused_moe`. Part of
+    type x each routing-weight type) and the layout kernel of :func:`mixgemm.moe.fused_moe`. Part of
     :func:`default_specs`; alone: ``mixgemm generate --build --kernels _moe_``."""
     return ([MoeRouteSpec(i) for i in IndexType]
-            + [MoeCombineSpec(a, w) for a in acts for w in RoutingWeightType])
+            + [MoeCombineSpec(a, w) for a in acts for w in RoutingWeightType] + [MoeLayoutSpec()])
 
 
 def grouped_specs(acts: Iterable[ActType] = ALL_ACTS,
@@ -738,6 +756,8 @@ def render(spec: KernelSpec) -> str:
     if isinstance(spec, MoeRouteSpec):
         return (head + '#include "mixgemm/moe_route_kernel.hpp"\n\n'
                 f"MIXGEMM_MOE_ROUTE_ENTRY({spec.name}, {spec.index.cpp})\n")
+    if isinstance(spec, MoeLayoutSpec):
+        return head + '#include "mixgemm/moe_layout_kernel.hpp"\n\n' + f"MIXGEMM_MOE_LAYOUT_ENTRY({spec.name})\n"
     if isinstance(spec, MoeCombineSpec):
         L, _ = _cutlass_library()
         act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]

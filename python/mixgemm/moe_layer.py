@@ -144,14 +144,14 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
         return combine(y, routing, topk_weights)
     if plan.kind == "tiles":
         # both GEMMs on the grouped sm90 GEMM over one token-tile layout
-        tiles = token_tiles(routing.expert_offsets, rows, plan.gate_up.tile_n)
+        tiles = token_tiles(routing.expert_offsets, rows, plan.gate_up.tile_n, routing.inv)
         xp = xs.new_empty((tiles.capacity + 1, xs.shape[1]))
         xp.index_copy_(0, tiles.positions, xs)
         hp = moe.launch_tiles(xp, w13, tiles, "swiglu", plan.gate_up)
         yp = moe.launch_tiles(hp, w2, tiles, None, plan.down)
-        return combine(yp, _through(routing, tiles.positions), topk_weights)
+        return combine(yp, routing._replace(inv=tiles.inv), topk_weights)
     # split: one buffer, the cold experts' rows first (grouped decode), then the hot experts' tiles
-    lay = split_layout(routing.expert_offsets, rows, plan.hot_gate_up.tile_n, plan.hot_from)
+    lay = split_layout(routing.expert_offsets, rows, plan.hot_gate_up.tile_n, plan.hot_from, routing.inv)
     total = rows + lay.tiles.capacity + 1
     xb = xs.new_empty((total, xs.shape[1]))
     xb.index_copy_(0, lay.tiles.positions, xs)
@@ -161,14 +161,7 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
     moe.launch_tiles(xb[rows:], w13, lay.tiles, "swiglu", plan.hot_gate_up, out=hb[rows:])
     moe.grouped_gemm_with_spec(hb[:rows], w2, lay.cold_offsets, plan.down, out=yb[:rows])
     moe.launch_tiles(hb[rows:], w2, lay.tiles, None, plan.hot_down, out=yb[rows:])
-    return combine(yb, _through(routing, lay.tiles.positions), topk_weights)
-
-
-def _through(routing, positions: torch.Tensor):
-    """``routing`` with ``inv`` sent through ``positions`` (sorted row -> row of a laid-out buffer);
-    -1 (a dropped assignment) stays -1."""
-    inv = routing.inv.long()
-    return routing._replace(inv=torch.where(inv >= 0, positions[inv.clamp(min=0)], -1).to(torch.int32))
+    return combine(yb, routing._replace(inv=lay.tiles.inv), topk_weights)
 
 
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -227,6 +227,7 @@ def build_layer(variant: Variant, w13: torch.Tensor, w2: torch.Tensor, group_siz
 def moe_kernel_specs(preset: MoePreset, variant: Variant, tokens: Sequence[int]) -> list:
     """The mixgemm kernels ``variant`` launches at these token counts (none for the others): the
     grouped kernels, then the routing and combine kernels (int64 ids, float32 weights)."""
+    from ..codegen import MoeLayoutSpec
     from ..moe import plan_fused_moe
     from ..moe_routing import routing_specs
 
@@ -234,8 +235,9 @@ def moe_kernel_specs(preset: MoePreset, variant: Variant, tokens: Sequence[int])
         return []
     specs = {}
     for t in tokens:
-        for s in plan_fused_moe(t * preset.topk, ActType.BF16, variant.weight_type, preset.experts, preset.hidden,
-                                preset.intermediate).specs:
+        plan = plan_fused_moe(t * preset.topk, ActType.BF16, variant.weight_type, preset.experts, preset.hidden,
+                              preset.intermediate)
+        for s in plan.specs + ((MoeLayoutSpec(),) if plan.kind in ("tiles", "split") else ()):
             specs[s.name] = s
     for s in routing_specs(ActType.BF16, torch.int64, torch.float32):
         specs[s.name] = s
