@@ -217,6 +217,8 @@ def test_layout_kernel_equals_the_torch_layout(requires_gpu, e, tile, hot_from):
         offsets = torch.tensor([0] + counts.cumsum(0).tolist(), dtype=torch.int32, device="cuda")
         n = rows + 7
         inv = torch.randint(-1, max(rows, 1), (n,), generator=g).to(torch.int32).cuda()
+        if rows == 0:
+            inv.fill_(-1)                                        # nothing to point at
         cap = capacity_tiles(rows, e, tile)
         for cold, base in ((False, 0), (True, rows)):
             want = _layout_torch(offsets, rows, tile, hot_from, base, inv, cold, cap)
