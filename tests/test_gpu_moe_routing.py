@@ -176,7 +176,9 @@ def test_graph_replay_with_changing_routing_after_a_torch_path_warm_up(requires_
     moe.fused_moe(torch.randn(big, h, device="cuda", dtype=torch.bfloat16), w13, w2,
                   torch.rand(big, topk, device="cuda"), torch.randint(0, e, (big, topk), device="cuda"))
     assert MoeRouteSpec(IndexType.I64).name in runtime.KERNELS.loaded()
-    # the grouped kernels of 4800 rows are those of 32 (the 16-row tile): all loaded
+    # 4800 rows ran on the grouped GEMM: load the grouped decode kernels of 32 rows before capture
+    for spec in moe.plan_fused_moe(t * topk, ActType.BF16, WeightType.U4, e, h, inter).specs:
+        runtime.KERNELS.get(spec, torch.device("cuda"))
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     ids = torch.zeros(t, topk, dtype=torch.long, device="cuda")
     w = torch.full((t, topk), 1.0 / topk, device="cuda")

@@ -181,3 +181,8 @@ def test_split_layout_sends_dropped_rows_to_the_spare_row():
     lay = split_layout(_offsets([2, 40, 1]), 45, 64, 32)
     spare = 45 + lay.tiles.capacity
     assert lay.tiles.positions[43:].tolist() == [spare, spare]
+
+
+def test_layout_of_no_rows_sends_the_inverse_nowhere():
+    tt = token_tiles(_offsets([0, 0]), 0, 64, torch.full((5,), -1, dtype=torch.int32))
+    assert tt.positions.numel() == 0 and tt.inv.tolist() == [-1] * 5 and tt.table.tolist() == [0]

@@ -163,7 +163,9 @@ def _layout_torch(expert_offsets, rows, tile, hot_from, hot_base, inv, cold, cap
                             cold_offsets[clamped].long() + within)
     positions = torch.where(expert < e, positions, torch.full_like(positions, hot_base + cap_tiles * tile))
     inv_out = None
-    if inv is not None:
+    if inv is not None and rows == 0:
+        inv_out = torch.full_like(inv, -1)                       # nothing to point at
+    elif inv is not None:
         iv = inv.long()
         inv_out = torch.where(iv >= 0, positions[iv.clamp(min=0)], -1).to(torch.int32)
     return (cold_offsets if cold else None), table, positions, inv_out

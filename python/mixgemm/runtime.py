@@ -170,6 +170,8 @@ class KernelCache:
         self._kernels: dict[tuple[str, int], LoadedKernel] = {}
 
     def get(self, spec: KernelSpec, device: torch.device) -> LoadedKernel:
+        if device.type == "cuda" and device.index is None:   # "cuda": the current device, one key for both
+            device = torch.device("cuda", torch.cuda.current_device())
         key = (spec.name, device.index)
         with self._lock:
             k = self._kernels.get(key)
