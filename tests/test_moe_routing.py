@@ -12,8 +12,9 @@ import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
 from mixgemm import codegen, moe, moe_routing, paths
-from mixgemm.codegen import (IndexType, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, RoutingWeightType, default_specs,
-                             parse_name, render)
+from mixgemm.codegen import default_specs, render
+from mixgemm.specs import (HELPER_KINDS, IndexType, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, RoutingWeightType,
+                           parse_name)
 from mixgemm.types import ActType
 
 
@@ -29,7 +30,7 @@ def test_specs_name_every_field_and_parse_back():
     assert MoeRouteSpec(IndexType.I32).name == "mixgemm_moe_route_i32"
     assert MoeCombineSpec(ActType.FP16, RoutingWeightType.BF16).name == "mixgemm_moe_combine_fp16_wbf16"
     assert set(specs) <= set(default_specs())
-    assert not isinstance(specs[0], codegen.HELPER_KINDS)   # plain arguments: no host helper
+    assert not isinstance(specs[0], HELPER_KINDS)   # plain arguments: no host helper
     with pytest.raises(ValueError, match="not a mixgemm kernel name"):
         parse_name("mixgemm_moe_route_i16")
 
