@@ -123,8 +123,8 @@ def rank_preset(preset, tp: int):
 
 def weight_uses(preset, weight_type, tp: int) -> list:
     """The four packed weights of a rank's layer at TP=``tp`` (``tp=1``: the whole layer)."""
-    from mixgemm.codegen import Activation
     from mixgemm.prebuild import WeightUse
+    from mixgemm.specs import Activation
     from mixgemm.types import ActType
 
     local = rank_preset(preset, tp) if tp > 1 else preset

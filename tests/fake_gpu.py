@@ -28,7 +28,7 @@ import fake_driver
 import torch
 
 from mixgemm import build, codegen, launcher, ops, plans, runtime
-from mixgemm.codegen import HELPER_KINDS
+from mixgemm.specs import HELPER_KINDS
 
 GPU_NAME = "NVIDIA H100 80GB HBM3"
 SM_COUNT = 132

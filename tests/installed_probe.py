@@ -32,7 +32,7 @@ def closure(names: list) -> dict:
     else it is a system or CUDA header. mixgemm's own headers are followed transitively; a
     CUTLASS header must exist but is not followed (it belongs to the nvidia-cutlass package).
     Also runs the build's own resolver (mixgemm.build.headers_digest) on every source."""
-    from mixgemm import build, codegen, paths
+    from mixgemm import build, codegen, paths, specs
 
     roots = [paths.cutlass_ext_dir(), paths.converters_dir()]
     search = roots + [paths.cutlass_include_dir()]
@@ -48,7 +48,7 @@ def closure(names: list) -> dict:
         return found
 
     for kname in names:
-        spec = codegen.parse_name(kname)
+        spec = specs.parse_name(kname)
         source = codegen.render(spec)
         try:
             build.headers_digest(source)
@@ -77,9 +77,9 @@ def closure(names: list) -> dict:
 
 
 def build_one(name: str) -> dict:
-    from mixgemm import build, codegen
+    from mixgemm import build, specs
 
-    art = build.build(codegen.parse_name(name))
+    art = build.build(specs.parse_name(name))
     meta = json.loads((art.directory / "meta.json").read_text())
     return {"cubin": str(art.cubin_path), "cubin_head": art.read_cubin()[:4].hex(),
             "helper": None if art.helper_path is None else str(art.helper_path),

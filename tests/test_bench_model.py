@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixgemm.codegen import TILE_CONFIGS, Activation
+from mixgemm.codegen import TILE_CONFIGS
+from mixgemm.specs import Activation
 from mixgemm.types import ActType, WeightType
 
 from mixgemm import bench

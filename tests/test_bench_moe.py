@@ -14,8 +14,8 @@ from mixgemm import bench
 from mixgemm.bench import moe as B
 from mixgemm.bench import moe_run as R
 from mixgemm.bench import variants as V
-from mixgemm.codegen import GroupedDecodeSpec, MoeLayoutSpec
 from mixgemm.moe import fused_moe_reference
+from mixgemm.specs import GroupedDecodeSpec, MoeLayoutSpec
 from mixgemm.types import ActType, WeightType
 
 from bench_helpers import machine, parse, stats

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mixgemm import build, codegen, paths
-from mixgemm.codegen import Activation, DequantSpec, GemmSpec, Scheduler
+from mixgemm.specs import Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Scheduler
 from mixgemm.types import ActType, WeightType
 
 GEMM = GemmSpec(ActType.BF16, WeightType.U4, 128, 16, 128, scheduler=Scheduler.STREAMK)
@@ -121,7 +121,7 @@ def test_key_covers_source_flags_env_and_headers(fake_env, monkeypatch, tmp_path
             f.write("\n// changed\n")
         assert build.cache_key(GEMM, src, tc) != k1, "header contents"
         # only the headers a kernel includes count: the decode kernel's header is not the GEMM's
-        dec = codegen.DecodeSpec(ActType.BF16, WeightType.U4)
+        dec = DecodeSpec(ActType.BF16, WeightType.U4)
         dsrc = codegen.render(dec)
         k_gemm, k_dec = build.cache_key(GEMM, src, tc), build.cache_key(dec, dsrc, tc)
         with open(root / "cutlass_ext" / "mixgemm" / "decode_kernel.hpp", "a") as f:
@@ -273,7 +273,7 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
-    spec = codegen.DecodeSpec(ActType.BF16, WeightType.U4, tokens=16)
+    spec = DecodeSpec(ActType.BF16, WeightType.U4, tokens=16)
     art = build.build(spec)
     assert spec.name.encode() in art.read_cubin()
 
@@ -337,7 +337,7 @@ def test_gated_gemm_kernel_and_helper(tmp_path, monkeypatch):
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
     spec = codegen.TILE_CONFIGS[3].spec(ActType.BF16, WeightType.U4, Activation.SWIGLU)
-    assert spec.epilogue is codegen.Epilogue.SWIGLU
+    assert spec.epilogue is Epilogue.SWIGLU
     art = build.build(spec)
     assert spec.name.encode() in art.read_cubin()
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from mixgemm import build, codegen, paths
-from mixgemm.codegen import DequantSpec
+from mixgemm.specs import DecodeSpec, DequantSpec, GemmSpec
 from mixgemm.types import ActType, WeightType
 
 pytestmark = pytest.mark.nvcc
@@ -80,8 +80,8 @@ def child_env(**extra) -> dict:
 LOADER = r"""
 import hashlib, json, os, sys, time
 from pathlib import Path
-from mixgemm import build, codegen
-spec = codegen.parse_name(sys.argv[1])
+from mixgemm import build, specs
+spec = specs.parse_name(sys.argv[1])
 Path(sys.argv[2]).write_text("ready")
 while not Path(sys.argv[3]).exists():      # start together
     time.sleep(0.01)
@@ -128,7 +128,7 @@ def build_logs(caplog) -> list[str]:
 def test_a_truncated_artifact_is_rebuilt(counted, artifact, pin_case, caplog):
     cache, calls = counted
     # the fastest kernel with that artifact: dequant kernels have no host helper
-    spec = DEQ if artifact == "kernel.cubin" else codegen.DecodeSpec(ActType.BF16, WeightType.U4, tokens=8)
+    spec = DEQ if artifact == "kernel.cubin" else DecodeSpec(ActType.BF16, WeightType.U4, tokens=8)
     art = build.build(spec)
     built = compilations(calls)
     path = art.directory / artifact
@@ -158,8 +158,8 @@ def test_a_truncated_artifact_is_rebuilt(counted, artifact, pin_case, caplog):
 
 KILLED_BUILDER = r"""
 import sys
-from mixgemm import build, codegen
-build.build(codegen.parse_name(sys.argv[1]))
+from mixgemm import build, specs
+build.build(specs.parse_name(sys.argv[1]))
 """
 
 
@@ -234,7 +234,7 @@ def test_a_live_builders_temporary_is_kept(counted, tmp_path):
 def test_the_first_use_line_says_how_long_each_kind_of_kernel_takes():
     """A GEMM kernel (CUTLASS's sm90 collective) takes about a minute to build, a decode or dequant
     kernel seconds: the first-use log line says which (README's first-token table)."""
-    gemm = next(s for s in codegen.default_specs() if isinstance(s, codegen.GemmSpec))
-    dec = next(s for s in codegen.default_specs() if isinstance(s, codegen.DecodeSpec))
+    gemm = next(s for s in codegen.default_specs() if isinstance(s, GemmSpec))
+    dec = next(s for s in codegen.default_specs() if isinstance(s, DecodeSpec))
     assert build.build_time_hint(gemm) == "this takes about a minute"
     assert build.build_time_hint(dec) == build.build_time_hint(DEQ) == "this takes a few seconds"

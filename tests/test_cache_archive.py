@@ -14,8 +14,8 @@ import pytest
 
 from mixgemm import build, cache_archive
 from mixgemm.cli import main
-from mixgemm.codegen import DequantSpec, GemmSpec, Scheduler
 from mixgemm.errors import UserError
+from mixgemm.specs import DequantSpec, GemmSpec, Scheduler
 from mixgemm.types import ActType, WeightType
 
 from test_build import _calls, fake_env  # noqa: F401  (the fake nvcc and a private cache)

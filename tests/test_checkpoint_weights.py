@@ -18,13 +18,13 @@ import torch
 from mixgemm import formats, prebuild
 from mixgemm.checkpoint_weights import weight_uses
 from mixgemm.cli import main
-from mixgemm.codegen import Activation
 from mixgemm.errors import UserError
 from mixgemm.io import save
 from mixgemm.layout import prepack, unpack
 from mixgemm.nn import QuantLinear
 from mixgemm.prebuild import WeightUse, specs_for
 from mixgemm.quantize import interleave_gate_up, quantize
+from mixgemm.specs import Activation
 from mixgemm.types import ActType, PackedWeight, QuantizedWeight
 
 from test_build import fake_env  # noqa: F401  (the fake nvcc and a private cache)

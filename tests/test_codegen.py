@@ -6,8 +6,9 @@ import dataclasses
 import pytest
 
 from mixgemm import codegen
-from mixgemm.codegen import (ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS, Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec,
-                             Raster, Schedule, Scheduler, TileConfig, default_specs, parse_name, render)
+from mixgemm.codegen import ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS, TileConfig, default_specs, render
+from mixgemm.specs import (Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Raster, Schedule, Scheduler,
+                           parse_name)
 from mixgemm.types import ActType, WeightType
 
 SPECS = default_specs()
@@ -21,7 +22,7 @@ def test_every_type_has_every_kernel():
             for tc in TILE_CONFIGS:
                 assert tc.spec(act, wt).name in names
                 # swiglu on every path: a decode kernel that fixes it, or a GEMM with the gated epilogue
-                assert tc.spec(act, wt, codegen.Activation.SWIGLU).name in names
+                assert tc.spec(act, wt, Activation.SWIGLU).name in names
             assert DequantSpec(act, wt).name in names
     assert len(names) == len(SPECS), "kernel names must be unique"
     # the grouped (MoE) decode kernels: `mixgemm generate --list / --build` covers them
@@ -146,12 +147,12 @@ def test_cutlass_library_tag_tables_extended_not_forked():
 
 
 def test_activation_enum_mirrors_the_header():
-    """codegen.Activation's C++ names and ABI values are those of cutlass_ext/mixgemm/activation.hpp
+    """specs.Activation's C++ names and ABI values are those of cutlass_ext/mixgemm/activation.hpp
     (the GEMM kernels read the value at run time: a mismatch would apply the wrong function)."""
     import re
     from pathlib import Path
 
-    from mixgemm.codegen import Activation
+    from mixgemm.specs import Activation
 
     header = (Path(__file__).resolve().parents[1] / "cutlass_ext/mixgemm/activation.hpp").read_text()
     body = re.search(r"enum class Activation : int \{([^}]*)\}", header).group(1)
@@ -163,7 +164,8 @@ def test_gemm_specs_fuse_the_runtime_activation():
     """The default GEMM kernels are, per tile config and type, one with the bias + runtime-activation
     epilogue (none, silu and gelu) and one with the gated (swiglu) epilogue; the bias-only epilogue
     stays renderable."""
-    from mixgemm.codegen import Epilogue, GemmSpec, default_specs, render
+    from mixgemm.codegen import default_specs, render
+    from mixgemm.specs import Epilogue, GemmSpec
 
     gemms = [s for s in default_specs() if isinstance(s, GemmSpec)]
     by_epilogue = {e: [s for s in gemms if s.epilogue is e] for e in Epilogue}
@@ -215,7 +217,8 @@ def test_heuristic_by_tokens_and_output_tiles():
 def test_launch_order_follows_the_tile_config():
     """A GEMM kernel launches with its config's tile order; a kernel outside the configs (or a
     decode kernel) with CUTLASS's defaults."""
-    from mixgemm.codegen import SWIZZLES, TILE_CONFIGS, launch_order
+    from mixgemm.codegen import TILE_CONFIGS, launch_order
+    from mixgemm.specs import SWIZZLES
 
     for tc in TILE_CONFIGS:
         if isinstance(tc, TileConfig):

@@ -18,9 +18,9 @@ import torch
 
 import mixgemm
 from mixgemm import ops
-from mixgemm.codegen import (ALL_ACTS, ALL_WEIGHTS, GEMM_KINDS, Activation, DecodeSpec, Epilogue, GemmSpec,
-                              Scheduler, default_specs)
+from mixgemm.codegen import ALL_ACTS, ALL_WEIGHTS, default_specs
 from mixgemm.quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
+from mixgemm.specs import GEMM_KINDS, Activation, DecodeSpec, Epilogue, GemmSpec, Scheduler
 from mixgemm.types import ActType, WeightType
 
 pytestmark = pytest.mark.gpu

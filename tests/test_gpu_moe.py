@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from mixgemm import moe
-from mixgemm.codegen import ALL_ACTS, ALL_WEIGHTS, Activation
+from mixgemm.codegen import ALL_ACTS, ALL_WEIGHTS
 from mixgemm.experts import PackedExperts
 from mixgemm.quantize import interleave_gate_up, quantize
+from mixgemm.specs import Activation
 
 pytestmark = pytest.mark.gpu
 

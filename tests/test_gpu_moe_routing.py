@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mixgemm import moe, moe_routing, runtime
-from mixgemm.codegen import IndexType, MoeRouteSpec
+from mixgemm.specs import IndexType, MoeRouteSpec
 
 pytestmark = pytest.mark.gpu
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from mixgemm import codegen, moe
-from mixgemm.codegen import KernelKind
 from mixgemm.experts import PackedExperts
 from mixgemm.quantize import interleave_gate_up, quantize
+from mixgemm.specs import Epilogue, GroupedGemmSpec, KernelKind
 from mixgemm.types import ActType, WeightType
 
 from test_gpu_moe import _experts, _offsets, _reference, _tolerance
@@ -46,7 +46,7 @@ def _check_spec(spec, x, ex, deq, counts, activation):
 @pytest.mark.parametrize("group", (32, 128, "K"))
 def test_every_grouped_gemm_kernel(requires_gpu, spec, group):
     e, n, k = 8, 256, 512
-    activation = "swiglu" if spec.epilogue is codegen.Epilogue.SWIGLU else None
+    activation = "swiglu" if spec.epilogue is Epilogue.SWIGLU else None
     ex, deq = _experts(spec.act, spec.weight, e, n, k, group, gated=activation == "swiglu")
     torch.manual_seed(1)
     for counts in ROUTINGS:
@@ -56,7 +56,7 @@ def test_every_grouped_gemm_kernel(requires_gpu, spec, group):
 
 @pytest.mark.parametrize("activation", (None, "silu", "gelu"))
 def test_grouped_gemm_activations(requires_gpu, activation):
-    spec = codegen.GroupedGemmSpec(ActType.BF16, WeightType.S4, *codegen.GROUPED_GEMM_TILES["g64"])
+    spec = GroupedGemmSpec(ActType.BF16, WeightType.S4, *codegen.GROUPED_GEMM_TILES["g64"])
     ex, deq = _experts(ActType.BF16, WeightType.S4, 4, 128, 256, 64)
     counts = [70, 0, 5, 64]
     x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
@@ -73,7 +73,7 @@ def test_grouped_gemm_activations(requires_gpu, activation):
 @pytest.mark.parametrize("e", (1, 256))
 @pytest.mark.parametrize("label", tuple(codegen.GROUPED_GEMM_TILES))
 def test_one_and_many_experts(requires_gpu, e, label):
-    spec = codegen.GroupedGemmSpec(ActType.BF16, WeightType.U4, *codegen.GROUPED_GEMM_TILES[label])
+    spec = GroupedGemmSpec(ActType.BF16, WeightType.U4, *codegen.GROUPED_GEMM_TILES[label])
     ex, deq = _experts(ActType.BF16, WeightType.U4, e, 128, 256, 64)
     g = torch.Generator().manual_seed(e)
     counts = [77] if e == 1 else torch.randint(0, 40, (e,), generator=g).tolist()

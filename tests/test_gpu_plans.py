@@ -12,6 +12,7 @@ import mixgemm
 from mixgemm import codegen, launcher, ops, plans, runtime
 from mixgemm.nn import QuantLinear
 from mixgemm.quantize import interleave_gate_up
+from mixgemm.specs import Activation
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +43,7 @@ def reference(x, w, spec, bias=None, activation=None, splits=0):
     args.m, args.n, args.k, args.group_size = m, w.n, w.k, w.group_size
     args.sm_count = ops._sm_count(x.device.index)
     args.splits, args.raster, args.swizzle = splits, raster.abi, swizzle
-    args.activation = codegen.Activation(activation or "none").abi
+    args.activation = Activation(activation or "none").abi
     args.weight, args.scales = w.qdata.data_ptr(), w.scales.data_ptr()
     args.zeros = 0 if w.zeros is None else w.zeros.data_ptr()
     args.x, args.y = x.data_ptr(), y.data_ptr()

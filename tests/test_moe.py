@@ -12,9 +12,10 @@ import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
 from mixgemm import codegen, moe, paths, runtime
-from mixgemm.codegen import Activation, DecodeSpec, GroupedDecodeSpec, parse_name, render
+from mixgemm.codegen import render
 from mixgemm.experts import PackedExperts
 from mixgemm.quantize import interleave_gate_up, quantize
+from mixgemm.specs import Activation, DecodeSpec, GroupedDecodeSpec, parse_name
 from mixgemm.types import ActType, WeightType
 
 

@@ -12,22 +12,25 @@ import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
 from mixgemm import codegen, moe, moe_routing, paths
-from mixgemm.codegen import (IndexType, MoeCombineSpec, MoeRouteSpec, RoutingWeightType, default_specs, parse_name,
-                             render)
+from mixgemm.codegen import default_specs, render
+from mixgemm.specs import (HELPER_KINDS, IndexType, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, RoutingWeightType,
+                           parse_name)
 from mixgemm.types import ActType
 
 
 # ---------------------------------------------------------------------------------------------- specs
 def test_specs_name_every_field_and_parse_back():
     specs = codegen.moe_specs()
-    assert len(specs) == 2 + 2 * 3                     # int32 / int64 ids; 2 acts x 3 weight types
+    assert len(specs) == 2 + 2 * 3 + 1                 # int32 / int64 ids; 2 acts x 3 weight types; the layout kernel
     assert len({s.name for s in specs}) == len(specs)
     for s in specs:
-        assert parse_name(s.name) == s and s.programmatic_launch
+        assert parse_name(s.name) == s
+        # the routing and combine kernels wait for the previous grid (griddepcontrol.wait); the layout kernel does not
+        assert s.programmatic_launch == (not isinstance(s, MoeLayoutSpec))
     assert MoeRouteSpec(IndexType.I32).name == "mixgemm_moe_route_i32"
     assert MoeCombineSpec(ActType.FP16, RoutingWeightType.BF16).name == "mixgemm_moe_combine_fp16_wbf16"
     assert set(specs) <= set(default_specs())
-    assert not isinstance(specs[0], codegen.HELPER_KINDS)   # plain arguments: no host helper
+    assert not isinstance(specs[0], HELPER_KINDS)   # plain arguments: no host helper
     with pytest.raises(ValueError, match="not a mixgemm kernel name"):
         parse_name("mixgemm_moe_route_i16")
 

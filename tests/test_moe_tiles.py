@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mixgemm import codegen, moe
-from mixgemm.codegen import KernelKind
 from mixgemm.moe_routing import Routing, _combine_torch, route
 from mixgemm.moe_tiles import capacity_tiles, token_tiles
+from mixgemm.specs import Epilogue, GroupedGemmSpec, KernelKind, parse_name
 from mixgemm.types import ActType, WeightType
 
 
@@ -95,12 +95,12 @@ def test_grouped_gemm_specs_cover_every_type_tile_and_epilogue():
     assert len(specs) == len(codegen.ALL_ACTS) * len(codegen.ALL_WEIGHTS) * len(codegen.GROUPED_GEMM_TILES) * 2
     assert len({s.name for s in specs}) == len(specs)
     for s in specs:
-        assert codegen.parse_name(s.name) == s
+        assert parse_name(s.name) == s
     assert set(specs) <= set(codegen.default_specs())
 
 
 def test_grouped_gemm_source_names_the_grouped_scheduler():
-    spec = codegen.GroupedGemmSpec(ActType.FP16, WeightType.S2, 128, 128, 64, codegen.Epilogue.SWIGLU)
+    spec = GroupedGemmSpec(ActType.FP16, WeightType.S2, 128, 128, 64, Epilogue.SWIGLU)
     src = codegen.render(spec)
     assert "mixgemm::GroupedTokenTiles" in src
     assert '#include "mixgemm/grouped_scheduler.hpp"' in src
@@ -112,9 +112,9 @@ def test_grouped_gemm_source_names_the_grouped_scheduler():
 
 def test_grouped_gemm_spec_refuses_what_it_cannot_build():
     with pytest.raises(ValueError):
-        codegen.GroupedGemmSpec(ActType.BF16, WeightType.U4, 64, 64, 64)       # cooperative needs 128 rows
+        GroupedGemmSpec(ActType.BF16, WeightType.U4, 64, 64, 64)       # cooperative needs 128 rows
     with pytest.raises(ValueError, match="bias"):
-        codegen.GroupedGemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, codegen.Epilogue.BIAS)
+        GroupedGemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, Epilogue.BIAS)
 
 
 @pytest.mark.parametrize("rows,e,k,want", [(1, 8, 0, "gdecode"), (8 * 31, 8, 0, "gdecode"), (8 * 32, 8, 0, "t128x64x64"),
@@ -135,7 +135,7 @@ def test_fused_moe_runs_both_gemms_on_one_layout(tokens):
     assert plan.kind == ("tiles" if tokens >= 64 else "each")
     if plan.kind == "tiles":
         assert plan.gate_up.tile_n == plan.down.tile_n
-        assert (plan.gate_up.epilogue, plan.down.epilogue) == (codegen.Epilogue.SWIGLU, codegen.Epilogue.BIAS_ACT)
+        assert (plan.gate_up.epilogue, plan.down.epilogue) == (Epilogue.SWIGLU, Epilogue.BIAS_ACT)
     else:
         assert {s.kind for s in plan.specs} == {KernelKind.GROUPED_DECODE}
 
@@ -145,7 +145,7 @@ def test_fused_moe_splits_hot_experts_between_the_thresholds():
     plan = moe.plan_fused_moe(256 * 8, ActType.BF16, WeightType.U4, 128, 2048, 768)
     assert plan.kind == "split" and plan.hot_from == moe.TILES_FROM_ROWS
     assert [s.kind for s in plan.specs] == [KernelKind.GROUPED_DECODE] * 2 + [KernelKind.GROUPED_GEMM] * 2
-    assert plan.hot_gate_up.epilogue is codegen.Epilogue.SWIGLU and plan.hot_down.epilogue is codegen.Epilogue.BIAS_ACT
+    assert plan.hot_gate_up.epilogue is Epilogue.SWIGLU and plan.hot_down.epilogue is Epilogue.BIAS_ACT
     assert moe.plan_fused_moe(64 * 8, ActType.BF16, WeightType.U4, 128, 2048, 768).kind == "each"
 
 

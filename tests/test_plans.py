@@ -21,9 +21,9 @@ from fake_gpu import FakeGpu, FakeHelper, function_handle, launched_args
 
 import mixgemm
 from mixgemm import build, launcher, ops, paths, plans, runtime
-from mixgemm.codegen import Activation, Raster
 from mixgemm.errors import BuildError, CudaError, KernelError
 from mixgemm.nn import QuantLinear
+from mixgemm.specs import Activation, Raster
 
 pytestmark = pytest.mark.skipif(fake_driver.compiler() is None or fake_driver.real_driver_present(),
                                 reason="needs a C compiler for the fake CUDA driver, and no real one")

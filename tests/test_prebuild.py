@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from mixgemm import build, ops, prebuild, runtime
-from mixgemm.codegen import Activation
 from mixgemm.nn import QuantLinear
 from mixgemm.prebuild import WeightUse, specs_for, token_counts
+from mixgemm.specs import Activation
 from mixgemm.types import ActType, WeightType
 
 from test_build import fake_env  # noqa: F401  (the fake nvcc and a private cache)

@@ -197,8 +197,8 @@ def test_every_kernel_resolves_its_includes(installed):
 def _demo_specs() -> tuple[str, str]:
     """The decode kernel (M = 1) and the sm90 GEMM kernel (M = 64) that `mixgemm demo` runs on
     its 4096x4096 bf16/int4 layer."""
-    from mixgemm.codegen import Activation
     from mixgemm.ops import select_tile
+    from mixgemm.specs import Activation
     from mixgemm.types import ActType, WeightType
 
     decode = select_tile(1, 4096, 4096).spec(ActType.BF16, WeightType.U4, Activation.NONE)

@@ -232,8 +232,8 @@ def _dry_generate(model, prompt_len: int, new_tokens: int, stamps: list) -> None
     """What generate() would compile on first use, built one kernel at a time (the prompt's token
     count, then one token per step), with the compiled launcher first."""
     from mixgemm import build, launcher, prebuild
-    from mixgemm.codegen import Activation
     from mixgemm.ops import select_spec
+    from mixgemm.specs import Activation
 
     launcher.build_compiled()
     uses = set(prebuild.uses_of(model))

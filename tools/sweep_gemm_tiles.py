@@ -19,7 +19,7 @@ import torch
 
 import mixgemm
 from mixgemm import bench, ops
-from mixgemm.codegen import Raster, parse_name
+from mixgemm.specs import Raster, parse_name
 
 
 def main(argv=None) -> int:

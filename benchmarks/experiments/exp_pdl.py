@@ -6,7 +6,7 @@ import torch
 
 import mixgemm
 from mixgemm import bench, ops
-from mixgemm.codegen import DecodeSpec
+from mixgemm.specs import DecodeSpec
 from mixgemm.types import ActType, WeightType
 
 dev = torch.device("cuda")

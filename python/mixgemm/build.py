@@ -1,6 +1,6 @@
 """Building kernels with nvcc into a content-addressed, atomic, locked disk cache.
 
-A kernel spec (:mod:`mixgemm.codegen`) builds into
+A kernel spec (:mod:`mixgemm.specs`; its source: :func:`mixgemm.codegen.render`) builds into
 
 * ``kernel.cubin``: the device code, ``-gencode=arch=compute_90a,code=sm_90a -DNDEBUG``;
 * ``helper.so`` (GEMM kernels): the host helper compiled from the same source with
@@ -43,9 +43,10 @@ from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 from . import paths
 from ._version import __version__
-from .codegen import HELPER_KINDS, GemmSpec, KernelSpec, render
+from .codegen import render
 from .errors import BuildError
 from .process import pid_alive
+from .specs import HELPER_KINDS, GemmSpec, KernelSpec
 
 log = logging.getLogger("mixgemm")
 T = TypeVar("T")

@@ -82,7 +82,8 @@ def _expected(kind: str, name: str, tc: build.Toolchain) -> _Expected:
     """This install's key, artifacts and source for the entry; ValueError if mixgemm has no
     kernel (or host library) of that name."""
     if kind == "kernels":
-        from .codegen import parse_name, render
+        from .codegen import render
+        from .specs import parse_name
 
         spec = parse_name(name)          # ValueError for a name that is not a mixgemm kernel's
         if spec.name != name:

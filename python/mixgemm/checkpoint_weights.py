@@ -64,10 +64,10 @@ from typing import Dict, Optional, Union
 
 import torch
 
-from .codegen import Activation
 from .errors import CheckpointError, UserError
 from .prebuild import WeightUse
 from .quantize import GATE_UP_STRIPE
+from .specs import Activation
 from .types import ActType, WeightType
 
 __all__ = ["weight_uses"]

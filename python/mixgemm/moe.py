@@ -35,9 +35,9 @@ from typing import Optional
 import torch
 
 from .experts import PackedExperts
-from .codegen import KernelKind, Raster
 from .moe_routing import ROUTE_MAX_ASSIGNMENTS, Routing, aligned_contiguous, combine, route, route_and_gather
 from .moe_tiles import TokenTiles, token_tiles
+from .specs import KernelKind, Raster
 from .types import WeightType
 
 __all__ = ["PackedExperts", "grouped_gemm", "grouped_gemm_with_spec", "fused_moe", "plan_fused_moe", "MoePlan",
@@ -68,7 +68,7 @@ def select_grouped_spec(rows: int, experts: PackedExperts, activation: Optional[
     (``rows / min(E, rows)``): below :data:`TILES_FROM_ROWS` the grouped decode kernel (the 8-row
     tile, 8-bit codes with 8 k-slices as the dense "dec8", when ``rows <= 8``, else the 16-row
     tile), which streams an expert's weights once per 16 rows; from there the grouped sm90 GEMM
-    (:class:`mixgemm.codegen.GroupedGemmSpec`), which converts each weight tile once per token
+    (:class:`mixgemm.specs.GroupedGemmSpec`), which converts each weight tile once per token
     tile of 64, 128 or 256 rows."""
     return grouped_spec_for(rows, experts.act_type, experts.weight_type, activation, experts.num_experts, experts.n,
                             experts.k)
@@ -80,7 +80,8 @@ def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: O
     their N and K alone (no weights needed: e.g. to list or build a run's kernels beforehand). The
     grouped GEMM needs N to be a multiple of its 128-row weight tile (a tile must not straddle
     two experts); without ``n`` that is assumed."""
-    from .codegen import GROUPED_GEMM_TILES, Epilogue, GroupedGemmSpec
+    from .codegen import GROUPED_GEMM_TILES
+    from .specs import Epilogue, GroupedGemmSpec
 
     per_expert = rows / max(1, min(num_experts, rows))
     from_rows = TILES_FROM_ROWS_LONG_K if k >= LONG_K else TILES_FROM_ROWS
@@ -95,7 +96,8 @@ def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: O
 def decode_spec_for(rows: int, act_type, weight_type: WeightType, activation: Optional[str] = None):
     """The grouped decode kernel for ``rows`` rows: the 8-row tile (8-bit codes with 8 k-slices, as
     the dense "dec8") when ``rows <= 8``, else the 16-row tile."""
-    from .codegen import TILE_CONFIGS, Activation, GroupedDecodeSpec
+    from .codegen import TILE_CONFIGS
+    from .specs import Activation, GroupedDecodeSpec
 
     label = "dec8" if rows <= 8 else "dec16"
     tc = next(t for t in TILE_CONFIGS if t.label == label)
@@ -176,10 +178,10 @@ def grouped_gemm(x: torch.Tensor, experts: PackedExperts, expert_offsets: torch.
 
 def grouped_gemm_with_spec(x: torch.Tensor, experts: PackedExperts, expert_offsets: torch.Tensor, spec,
                            out: Optional[torch.Tensor] = None, activation: Optional[str] = None) -> torch.Tensor:
-    """:func:`grouped_gemm` on the grouped kernel ``spec`` (a :class:`mixgemm.codegen.GroupedDecodeSpec`
-    or :class:`mixgemm.codegen.GroupedGemmSpec`; None: :func:`select_grouped_spec`'s), e.g. to
+    """:func:`grouped_gemm` on the grouped kernel ``spec`` (a :class:`mixgemm.specs.GroupedDecodeSpec`
+    or :class:`mixgemm.specs.GroupedGemmSpec`; None: :func:`select_grouped_spec`'s), e.g. to
     test or time every kernel."""
-    from .codegen import Activation
+    from .specs import Activation
 
     n_out = _check(x, experts, expert_offsets, out, activation)
     if spec is None:
@@ -223,15 +225,15 @@ def _tiles_prepare_fn(lib_handle):
 
 def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, activation: Optional[str],
                  spec, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One launch of the grouped sm90 GEMM ``spec`` (:class:`mixgemm.codegen.GroupedGemmSpec`) on x
+    """One launch of the grouped sm90 GEMM ``spec`` (:class:`mixgemm.specs.GroupedGemmSpec`) on x
     laid out in token tiles (:mod:`mixgemm.moe_tiles`): ``xp [tiles.capacity + 1, K]`` (contiguous,
     16-byte aligned; the last row is the spare row). Returns ``yp [tiles.capacity + 1, N]`` (N/2
     for swiglu), or writes ``out`` of that shape; its padding rows hold whatever the kernel
     computed from the padding rows of x, the spare row is not written. Nothing is read back
     from the GPU."""
     from . import ops, runtime
-    from .codegen import Activation
     from .errors import KernelError
+    from .specs import Activation
 
     if spec.tile_n != tiles.tile:
         raise ValueError(f"{spec.name} takes token tiles of {spec.tile_n} rows, the layout has {tiles.tile}")
@@ -287,8 +289,8 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     """One grouped launch (checked arguments): the helper's params, then cuLaunchKernelEx on the
     current stream. Nothing is read back from the GPU."""
     from . import ops, runtime
-    from .codegen import Activation
     from .errors import KernelError
+    from .specs import Activation
 
     x = aligned_contiguous(x)
     kernel = runtime.KERNELS.get(spec, x.device)

@@ -21,10 +21,10 @@ from typing import Optional
 
 import torch
 
-from .codegen import KernelKind
 from .experts import PackedExperts
 from .moe_routing import combine, route_and_gather
 from .moe_tiles import split_layout, token_tiles
+from .specs import KernelKind
 from .types import WeightType
 
 __all__ = ["MoePlan", "plan_fused_moe", "fused_moe", "fused_moe_reference"]
@@ -74,7 +74,8 @@ def plan_fused_moe(rows: int, act_type, weight_type: WeightType, num_experts: in
     the grouped GEMM's threshold but from :data:`SPLIT_FROM_ROWS` rows per expert: "split", the
     experts with at least that threshold's rows on the 64-row grouped GEMM."""
     from . import moe
-    from .codegen import GROUPED_GEMM_TILES, GroupedGemmSpec
+    from .codegen import GROUPED_GEMM_TILES
+    from .specs import GroupedGemmSpec
 
     tile_m = GROUPED_GEMM_TILES["g64"][0]
     spec13 = moe.grouped_spec_for(rows, act_type, weight_type, "swiglu", num_experts, 2 * intermediate, hidden)
@@ -86,7 +87,7 @@ def plan_fused_moe(rows: int, act_type, weight_type: WeightType, num_experts: in
             and (2 * intermediate) % tile_m == 0 and hidden % tile_m == 0:
         tile = GROUPED_GEMM_TILES["g64"]
         hot_from = moe.TILES_FROM_ROWS_LONG_K if hidden >= moe.LONG_K else moe.TILES_FROM_ROWS
-        from .codegen import Epilogue
+        from .specs import Epilogue
         return MoePlan(spec13, spec2, GroupedGemmSpec(act_type, weight_type, *tile, Epilogue.SWIGLU),
                        GroupedGemmSpec(act_type, weight_type, *tile), hot_from)
     if spec13.kind is KernelKind.GROUPED_GEMM:   # gate/up on the grouped GEMM, down cannot follow

@@ -4,11 +4,11 @@
   cumsum), on their device, no host sync: any size, any device.
 * :func:`route_and_gather`: the same routing and the rows of x gathered in sorted order, in one
   launch of mixgemm's routing kernel (``cutlass_ext/mixgemm/moe_route_kernel.hpp``,
-  :class:`mixgemm.codegen.MoeRouteSpec`) on an sm_90 GPU when ``T * topk <=``
+  :class:`mixgemm.specs.MoeRouteSpec`) on an sm_90 GPU when ``T * topk <=``
   :data:`ROUTE_MAX_ASSIGNMENTS` and ``E <=`` :data:`ROUTE_MAX_EXPERTS`; else :func:`route` and a
   torch gather. Both give the same order, offsets and rows, bit for bit.
 * :func:`combine`: ``out[t] = sum_s w[t, s] * y[row of (t, s)]``, float32 in slot order, one
-  rounding; one launch of mixgemm's combine kernel (:class:`mixgemm.codegen.MoeCombineSpec`)
+  rounding; one launch of mixgemm's combine kernel (:class:`mixgemm.specs.MoeCombineSpec`)
   on an sm_90 GPU when the routing carries ``inv`` (:func:`route_and_gather`'s does) and
   ``T <=`` :data:`COMBINE_MAX_TOKENS`, else torch ops.
 
@@ -88,7 +88,7 @@ def _sm90(device: torch.device) -> bool:
 
 def route_spec(topk_ids: torch.Tensor):
     """The routing kernel for ``topk_ids``' dtype (int32 or int64), or None for other dtypes."""
-    from .codegen import IndexType, MoeRouteSpec
+    from .specs import IndexType, MoeRouteSpec
 
     index = {torch.int32: IndexType.I32, torch.int64: IndexType.I64}.get(topk_ids.dtype)
     return None if index is None else MoeRouteSpec(index)
@@ -97,7 +97,7 @@ def route_spec(topk_ids: torch.Tensor):
 def combine_spec(y_sorted: torch.Tensor, topk_weights: torch.Tensor):
     """The combine kernel for ``y_sorted``'s dtype and ``topk_weights``' (float32, bfloat16 and
     float16 have their own; other float dtypes are converted to float32 first)."""
-    from .codegen import MoeCombineSpec, RoutingWeightType
+    from .specs import MoeCombineSpec, RoutingWeightType
     from .types import ActType
 
     weight = {torch.bfloat16: RoutingWeightType.BF16, torch.float16: RoutingWeightType.F16}.get(

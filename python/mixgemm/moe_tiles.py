@@ -1,6 +1,6 @@
 """Token tiles: the padded expert-sorted layout of the grouped sm90 GEMM (many rows per expert).
 
-The grouped GEMM (:class:`mixgemm.codegen.GroupedGemmSpec`,
+The grouped GEMM (:class:`mixgemm.specs.GroupedGemmSpec`,
 ``cutlass_ext/mixgemm/grouped_scheduler.hpp``) walks x in token tiles of ``tile`` rows, each of
 one expert. So x's rows, sorted by expert, are laid out with every expert's rows starting at a
 multiple of ``tile``::
@@ -18,7 +18,7 @@ of many rows in token tiles (the fused layer's "split" plan).
 
 The layout is computed on the GPU, with no host sync, so it can change between replays of a CUDA
 graph: on an sm_90 GPU by one launch of mixgemm's layout kernel (``cutlass_ext/mixgemm/
-moe_layout_kernel.hpp``, :class:`mixgemm.codegen.MoeLayoutSpec`; up to :data:`LAYOUT_MAX_EXPERTS`
+moe_layout_kernel.hpp``, :class:`mixgemm.specs.MoeLayoutSpec`; up to :data:`LAYOUT_MAX_EXPERTS`
 experts), elsewhere by the same arithmetic in torch ops.
 """
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _layout_kernel(expert_offsets, rows, tile, hot_from, hot_base, inv, cold, ca
     import ctypes
 
     from . import runtime
-    from .codegen import MoeLayoutSpec
+    from .specs import MoeLayoutSpec
 
     dev = expert_offsets.device
     e = expert_offsets.numel() - 1

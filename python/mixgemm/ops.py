@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-if TYPE_CHECKING:  # codegen is imported lazily: `import mixgemm` stays cheap
-    from .codegen import DecodeConfig, DecodeSpec, GemmSpec, Raster, TileConfig
+if TYPE_CHECKING:  # codegen and specs are imported lazily: `import mixgemm` stays cheap
+    from .codegen import DecodeConfig, TileConfig
+    from .specs import DecodeSpec, GemmSpec, Raster
 
 from . import plans
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, WeightType
@@ -113,7 +114,7 @@ def select_spec(m: int, w: PackedWeight, activation: Optional[str] = None) -> "G
     """The kernel :func:`gemm` runs. The decode kernels fix their activation at compile time (so
     the spec names it); the sm90 GEMM kernels take none / silu / gelu per call, and swiglu has
     GEMM kernels of its own (the gated epilogue)."""
-    from .codegen import Activation
+    from .specs import Activation
 
     tc = select_tile(m, w.n, w.k)
     return tc.spec(w.act_type, w.weight_type, Activation(activation or "none"))
@@ -375,11 +376,12 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     ``activation``: a decode spec, and a GEMM spec with the gated (swiglu) epilogue, fix their
     own (None means the spec's; another value is an error); the other GEMM specs apply none /
     silu / gelu per call. ``splits``: 0 lets the kernel choose; ``>= 1`` forces a decode
-    kernel's split-K factor, ``> 1`` a stream-K GEMM's. ``raster`` (a :class:`codegen.Raster`)
-    and ``swizzle`` (one of ``codegen.SWIZZLES``) override a GEMM kernel's tile order (default:
+    kernel's split-K factor, ``> 1`` a stream-K GEMM's. ``raster`` (a :class:`specs.Raster`)
+    and ``swizzle`` (one of ``specs.SWIZZLES``) override a GEMM kernel's tile order (default:
     its tile config's, :func:`codegen.launch_order`); the decode kernels ignore them."""
     from . import runtime
-    from .codegen import GEMM_KINDS, SWIZZLES, Activation, Epilogue, Raster, launch_order
+    from .codegen import launch_order
+    from .specs import GEMM_KINDS, SWIZZLES, Activation, Epilogue, Raster
 
     if not isinstance(spec, GEMM_KINDS):
         raise TypeError(f"spec must be a GemmSpec or DecodeSpec, got {type(spec).__name__}")
@@ -387,7 +389,7 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     raster = own_raster if raster is None else raster
     swizzle = own_swizzle if swizzle is None else swizzle
     if not isinstance(raster, Raster):
-        raise TypeError(f"raster must be a mixgemm.codegen.Raster, got {raster!r}")
+        raise TypeError(f"raster must be a mixgemm.specs.Raster, got {raster!r}")
     if swizzle not in SWIZZLES:
         raise ValueError(f"swizzle must be one of {SWIZZLES}, got {swizzle!r}")
     fixed = spec.fixed_activation   # None: chosen per call
@@ -452,7 +454,7 @@ def dequantize(w: PackedWeight, dtype: Optional[torch.dtype] = None) -> torch.Te
         ``[N, K]`` in w's dtype: exactly :func:`mixgemm.dequantize_reference` of ``w``.
     """
     from . import runtime
-    from .codegen import DequantSpec
+    from .specs import DequantSpec
 
     why = _weight_problem(w) or _device_ok(w.device)
     if why:

@@ -37,8 +37,8 @@ import torch
 from .types import PackedWeight, WeightType
 
 if TYPE_CHECKING:   # imported when the first plan is made: `import mixgemm` stays cheap
-    from .codegen import Raster
     from .runtime import LoadedKernel
+    from .specs import Raster
 
 _Tensor = torch.Tensor
 
@@ -97,8 +97,8 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
     """A plan for ``w`` on ``kernel``, from decisions already made and checked by the caller
     (:mod:`mixgemm.ops`): ``activation`` is the one the kernel applies."""
     from . import launcher
-    from .codegen import Activation
     from .runtime import ABI_VERSION, GemmArgs
+    from .specs import Activation
 
     p = LaunchPlan()
     p.key, p.spec, p.kernel = key, spec, kernel

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from .codegen import Activation, KernelSpec
+from .specs import Activation, KernelSpec
 from .types import ActType, PackedWeight, WeightType
 
 __all__ = ["WeightUse", "token_counts", "uses_of", "specs_for", "build_for"]

@@ -23,8 +23,8 @@ from typing import Any, Optional
 import torch
 
 from .build import Artifacts, load_artifacts
-from .codegen import HELPER_KINDS, KernelSpec
 from .errors import CudaError, KernelError
+from .specs import HELPER_KINDS, KernelSpec
 
 ABI_VERSION = 4  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
 
@@ -65,7 +65,7 @@ class GemmArgs(ctypes.Structure):
         ("sm_count", ctypes.c_int32),
         ("splits", ctypes.c_int32),
         ("raster", ctypes.c_int32),
-        ("activation", ctypes.c_int32),  # codegen.Activation's index: none, silu, gelu, swiglu
+        ("activation", ctypes.c_int32),  # specs.Activation's index: none, silu, gelu, swiglu
         ("swizzle", ctypes.c_int32),     # the tile scheduler's max_swizzle_size (0: 1)
         ("weight", ctypes.c_uint64),
         ("scales", ctypes.c_uint64),

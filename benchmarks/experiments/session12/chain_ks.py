@@ -12,7 +12,8 @@ import dataclasses, json, statistics, sys
 import torch
 from mixgemm import codegen, ops
 from mixgemm.bench import decoder, variants
-from mixgemm.codegen import ActType, Activation, DecodeSpec, WeightType
+from mixgemm.specs import Activation, DecodeSpec
+from mixgemm.types import ActType, WeightType
 
 from harness import DEV as dev, flush, read_gbps, time_graph
 

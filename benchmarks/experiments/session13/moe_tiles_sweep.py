@@ -15,6 +15,6 @@ MODES = {"decode": (INF, INF, INF), "g64": (0, INF, INF), "g128": (0, 0, INF), "
 mode, _, walk = sys.argv[1].partition(":")
 moe.TILES_FROM_ROWS, moe.TILE128_FROM_ROWS, moe.TILE256_FROM_ROWS = MODES[mode]
 if walk:
-    from mixgemm.codegen import Raster
+    from mixgemm.specs import Raster
     moe.TILES_RASTER = {"w": Raster.WEIGHT_ROWS, "t": Raster.TOKENS}[walk]
 sys.exit(main(["bench"] + sys.argv[2:]))

@@ -6,7 +6,8 @@ import json, os, statistics, sys
 import torch
 import mixgemm
 from mixgemm import ops
-from mixgemm.codegen import ActType, Activation, DecodeSpec, WeightType
+from mixgemm.specs import Activation, DecodeSpec
+from mixgemm.types import ActType, WeightType
 OUT = os.environ.get("OUT", "/tmp"); TAG = sys.argv[1]
 dev = torch.device("cuda", 0)
 L2 = torch.cuda.get_device_properties(dev).L2_cache_size

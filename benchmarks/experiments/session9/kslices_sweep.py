@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 import mixgemm
 from mixgemm import ops
-from mixgemm.codegen import ActType, Activation, DecodeSpec, WeightType
 from mixgemm.quantize import dequantize_reference
+from mixgemm.specs import Activation, DecodeSpec
+from mixgemm.types import ActType, WeightType
 
 OUT = os.environ.get("OUT", "/tmp")
 dev = torch.device("cuda", 0)

@@ -3,7 +3,8 @@ import sys
 import torch
 import mixgemm
 from mixgemm import ops
-from mixgemm.codegen import ActType, Activation, DecodeSpec, WeightType
+from mixgemm.specs import Activation, DecodeSpec
+from mixgemm.types import ActType, WeightType
 n, k, m, bits, tok, ks, s = (int(a) for a in sys.argv[1:8])
 act = sys.argv[8] if len(sys.argv) > 8 else None
 dev = torch.device("cuda", 0)

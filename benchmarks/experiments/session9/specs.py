@@ -1,4 +1,5 @@
-from mixgemm.codegen import DecodeSpec, ActType, WeightType, Activation
+from mixgemm.specs import DecodeSpec, Activation
+from mixgemm.types import ActType, WeightType
 def specs():
     out = []
     for w in (WeightType.U4, WeightType.U2, WeightType.S8):

@@ -237,8 +237,8 @@ def host_callables(w_float: torch.Tensor, impls: Sequence[str]) -> dict[str, Cal
 
 def host_kernel_specs(ms: Sequence[int] = HOST_MS) -> list:
     """The mixgemm kernels of the per-call part (the step's come from :mod:`.model_run`)."""
-    from ..codegen import Activation
     from ..ops import select_tile
+    from ..specs import Activation
     from ..types import ActType
 
     n, k = HOST_SHAPE

@@ -227,9 +227,9 @@ def build_layer(variant: Variant, w13: torch.Tensor, w2: torch.Tensor, group_siz
 def moe_kernel_specs(preset: MoePreset, variant: Variant, tokens: Sequence[int]) -> list:
     """The mixgemm kernels ``variant`` launches at these token counts (none for the others): the
     grouped kernels, then the routing and combine kernels (int64 ids, float32 weights)."""
-    from ..codegen import MoeLayoutSpec
     from ..moe import plan_fused_moe
     from ..moe_routing import routing_specs
+    from ..specs import MoeLayoutSpec
 
     if variant.kind is not VariantKind.MIXGEMM:
         return []

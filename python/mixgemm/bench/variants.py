@@ -331,8 +331,8 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
     """The mixgemm kernels a ``variant`` step of ``m`` tokens launches, for every ``m`` in ``ms``
     (the heuristic's choice, :func:`mixgemm.ops.select_tile`, per linear; the gate/up linear with
     the swiglu epilogue). Empty for the other variants."""
-    from ..codegen import Activation
     from ..ops import select_tile
+    from ..specs import Activation
 
     if variant.kind is not VariantKind.MIXGEMM:
         return []
