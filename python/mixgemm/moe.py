@@ -19,7 +19,7 @@ Two grouped kernels, picked by rows per expert with rows (:func:`select_grouped_
   expert's weights once per tile: the decode regime (a few rows per expert);
 * the grouped sm90 GEMM (``cutlass_ext/mixgemm/grouped_scheduler.hpp``, the prepacked wgmma
   mainloop of the dense GEMM) for many rows per expert: x's rows laid out in token tiles of 64,
-  128 or 256 rows of one expert each (:mod:`mixgemm.moe_tiles`, torch ops on the GPU), each
+  128 or 256 rows of one expert each (:mod:`mixgemm.moe_tiles`: one launch of the layout kernel), each
   weight tile converted once per token tile. The tile table is read on the GPU, so this path
   too needs no host sync.
 

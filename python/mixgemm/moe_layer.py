@@ -122,7 +122,7 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
         gather (:func:`mixgemm.moe.route_and_gather`), the two grouped GEMMs,
         :func:`mixgemm.moe.combine`. With more rows per expert (:func:`plan_fused_moe`) the GEMMs
         run on the grouped sm90 GEMM over x's rows in token tiles, for all experts or for those
-        the routing gave many rows (a few torch ops more lay the rows out, on the GPU).
+        the routing gave many rows (one more launch, the layout kernel, lays the rows out on the GPU).
     """
     from . import moe
 
