@@ -11,7 +11,7 @@ import torch
 import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
-from mixgemm import codegen, moe, paths, runtime
+from mixgemm import codegen, moe, moe_grouped, paths, runtime
 from mixgemm.codegen import render
 from mixgemm.experts import PackedExperts
 from mixgemm.quantize import interleave_gate_up, quantize
@@ -191,7 +191,7 @@ def test_grouped_helper_refuses_what_the_kernel_cannot_run(tmp_path, monkeypatch
 
     spec = GroupedDecodeSpec(ActType.BF16, WeightType.U4, 16)
     helper = runtime.HostHelper(str(build_helper(spec, tmp_path)), spec.name)
-    prepare = moe._prepare_fn(helper.lib)
+    prepare = moe_grouped._prepare_fn(helper.lib)
 
     def refusal(offsets=64, experts=4, **fields):
         a = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=40, n=64, k=256, group_size=64, sm_count=132,

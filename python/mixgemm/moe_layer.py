@@ -1,5 +1,6 @@
 """The fused MoE layer: routing, gate/up with swiglu, down and the weighted top-k sum, on the
-grouped kernels of :mod:`mixgemm.moe` (re-exported there: ``mixgemm.moe.fused_moe``).
+grouped kernels of :mod:`mixgemm.moe_grouped` (re-exported by :mod:`mixgemm.moe`:
+``mixgemm.moe.fused_moe``).
 
 :func:`plan_fused_moe` picks, from what the host knows (the rows ``T * topk``, the number of
 experts, the shapes), one of three plans (:class:`MoePlan`):
@@ -21,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from . import moe_grouped as grouped
 from .experts import PackedExperts
 from .moe_routing import combine, route_and_gather
 from .moe_tiles import split_layout, token_tiles
@@ -51,7 +53,7 @@ class MoePlan:
     @property
     def kind(self) -> str:
         """"split" (hot experts on the grouped GEMM), "tiles" (both GEMMs on the grouped GEMM over
-        one token-tile layout) or "each" (one :func:`mixgemm.moe.grouped_gemm_with_spec` call per
+        one token-tile layout) or "each" (one :func:`mixgemm.grouped.grouped_gemm_with_spec` call per
         GEMM: the grouped decode kernels, or gate/up and down on different token tiles)."""
         if self.hot_gate_up is not None:
             return "split"
@@ -70,28 +72,27 @@ def plan_fused_moe(rows: int, act_type, weight_type: WeightType, num_experts: in
                    intermediate: int) -> MoePlan:
     """The :class:`MoePlan` of :func:`fused_moe` for ``rows = T * topk`` assignments over experts
     ``[2 * intermediate, hidden]`` (gate/up) and ``[hidden, intermediate]`` (down). Gate/up's
-    kernel (:func:`mixgemm.moe.grouped_spec_for`) decides; down follows on the same layout. Below
+    kernel (:func:`mixgemm.grouped.grouped_spec_for`) decides; down follows on the same layout. Below
     the grouped GEMM's threshold but from :data:`SPLIT_FROM_ROWS` rows per expert: "split", the
     experts with at least that threshold's rows on the 64-row grouped GEMM."""
-    from . import moe
     from .codegen import GROUPED_GEMM_TILES
     from .specs import GroupedGemmSpec
 
     tile_m = GROUPED_GEMM_TILES["g64"][0]
-    spec13 = moe.grouped_spec_for(rows, act_type, weight_type, "swiglu", num_experts, 2 * intermediate, hidden)
+    spec13 = grouped.grouped_spec_for(rows, act_type, weight_type, "swiglu", num_experts, 2 * intermediate, hidden)
     if spec13.kind is KernelKind.GROUPED_GEMM and hidden % tile_m == 0:
         return MoePlan(spec13, GroupedGemmSpec(act_type, weight_type, spec13.tile_m, spec13.tile_n, spec13.tile_k))
-    spec2 = moe.decode_spec_for(rows, act_type, weight_type)
+    spec2 = grouped.decode_spec_for(rows, act_type, weight_type)
     per_expert = rows / max(1, min(num_experts, rows))
     if spec13.kind is KernelKind.GROUPED_DECODE and per_expert >= SPLIT_FROM_ROWS \
             and (2 * intermediate) % tile_m == 0 and hidden % tile_m == 0:
         tile = GROUPED_GEMM_TILES["g64"]
-        hot_from = moe.TILES_FROM_ROWS_LONG_K if hidden >= moe.LONG_K else moe.TILES_FROM_ROWS
+        hot_from = grouped.TILES_FROM_ROWS_LONG_K if hidden >= grouped.LONG_K else grouped.TILES_FROM_ROWS
         from .specs import Epilogue
         return MoePlan(spec13, spec2, GroupedGemmSpec(act_type, weight_type, *tile, Epilogue.SWIGLU),
                        GroupedGemmSpec(act_type, weight_type, *tile), hot_from)
     if spec13.kind is KernelKind.GROUPED_GEMM:   # gate/up on the grouped GEMM, down cannot follow
-        spec2 = moe.grouped_spec_for(rows, act_type, weight_type, None, num_experts, hidden, intermediate)
+        spec2 = grouped.grouped_spec_for(rows, act_type, weight_type, None, num_experts, hidden, intermediate)
     return MoePlan(spec13, spec2)
 
 
@@ -124,8 +125,6 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
         run on the grouped sm90 GEMM over x's rows in token tiles, for all experts or for those
         the routing gave many rows (one more launch, the layout kernel, lays the rows out on the GPU).
     """
-    from . import moe
-
     if not isinstance(w13, PackedExperts) or not isinstance(w2, PackedExperts):
         raise TypeError("w13 and w2 must be mixgemm.moe.PackedExperts")
     if w13.num_experts != w2.num_experts:
@@ -140,16 +139,16 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
     rows = xs.shape[0]
     plan = plan_fused_moe(rows, w13.act_type, w13.weight_type, w13.num_experts, w2.n, w2.k)
     if rows == 0 or plan.kind == "each":
-        h = moe.grouped_gemm_with_spec(xs, w13, routing.expert_offsets, plan.gate_up, activation="swiglu")
-        y = moe.grouped_gemm_with_spec(h, w2, routing.expert_offsets, plan.down)
+        h = grouped.grouped_gemm_with_spec(xs, w13, routing.expert_offsets, plan.gate_up, activation="swiglu")
+        y = grouped.grouped_gemm_with_spec(h, w2, routing.expert_offsets, plan.down)
         return combine(y, routing, topk_weights)
     if plan.kind == "tiles":
         # both GEMMs on the grouped sm90 GEMM over one token-tile layout
         tiles = token_tiles(routing.expert_offsets, rows, plan.gate_up.tile_n, routing.inv)
         xp = xs.new_empty((tiles.capacity + 1, xs.shape[1]))
         xp.index_copy_(0, tiles.positions, xs)
-        hp = moe.launch_tiles(xp, w13, tiles, "swiglu", plan.gate_up)
-        yp = moe.launch_tiles(hp, w2, tiles, None, plan.down)
+        hp = grouped.launch_tiles(xp, w13, tiles, "swiglu", plan.gate_up)
+        yp = grouped.launch_tiles(hp, w2, tiles, None, plan.down)
         return combine(yp, routing._replace(inv=tiles.inv), topk_weights)
     # split: one buffer, the cold experts' rows first (grouped decode), then the hot experts' tiles
     lay = split_layout(routing.expert_offsets, rows, plan.hot_gate_up.tile_n, plan.hot_from, routing.inv)
@@ -158,10 +157,10 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
     xb.index_copy_(0, lay.tiles.positions, xs)
     hb = xs.new_empty((total, w13.n // 2))
     yb = xs.new_empty((total, w2.n))
-    moe.grouped_gemm_with_spec(xb[:rows], w13, lay.cold_offsets, plan.gate_up, out=hb[:rows], activation="swiglu")
-    moe.launch_tiles(xb[rows:], w13, lay.tiles, "swiglu", plan.hot_gate_up, out=hb[rows:])
-    moe.grouped_gemm_with_spec(hb[:rows], w2, lay.cold_offsets, plan.down, out=yb[:rows])
-    moe.launch_tiles(hb[rows:], w2, lay.tiles, None, plan.hot_down, out=yb[rows:])
+    grouped.grouped_gemm_with_spec(xb[:rows], w13, lay.cold_offsets, plan.gate_up, out=hb[:rows], activation="swiglu")
+    grouped.launch_tiles(xb[rows:], w13, lay.tiles, "swiglu", plan.hot_gate_up, out=hb[rows:])
+    grouped.grouped_gemm_with_spec(hb[:rows], w2, lay.cold_offsets, plan.down, out=yb[:rows])
+    grouped.launch_tiles(hb[rows:], w2, lay.tiles, None, plan.hot_down, out=yb[rows:])
     return combine(yb, routing._replace(inv=lay.tiles.inv), topk_weights)
 
 

@@ -6,7 +6,7 @@ tiles first, ":t" token tiles first (else the shipped walk).
 usage: moe_tiles_sweep.py MODE[:w|:t] bench-args..."""
 import sys
 
-from mixgemm import moe
+from mixgemm import moe_grouped as moe   # the thresholds live (and are read) in moe_grouped
 from mixgemm.cli import main
 
 INF = float("inf")
