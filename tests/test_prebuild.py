@@ -170,3 +170,42 @@ def test_build_for_reports_a_failed_launcher(fake_env, monkeypatch, caplog):  # 
     monkeypatch.setenv("MIXGEMM_LAUNCHER", "compiled")
     with pytest.raises(build.BuildError, match="not the compiled launcher: no compiler today"):
         prebuild.build_for(QuantLinear(1024, 1024), max_tokens=1, progress=False)
+
+
+def _quant_moe(e, h, i, bits=4):
+    from torch import nn
+
+    from mixgemm.nn_moe import QuantMoE
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+            self.down_proj = nn.Linear(i, h, bias=False)
+
+    torch.manual_seed(0)
+    return QuantMoE.from_mlps([Mlp().to(torch.bfloat16) for _ in range(e)], bits, 64)
+
+
+@pytest.mark.parametrize("e,h,i", [(8, 256, 128), (4, 4096, 128), (16, 128, 4096)])
+def test_moe_layers_bring_every_kernel_their_forward_can_launch(e, h, i):
+    from torch import nn
+
+    from mixgemm import moe
+    from mixgemm.specs import KernelKind, MoeLayoutSpec
+
+    layer = _quant_moe(e, h, i)
+    got = {s.name for s in prebuild.specs_for(nn.Sequential(nn.Linear(2, 2), layer))}
+    want = set()
+    for rows in range(1, e * 300):                 # every row count up to 300 per expert, brute force
+        for experts, activation in ((layer.experts("w13"), "swiglu"), (layer.experts("w2"), None)):
+            spec = moe.select_grouped_spec(rows, experts, activation)
+            want.add(spec.name)
+            if spec.kind is KernelKind.GROUPED_GEMM:
+                want.add(MoeLayoutSpec().name)
+    assert want <= got
+    assert {"mixgemm_moe_route_i32", "mixgemm_moe_route_i64", "mixgemm_moe_combine_bf16_wf32"} <= got
+    assert got - want <= {n for n in got if n.startswith(("mixgemm_moe_route", "mixgemm_moe_combine"))}
+    # at most one token: the grouped decode kernels only
+    few = {s.name for s in prebuild.moe_specs_for(layer, max_tokens=1)}
+    assert not any("ggemm" in n or n == "mixgemm_moe_layout" for n in few) and any("gdecode" in n for n in few)

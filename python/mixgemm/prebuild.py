@@ -17,6 +17,10 @@ without an activation. A weight with zero offsets (HQQ imports) runs its activat
 kernel, in torch (:func:`mixgemm.gemm`), so it needs the kernel without one. Files and model
 directories are read by :mod:`mixgemm.checkpoint_weights` (headers only, no tensor data).
 
+A :class:`~mixgemm.nn_moe.QuantMoE` inside an ``nn.Module`` adds the kernels its forward can
+launch (:func:`moe_specs_for`): the grouped kernels of its two GEMMs at every row count, the
+layout kernel, and the routing and combine kernels.
+
 The dequantizer kernels (:func:`mixgemm.dequantize`) are not on the GEMM path and are not
 included.
 """
@@ -32,7 +36,7 @@ import torch
 from .specs import Activation, KernelSpec
 from .types import ActType, PackedWeight, WeightType
 
-__all__ = ["WeightUse", "token_counts", "uses_of", "specs_for", "build_for"]
+__all__ = ["WeightUse", "token_counts", "uses_of", "specs_for", "moe_specs_for", "build_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +169,49 @@ def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
         for m in ms:
             spec = select_spec(m, w, None if activation is Activation.NONE else activation.value)
             specs[spec.name] = spec
+    for layer in _moe_layers(items):
+        specs.update((spec.name, spec) for spec in moe_specs_for(layer, max_tokens))
+    return [specs[name] for name in sorted(specs)]
+
+
+def _moe_layers(items) -> list:
+    from .nn_moe import QuantMoE
+
+    items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
+    return [mod for item in items if isinstance(item, torch.nn.Module)
+            for mod in item.modules() if isinstance(mod, QuantMoE)]
+
+
+def moe_specs_for(layer, max_tokens: Optional[int] = None) -> list[KernelSpec]:
+    """Every kernel a :class:`~mixgemm.nn_moe.QuantMoE`'s forward can launch for up to
+    ``max_tokens`` tokens (any number when None): for every row count ``T * topk`` (at most
+    ``max_tokens * E``), the grouped kernel of gate/up (swiglu) and of down
+    (:func:`mixgemm.moe.select_grouped_spec`, piecewise constant in the rows per expert, so one
+    row count per piece is enough), the layout kernel where the grouped GEMM runs, and the
+    routing kernels (int32 and int64 ids) and combine kernels (float32, bf16 and fp16 routing
+    weights) of its activation type. Sorted by name, without repeats."""
+    import torch as _torch
+
+    from . import moe
+    from .moe_routing import routing_specs
+    from .specs import KernelKind, MoeLayoutSpec
+
+    e = layer.num_experts
+    w13, w2 = layer.experts("w13"), layer.experts("w2")
+    per_expert = {1, moe.TILES_FROM_ROWS_LONG_K, moe.TILES_FROM_ROWS, moe.TILE128_FROM_ROWS, moe.TILE256_FROM_ROWS}
+    rows = set(range(1, 17)) | {e * r for r in per_expert}
+    if max_tokens is not None:
+        rows = {r for r in rows if r <= max_tokens * e} or {1}
+    specs: dict[str, KernelSpec] = {}
+    for r in sorted(rows):
+        for experts, activation in ((w13, "swiglu"), (w2, None)):
+            spec = moe.select_grouped_spec(r, experts, activation)
+            specs[spec.name] = spec
+            if spec.kind is KernelKind.GROUPED_GEMM:
+                specs[MoeLayoutSpec().name] = MoeLayoutSpec()
+    for ids in (_torch.int32, _torch.int64):
+        for weights in (_torch.float32, _torch.bfloat16, _torch.float16):
+            specs.update((spec.name, spec) for spec in routing_specs(w13.act_type, ids, weights))
     return [specs[name] for name in sorted(specs)]
 
 
