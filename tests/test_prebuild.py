@@ -197,9 +197,10 @@ def test_moe_layers_bring_every_kernel_their_forward_can_launch(e, h, i):
     layer = _quant_moe(e, h, i)
     got = {s.name for s in prebuild.specs_for(nn.Sequential(nn.Linear(2, 2), layer))}
     want = set()
+    w13 = layer.experts("w13")
     for rows in range(1, e * 300):                 # every row count up to 300 per expert, brute force
-        for experts, activation in ((layer.experts("w13"), "swiglu"), (layer.experts("w2"), None)):
-            spec = moe.select_grouped_spec(rows, experts, activation)
+        chosen = [moe.select_grouped_spec(rows, ex, act) for ex, act in ((w13, "swiglu"), (layer.experts("w2"), None))]
+        for spec in chosen + list(moe.plan_fused_moe(rows, w13.act_type, w13.weight_type, e, h, i).specs):
             want.add(spec.name)
             if spec.kind is KernelKind.GROUPED_GEMM:
                 want.add(MoeLayoutSpec().name)
@@ -209,3 +210,54 @@ def test_moe_layers_bring_every_kernel_their_forward_can_launch(e, h, i):
     # at most one token: the grouped decode kernels only
     few = {s.name for s in prebuild.moe_specs_for(layer, max_tokens=1)}
     assert not any("ggemm" in n or n == "mixgemm_moe_layout" for n in few) and any("gdecode" in n for n in few)
+
+
+def test_a_moe_checkpoint_brings_its_grouped_kernels(tmp_path):
+    import mixgemm
+    from mixgemm import checkpoint_weights
+    from mixgemm.experts import PackedExperts
+    from mixgemm.prebuild import ExpertsUse
+
+    w13 = PackedExperts.quantize(torch.randn(4, 256, 128, dtype=torch.bfloat16), 4, 64)
+    w2 = PackedExperts.quantize(torch.randn(4, 128, 128, dtype=torch.bfloat16), 4, 64)
+    dense = mixgemm.quantize(torch.randn(128, 128, dtype=torch.bfloat16), 4, 64)
+    path = tmp_path / "moe.safetensors"
+    mixgemm.save(path, {"layers.0.mlp.experts.w13.weight": w13, "layers.0.mlp.experts.w2.weight": w2,
+                        "layers.0.self_attn.o_proj.weight": mixgemm.prepack(dense)})
+    uses = checkpoint_weights.weight_uses(path)
+    experts = [u for u in uses if isinstance(u, ExpertsUse)]
+    assert experts == [ExpertsUse(4, 128, 128, w13.weight_type, w13.act_type)]
+    assert experts[0].name == "layers.0.mlp.experts"
+    names = {s.name for s in prebuild.specs_for(uses)}
+    assert {s.name for s in prebuild.moe_specs_for(experts[0])} <= names
+    # the dense layer keeps its own kernels; the experts bring no dense GEMM of their shape
+    assert names == {s.name for s in prebuild.specs_for([u for u in uses if not isinstance(u, ExpertsUse)])} \
+        | {s.name for s in prebuild.moe_specs_for(experts[0])}
+
+
+@pytest.mark.parametrize("keep", ("w13", "w2"))
+def test_stacked_experts_without_a_partner_are_refused(tmp_path, keep):
+    import mixgemm
+    from mixgemm import checkpoint_weights
+    from mixgemm.errors import UserError
+    from mixgemm.experts import PackedExperts
+
+    ex = {"w13": PackedExperts.quantize(torch.randn(4, 256, 128, dtype=torch.bfloat16), 4, 64),
+          "w2": PackedExperts.quantize(torch.randn(4, 128, 128, dtype=torch.bfloat16), 4, 64)}
+    path = tmp_path / "half.safetensors"
+    mixgemm.save(path, {f"layers.0.mlp.experts.{keep}.weight": ex[keep]})
+    with pytest.raises(UserError, match="no partner"):
+        checkpoint_weights.weight_uses(path)
+
+
+def test_stacked_experts_that_do_not_fit_are_refused(tmp_path):
+    import mixgemm
+    from mixgemm import checkpoint_weights
+    from mixgemm.errors import UserError
+    from mixgemm.experts import PackedExperts
+
+    path = tmp_path / "bad.safetensors"
+    mixgemm.save(path, {"e.w13.weight": PackedExperts.quantize(torch.randn(4, 256, 128, dtype=torch.bfloat16), 4, 64),
+                        "e.w2.weight": PackedExperts.quantize(torch.randn(4, 128, 192, dtype=torch.bfloat16), 4, 64)})
+    with pytest.raises(UserError, match="do not make one MoE layer"):
+        checkpoint_weights.weight_uses(path)

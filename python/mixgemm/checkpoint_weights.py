@@ -1,6 +1,7 @@
 """The quantized weights a checkpoint holds, read from its headers only (no tensor data), as the
 :class:`~mixgemm.prebuild.WeightUse` list that decides its kernels (``mixgemm generate --build
---for PATH``).
+--for PATH``); a mixgemm file's stacked experts (``<prefix>.w13`` / ``<prefix>.w2``, as
+``mixgemm prepack`` writes a MoE checkpoint) are one :class:`~mixgemm.prebuild.ExpertsUse` each.
 
 Two kinds of checkpoint are read:
 
@@ -84,9 +85,11 @@ class _Layer:
     needs: group size, bias, and the act-order permutation's identity)."""
 
     def __init__(self, name: str, n: int, k: int, wt: WeightType, act: ActType, group_size: Optional[int],
-                 zero_offsets: bool = False, perm: Optional[bytes] = None, bias: bool = False):
+                 zero_offsets: bool = False, perm: Optional[bytes] = None, bias: bool = False,
+                 experts: Optional[int] = None):
         self.name, self.n, self.k, self.wt, self.act = name, n, k, wt, act
         self.group_size, self.zero_offsets, self.perm, self.bias = group_size, zero_offsets, perm, bias
+        self.experts = experts      # stacked experts (mixgemm.experts.PackedExperts): E; else None
 
     def use(self, activation: Activation = Activation.NONE, n: Optional[int] = None) -> WeightUse:
         return WeightUse(self.n if n is None else n, self.k, self.wt, self.act, activation, self.zero_offsets,
@@ -100,7 +103,7 @@ class _Layer:
 
 
 def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
-                fuse_gate_up: bool = True) -> list[WeightUse]:
+                fuse_gate_up: bool = True) -> list:
     """The weight uses of a checkpoint, from its headers.
 
     Parameters
@@ -116,8 +119,9 @@ def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
 
     Returns
     -------
-    list of WeightUse
-        One per (fused) layer, in name order.
+    list of WeightUse and ExpertsUse
+        One WeightUse per (fused) layer, in name order, then one
+        :class:`~mixgemm.prebuild.ExpertsUse` per MoE layer of stacked experts.
 
     Raises
     ------
@@ -161,9 +165,33 @@ def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
         raise UserError(f"{path}: no such file or directory")
     if not layers:
         raise UserError(f"{path}: no quantized weight found")
-    if fuse_gate_up and silu:
-        return _fuse(layers)
-    return [layers[name].use() for name in sorted(layers)]
+    stacked = {name: layer for name, layer in layers.items() if layer.experts is not None}
+    layers = {name: layer for name, layer in layers.items() if layer.experts is None}
+    dense = _fuse(layers) if fuse_gate_up and silu else [layers[name].use() for name in sorted(layers)]
+    return dense + _experts_uses(stacked, path)
+
+
+def _experts_uses(stacked: Dict[str, _Layer], path) -> list:
+    """One :class:`~mixgemm.prebuild.ExpertsUse` per MoE layer: its stacked ``<prefix>.w13``
+    (gate/up interleaved, ``[2I, H]``) and ``<prefix>.w2`` (``[H, I]``), as ``mixgemm prepack``
+    writes them and :func:`mixgemm.moe.fused_moe` takes them."""
+    from .prebuild import ExpertsUse
+
+    out = []
+    for name in sorted(stacked):
+        prefix, _, part = name.rpartition(".")
+        if part == "w2" and f"{prefix}.w13" in stacked:
+            continue
+        w13, w2 = stacked.get(f"{prefix}.w13"), stacked.get(f"{prefix}.w2")
+        if part != "w13" or w2 is None:
+            raise UserError(f"{path}: stacked experts {name!r} have no partner: a MoE layer's experts are "
+                            f"'<prefix>.w13' (gate/up) and '<prefix>.w2' (down), as mixgemm prepack writes them")
+        if (w13.experts, w13.wt, w13.act, w13.k, w13.n) != (w2.experts, w2.wt, w2.act, w2.n, 2 * w2.k):
+            raise UserError(f"{path}: {prefix}.w13 ({w13.experts} x [{w13.n}, {w13.k}], {w13.wt.value}) and "
+                            f"{prefix}.w2 ({w2.experts} x [{w2.n}, {w2.k}], {w2.wt.value}) do not make one MoE "
+                            f"layer (want E x [2I, H] and E x [H, I] of one type)")
+        out.append(ExpertsUse(w13.experts, w13.k, w2.k, w13.wt, w13.act, prefix))
+    return out
 
 
 def _read_json(config: Path) -> dict:
@@ -255,7 +283,7 @@ def _mixgemm_layers(files: list, act: Optional[ActType]) -> Dict[str, _Layer]:
             _kept(layers, _Layer(layer, spec["n"], spec["k"], spec["weight_type"],
                                  act or ActType.from_torch(spec["dtype"]), spec["group_size"],
                                  zero_offsets=f"{name}.zero_offsets" in tensors, perm=perm,
-                                 bias=f"{layer}.bias" in tensors))
+                                 bias=f"{layer}.bias" in tensors, experts=spec.get("experts")))
     return layers
 
 

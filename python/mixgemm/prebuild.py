@@ -17,8 +17,9 @@ without an activation. A weight with zero offsets (HQQ imports) runs its activat
 kernel, in torch (:func:`mixgemm.gemm`), so it needs the kernel without one. Files and model
 directories are read by :mod:`mixgemm.checkpoint_weights` (headers only, no tensor data).
 
-A :class:`~mixgemm.nn_moe.QuantMoE` inside an ``nn.Module`` adds the kernels its forward can
-launch (:func:`moe_specs_for`): the grouped kernels of its two GEMMs at every row count, the
+A :class:`~mixgemm.nn_moe.QuantMoE` inside an ``nn.Module``, or an :class:`ExpertsUse` (a
+checkpoint's stacked experts, :mod:`mixgemm.checkpoint_weights`), adds the kernels a MoE layer
+can launch (:func:`moe_specs_for`): the grouped kernels of its two GEMMs at every row count, the
 layout kernel, and the routing and combine kernels.
 
 The dequantizer kernels (:func:`mixgemm.dequantize`) are not on the GEMM path and are not
@@ -36,7 +37,7 @@ import torch
 from .specs import Activation, KernelSpec
 from .types import ActType, PackedWeight, WeightType
 
-__all__ = ["WeightUse", "token_counts", "uses_of", "specs_for", "moe_specs_for", "build_for"]
+__all__ = ["WeightUse", "ExpertsUse", "token_counts", "uses_of", "specs_for", "moe_specs_for", "build_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,27 @@ def token_counts(max_tokens: Optional[int] = None) -> list[int]:
     return [m for m in firsts if max_tokens is None or m <= max_tokens]
 
 
-Item = Union[WeightUse, PackedWeight, torch.nn.Module]
+@dataclasses.dataclass(frozen=True)
+class ExpertsUse:
+    """A MoE layer's stacked experts as the grouped kernels see them: ``num_experts`` experts of
+    gate/up ``[2 * intermediate, hidden]`` (interleaved, swiglu) and down ``[hidden, intermediate]``,
+    of one weight type and activation dtype. ``name``: where they come from (messages only)."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    weight_type: WeightType
+    act: ActType
+    name: str = dataclasses.field(default="", compare=False)
+
+    @classmethod
+    def of_layer(cls, layer, name: str = "") -> "ExpertsUse":
+        """From a :class:`~mixgemm.nn_moe.QuantMoE`."""
+        w13 = layer.experts("w13")
+        return cls(layer.num_experts, layer.hidden_size, layer.intermediate_size, w13.weight_type, w13.act_type, name)
+
+
+Item = Union[WeightUse, ExpertsUse, PackedWeight, torch.nn.Module]
 
 
 def uses_of(items: Union[Item, Iterable[Item]]) -> list[WeightUse]:
@@ -128,6 +149,8 @@ def uses_of(items: Union[Item, Iterable[Item]]) -> list[WeightUse]:
                         f"{type(items).__name__}")
     out: list[WeightUse] = []
     for item in items:
+        if isinstance(item, ExpertsUse):
+            continue                     # the grouped kernels: moe_specs_for
         if isinstance(item, WeightUse):
             out.append(item)
         elif isinstance(item, PackedWeight):
@@ -169,49 +192,59 @@ def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
         for m in ms:
             spec = select_spec(m, w, None if activation is Activation.NONE else activation.value)
             specs[spec.name] = spec
-    for layer in _moe_layers(items):
-        specs.update((spec.name, spec) for spec in moe_specs_for(layer, max_tokens))
+    for use in _experts_uses(items):
+        specs.update((spec.name, spec) for spec in moe_specs_for(use, max_tokens))
     return [specs[name] for name in sorted(specs)]
 
 
-def _moe_layers(items) -> list:
+def _experts_uses(items) -> list[ExpertsUse]:
+    """The ExpertsUses among ``items`` and of every QuantMoE inside their nn.Modules."""
     from .nn_moe import QuantMoE
 
-    items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
-    return [mod for item in items if isinstance(item, torch.nn.Module)
-            for mod in item.modules() if isinstance(mod, QuantMoE)]
+    items = [items] if isinstance(items, (torch.nn.Module, ExpertsUse)) or not isinstance(items, _Iterable) else items
+    out = [item for item in items if isinstance(item, ExpertsUse)]
+    out += [ExpertsUse.of_layer(mod, name) for item in items if isinstance(item, torch.nn.Module)
+            for name, mod in item.named_modules() if isinstance(mod, QuantMoE)]
+    return out
 
 
-def moe_specs_for(layer, max_tokens: Optional[int] = None) -> list[KernelSpec]:
-    """Every kernel a :class:`~mixgemm.nn_moe.QuantMoE`'s forward can launch for up to
-    ``max_tokens`` tokens (any number when None): for every row count ``T * topk`` (at most
-    ``max_tokens * E``), the grouped kernel of gate/up (swiglu) and of down
-    (:func:`mixgemm.moe.select_grouped_spec`, piecewise constant in the rows per expert, so one
-    row count per piece is enough), the layout kernel where the grouped GEMM runs, and the
-    routing kernels (int32 and int64 ids) and combine kernels (float32, bf16 and fp16 routing
-    weights) of its activation type. Sorted by name, without repeats."""
+def moe_specs_for(use: Union[ExpertsUse, torch.nn.Module], max_tokens: Optional[int] = None) -> list[KernelSpec]:
+    """Every kernel a MoE layer (an :class:`ExpertsUse`, or a :class:`~mixgemm.nn_moe.QuantMoE`)
+    can launch for up to ``max_tokens`` tokens (any number when None): for every row count
+    ``T * topk`` (at most ``max_tokens * E``), the grouped kernel of gate/up (swiglu) and of down
+    (:func:`mixgemm.moe.grouped_spec_for`: QuantMoE's forward) and those of
+    :func:`mixgemm.moe.plan_fused_moe` (both piecewise constant in the rows per expert, so one
+    row count per piece is enough), the layout kernel where the grouped GEMM runs, and the routing
+    kernels (int32 and int64 ids) and combine kernels (float32, bf16 and fp16 routing weights) of
+    its activation type. Sorted by name, without repeats."""
     import torch as _torch
 
     from . import moe
     from .moe_routing import routing_specs
     from .specs import KernelKind, MoeLayoutSpec
 
-    e = layer.num_experts
-    w13, w2 = layer.experts("w13"), layer.experts("w2")
-    per_expert = {1, moe.TILES_FROM_ROWS_LONG_K, moe.TILES_FROM_ROWS, moe.TILE128_FROM_ROWS, moe.TILE256_FROM_ROWS}
+    if not isinstance(use, ExpertsUse):
+        use = ExpertsUse.of_layer(use)
+    e, h, i = use.num_experts, use.hidden, use.intermediate
+    from .moe_layer import SPLIT_FROM_ROWS
+
+    per_expert = {1, SPLIT_FROM_ROWS, moe.TILES_FROM_ROWS_LONG_K, moe.TILES_FROM_ROWS, moe.TILE128_FROM_ROWS,
+                  moe.TILE256_FROM_ROWS}
     rows = set(range(1, 17)) | {e * r for r in per_expert}
     if max_tokens is not None:
         rows = {r for r in rows if r <= max_tokens * e} or {1}
     specs: dict[str, KernelSpec] = {}
     for r in sorted(rows):
-        for experts, activation in ((w13, "swiglu"), (w2, None)):
-            spec = moe.select_grouped_spec(r, experts, activation)
+        # QuantMoE's forward (one grouped_gemm per GEMM) and fused_moe's plans
+        chosen = [moe.grouped_spec_for(r, use.act, use.weight_type, activation, e, n, k)
+                  for activation, n, k in (("swiglu", 2 * i, h), (None, h, i))]
+        for spec in chosen + list(moe.plan_fused_moe(r, use.act, use.weight_type, e, h, i).specs):
             specs[spec.name] = spec
             if spec.kind is KernelKind.GROUPED_GEMM:
                 specs[MoeLayoutSpec().name] = MoeLayoutSpec()
     for ids in (_torch.int32, _torch.int64):
         for weights in (_torch.float32, _torch.bfloat16, _torch.float16):
-            specs.update((spec.name, spec) for spec in routing_specs(w13.act_type, ids, weights))
+            specs.update((spec.name, spec) for spec in routing_specs(use.act, ids, weights))
     return [specs[name] for name in sorted(specs)]
 
 
