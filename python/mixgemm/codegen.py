@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 from ._version import __version__
 from .specs import (SWIZZLES, Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, GroupedDecodeSpec,
@@ -263,8 +263,9 @@ def _cutlass_library():
     return library, gemm_operation
 
 
-def _gemm_operation(spec: GemmSpec, grouped: bool = False):
-    """cutlass_library's operation for ``spec``; ``grouped``: with mixgemm's grouped scheduler."""
+def _gemm_operation(spec: GemmSpec, grouped: bool = False, name: Optional[str] = None):
+    """cutlass_library's operation for ``spec``, named ``name`` (default: the spec's name + "_op");
+    ``grouped``: with mixgemm's grouped scheduler."""
     L, G = _cutlass_library()
 
     class _NamedGemmOperation(G.GemmOperation):
@@ -298,7 +299,7 @@ def _gemm_operation(spec: GemmSpec, grouped: bool = False):
     mode = L.MixedInputMode.ScaleOnly if spec.weight.signed else L.MixedInputMode.ScaleWithZeroPoint
     align_a = 128 // spec.weight.bits
     return _NamedGemmOperation(
-        f"{spec.name}_op",
+        name or f"{spec.name}_op",
         gemm_kind=L.GemmKind.Universal3x, arch=90, tile_description=tile,
         A=L.TensorDescription(code, _MixgemmLayout.PrepackedSm90, align_a),
         B=L.TensorDescription(act, L.LayoutType.ColumnMajor, 8),
@@ -358,8 +359,7 @@ def render(spec: KernelSpec) -> str:
         raise TypeError(f"not a kernel spec: {spec!r}")
     _, G = _cutlass_library()
     dense = spec.dense if grouped else spec
-    op = _gemm_operation(dense, grouped)
-    op._mixgemm_name = f"{spec.name}_op"
+    op = _gemm_operation(dense, grouped, f"{spec.name}_op")
     body = G.EmitGemmUniversal3xInstance().emit(op)
     op_name = op.procedural_name()
     include = '#include "mixgemm/gemm_prelude.hpp"\n'

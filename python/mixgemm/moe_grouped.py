@@ -54,6 +54,12 @@ TILE256_FROM_ROWS = 192
 TILES_RASTER = Raster.WEIGHT_ROWS
 
 
+def tiles_from_rows(k: int) -> int:
+    """Rows per expert from which the grouped GEMM of reduction length ``k`` replaces the grouped
+    decode kernel: :data:`TILES_FROM_ROWS`, or :data:`TILES_FROM_ROWS_LONG_K` from :data:`LONG_K`."""
+    return TILES_FROM_ROWS_LONG_K if k >= LONG_K else TILES_FROM_ROWS
+
+
 def select_grouped_spec(rows: int, experts: PackedExperts, activation: Optional[str] = None):
     """The grouped kernel for ``rows`` rows of x over ``experts``. By rows per expert with rows
     (``rows / min(E, rows)``): below :data:`TILES_FROM_ROWS` the grouped decode kernel (the 8-row
@@ -75,8 +81,7 @@ def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: O
     from .specs import Epilogue, GroupedGemmSpec
 
     per_expert = rows / max(1, min(num_experts, rows))
-    from_rows = TILES_FROM_ROWS_LONG_K if k >= LONG_K else TILES_FROM_ROWS
-    if per_expert >= from_rows and (n is None or n % GROUPED_GEMM_TILES["g64"][0] == 0):
+    if per_expert >= tiles_from_rows(k) and (n is None or n % GROUPED_GEMM_TILES["g64"][0] == 0):
         label = ("g256" if per_expert >= TILE256_FROM_ROWS else "g128" if per_expert >= TILE128_FROM_ROWS
                  else "g64")
         epilogue = Epilogue.SWIGLU if activation == "swiglu" else Epilogue.BIAS_ACT

@@ -26,7 +26,8 @@ from . import moe_grouped as grouped
 from .experts import PackedExperts
 from .moe_routing import combine, route_and_gather
 from .moe_tiles import split_layout, token_tiles
-from .specs import KernelKind
+from .codegen import GROUPED_GEMM_TILES
+from .specs import Epilogue, GroupedGemmSpec, KernelKind
 from .types import WeightType
 
 __all__ = ["MoePlan", "plan_fused_moe", "fused_moe", "fused_moe_reference"]
@@ -53,7 +54,7 @@ class MoePlan:
     @property
     def kind(self) -> str:
         """"split" (hot experts on the grouped GEMM), "tiles" (both GEMMs on the grouped GEMM over
-        one token-tile layout) or "each" (one :func:`mixgemm.grouped.grouped_gemm_with_spec` call per
+        one token-tile layout) or "each" (one :func:`mixgemm.moe_grouped.grouped_gemm_with_spec` call per
         GEMM: the grouped decode kernels, or gate/up and down on different token tiles)."""
         if self.hot_gate_up is not None:
             return "split"
@@ -72,12 +73,9 @@ def plan_fused_moe(rows: int, act_type, weight_type: WeightType, num_experts: in
                    intermediate: int) -> MoePlan:
     """The :class:`MoePlan` of :func:`fused_moe` for ``rows = T * topk`` assignments over experts
     ``[2 * intermediate, hidden]`` (gate/up) and ``[hidden, intermediate]`` (down). Gate/up's
-    kernel (:func:`mixgemm.grouped.grouped_spec_for`) decides; down follows on the same layout. Below
+    kernel (:func:`mixgemm.moe_grouped.grouped_spec_for`) decides; down follows on the same layout. Below
     the grouped GEMM's threshold but from :data:`SPLIT_FROM_ROWS` rows per expert: "split", the
     experts with at least that threshold's rows on the 64-row grouped GEMM."""
-    from .codegen import GROUPED_GEMM_TILES
-    from .specs import GroupedGemmSpec
-
     tile_m = GROUPED_GEMM_TILES["g64"][0]
     spec13 = grouped.grouped_spec_for(rows, act_type, weight_type, "swiglu", num_experts, 2 * intermediate, hidden)
     if spec13.kind is KernelKind.GROUPED_GEMM and hidden % tile_m == 0:
@@ -87,8 +85,7 @@ def plan_fused_moe(rows: int, act_type, weight_type: WeightType, num_experts: in
     if spec13.kind is KernelKind.GROUPED_DECODE and per_expert >= SPLIT_FROM_ROWS \
             and (2 * intermediate) % tile_m == 0 and hidden % tile_m == 0:
         tile = GROUPED_GEMM_TILES["g64"]
-        hot_from = grouped.TILES_FROM_ROWS_LONG_K if hidden >= grouped.LONG_K else grouped.TILES_FROM_ROWS
-        from .specs import Epilogue
+        hot_from = grouped.tiles_from_rows(hidden)
         return MoePlan(spec13, spec2, GroupedGemmSpec(act_type, weight_type, *tile, Epilogue.SWIGLU),
                        GroupedGemmSpec(act_type, weight_type, *tile), hot_from)
     if spec13.kind is KernelKind.GROUPED_GEMM:   # gate/up on the grouped GEMM, down cannot follow

@@ -217,8 +217,6 @@ def moe_specs_for(use: Union[ExpertsUse, torch.nn.Module], max_tokens: Optional[
     row count per piece is enough), the layout kernel where the grouped GEMM runs, and the routing
     kernels (int32 and int64 ids) and combine kernels (float32, bf16 and fp16 routing weights) of
     its activation type. Sorted by name, without repeats."""
-    import torch as _torch
-
     from . import moe
     from .moe_routing import routing_specs
     from .specs import KernelKind, MoeLayoutSpec
@@ -242,8 +240,8 @@ def moe_specs_for(use: Union[ExpertsUse, torch.nn.Module], max_tokens: Optional[
             specs[spec.name] = spec
             if spec.kind is KernelKind.GROUPED_GEMM:
                 specs[MoeLayoutSpec().name] = MoeLayoutSpec()
-    for ids in (_torch.int32, _torch.int64):
-        for weights in (_torch.float32, _torch.bfloat16, _torch.float16):
+    for ids in (torch.int32, torch.int64):
+        for weights in (torch.float32, torch.bfloat16, torch.float16):
             specs.update((spec.name, spec) for spec in routing_specs(use.act, ids, weights))
     return [specs[name] for name in sorted(specs)]
 
