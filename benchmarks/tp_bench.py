@@ -206,18 +206,12 @@ def delta_error(y, ref, x) -> float:
 
 
 def capture(fn):
-    """Warm ``fn`` up on a side stream, then capture it in a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: the NCCL watchdog thread may query events while this thread captures; in the
-    # default "global" mode that query would invalidate the capture
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        out = fn()
+    """Warm ``fn`` up on a side stream, then capture it in a CUDA graph (``mixgemm bench``'s
+    capture). thread_local: the NCCL watchdog thread may query events while this thread
+    captures; in the default "global" mode that query would invalidate the capture."""
+    from mixgemm.bench.run_support import cuda_capture
+
+    graph, out = cuda_capture(fn, capture_error_mode="thread_local")
     torch.cuda.synchronize()
     return graph, out
 
