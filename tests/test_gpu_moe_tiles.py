@@ -18,6 +18,7 @@ from mixgemm.quantize import interleave_gate_up, quantize
 from mixgemm.specs import Epilogue, GroupedGemmSpec, KernelKind
 from mixgemm.types import ActType, WeightType
 
+from moe_graph import capture_fused_moe, replay_matches_eager
 from test_gpu_moe import _experts, _offsets, _reference, _tolerance
 
 pytestmark = pytest.mark.gpu
@@ -126,23 +127,16 @@ def test_cuda_graph_replay_with_changing_routing(requires_gpu):
     ids = torch.zeros(t, topk, dtype=torch.long, device="cuda")
     w = torch.full((t, topk), 0.5, device="cuda")
     moe.fused_moe(x, w13, w2, w, ids)        # warm-up: kernels loaded before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe.fused_moe(x, w13, w2, w, ids)
+    graph, out = capture_fused_moe(x, w13, w2, w, ids)
     for seed in range(4):                    # new routing, new inputs, same buffers
         torch.manual_seed(seed)
-        ids.copy_(torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)]))
+        new = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
         if seed == 2:                        # skewed: most rows on two experts
-            ids.copy_(torch.where(torch.rand(t, topk, device="cuda") < 0.9, torch.tensor([[3, 6]], device="cuda"), ids))
+            new = torch.where(torch.rand(t, topk, device="cuda") < 0.9, torch.tensor([[3, 6]], device="cuda"), new)
         if seed == 3:
-            ids[:, 0].fill_(5)               # every token's first slot on one expert
-            ids[:, 1].fill_(2)
-        w.copy_(torch.softmax(torch.randn(t, topk, device="cuda"), -1))
-        x.copy_(torch.randn(t, h, device="cuda", dtype=torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = moe.fused_moe(x, w13, w2, w, ids)
-        assert torch.equal(out, want), f"replay {seed} differs from an eager call"
+            new[:, 0].fill_(5)               # every token's first slot on one expert
+            new[:, 1].fill_(2)
+        replay_matches_eager(graph, out, x, w13, w2, w, ids, new, seed)
         ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         assert err <= 4 * _tolerance(h, torch.bfloat16), f"replay {seed}: relative error {err:.3e}"
@@ -183,16 +177,10 @@ def test_cuda_graph_replay_of_the_split_plan(requires_gpu):
     ids = _skewed_ids(t, topk, e, "uniform")
     w = torch.full((t, topk), 0.25, device="cuda")
     moe.fused_moe(x, w13, w2, w, ids)        # warm-up: kernels loaded before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe.fused_moe(x, w13, w2, w, ids)
+    graph, out = capture_fused_moe(x, w13, w2, w, ids)
     for seed, kind in enumerate(("one-hot-expert", "uniform", "two-experts", "one-hot-expert")):
-        ids.copy_(_skewed_ids(t, topk, e, kind, seed))   # which experts are hot changes between replays
-        w.copy_(torch.softmax(torch.randn(t, topk, device="cuda"), -1))
-        x.copy_(torch.randn(t, h, device="cuda", dtype=torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, moe.fused_moe(x, w13, w2, w, ids)), f"replay {seed} ({kind}) differs from an eager call"
+        # which experts are hot changes between replays
+        replay_matches_eager(graph, out, x, w13, w2, w, ids, _skewed_ids(t, topk, e, kind, seed), f"{seed} ({kind})")
         ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         assert err <= 4 * _tolerance(h, torch.bfloat16), f"replay {seed} ({kind}): relative error {err:.3e}"
