@@ -122,11 +122,11 @@ class FakeKernels(runtime.KernelCache):
         self.helpers = helpers
         self.loads = 0
 
-    def _load(self, spec, device, entry=""):
+    def _load(self, spec, device):
         from cuda.bindings import driver as drv
 
         self.loads += 1
-        function = drv.CUfunction(function_handle(spec, entry))
+        function = drv.CUfunction(function_handle(spec))
         if not isinstance(spec, HELPER_KINDS):   # plain-argument kernels (dequant, MoE routing): no helper
             return runtime.LoadedKernel(spec, device, None, function, None, None)
         if self.helpers == "real":
@@ -136,9 +136,9 @@ class FakeKernels(runtime.KernelCache):
         return runtime.LoadedKernel(spec, device, None, function, helper, None)
 
 
-def function_handle(spec, entry: str = "") -> int:
-    """The made-up CUfunction of a kernel entry (distinct per kernel name and entry)."""
-    return 0x1000 + (zlib.crc32((spec.name + entry).encode()) & 0xFFFFFF) * 16
+def function_handle(spec) -> int:
+    """The made-up CUfunction of a kernel (distinct per kernel name)."""
+    return 0x1000 + (zlib.crc32(spec.name.encode()) & 0xFFFFFF) * 16
 
 
 class FakeGpu(contextlib.ExitStack):

@@ -18,7 +18,6 @@ import torch
 
 import mixgemm
 from mixgemm import ops
-from mixgemm.errors import KernelError
 from mixgemm.codegen import ALL_ACTS, ALL_WEIGHTS, default_specs
 from mixgemm.quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
 from mixgemm.specs import GEMM_KINDS, Activation, DecodeSpec, Epilogue, GemmSpec, Scheduler
@@ -272,58 +271,6 @@ def test_decode_forced_splits(spec: DecodeSpec, splits):
         assert torch.allclose(ys.float(), y1.float(), rtol=2 ** -7, atol=1e-3), f"M={m} splits={splits}"
         again = ops.gemm_with_spec(x, packed, spec, bias=bias, splits=splits)
         assert torch.equal(again, ys), "split-K reduction must be deterministic"
-
-
-#: decode kernels of every code type and activation, bf16 and fp16: their balanced entries
-BALANCED_SPECS = [s for s in GEMM_SPECS if isinstance(s, DecodeSpec)]
-
-
-@pytest.mark.parametrize("group", (32, 128, "K"))
-@pytest.mark.parametrize("spec", BALANCED_SPECS, ids=lambda s: s.name)
-def test_decode_balanced_schedule(spec: DecodeSpec, group):
-    """The balanced schedule (decode_kernel.hpp, Balanced: the [row block][k-atom] space cut into
-    equal contiguous ranges, one per CTA, each crossing row blocks and scale groups anywhere) gives
-    the float64 result on an odd shape (97 stripes: a partial last row block; 36 k-atoms) for
-    CTA counts from one (a CTA runs every row block in turn) through row blocks x k-atoms (one
-    atom each), with the fixed epilogue activations, and is deterministic (a row block's parts
-    are added in k order)."""
-    dev = _dev()
-    n, k = 1552, 2304
-    dtype = spec.act.torch_dtype
-    activation = _fixed_activation(spec)
-    row_blocks = -(-(n // 16) // (spec.warps // spec.kslices))
-    atoms = row_blocks * (k // 64)
-    packed, deq = _weights(spec.act, spec.weight, group, n, k)
-    bias = torch.randn(n, device=dev, dtype=dtype)
-    if activation is Activation.SWIGLU:
-        def ref_fn(x):
-            z = (x.double() @ deq.T + bias.double()).view(x.shape[0], n // 16, 2, 8)
-            return (torch.nn.functional.silu(z[:, :, 0]) * z[:, :, 1]).reshape(x.shape[0], n // 2)
-    elif activation is Activation.NONE:
-        ref_fn = lambda x: x.double() @ deq.T + bias.double()
-    else:
-        ref_fn = lambda x: _ACT_FN[activation](x.double() @ deq.T + bias.double())
-    for m in sorted({1, 3, spec.tokens}):
-        x = torch.randn(m, k, device=dev, dtype=dtype)
-        ref = ref_fn(x)
-        ran = []
-        for ctas in (1, 7, 132, 396, atoms):
-            y = torch.full(ref.shape, float("nan"), device=dev, dtype=dtype)
-            try:
-                ops.gemm_with_spec(x, packed, spec, bias=bias, out=y, balanced=ctas)
-            except KernelError as e:   # few CTAs: whole-K segments of a 32-token x tile may not fit
-                assert "shared memory" in str(e) and ctas < 132, f"M={m} CTAs={ctas}: {e}"
-                continue
-            ran.append(ctas)
-            assert not torch.isnan(y).any(), f"M={m} CTAs={ctas}: unwritten outputs"
-            err = ((y.double() - ref).norm() / ref.norm()).item()
-            _REPORT.append({"kernel": spec.name + "_balanced", "group": str(group), "n": n, "k": k, "m": m,
-                            "ctas": ctas, "rel_err": err})
-            assert err <= (1 if activation is Activation.NONE else 2) * tolerance(k, dtype), \
-                f"M={m} CTAs={ctas}: {err:.3e}"
-            again = ops.gemm_with_spec(x, packed, spec, bias=bias, balanced=ctas)
-            assert torch.equal(again, y), "the balanced schedule's reduction must be deterministic"
-        assert ran[-3:] == [132, 396, atoms], ran
 
 
 # k-sliced decode kernels beyond the default set (which slices 8-bit codes only): the folded zero

@@ -138,7 +138,7 @@ pytest_fake = pytest.mark.skipif(fake_driver.compiler() is None or fake_driver.r
 
 #: grouped_decode::Params: decode::Params (8 pointers, 8 int32, ldx, ldy) then offsets, the three
 #: strides, experts
-_PARAMS = struct.Struct("=8Q9i4x2qQ3qi4x")
+_PARAMS = struct.Struct("=8Q8i2qQ3qi4x")
 
 
 @pytest_fake
@@ -173,8 +173,7 @@ def test_grouped_launch_through_the_real_helper(tmp_path, monkeypatch, bits, sym
     f = _PARAMS.unpack(L["params"])
     weight, scales, zeros, xp, bias, yp, partials, counters = f[:8]
     m, pn, pk, gshift, aps, psplits = f[8:14]
-    assert f[16] == 0   # balanced_ctas: the grouped kernel runs the split schedule
-    ldx, ldy, offs, wstride, gstride, bstride, experts = f[17:24]
+    ldx, ldy, offs, wstride, gstride, bstride, experts = f[16:23]
     assert (weight, scales, xp, yp) == (ex.qdata.data_ptr(), ex.scales.data_ptr(), x.data_ptr(), y.data_ptr())
     assert zeros == (0 if symmetric else ex.zeros.data_ptr()) and bias == partials == counters == 0
     assert (pn, pk, gshift, psplits, ldx, ldy) == (n, k, 6, splits, k, n_out)

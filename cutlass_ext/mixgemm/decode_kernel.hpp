@@ -78,47 +78,15 @@ struct Params {
   Act const* x;             // [M][ldx]
   Act const* bias;          // [N] or null
   Act* y;                   // [M][ldy]
-  float* partials;          // [parts][N][M] float32 (splits > kMaxClusterSplits, or balanced)
-  int32_t* counters;        // [row blocks] zero-initialised (idem); every finishing CTA leaves its 0
+  float* partials;          // [splits][N][M] float32 (splits > kMaxClusterSplits)
+  int32_t* counters;        // [gridDim.x] zero-initialised (idem); every finishing CTA leaves its 0
   int32_t m, n, k;
   int32_t group_shift;      // log2(group size); 30 for one group spanning K (per-channel)
   int32_t atoms_per_split;  // k-atoms (64 K each) per CTA
   int32_t splits;           // <= kMaxClusterSplits: the cluster's size along y
   int32_t groups_per_split; // group rows of scales/zeros staged per CTA
   int32_t segments_per_slice; // (group, slice) x-sum segments per slice (kFold): groups a slice touches
-  int32_t balanced_ctas;    // 0: one (row block, split) per CTA; else the balanced schedule's CTAs
   int64_t ldx, ldy;
-};
-
-// The row blocks (kRowsPerCta weight rows each) of an N-row weight.
-template <class Cfg>
-CUTLASS_HOST_DEVICE int row_blocks_of(int n) {
-  return (n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;
-}
-
-// The balanced schedule: the [row block][k-atom] space (A = row blocks x K/64 atoms, in the
-// weight's memory order) cut into C contiguous ranges of q or q + 1 atoms, one per CTA, so that
-// every CTA streams the same bytes whatever the row-block count (the split schedule's CTAs are
-// whole (row block, split) units: 448 of them on 396 resident slots take two rounds and a
-// 13%-full third; benchmarks/NOTES.md section 18). A CTA's range crosses row-block boundaries:
-// it runs one segment per row block it touches. A row block's segments (its "parts", one per CTA
-// that touches it) are added in k order through the global workspace by the last to finish.
-struct Balanced {
-  int64_t q, r;      // A = q * C + r: CTAs [0, r) take q + 1 atoms, the others q
-  CUTLASS_HOST_DEVICE Balanced(int64_t atoms, int ctas) : q(atoms / ctas), r(atoms % ctas) {}
-  CUTLASS_HOST_DEVICE int64_t begin(int c) const { return c * q + (c < r ? c : r); }
-  CUTLASS_HOST_DEVICE int owner(int64_t a) const {   // the CTA whose range holds atom a
-    int64_t const big = r * (q + 1);
-    return int(a < big ? a / (q + 1) : r + (a - big) / q);
-  }
-};
-
-// What one run() of a CTA streams: weight rows [rb * kRowsPerCta, +kRowsPerCta) over k-atoms
-// [ka0, ka1), the `part`-th of the row block's `parts`; `global` reduces the parts through the
-// workspace (else through the cluster, parts <= kMaxClusterSplits).
-struct Work {
-  int rb, ka0, ka1, part, parts;
-  bool global;
 };
 
 // Compile-time shape of one kernel.
@@ -234,7 +202,7 @@ CUTLASS_DEVICE void centered_kblock(uint32_t const* chunk, uint32_t const (&bias
 }
 
 template <class Cfg, Activation Act_, bool Group32>
-CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Work const& w) {
+CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   using Act = typename Cfg::Act;
   using D = typename Cfg::Dequant;
   constexpr int NT = Cfg::kNTiles;
@@ -251,12 +219,12 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Work con
 
   int const stripes = p.n / 16;
   int const k_atoms = p.k / 64;
-  int const stripe = w.rb * Cfg::kStripesPerCta + wstripe;
+  int const stripe = blockIdx.x * Cfg::kStripesPerCta + wstripe;
   bool const has_stripe = stripe < stripes;
-  int const row0 = w.rb * Cfg::kRowsPerCta;                       // first weight row of the CTA
+  int const row0 = blockIdx.x * Cfg::kRowsPerCta;                 // first weight row of the CTA
   int const rows_valid = min(Cfg::kRowsPerCta, p.n - row0);
-  int const ka0 = w.ka0;
-  int const ka1 = w.ka1;
+  int const ka0 = blockIdx.y * p.atoms_per_split;
+  int const ka1 = min(ka0 + p.atoms_per_split, k_atoms);
   int const n_atoms = ka1 - ka0;
   int const grp0 = (ka0 * 64) >> p.group_shift;
   int const grp1 = ((ka1 * 64 - 1) >> p.group_shift) + 1;
@@ -601,11 +569,11 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Work con
     }
     __syncthreads();                                 // the sums are read: the region is free again
   }
-  if (w.parts == 1) {
+  if (p.splits == 1) {
     finish(true);
     return;
   }
-  if (!w.global) {
+  if (p.splits <= Cfg::kMaxClusterSplits) {
     // ---- split-K in the cluster: publish the CTA's sums in its own shared memory (the drained
     // rings), then CTA `rank` adds the splits of the warps it owns in split order, and
     // finishes them ----
@@ -616,14 +584,14 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Work con
       *reinterpret_cast<float4*>(sums + 4 * i) = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
     }
     cute::cluster_sync();                            // release the sums, acquire the peers'
-    bool const mine = wstripe % w.parts == int(cute::block_rank_in_cluster());
+    bool const mine = wstripe % p.splits == int(cute::block_rank_in_cluster());
     if (mine && lead) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < NT; ++i) {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
       }
-      for (int sp = 0; sp < w.parts; ++sp) {
+      for (int sp = 0; sp < p.splits; ++sp) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < NT; ++i) {
           float4 const v = ld_cluster_f4(sums + 4 * i, uint32_t(sp));
@@ -635,15 +603,15 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Work con
     finish(mine);
     return;
   }
-  // ---- split-K through global memory: publish this part's float32 partials, then the last CTA
-  // of the row block adds all parts in order (deterministic) and runs the epilogue ----
+  // ---- split-K through global memory: publish this split's float32 partials, then the last CTA
+  // of the row block adds all splits in order (deterministic) and runs the epilogue ----
   if (lead) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < NT; ++i) {
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < 4; ++c) {
         if (token(i, c) < p.m) {
-          p.partials[(int64_t(w.part) * p.n + rows[c / 2]) * p.m + token(i, c)] = acc[i][c];
+          p.partials[(int64_t(blockIdx.y) * p.n + rows[c / 2]) * p.m + token(i, c)] = acc[i][c];
         }
       }
     }
@@ -651,7 +619,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Work con
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    *last_flag = atomicAdd(&p.counters[w.rb], 1) == w.parts - 1;
+    *last_flag = atomicAdd(&p.counters[blockIdx.x], 1) == p.splits - 1;
   }
   __syncthreads();
   if (!*last_flag) return;
@@ -663,7 +631,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Work con
       for (int c = 0; c < 4; ++c) {
         float sum = 0.f;
         if (token(i, c) < p.m) {
-          for (int sp = 0; sp < w.parts; ++sp) {
+          for (int sp = 0; sp < p.splits; ++sp) {
             sum += __ldcg(&p.partials[(int64_t(sp) * p.n + rows[c / 2]) * p.m + token(i, c)]);
           }
         }
@@ -673,82 +641,19 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Work con
   }
   finish(true);
   if (threadIdx.x == 0) {
-    p.counters[w.rb] = 0;   // leave the counter as found: zero
+    p.counters[blockIdx.x] = 0;   // leave the counter as found: zero
   }
 }
 
-// The split schedule's work of this CTA: row block blockIdx.x, split blockIdx.y.
-template <class Act>
-CUTLASS_DEVICE Work split_work(Params<Act> const& p, int k_atoms) {
-  int const ka0 = int(blockIdx.y) * p.atoms_per_split;
-  return Work{int(blockIdx.x), ka0, min(ka0 + p.atoms_per_split, k_atoms), int(blockIdx.y), p.splits,
-              p.splits > 8};
-}
-
-// Between two run()s of one CTA: every thread is done with the first one's barriers and shared
-// memory (run() waited for every copy it issued); invalidate the barriers where its carve-up put
-// them, so that the next run() may initialise them afresh.
-template <class Cfg>
-CUTLASS_DEVICE void reset_barriers(char* smem, int m, int atoms_per_split, int groups, int segments) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    auto const carve = Cfg::carve(m, atoms_per_split, groups, segments);
-    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + carve.bars);
-    for (int i = 0; i < Cfg::kWarps * Cfg::kStages + 1; ++i) {
-      Barrier::invalidate(&bars[i]);
-    }
-  }
-  __syncthreads();
-}
-
-template <class Cfg, Activation A>
-CUTLASS_DEVICE void run_work(Params<typename Cfg::Act> const& p, char* smem, Work const& w) {
-  if (p.group_shift == 5) {
-    run<Cfg, A, true>(p, smem, w);
-  } else {
-    run<Cfg, A, false>(p, smem, w);
-  }
-}
-
-// The split schedule: this CTA runs row block blockIdx.x, split blockIdx.y.
 template <class Cfg, Activation A>
 CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& p) {
   extern __shared__ __align__(128) char smem[];
-  static_assert(Cfg::kMaxClusterSplits == 8, "split_work's cluster bound");
-  run_work<Cfg, A>(p, smem, split_work(p, p.k / 64));
-  launch_next_grid();   // this CTA is done: the next kernel may launch once every CTA is
-}
-
-// The balanced schedule (Balanced): this CTA's range of the [row block][k-atom] space, one run()
-// per row block it touches. Its own kernel entry, so that its register allocation is its own: with
-// run() in a loop, ptxas holds more across the segments (105 registers at two CTAs per SM, 80 with
-// a few spills at three) than the split schedule's single run() needs (75).
-template <class Cfg, Activation A>
-CUTLASS_DEVICE void kernel_body_balanced(Params<typename Cfg::Act> const& p) {
-  extern __shared__ __align__(128) char smem[];
-  __shared__ Work work;
-  int const k_atoms = p.k / 64;
-  Balanced const bal(int64_t(row_blocks_of<Cfg>(p.n)) * k_atoms, p.balanced_ctas);
-  int const c = int(blockIdx.x);
-  int64_t a = bal.begin(c);
-  int64_t const end = bal.begin(c + 1);
-  while (a < end) {
-    int64_t const rb_first = a / k_atoms * k_atoms;
-    int const ka1 = int(min(end - rb_first, int64_t(k_atoms)));
-    if (threadIdx.x == 0) {
-      int const first = bal.owner(rb_first);
-      work = Work{int(a / k_atoms), int(a - rb_first), ka1, c - first,
-                  bal.owner(rb_first + k_atoms - 1) - first + 1, true};
-    }
-    __syncthreads();
-    run_work<Cfg, A>(p, smem, work);
-    a = rb_first + ka1;
-    if (a < end) {
-      reset_barriers<Cfg>(smem, min(p.m, Cfg::kTokens), p.atoms_per_split, p.groups_per_split,
-                          p.segments_per_slice);
-    }
+  if (p.group_shift == 5) {
+    run<Cfg, A, true>(p, smem);
+  } else {
+    run<Cfg, A, false>(p, smem);
   }
-  launch_next_grid();
+  launch_next_grid();   // this CTA is done: the next kernel may launch once every CTA is
 }
 
 #endif  // device
@@ -764,8 +669,6 @@ struct Plan {
   int segments_per_slice;
   int smem_bytes;
   int row_blocks;
-  int balanced_ctas = 0;   // > 0: the balanced schedule over this many CTAs (then splits is 1)
-  int max_parts = 0;       // balanced: the most CTAs that share one row block
 };
 
 inline int group_shift_of(int group_size, int k) {
@@ -806,43 +709,6 @@ struct Host {
     return worst;
   }
 
-  // The most groups any run of `len` consecutive k-atoms touches (any start, not only aligned).
-  static int max_groups_any(int k_atoms, int len, int gshift) {
-    int const period = gshift >= 30 ? 1 : ((1 << gshift) + 63) / 64;   // atoms per group (>= 1)
-    int worst = 0;
-    for (int a0 = 0; a0 < period && a0 < k_atoms; ++a0) {
-      int const n = groups_in(a0, a0 + len < k_atoms ? a0 + len : k_atoms, gshift);
-      worst = n > worst ? n : worst;
-    }
-    return worst;
-  }
-
-  // The balanced schedule over `ctas` CTAs (Balanced): every segment is at most q + 1 atoms of one
-  // row block, so the x tile, scale rows and x-sums are sized for that; the row blocks that
-  // several CTAs share reduce through the workspace.
-  static char const* plan_balanced(abi::GemmArgs const& a, int ctas, Plan& out) {
-    int const k_atoms = a.k / 64;
-    int const gshift = group_shift_of(a.group_size, a.k);
-    int const row_blocks = row_blocks_of<Cfg>(a.n);
-    int64_t const atoms = int64_t(row_blocks) * k_atoms;
-    if (ctas < 1 || ctas > atoms) return "the balanced schedule needs 1 <= CTAs <= row blocks x K/64";
-    Balanced const bal(atoms, ctas);
-    int const len = int(bal.q + 1 < k_atoms ? bal.q + 1 : k_atoms);
-    int const groups = max_groups_any(k_atoms, len, gshift);
-    int const segments = Cfg::kFold ? groups : 0;   // a slice touches at most its segment's groups
-    int const smem = smem_for(a, len, groups, segments);
-    // (its entry keeps its Work descriptor in static shared memory: 256 bytes left for it)
-    if (smem > Cfg::kMaxSmem - 256) return "the balanced schedule's segments do not fit shared memory (too few CTAs for M x K)";
-    int parts = 1;
-    for (int rb = 0; rb < row_blocks; ++rb) {
-      int64_t const first = int64_t(rb) * k_atoms;
-      int const n = bal.owner(first + k_atoms - 1) - bal.owner(first) + 1;
-      parts = n > parts ? n : parts;
-    }
-    out = Plan{1, len, groups, segments, smem, row_blocks, ctas, parts};
-    return nullptr;
-  }
-
   static char const* why_not(abi::GemmArgs const& a) {
     if (a.abi_version != abi::kAbiVersion) return "ABI version mismatch between the runtime and the kernel's host helper";
     if (a.activation != int(A))
@@ -879,7 +745,6 @@ struct Host {
   // (~0.4 units per warp-atom at the ~2.8 instructions per cycle an SM sustains here). Within
   // the shared-memory budget; ties go to fewer splits. An explicit a.splits >= 1 wins.
   static char const* plan(abi::GemmArgs const& a, Plan& out) {
-    if (a.splits < 0) return plan_balanced(a, -a.splits, out);   // forced: the balanced schedule
     constexpr int KS = Cfg::kKSlices;
     constexpr long kMaxResident = 3;                  // 256-thread CTAs at <= 80 registers
     constexpr long kBytesPerUnit = 1100;              // per SM
@@ -938,17 +803,13 @@ struct Host {
     return check(a, pl);
   }
 
-  // The global reduction's workspace: beyond kMaxClusterSplits, or row blocks that the balanced
-  // schedule's CTAs share.
-  static bool global_reduce(Plan const& pl) {
-    return pl.balanced_ctas > 0 ? pl.max_parts > 1 : pl.splits > Cfg::kMaxClusterSplits;
-  }
-  static int parts_of(Plan const& pl) { return pl.balanced_ctas > 0 ? pl.max_parts : pl.splits; }
+  // The global reduction's workspace: beyond kMaxClusterSplits only.
+  static bool global_reduce(Plan const& pl) { return pl.splits > Cfg::kMaxClusterSplits; }
   static uint64_t counters_bytes(Plan const& pl) {
     return global_reduce(pl) ? (uint64_t(pl.row_blocks) * 4 + 255) / 256 * 256 : 0;
   }
   static uint64_t workspace_bytes(abi::GemmArgs const& a, Plan const& pl) {
-    return global_reduce(pl) ? counters_bytes(pl) + uint64_t(parts_of(pl)) * a.n * a.m * 4 : 0;
+    return global_reduce(pl) ? counters_bytes(pl) + uint64_t(pl.splits) * a.n * a.m * 4 : 0;
   }
   static uint64_t workspace_size(abi::GemmArgs const* a) {
     Plan pl;
@@ -983,15 +844,12 @@ struct Host {
     p.splits = pl.splits;
     p.groups_per_split = pl.groups_per_split;
     p.segments_per_slice = pl.segments_per_slice;
-    p.balanced_ctas = pl.balanced_ctas;
     p.ldx = a->ldx; p.ldy = a->ldy;
     std::memcpy(dst, &p, sizeof(p));
-    bool const bal = pl.balanced_ctas > 0;
-    out->grid[0] = uint32_t(bal ? pl.balanced_ctas : pl.row_blocks);
-    out->grid[1] = uint32_t(bal ? 1 : pl.splits); out->grid[2] = 1;
+    out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = 1;
     out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;
     out->cluster[0] = 1;    // the splits of a row block are one cluster, up to kMaxClusterSplits
-    out->cluster[1] = bal || global_reduce(pl) ? 1u : uint32_t(pl.splits);
+    out->cluster[1] = global_reduce(pl) ? 1u : uint32_t(pl.splits);
     out->cluster[2] = 1;
     out->smem_bytes = uint32_t(pl.smem_bytes);
     out->params_bytes = uint32_t(sizeof(Params<Act>));
@@ -1029,9 +887,5 @@ struct Host {
   extern "C" __global__ void __launch_bounds__(CFG::kThreads, 2)                                    \
   NAME(CUTLASS_GRID_CONSTANT mixgemm::decode::Params<CFG::Act> const params) {                      \
     mixgemm::decode::kernel_body<CFG, ACTIVATION>(params);                                          \
-  }                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(CFG::kThreads, 3)                                    \
-  NAME##_balanced(CUTLASS_GRID_CONSTANT mixgemm::decode::Params<CFG::Act> const params) {           \
-    mixgemm::decode::kernel_body_balanced<CFG, ACTIVATION>(params);                                 \
   }
 #endif

@@ -136,14 +136,23 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
       tile.m = min(Cfg::kTokens, count);
     }
     __syncthreads();
-    decode::Work const work = decode::split_work(gp.base, gp.base.k / 64);
     for (int t0 = 0; t0 < count; t0 += Cfg::kTokens) {
-      decode::run_work<Cfg, A>(tile, smem, work);
+      if (gp.base.group_shift == 5) {
+        decode::run<Cfg, A, true>(tile, smem);
+      } else {
+        decode::run<Cfg, A, false>(tile, smem);
+      }
       if (t0 + Cfg::kTokens < count) {
-        // another tile: fresh barriers (where this tile's carve-up put them), the next rows
-        decode::reset_barriers<Cfg>(smem, tile.m, tile.atoms_per_split, tile.groups_per_split,
-                                    tile.segments_per_slice);
+        // another tile: every thread is done with this one's barriers and shared memory
+        // (run() waited for every copy it issued); invalidate the barriers where this tile's
+        // carve-up put them, so that the next run() may initialise them afresh
+        __syncthreads();
         if (threadIdx.x == 0) {
+          auto const carve = Cfg::carve(tile.m, tile.atoms_per_split, tile.groups_per_split, tile.segments_per_slice);
+          uint64_t* bars = reinterpret_cast<uint64_t*>(smem + carve.bars);
+          for (int i = 0; i < Cfg::kWarps * Cfg::kStages + 1; ++i) {
+            decode::Barrier::invalidate(&bars[i]);
+          }
           tile.x += int64_t(Cfg::kTokens) * tile.ldx;
           tile.y += int64_t(Cfg::kTokens) * tile.ldy;
           tile.m = min(Cfg::kTokens, count - (t0 + Cfg::kTokens));

@@ -369,21 +369,19 @@ def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
 
 def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpec", bias: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None, *, activation: Optional[str] = None, splits: int = 0,
-                   raster: "Raster | None" = None, swizzle: Optional[int] = None, balanced: int = 0,
+                   raster: "Raster | None" = None, swizzle: Optional[int] = None,
                    _checked: bool = False) -> torch.Tensor:
     """:func:`gemm` with an explicit kernel (tests and benchmarks use it to run every kernel).
 
     ``activation``: a decode spec, and a GEMM spec with the gated (swiglu) epilogue, fix their
     own (None means the spec's; another value is an error); the other GEMM specs apply none /
     silu / gelu per call. ``splits``: 0 lets the kernel choose; ``>= 1`` forces a decode
-    kernel's split-K factor, ``> 1`` a stream-K GEMM's. ``balanced >= 1`` runs a decode kernel
-    on its balanced schedule over that many CTAs instead (every CTA the same share of the
-    weight; ``splits`` is then ignored). ``raster`` (a :class:`specs.Raster`)
+    kernel's split-K factor, ``> 1`` a stream-K GEMM's. ``raster`` (a :class:`specs.Raster`)
     and ``swizzle`` (one of ``specs.SWIZZLES``) override a GEMM kernel's tile order (default:
     its tile config's, :func:`codegen.launch_order`); the decode kernels ignore them."""
     from . import runtime
     from .codegen import launch_order
-    from .specs import GEMM_KINDS, SWIZZLES, Activation, Epilogue, KernelKind, Raster
+    from .specs import GEMM_KINDS, SWIZZLES, Activation, Epilogue, Raster
 
     if not isinstance(spec, GEMM_KINDS):
         raise TypeError(f"spec must be a GemmSpec or DecodeSpec, got {type(spec).__name__}")
@@ -427,19 +425,14 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     # a launch plan like gemm's, cached under the caller's choice of kernel and launch order in
     # the place of the token bucket; the helper checks the problem before anything launches
     splits = max(0, int(splits))
-    balanced = int(balanced)
-    if balanced < 0:
-        raise ValueError(f"balanced must be >= 0 (a CTA count; 0: the split schedule), got {balanced}")
-    if balanced and spec.kind is not KernelKind.DECODE:
-        raise ValueError(f"kernel {spec.name} has no balanced schedule (decode kernels only)")
     capturing = plans.capturing()
-    key = plans.plan_key(w.qdata, ("spec", spec, splits, balanced, raster, swizzle), activation, x.dtype, x.device)
+    key = plans.plan_key(w.qdata, ("spec", spec, splits, raster, swizzle), activation, x.dtype, x.device)
     plan = plans.PLANS.get(key, capturing)
-    if plan is None or not plan.made_for(w, spec, splits, balanced):
-        kernel = runtime.KERNELS.get(spec, x.device, runtime.BALANCED_ENTRY if balanced else "")
+    if plan is None or not plan.made_for(w, spec, splits):
+        kernel = runtime.KERNELS.get(spec, x.device)
         plan = plans.make_plan(spec, kernel, w, dtype=x.dtype, device=x.device, activation=activation,
                                splits=splits, raster=raster, swizzle=swizzle, sm_count=_sm_count(x.device.index),
-                               capturing=capturing, key=key, balanced=balanced)
+                               capturing=capturing, key=key)
         plans.PLANS.put(plan)
     return plans.execute(plan, x, m, (*lead, n_out), bias, y, w.zero_offsets)
 

@@ -72,15 +72,13 @@ class LaunchPlan:
     and the weight; ``backend`` says which launcher it is ("compiled" or "python")."""
 
     __slots__ = ("key", "spec", "kernel", "device", "device_index", "is_cuda", "dtype", "weight_type",
-                 "group_size", "n", "k", "n_out", "activation", "splits", "balanced", "raster", "swizzle", "capturing",
+                 "group_size", "n", "k", "n_out", "activation", "splits", "raster", "swizzle", "capturing",
                  "bias_shape", "qdata_ref", "scales_ref", "zeros_ref", "offsets_ref", "qdata_ptr", "scales_ptr",
                  "zeros_ptr", "signature", "args", "launch", "backend", "__weakref__")
 
-    def made_for(self, w: PackedWeight, spec, splits: int, balanced: int = 0) -> bool:
-        """Whether this plan launches ``spec`` with ``splits`` (or ``balanced``) on exactly ``w``'s
-        tensors."""
-        return (self.spec == spec and self.splits == max(0, int(splits)) and self.balanced == max(0, int(balanced))
-                and self.qdata_ref() is w.qdata
+    def made_for(self, w: PackedWeight, spec, splits: int) -> bool:
+        """Whether this plan launches ``spec`` with ``splits`` on exactly ``w``'s tensors."""
+        return (self.spec == spec and self.splits == max(0, int(splits)) and self.qdata_ref() is w.qdata
                 and self.scales_ref() is w.scales and self.zeros_ref() is w.zeros
                 and self.offsets_ref() is w.zero_offsets and self.qdata_ptr == w.qdata.data_ptr()
                 and self.scales_ptr == w.scales.data_ptr()
@@ -88,18 +86,16 @@ class LaunchPlan:
                 and (self.weight_type, self.group_size, self.n, self.k) == (w.weight_type, w.group_size, w.n, w.k))
 
     def __repr__(self) -> str:
-        return (f"LaunchPlan({self.spec.name}, n={self.n}, k={self.k}, splits={self.splits}, balanced={self.balanced}, "
+        return (f"LaunchPlan({self.spec.name}, n={self.n}, k={self.k}, splits={self.splits}, "
                 f"activation={self.activation}, {self.device}, {self.dtype}, capturing={self.capturing}, "
                 f"{self.backend})")
 
 
 def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dtype, device: torch.device,
               activation: Optional[str], splits: int, raster: "Raster", swizzle: int, sm_count: int,
-              capturing: bool, key: Optional[tuple] = None, balanced: int = 0) -> LaunchPlan:
+              capturing: bool, key: Optional[tuple] = None) -> LaunchPlan:
     """A plan for ``w`` on ``kernel``, from decisions already made and checked by the caller
-    (:mod:`mixgemm.ops`): ``activation`` is the one the kernel applies. ``balanced`` > 0: a
-    decode kernel's balanced schedule over that many CTAs (``decode_kernel.hpp``), passed to
-    the kernel's helper as ``splits = -balanced``."""
+    (:mod:`mixgemm.ops`): ``activation`` is the one the kernel applies."""
     from . import launcher
     from .runtime import ABI_VERSION, GemmArgs
     from .specs import Activation
@@ -112,7 +108,6 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
     p.n_out = w.n // 2 if activation == "swiglu" else w.n
     p.activation, p.raster, p.swizzle, p.capturing = activation, raster, swizzle, capturing
     p.splits = max(0, int(splits))
-    p.balanced = max(0, int(balanced))
     p.bias_shape = (w.n,)
     p.qdata_ref = weakref.ref(w.qdata)
     p.scales_ref = weakref.ref(w.scales)
@@ -125,7 +120,7 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
     a = GemmArgs()
     a.abi_version = ABI_VERSION
     a.n, a.k, a.group_size, a.sm_count = w.n, w.k, w.group_size, sm_count
-    a.splits = -p.balanced if p.balanced else p.splits
+    a.splits = p.splits
     a.raster, a.swizzle = raster.abi, swizzle
     a.activation = Activation(activation or "none").abi
     a.weight, a.scales, a.zeros = p.qdata_ptr, p.scales_ptr, p.zeros_ptr

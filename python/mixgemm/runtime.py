@@ -24,11 +24,9 @@ import torch
 
 from .build import Artifacts, load_artifacts
 from .errors import CudaError, KernelError
-from .specs import HELPER_KINDS, KernelKind, KernelSpec
+from .specs import HELPER_KINDS, KernelSpec
 
 ABI_VERSION = 4  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
-#: A decode kernel's second entry (decode_kernel.hpp, MIXGEMM_DECODE_ENTRY): the balanced schedule.
-BALANCED_ENTRY = "_balanced"
 
 
 def _driver():
@@ -171,14 +169,10 @@ class KernelCache:
         self._lock = threading.Lock()
         self._kernels: dict[tuple[str, int], LoadedKernel] = {}
 
-    def get(self, spec: KernelSpec, device: torch.device, entry: str = "") -> LoadedKernel:
-        """``spec``'s kernel on ``device``; ``entry``: the suffix of another kernel entry of the
-        same cubin (a decode kernel's balanced schedule, ``BALANCED_ENTRY``)."""
+    def get(self, spec: KernelSpec, device: torch.device) -> LoadedKernel:
         if device.type == "cuda" and device.index is None:   # "cuda": the current device, one key for both
             device = torch.device("cuda", torch.cuda.current_device())
-        if entry not in ("", BALANCED_ENTRY) or (entry and spec.kind is not KernelKind.DECODE):
-            raise ValueError(f"kernel {spec.name} has no entry {entry!r}")
-        key = (spec.name + entry, device.index)
+        key = (spec.name, device.index)
         with self._lock:
             k = self._kernels.get(key)
             if k is not None:
@@ -187,7 +181,7 @@ class KernelCache:
                 raise RuntimeError(
                     f"mixgemm kernel {spec.name} is not loaded yet and CUDA graph capture is in progress; "
                     "run the operation once with the same shapes (a warm-up) before capturing")
-            k = self._load(spec, device, entry)
+            k = self._load(spec, device)
             self._kernels[key] = k
             return k
 
@@ -196,28 +190,19 @@ class KernelCache:
             return sorted({name for name, _ in self._kernels})
 
     @staticmethod
-    def _load(spec: KernelSpec, device: torch.device, entry: str = "") -> LoadedKernel:
+    def _load(spec: KernelSpec, device: torch.device) -> LoadedKernel:
         drv = _driver()
         art, cubin = load_artifacts(spec)  # builds on first use (JIT), under the entry's lock
         helper = HostHelper(str(art.helper_path), spec.name) if isinstance(spec, HELPER_KINDS) else None
         _ensure_context(device)
         with torch.cuda.device(device):
             module = check(drv.cuModuleLoadData(cubin), f"cuModuleLoadData({spec.name})")
-            function = check(drv.cuModuleGetFunction(module, (spec.name + entry).encode()),
-                             f"cuModuleGetFunction({spec.name + entry})")
+            function = check(drv.cuModuleGetFunction(module, spec.name.encode()),
+                             f"cuModuleGetFunction({spec.name})")
             if helper is not None and helper.smem_size > 48 * 1024:
-                # the entry's own static shared memory comes off the block's budget (a decode
-                # kernel's balanced entry holds its work descriptor there)
-                static = check(drv.cuFuncGetAttribute(
-                    drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, function),
-                    f"cuFuncGetAttribute(static smem, {spec.name + entry})")
-                optin = check(drv.cuDeviceGetAttribute(
-                    drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                    check(drv.cuDeviceGet(device.index), "cuDeviceGet")), "cuDeviceGetAttribute(smem optin)")
                 check(drv.cuFuncSetAttribute(
                     function, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    min(helper.smem_size, int(optin) - int(static))),
-                    f"cuFuncSetAttribute(max dynamic smem, {spec.name + entry})")
+                    helper.smem_size), f"cuFuncSetAttribute(max dynamic smem, {spec.name})")
         return LoadedKernel(spec, device, module, function, helper, art)
 
 

@@ -1,4 +1,6 @@
 """Session 14: the decode kernels' balanced schedule against the split schedule (NOTES 18).
+The schedule was measured slower and reverted: this script runs at commit 6a4f1ce, where
+``gemm_with_spec(balanced=)`` and the kernels' ``_balanced`` entries exist.
 
 For each layer N x K, code type and M: the split schedule at the tuned / planned factor (what
 mixgemm.gemm launches) and at factors 1, 2, 4, against the balanced schedule over C CTAs
