@@ -105,6 +105,21 @@ def test_one_and_many_experts(requires_gpu, e):
     _check(x, ex, deq, counts)
 
 
+def _distinct_experts(t: int, topk: int, e: int) -> torch.Tensor:
+    """[t, topk] int64 top-k ids: each token on ``topk`` distinct experts of ``e``, at random."""
+    return torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+
+
+def _fused_moe_error(x, w13, w2, topk: int, e: int) -> float:
+    """The relative error of ``fused_moe`` on x under random routing (distinct experts, softmax
+    weights, ``e`` experts) against ``fused_moe_reference`` on the experts' dequantized weights."""
+    ids = _distinct_experts(x.shape[0], topk, e)
+    w = torch.softmax(torch.randn(x.shape[0], topk, device="cuda"), -1)
+    got = moe.fused_moe(x, w13, w2, w, ids)
+    ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
+    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
 @pytest.mark.parametrize("act", ALL_ACTS, ids=lambda a: a.value)
 @pytest.mark.parametrize("bits,symmetric", [(4, False), (2, True), (8, True)])
 @pytest.mark.parametrize("t,topk,e", [(1, 8, 64), (16, 2, 8), (7, 8, 128), (64, 4, 16)])
@@ -117,11 +132,7 @@ def test_fused_moe_against_unfused(requires_gpu, act, bits, symmetric, t, topk, 
     w2 = PackedExperts.quantize(torch.randn(e, h, inter) / 8, bits, 64, symmetric, dtype).to("cuda")
     torch.manual_seed(t)
     x = torch.randn(t, h, device="cuda", dtype=dtype)
-    ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
-    w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
-    got = moe.fused_moe(x, w13, w2, w, ids)
-    ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
-    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    err = _fused_moe_error(x, w13, w2, topk, e)
     # two GEMMs, each rounded once to the activation dtype (the reference rounds the same places)
     assert err <= 4 * _tolerance(h, dtype), f"relative error {err:.3e}"
 
@@ -155,7 +166,7 @@ def test_cuda_graph_replay_with_changing_routing(requires_gpu):
     graph, out = capture_fused_moe(x, w13, w2, w, ids)
     for seed in range(4):                    # new routing, new inputs, same buffers
         torch.manual_seed(seed)
-        new = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+        new = _distinct_experts(t, topk, e)
         if seed == 3:
             new.fill_(5)                     # every row on one expert
         replay_matches_eager(graph, out, x, w13, w2, w, ids, new, seed)

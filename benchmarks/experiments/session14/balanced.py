@@ -15,31 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "session12"))
+from harness import read_gbps  # noqa: E402
 from sweep_decode import Timer, _shapes  # noqa: E402
 
 import mixgemm  # noqa: E402
 from mixgemm import ops, tuning  # noqa: E402
 from mixgemm.codegen import TILE_CONFIGS, DecodeConfig  # noqa: E402
 from mixgemm.types import ActType, WeightType  # noqa: E402
-
-
-def read_gbps(dev) -> float:
-    big = torch.ones(1 << 28, dtype=torch.float32, device=dev)
-    ts = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        big.sum()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return (1 << 30) / (statistics.median(ts) * 1e-3) / 1e9
 
 
 def main(argv=None) -> int:
@@ -55,7 +43,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     timer = Timer(dev)
-    bw = read_gbps(dev)
+    bw = read_gbps()
     print(f"read bandwidth {bw:.0f} GB/s", flush=True)
     ctas_list = [int(c) for c in a.ctas.split(",")]
     splits_list = [int(s) for s in a.splits.split(",")]
