@@ -5,6 +5,9 @@ The converters are compiled for the CPU from the very headers the kernels includ
 output is compared bit for bit with an independent Python decode of the same bits: the bit
 positions come from mixgemm.layout, the arithmetic from torch (``(q - z).to(dtype) * s``).
 
+The decode kernels' own conversion (converters/mixgemm/raw_decode.hpp: E + F c, and F (q - z)
+with F = 4 on row g + 8 of 2-bit codes) is checked the same way, against the documented formula.
+
 Coverage, for every code type (s8 u8 s4 u4 s2 u2) x activation type (bf16 fp16):
   * every 16-bit pattern in both half-words of every word of a lane chunk (so every byte,
     nibble and crumb value in every position), with random zero points and scales;
@@ -117,7 +120,7 @@ def _run(binary, wt, dname, mode, words, zeros, scales, tmp_path):
     with open(inp, "wb") as f:
         np.array([words.shape[0]], dtype=np.uint32).tofile(f)
         np.ascontiguousarray(words, dtype=np.uint32).tofile(f)
-        if mode == "dequant":
+        if mode in ("dequant", "centered"):
             np.ascontiguousarray(zero_bits.view(np.uint16)).tofile(f)
             np.ascontiguousarray(scales, dtype=np.uint16).tofile(f)
     res = subprocess.run([str(binary), str(wt.bits), str(int(wt.signed)), dname, mode, str(inp), str(out)],
@@ -212,3 +215,45 @@ def test_natural_order_decode_disagrees():
             bit = v * wt.bits
             natural[:, v] = (words[:, bit // 32].astype(np.int64) >> (bit % 32)) & ((1 << wt.bits) - 1)
         assert (natural != codes).any(), wt
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode kernels' conversion (raw_decode.hpp): x = E + F c without zero point or scale, and
+# x - bias = F (q - z). F = 4 on row g + 8 of 2-bit codes, 1 elsewhere; E = 128 (bf16) or 1024
+# (fp16); c = the unsigned code, or q + 2^(bits-1) for signed codes. bf16 int8 decodes in two
+# parts instead: x = q (signed) or u - 128 (unsigned).
+# ---------------------------------------------------------------------------------------------
+def _row_factor(wt: WeightType) -> torch.Tensor:
+    return torch.where(_row_of_value() == 1, 4 if wt.bits == 2 else 1, 1).to(torch.int64)
+
+
+def _two_part(wt: WeightType, dname: str) -> bool:
+    return wt.bits == 8 and dname == "bf16"
+
+
+def _reference_raw(words, wt, dname):
+    q = _decode_codes(words, wt)
+    if _two_part(wt, dname):
+        x = q if wt.signed else q - 128
+    else:
+        c = q + (1 << (wt.bits - 1)) if wt.signed else q
+        x = (128 if dname == "bf16" else 1024) + _row_factor(wt) * c
+    return x.to(DTYPES[dname]).view(torch.int16).numpy().view(np.uint16)
+
+
+def _reference_centered(words, zeros, wt, dname):
+    q = _decode_codes(words, wt)
+    if wt.has_zero:
+        q = q - torch.from_numpy(zeros.astype(np.int64))[:, _row_of_value()]
+    return (_row_factor(wt) * q).to(DTYPES[dname]).view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("wt", ALL_TYPES, ids=lambda w: w.value)
+def test_raw_decode_exhaustive(host_check, wt, dname, tmp_path):
+    rng = np.random.default_rng(4321 + wt.bits)
+    for name, words, zeros, scales in _cases(wt, DTYPES[dname], rng):
+        got = _run(host_check, wt, dname, "raw", words, zeros, scales, tmp_path)
+        _assert_bits_equal(got, _reference_raw(words, wt, dname), f"{wt.value}->{dname} raw {name}")
+        got = _run(host_check, wt, dname, "centered", words, zeros, scales, tmp_path)
+        _assert_bits_equal(got, _reference_centered(words, zeros, wt, dname), f"{wt.value}->{dname} centered {name}")

@@ -12,10 +12,16 @@
 // * activations: the CTA's x[:, k-range] (at most 8*NTiles rows) is bulk-copied to shared memory
 //   once and shared by the CTA's warps; ldmatrix gives the mma.sync B fragments directly;
 // * math: the prepacked atom is exactly the m16n8k16 A fragment (the wgmma A fragment of one
-//   warp), so a lane's 16-byte chunk becomes 4 k16 blocks of A registers through the converters
-//   of converters/mixgemm (lop3 + sub per register: q - z, exact) and feeds mma.sync
-//   m16n8k16 with float32 accumulation. The group's scale is applied in float32 to the partial
-//   sum of the group (one FFMA per accumulator per group) instead of to every weight;
+//   warp), so a lane's 16-byte chunk becomes 4 k16 blocks of A registers through
+//   converters/mixgemm/raw_decode.hpp (a lop3 per register, x = E + F c, F = 4 on row g + 8 of
+//   2-bit codes so that both rows share shifted words; minus E + F z when not folded: F (q - z),
+//   exact) and feeds mma.sync m16n8k16 with float32 accumulation. The group's scale (over F) is
+//   applied in float32 to the partial sum of the group (one FFMA per accumulator per group)
+//   instead of to every weight;
+// * bookkeeping off the per-atom path: the ring's slot, phase and source advance by one per
+//   stage, the group's scale/zero/x-sum pointers by one per flush, and a group boundary is one
+//   compare against a countdown; the warp index goes through a shuffle so that the compiler sees
+//   it warp-uniform and keeps the ring's addresses in uniform registers (no per-issue R2UR loop);
 // * split-K across CTAs when the stripes alone cannot fill the GPU. Up to 8 splits, the splits
 //   of a row block are one thread-block cluster (1 x splits): each CTA leaves its float32 sums
 //   in its own shared memory, and after a cluster barrier the CTAs read each other's sums
@@ -61,6 +67,7 @@
 #include "mixgemm/activation.hpp"
 #include "mixgemm/chunk.hpp"
 #include "mixgemm/numeric_conversion.hpp"
+#include "mixgemm/raw_decode.hpp"
 
 namespace mixgemm::decode {
 
@@ -95,6 +102,8 @@ struct Config {
   using Code = Code_;
   using Act = Act_;
   using Dequant = PrepackedDequantFor<Code, Act>;
+  // x = E + F c per register (converters/mixgemm/raw_decode.hpp): F = 4 on row g + 8 of 2-bit codes
+  using Raw = RawDecode<Dequant::kBits, Dequant::kSigned, half_of<Act_>::value>;
   static constexpr int kNTiles = NTiles_;                    // n8 token tiles: M <= 8 * NTiles
   static constexpr int kTokens = 8 * NTiles_;
   static constexpr int kWarps = Warps_;
@@ -179,25 +188,15 @@ CUTLASS_DEVICE float4 ld_cluster_f4(float const* local, uint32_t rank) {
 CUTLASS_DEVICE void wait_previous_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 CUTLASS_DEVICE void launch_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
-// A lane's 4 A registers of k16 block KB, as exact half-precision integers q - z (no scale: the
-// kernel applies the scale in float32 per group). bias2: E + z for rows g and g + 8. With Fold,
-// the decoded E + c itself (bias2 unused).
-template <class D, Half H, int KB, bool Fold>
+// A lane's 4 A registers of k16 block KB: F (q - z) as exact half-precision integers (no scale:
+// the kernel applies the scale in float32 per group; F = Raw::row_factor of the register's row).
+// bias2: Raw::bias of rows g and g + 8. With Fold, the decoded E + F c itself (bias2 unused).
+template <class Raw, int KB, bool Fold>
 CUTLASS_DEVICE void centered_kblock(uint32_t const* chunk, uint32_t const (&bias2)[2], uint32_t (&out)[4]) {
-  using Dec = typename D::Decoder;
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < 4; ++j) {
-    int const v = 8 * KB + 2 * j;
-    int const word = v / D::kValuesPerWord;
-    int const shift = D::kBits * ((v % D::kValuesPerWord) / 2);
-    uint32_t x = Dec::decode(chunk[word] >> shift);
-    if constexpr (Fold) {
-      out[j] = x;                                     // E + c; the flush removes E + z
-    } else if constexpr (D::kSigned && Dec::kTwoPart) {
-      out[j] = x;                                     // already q (signed int8 in bf16)
-    } else {
-      out[j] = arith::sub2<H>(x, bias2[j % 2]);       // (E + c) - (E + z) = q - z, exact
-    }
+  if constexpr (Fold) {
+    Raw::template kblock<KB>(chunk, out);             // E + F c; the flush removes E + F z
+  } else {
+    Raw::template centered<KB>(chunk, bias2, out);    // (E + F c) - (E + F z) = F (q - z), exact
   }
 }
 
@@ -205,13 +204,14 @@ template <class Cfg, Activation Act_, bool Group32>
 CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   using Act = typename Cfg::Act;
   using D = typename Cfg::Dequant;
+  using Raw = typename Cfg::Raw;
   constexpr int NT = Cfg::kNTiles;
   constexpr int S = Cfg::kStages;
   constexpr int APS = Cfg::kAtomsPerStage;
   constexpr int KS = Cfg::kKSlices;
   constexpr Half H = half_of<Act>::value;
 
-  int const warp = threadIdx.x / 32;
+  int const warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);   // warp-uniform, as the compiler sees it
   int const lane = threadIdx.x % 32;
   int const g = lane / 4, t = lane % 4;
   int const wstripe = warp / KS;   // the warp's stripe within the CTA
@@ -377,32 +377,35 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
 
   int const lrow = wstripe * 16 + g;   // the lane's rows in the CTA's scale rows: lrow, lrow + 8
   float const* wxsum = KS == 1 ? xsum : xsum + slice * sps * Cfg::kTokens;   // the warp's slice's segments
+  // The current group's scale and zero (row lrow; row lrow + 8 is 8 further) and x-sums (the
+  // lane's tokens 2t, 2t + 1 of tile 0), one group further after each flush
+  Act const* gs = ss + (sgrp0 - grp0) * Cfg::kRowsPerCta + lrow;
+  Act const* gz = zs + (sgrp0 - grp0) * Cfg::kRowsPerCta + lrow;
+  float const* gx = wxsum + 2 * t;
   uint32_t bias2[2] = {0u, 0u};
-  auto load_bias = [&](int grp) {
+  auto load_bias = [&]() {
     if constexpr (Cfg::kFold) {
-      (void)grp;                          // the flush removes E + z
+      // the flush removes E + F z
     } else if constexpr (Cfg::kHasZero) {
-      Act const* z = zs + (grp - grp0) * Cfg::kRowsPerCta + lrow;
-      bias2[0] = D::bias(arith::splat(reinterpret_cast<uint16_t const&>(z[0])));
-      bias2[1] = D::bias(arith::splat(reinterpret_cast<uint16_t const&>(z[8])));
+      bias2[0] = Raw::template bias<0>(arith::splat(reinterpret_cast<uint16_t const&>(gz[0])));
+      bias2[1] = Raw::template bias<1>(arith::splat(reinterpret_cast<uint16_t const&>(gz[8])));
     } else {
-      (void)grp;
-      bias2[0] = bias2[1] = D::bias(0u);
+      bias2[0] = Raw::template bias<0>(0u);
+      bias2[1] = Raw::template bias<1>(0u);
     }
   };
-  // acc += scale(group) * (part - (E + z) * xsum(group)); part = 0
-  auto flush = [&](int grp) {
-    Act const* s = ss + (grp - grp0) * Cfg::kRowsPerCta + lrow;
-    float const s0 = float(s[0]), s1 = float(s[8]);
+  // acc += (scale(group) / F) * (part - (E + F z) * xsum(group)); part = 0 (F: Raw::row_factor,
+  // a power of two, so the division is exact); then on to the next group
+  auto flush = [&]() {
+    float const s0 = float(gs[0]), s1 = float(gs[8]) * (1.f / float(Raw::row_factor(1)));
     float ez0 = 0.f, ez1 = 0.f;
     if constexpr (Cfg::kFold) {
-      using Dec = typename D::Decoder;
       if constexpr (Cfg::kHasZero) {
-        Act const* z = zs + (grp - grp0) * Cfg::kRowsPerCta + lrow;
-        ez0 = float(Dec::kBase) + float(z[0]);
-        ez1 = float(Dec::kBase) + float(z[8]);
+        ez0 = Raw::template offset<0>(float(gz[0]));
+        ez1 = Raw::template offset<1>(float(gz[8]));
       } else {
-        ez0 = ez1 = float(Dec::kSignedBias);
+        ez0 = Raw::template offset<0>(0.f);
+        ez1 = Raw::template offset<1>(0.f);
       }
     }
     CUTLASS_PRAGMA_UNROLL
@@ -410,7 +413,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       float p0 = part[0][i][0] + part[1][i][0], p1 = part[0][i][1] + part[1][i][1];
       float p2 = part[0][i][2] + part[1][i][2], p3 = part[0][i][3] + part[1][i][3];
       if constexpr (Cfg::kFold) {
-        float2 const xv = *reinterpret_cast<float2 const*>(wxsum + (grp - sgrp0) * Cfg::kTokens + 8 * i + 2 * t);
+        float2 const xv = *reinterpret_cast<float2 const*>(gx + 8 * i);
         p0 = fmaf(-ez0, xv.x, p0); p1 = fmaf(-ez0, xv.y, p1);
         p2 = fmaf(-ez1, xv.x, p2); p3 = fmaf(-ez1, xv.y, p3);
       }
@@ -421,16 +424,28 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < 4; ++c) { part[0][i][c] = 0.f; part[1][i][c] = 0.f; }
     }
+    gs += Cfg::kRowsPerCta;
+    gz += Cfg::kRowsPerCta;
+    gx += Cfg::kTokens;
   };
 
   if (streams) {
-    int cur = sgrp0;
-    load_bias(cur);
+    int cur = sgrp0;   // (32-wide groups)
+    load_bias();
+    // The ring's running state, so that a stage computes no index: the slot of stage s (s % S),
+    // its barrier phase ((s / S) & 1), and the source of stage s + S.
+    int slot = 0;
+    uint32_t phase = 0;
+    uint8_t const* next_src = wsrc + int64_t(S) * Cfg::kStageBytes;
+    // Whole-atom groups: atoms per group, and the first atom of the next group counted from the
+    // current stage's first atom (a group spanning K, shift 30, never ends inside the range).
+    int const gshift_atoms = Group32 ? 0 : p.group_shift - 6;
+    int next_group = Group32 ? 0 : ((sgrp0 + 1) << gshift_atoms) - wk0;
     // One stage of the ring: APS atoms (Full), or the short last one.
     auto stage_body = [&](int s, auto full_const) {
       constexpr bool kFull = decltype(full_const)::value;
-      Barrier::wait(&wbar[s % S], (s / S) & 1);
-      char const* stage = ring + (s % S) * Cfg::kStageBytes;
+      Barrier::wait(&wbar[slot], phase);
+      char const* stage = ring + slot * Cfg::kStageBytes;
       int const atoms = kFull ? APS : w_atoms - s * APS;
       // All of the stage's chunks first, so their shared-memory latency overlaps (a short last
       // stage leaves stale bytes in its unused slots, never used).
@@ -454,11 +469,10 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
           }
           if constexpr (!Group32) {
             // one group spans whole atoms: flush the partial sum when the atom starts a new group
-            int const grp = ((wk0 + la) * 64) >> p.group_shift;
-            if (grp != cur) {
-              flush(cur);
-              cur = grp;
-              load_bias(cur);
+            if (next_group == a) {
+              flush();
+              load_bias();
+              next_group += 1 << gshift_atoms;
             }
           }
           auto kblock = [&](auto kb_const) {
@@ -466,14 +480,14 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
             if constexpr (Group32 && (kb == 0 || kb == 2)) {
               // 32-wide groups: k16 blocks 0-1 and 2-3 of an atom belong to different groups
               int const grp = ((wk0 + la) * 64 + kb * 16) >> p.group_shift;
-              if (grp != cur) {
-                flush(cur);
+              if (grp != cur) {   // (the next group: groups are contiguous)
+                flush();
                 cur = grp;
-                load_bias(cur);
+                load_bias();
               }
             }
             uint32_t a_regs[4];
-            centered_kblock<D, H, kb, Cfg::kFold>(chunk, bias2, a_regs);
+            centered_kblock<typename Cfg::Raw, kb, Cfg::kFold>(chunk, bias2, a_regs);
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < NT; ++i) {
               mma(part[kb % 2][i], a_regs, b[i][kb][0], b[i][kb][1]);
@@ -485,10 +499,16 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
           kblock(cute::Int<3>{});
         }
       }
+      next_group -= APS;
       __syncwarp();
-      if (lane == 0 && s + S < n_stages) {
-        issue(s + S);
+      if (lane == 0 && s + S < n_stages) {   // refill this slot with stage s + S
+        uint32_t const bytes = uint32_t(min(APS, w_atoms - (s + S) * APS) * Cfg::kAtomBytes);
+        Barrier::arrive_and_expect_tx(&wbar[slot], bytes);
+        cute::SM90_BULK_COPY_G2S::copy(next_src, &wbar[slot], ring + slot * Cfg::kStageBytes, bytes);
       }
+      next_src += Cfg::kStageBytes;
+      slot = slot + 1 == S ? 0 : slot + 1;
+      phase ^= slot == 0 ? 1u : 0u;
     };
     int const full_stages = w_atoms / APS;
     for (int s = 0; s < full_stages; ++s) {
@@ -497,7 +517,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     if (full_stages < n_stages) {
       stage_body(full_stages, cute::false_type{});
     }
-    flush(cur);
+    flush();
   }
 
   // ---- epilogue: lane holds rows (g, g + 8) x tokens (8i + 2t, 8i + 2t + 1) of its stripe ----

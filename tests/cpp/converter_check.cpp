@@ -4,14 +4,17 @@
 // lane chunks supplied by the test, and writes the converted values back for a bit-exact
 // comparison with the Python decode of the same prepacked bits.
 //
-//   converter_check BITS SIGNED {bf16|fp16} {dequant|values|cutlass} IN OUT
+//   converter_check BITS SIGNED {bf16|fp16} {dequant|values|cutlass|raw|centered} IN OUT
 //
-// IN:  uint32 n, then n chunks of BITS uint32 words; for `dequant` also n x 2 uint16 zero
-//      points and n x 2 uint16 scales (index 0: the lane's row g, 1: row g + 8), H bit patterns.
+// IN:  uint32 n, then n chunks of BITS uint32 words; for `dequant` and `centered` also n x 2
+//      uint16 zero points and n x 2 uint16 scales (index 0: the lane's row g, 1: row g + 8), H
+//      bit patterns.
 // OUT: n x 32 uint16, the chunk's values in wgmma A-fragment order (k16 block, then value).
-//   dequant: (q - z) * s, the fused mainloop conversion (PrepackedDequant::kblock)
-//   values:  the code as an exact integer (PrepackedDequant::kblock_values)
-//   cutlass: the same through cutlass::NumericArrayConverter<D, mixgemm::prepacked<T>, 32>
+//   dequant:  (q - z) * s, the fused mainloop conversion (PrepackedDequant::kblock)
+//   values:   the code as an exact integer (PrepackedDequant::kblock_values)
+//   cutlass:  the same through cutlass::NumericArrayConverter<D, mixgemm::prepacked<T>, 32>
+//   raw:      the decode kernels' E + F c (RawDecode::kblock)
+//   centered: the decode kernels' F (q - z) (RawDecode::centered with RawDecode::bias)
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "mixgemm/dequant.hpp"
+#include "mixgemm/raw_decode.hpp"
 #if defined(MIXGEMM_WITH_CUTLASS)
 #include "mixgemm/numeric_conversion.hpp"
 #endif
@@ -31,6 +35,7 @@ void run_chunks(std::string const& mode, uint32_t n, std::vector<uint32_t> const
                 std::vector<uint16_t> const& zeros, std::vector<uint16_t> const& scales,
                 std::vector<uint16_t>& out) {
   using D = mixgemm::PrepackedDequant<Bits, Signed, H>;
+  using R = mixgemm::RawDecode<Bits, Signed, H>;
   for (uint32_t c = 0; c < n; ++c) {
     uint32_t const* chunk = words.data() + size_t(c) * Bits;
     uint32_t regs[16];
@@ -44,6 +49,18 @@ void run_chunks(std::string const& mode, uint32_t n, std::vector<uint32_t> const
       D::template kblock<1>(chunk, bias2, scale2, *reinterpret_cast<uint32_t(*)[4]>(regs + 4));
       D::template kblock<2>(chunk, bias2, scale2, *reinterpret_cast<uint32_t(*)[4]>(regs + 8));
       D::template kblock<3>(chunk, bias2, scale2, *reinterpret_cast<uint32_t(*)[4]>(regs + 12));
+    } else if (mode == "raw") {
+      R::template kblock<0>(chunk, *reinterpret_cast<uint32_t(*)[4]>(regs + 0));
+      R::template kblock<1>(chunk, *reinterpret_cast<uint32_t(*)[4]>(regs + 4));
+      R::template kblock<2>(chunk, *reinterpret_cast<uint32_t(*)[4]>(regs + 8));
+      R::template kblock<3>(chunk, *reinterpret_cast<uint32_t(*)[4]>(regs + 12));
+    } else if (mode == "centered") {
+      uint32_t const bias2[2] = {R::template bias<0>(mixgemm::arith::splat(zeros[2 * c])),
+                                 R::template bias<1>(mixgemm::arith::splat(zeros[2 * c + 1]))};
+      R::template centered<0>(chunk, bias2, *reinterpret_cast<uint32_t(*)[4]>(regs + 0));
+      R::template centered<1>(chunk, bias2, *reinterpret_cast<uint32_t(*)[4]>(regs + 4));
+      R::template centered<2>(chunk, bias2, *reinterpret_cast<uint32_t(*)[4]>(regs + 8));
+      R::template centered<3>(chunk, bias2, *reinterpret_cast<uint32_t(*)[4]>(regs + 12));
     } else if (mode == "values") {
       D::template kblock_values<0>(chunk, *reinterpret_cast<uint32_t(*)[4]>(regs + 0));
       D::template kblock_values<1>(chunk, *reinterpret_cast<uint32_t(*)[4]>(regs + 4));
@@ -90,13 +107,14 @@ bool read_vec(std::FILE* f, std::vector<T>& v, size_t count) {
 
 int main(int argc, char** argv) {
   if (argc != 7) {
-    std::fprintf(stderr, "usage: %s BITS SIGNED {bf16|fp16} {dequant|values|cutlass} IN OUT\n", argv[0]);
+    std::fprintf(stderr, "usage: %s BITS SIGNED {bf16|fp16} {dequant|values|cutlass|raw|centered} IN OUT\n", argv[0]);
     return 2;
   }
   int bits = std::atoi(argv[1]);
   bool is_signed = std::atoi(argv[2]) != 0;
   std::string half = argv[3], mode = argv[4];
-  if (mode != "dequant" && mode != "values" && mode != "cutlass") { std::fprintf(stderr, "bad mode\n"); return 2; }
+  bool const with_groups = mode == "dequant" || mode == "centered";
+  if (!with_groups && mode != "values" && mode != "cutlass" && mode != "raw") { std::fprintf(stderr, "bad mode\n"); return 2; }
   Runner run = half == "bf16" ? pick<mixgemm::Half::kBF16>(bits, is_signed)
              : half == "fp16" ? pick<mixgemm::Half::kFP16>(bits, is_signed) : nullptr;
   if (!run) { std::fprintf(stderr, "bad bits/dtype\n"); return 2; }
@@ -107,7 +125,7 @@ int main(int argc, char** argv) {
   std::vector<uint32_t> words;
   std::vector<uint16_t> zeros, scales;
   bool ok = std::fread(&n, 4, 1, in) == 1 && read_vec(in, words, size_t(n) * bits);
-  if (ok && mode == "dequant") ok = read_vec(in, zeros, size_t(n) * 2) && read_vec(in, scales, size_t(n) * 2);
+  if (ok && with_groups) ok = read_vec(in, zeros, size_t(n) * 2) && read_vec(in, scales, size_t(n) * 2);
   std::fclose(in);
   if (!ok) { std::fprintf(stderr, "short input\n"); return 1; }
 
