@@ -28,6 +28,27 @@ def test_table_from_sweep_keeps_only_measured_wins():
     assert got == {(28672, 8192, 8, 4): 1, (4096, 4096, 16, 8): 4}
 
 
+def test_merge_replaces_only_what_the_sweep_measured():
+    rows = [
+        # swept: forced 1 wins (replaces the old factor 3); the planner wins (drops the old entry)
+        _row(28672, 8192, 1, "u4", 0, 69.3), _row(28672, 8192, 1, "u4", 1, 62.0),
+        _row(28672, 8192, 1, "u2", 0, 50.0), _row(28672, 8192, 1, "u2", 2, 50.4),
+    ]
+    old = [
+        {"n": 28672, "k": 8192, "tokens": 8, "bits": 4, "splits": 3},
+        {"n": 28672, "k": 8192, "tokens": 8, "bits": 2, "splits": 4},
+        {"n": 28672, "k": 8192, "tokens": 16, "bits": 4, "splits": 2},   # other tile: not swept
+        {"n": 4096, "k": 4096, "tokens": 8, "bits": 4, "splits": 4},     # other shape: not swept
+    ]
+    covered = tuning.swept_keys(rows)
+    assert covered == {tuning.SplitKey(28672, 8192, 8, 4), tuning.SplitKey(28672, 8192, 8, 2)}
+    merged = tuning.merge_entries(old, tuning.table_from_sweep(rows), covered)
+    got = {(e["n"], e["k"], e["tokens"], e["bits"]): e["splits"] for e in merged}
+    assert got == {(28672, 8192, 8, 4): 1, (28672, 8192, 16, 4): 2, (4096, 4096, 8, 4): 4}
+    keys = [(e["n"], e["k"], e["tokens"], e["bits"]) for e in merged]
+    assert keys == sorted(keys)
+
+
 def test_table_round_trip_and_lookup(tmp_path, monkeypatch):
     entries = [{"n": 28672, "k": 8192, "tokens": 8, "bits": 4, "splits": 1}]
     path = tmp_path / "nvidia-test-gpu.json"

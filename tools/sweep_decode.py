@@ -10,9 +10,10 @@ is the heuristic's (`TILE_CONFIGS`' dec8 / dec16 / dec32 for the type), forced t
 (gemm_with_spec(splits=)); splits=0 is the kernel's own planner.
 
     python tools/sweep_decode.py OUT.json [--shapes 28672x8192,...|presets] [--m 1,16] [--weights u4,u2,s8]
-        [--splits 0,1,2,3,4,6,8,12,16] [--iters 30] [--passes 2] [--table T.json]
+        [--splits 0,1,2,3,4,6,8,12,16] [--iters 30] [--passes 2] [--table T.json [--merge-into OLD.json]]
 
-The committed tables python/mixgemm/tuning/<gpu>.json come from `--table`.
+The committed tables python/mixgemm/tuning/<gpu>.json come from `--table`; `--merge-into` the
+committed table keeps its entries of the shapes this sweep did not measure.
 """
 from __future__ import annotations
 
@@ -91,6 +92,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--table", help="also write the measured split-K table (mixgemm.tuning) here")
+    ap.add_argument("--merge-into", metavar="TABLE",
+                    help="with --table: start from this table (the committed one) and replace only the "
+                         "entries of the shapes, tiles and code widths swept here")
     a = ap.parse_args(argv)
     shapes = _shapes(a.shapes)
     ms = [int(v) for v in a.m.split(",")]
@@ -139,9 +143,14 @@ def main(argv=None) -> int:
         json.dump(rows, f, indent=1)
     os.replace(tmp, a.out)
     if a.table:
-        tuning.write_table(a.table, torch.cuda.get_device_name(dev),
-                           tuning.table_from_sweep(rows, stage_bytes=None),
-                           source="tools/sweep_decode.py " + " ".join(sys.argv[1:]))
+        entries = tuning.table_from_sweep(rows, stage_bytes=None)
+        source = "tools/sweep_decode.py " + " ".join(sys.argv[1:])
+        if a.merge_into:
+            with open(a.merge_into) as f:
+                old = json.load(f)
+            entries = tuning.merge_entries(old["decode_splits"], entries, tuning.swept_keys(rows, stage_bytes=None))
+            source += f"; the entries of other shapes from {a.merge_into}: {old.get('source')}"
+        tuning.write_table(a.table, torch.cuda.get_device_name(dev), entries, source=source)
     return 0
 
 

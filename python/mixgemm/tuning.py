@@ -71,6 +71,37 @@ def decode_splits(gpu_name: str, n: int, k: int, tokens: int, bits: int) -> int:
     return _table(gpu_name).get(SplitKey(n, k, tokens, bits), 0)
 
 
+def _keyed_rows(rows: Iterable[Mapping], stage_bytes: Optional[int], warps: int, stages: int):
+    """(key, row) for the sweep rows of the given kernel config (``stage_bytes=None``: any) measured
+    at a token tile's representative M."""
+    from .types import WeightType
+
+    for r in rows:
+        if stage_bytes is not None and (r["stage_bytes"], r.get("warps", 8), r["stages"]) != (stage_bytes, warps, stages):
+            continue
+        tokens = next((t for t, m in TILE_M.items() if m == r["m"]), None)
+        if tokens is not None:
+            yield SplitKey(int(r["n"]), int(r["k"]), tokens, WeightType(r["weight"]).bits), r
+
+
+def swept_keys(rows: Iterable[Mapping], stage_bytes: Optional[int] = 1024, warps: int = 8,
+               stages: int = 4) -> set[SplitKey]:
+    """The (N, K, token tile, bits) that a sweep measured, whether or not they made the table."""
+    return {key for key, _ in _keyed_rows(rows, stage_bytes, warps, stages)}
+
+
+def merge_entries(old: Iterable[Mapping], new: Iterable[Mapping], covered: set[SplitKey]) -> list[dict]:
+    """A table after a sweep of some shapes: the sweep decides every key it ``covered`` (its entries
+    replace the old ones, and an old entry that the sweep left out -- the planner matched the best
+    factor -- is dropped); the old entries of the other keys stay. Sorted by key."""
+    def key(e: Mapping) -> SplitKey:
+        return SplitKey(int(e["n"]), int(e["k"]), int(e["tokens"]), int(e["bits"]))
+
+    merged = {key(e): dict(e) for e in old if key(e) not in covered}
+    merged.update({key(e): dict(e) for e in new})
+    return [merged[k] for k in sorted(merged, key=dataclasses.astuple)]
+
+
 def table_from_sweep(rows: Iterable[Mapping], stage_bytes: Optional[int] = 1024, warps: int = 8,
                      stages: int = 4, min_gain: float = 0.02) -> list[dict]:
     """The best measured factor per (N, K, token tile, bits) from ``tools/sweep_decode.py`` rows
@@ -78,16 +109,8 @@ def table_from_sweep(rows: Iterable[Mapping], stage_bytes: Optional[int] = 1024,
     row, for sweeps of the heuristic's own kernels). A forced factor enters the table only when
     it beats the planner's own pick (``splits == 0``, measured in the same run) by more than
     ``min_gain`` (run-to-run noise is about 1%)."""
-    from .types import WeightType
-
     by_key: dict[SplitKey, dict[int, float]] = {}
-    for r in rows:
-        if stage_bytes is not None and (r["stage_bytes"], r.get("warps", 8), r["stages"]) != (stage_bytes, warps, stages):
-            continue
-        tokens = next((t for t, m in TILE_M.items() if m == r["m"]), None)
-        if tokens is None:
-            continue
-        key = SplitKey(int(r["n"]), int(r["k"]), tokens, WeightType(r["weight"]).bits)
+    for key, r in _keyed_rows(rows, stage_bytes, warps, stages):
         by_key.setdefault(key, {})[int(r["splits"])] = float(r["us"])
     out = []
     for key, times in sorted(by_key.items(), key=lambda kv: dataclasses.astuple(kv[0])):
