@@ -1,0 +1,105 @@
+// mixgemm: the decode kernel's parameters and compile-time shape (decode_kernel.hpp): what the
+// kernel, its host plan (decode_plan.hpp) and the grouped decode kernel share, host and device.
+#pragma once
+
+#include <cstdint>
+
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+
+#include "mixgemm/activation.hpp"
+#include "mixgemm/numeric_conversion.hpp"
+#include "mixgemm/raw_decode.hpp"
+
+namespace mixgemm::decode {
+
+// The epilogue function (activation.hpp), fixed per kernel. kSwiglu: stripe j of a gate/up
+// interleaved weight (gate rows 16j .. 16j+7, up rows 16j+8 .. 16j+15) gives output rows
+// [8j, 8j + 8) of y[M, N/2]; each lane holds the gate row g and the up row g + 8 itself.
+using mixgemm::Activation;
+using mixgemm::activate;
+
+template <class Act>
+struct Params {
+  uint8_t const* weight;    // [N/16][K/64][128*bits] prepacked
+  Act const* scales;        // [G][N]
+  Act const* zeros;         // [G][N] or null (signed codes)
+  Act const* x;             // [M][ldx]
+  Act const* bias;          // [N] or null
+  Act* y;                   // [M][ldy]
+  float* partials;          // [splits][N][M] float32 (splits > kMaxClusterSplits)
+  int32_t* counters;        // [gridDim.x] zero-initialised (idem); every finishing CTA leaves its 0
+  int32_t m, n, k;
+  int32_t group_shift;      // log2(group size); 30 for one group spanning K (per-channel)
+  int32_t atoms_per_split;  // k-atoms (64 K each) per CTA
+  int32_t splits;           // <= kMaxClusterSplits: the cluster's size along y
+  int32_t groups_per_split; // group rows of scales/zeros staged per CTA
+  int32_t segments_per_slice; // (group, slice) x-sum segments per slice (kFold): groups a slice touches
+  int64_t ldx, ldy;
+};
+
+// Compile-time shape of one kernel.
+template <class Code_, class Act_, int NTiles_, int Warps_, int StageBytes_, int Stages_, int KSlices_ = 1>
+struct Config {
+  using Code = Code_;
+  using Act = Act_;
+  using Dequant = PrepackedDequantFor<Code, Act>;
+  // x = E + F c per register (converters/mixgemm/raw_decode.hpp): F = 4 on row g + 8 of 2-bit codes
+  using Raw = RawDecode<Dequant::kBits, Dequant::kSigned, half_of<Act_>::value>;
+  static constexpr int kNTiles = NTiles_;                    // n8 token tiles: M <= 8 * NTiles
+  static constexpr int kTokens = 8 * NTiles_;
+  static constexpr int kWarps = Warps_;
+  static constexpr int kThreads = 32 * Warps_;
+  static constexpr int kKSlices = KSlices_;                  // warps per stripe (k-slices)
+  static constexpr int kStripesPerCta = Warps_ / KSlices_;
+  static constexpr int kRowsPerCta = 16 * kStripesPerCta;
+  static constexpr int kBits = Dequant::kBits;
+  static constexpr bool kHasZero = !Dequant::kSigned;
+  static constexpr int kAtomBytes = 128 * kBits;             // one 16x64 atom
+  static constexpr int kChunkBytes = 4 * kBits;              // one lane's share of an atom
+  static constexpr int kStageBytes = StageBytes_;
+  static constexpr int kAtomsPerStage = StageBytes_ / kAtomBytes;
+  static constexpr int kStages = Stages_;
+  static_assert(kNTiles == 1 || kNTiles == 2 || kNTiles == 4, "8, 16 or 32 tokens per CTA");
+  static_assert(StageBytes_ % kAtomBytes == 0 && kAtomsPerStage >= 1, "a stage holds whole atoms");
+  static_assert(kStages >= 2, "at least double buffering");
+  static_assert(KSlices_ >= 1 && Warps_ % KSlices_ == 0, "the k-slices divide the warps");
+  // Folded offset (bf16, 2- and 4-bit codes): the MMA reads the decoded x = E + c as is (one
+  // lop3 per register, no subtraction), and the flush takes (E + z) * sum(x over the group) off
+  // the group's float32 partial sum: sum((c - z) x) = sum((E + c) x) - (E + z) sum(x). The
+  // float32 partial carries E = 128 times sum(x) more than the result, so this costs ~2^-17
+  // relative to sum(|x|) per group, far below bf16's output rounding (2^-9). fp16 (E = 1024:
+  // 8x more) and the two-part int8 decode keep the exact in-register subtraction.
+  static constexpr bool kFold = half_of<Act_>::value == Half::kBF16 && !Dequant::Decoder::kTwoPart;
+
+  // Shared memory: [ring: warps x stages x stage bytes][x tile][scales][zeros][barriers]
+  static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
+  static constexpr int kMaxSmem = 227 * 1024;
+  // Split-K: the CTA's float32 sums, [warp][lane][tile][4], reuse the ring once it is drained.
+  static constexpr int kSumsBytes = kThreads * kNTiles * 4 * 4;
+  static constexpr int kRingRegion = kRingBytes > kSumsBytes ? kRingBytes : kSumsBytes;
+  static constexpr int kMaxClusterSplits = 8;   // the portable cluster size
+
+  // The carve-up of dynamic shared memory, shared by the host plan and the kernel:
+  //   [weight rings: warps x stages x stage bytes, or the split sums][x: rows x x_row_bytes]
+  //   [scales][zeros][xsum: slices x segments x tokens float32, kFold only][barriers]
+  // x rows: min(M, tokens); x_row_bytes = 128 * atoms_per_split + 16 (16 mod 128: the 8 rows an
+  // ldmatrix reads fall in distinct banks); scales/zeros: groups x rows-per-CTA.
+  struct Carve {
+    int x, scales, zeros, xsum, bars, total;
+  };
+  CUTLASS_HOST_DEVICE static int x_row_bytes(int atoms_per_split) { return atoms_per_split * 128 + 16; }
+  CUTLASS_HOST_DEVICE static Carve carve(int x_rows, int atoms_per_split, int groups, int segments) {
+    Carve c;
+    int const group_bytes = groups * kRowsPerCta * int(sizeof(Act));
+    c.x = kRingRegion;
+    c.scales = c.x + x_rows * x_row_bytes(atoms_per_split);
+    c.zeros = c.scales + group_bytes;
+    c.xsum = (c.zeros + (kHasZero ? group_bytes : 0) + 15) / 16 * 16;
+    c.bars = c.xsum + (kFold ? kKSlices * segments * kTokens * 4 : 0);
+    c.total = c.bars + 8 * (kWarps * kStages + 1) + 16;   // + the last-CTA flag of the global reduction
+    return c;
+  }
+};
+
+}  // namespace mixgemm::decode

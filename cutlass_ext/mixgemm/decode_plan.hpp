@@ -1,0 +1,210 @@
+// mixgemm: the decode kernel's launch plan (split-K factor, shared memory) and argument checks:
+// pure host logic, no driver call, compiled into the kernel's host helper library
+// (MIXGEMM_DECODE_ENTRY in decode_kernel.hpp) and used by the grouped decode kernel's.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "mixgemm/abi.hpp"
+#include "mixgemm/decode_config.hpp"
+
+namespace mixgemm::decode {
+
+struct Plan {
+  int splits;
+  int atoms_per_split;
+  int groups_per_split;
+  int segments_per_slice;
+  int smem_bytes;
+  int row_blocks;
+};
+
+inline int group_shift_of(int group_size, int k) {
+  for (int s = 5; s <= 16; ++s) {
+    if (group_size == (1 << s)) return s;
+  }
+  return group_size == k ? 30 : -1;
+}
+
+template <class Cfg, Activation A = Activation::kNone>
+struct Host {
+  using Act = typename Cfg::Act;
+
+  static int groups_in(int a0, int a1, int gshift) {   // groups that k-atoms [a0, a1) touch
+    return a0 >= a1 ? 0 : (((a1 * 64 - 1) >> gshift) + 1) - ((a0 * 64) >> gshift);
+  }
+  static int max_groups(int k_atoms, int aps, int gshift) {
+    int worst = 0;
+    for (int ka0 = 0; ka0 < k_atoms; ka0 += aps) {
+      int const n = groups_in(ka0, ka0 + aps < k_atoms ? ka0 + aps : k_atoms, gshift);
+      worst = n > worst ? n : worst;
+    }
+    return worst;
+  }
+  // The most groups one k-slice touches, over every CTA split (run()'s slicing of a CTA's range).
+  static int max_segments(int k_atoms, int aps, int gshift) {
+    int worst = 0;
+    for (int ka0 = 0; ka0 < k_atoms; ka0 += aps) {
+      int const n_atoms = ka0 + aps < k_atoms ? aps : k_atoms - ka0;
+      int const per = (n_atoms + Cfg::kKSlices - 1) / Cfg::kKSlices;
+      for (int s = 0; s < Cfg::kKSlices; ++s) {
+        int const a0 = s * per < n_atoms ? s * per : n_atoms;
+        int const a1 = a0 + per < n_atoms ? a0 + per : n_atoms;
+        int const n = groups_in(ka0 + a0, ka0 + a1, gshift);
+        worst = n > worst ? n : worst;
+      }
+    }
+    return worst;
+  }
+
+  static char const* why_not(abi::GemmArgs const& a) {
+    if (a.abi_version != abi::kAbiVersion) return "ABI version mismatch between the runtime and the kernel's host helper";
+    if (a.activation != int(A))
+      return "this decode kernel fuses a different activation than the call asks for (see its name)";
+    if (a.m < 1) return "M must be >= 1";
+    if (a.m > Cfg::kTokens) return "too many tokens for this decode kernel (M > its token tile)";
+    if (a.n < 16 || a.n % 16) return "N must be a positive multiple of 16 (the prepacked atom)";
+    if (a.k < 64 || a.k % 64) return "K must be a positive multiple of 64 (the prepacked atom)";
+    if (group_shift_of(a.group_size, a.k) < 0)
+      return "the decode kernel needs a power-of-two group size >= 32, or one group spanning K";
+    if (a.k % a.group_size) return "the group size must divide K";
+    if (a.weight % 16 || a.scales % 16 || a.zeros % 16 || a.x % 16)
+      return "weight, scales, zeros and x must be 16-byte aligned";
+    if ((a.ldx * int64_t(sizeof(Act))) % 16) return "x's row stride must be a multiple of 16 bytes";
+    if (A == Activation::kSwiglu && a.n % 16) return "the gated (swiglu) form needs N % 16 == 0: gate and up in 8-row stripes";
+    if (a.ldx < a.k || a.ldy < (A == Activation::kSwiglu ? a.n / 2 : a.n)) return "row strides must cover the rows";
+    if (a.bias % int64_t(sizeof(Act)) || a.y % int64_t(sizeof(Act))) return "bias and y must be aligned to their element size";
+    if (Cfg::kHasZero && a.zeros == 0) return "this weight type needs zero points";
+    return nullptr;
+  }
+
+  static int smem_for(abi::GemmArgs const& a, int aps, int groups, int segments) {
+    return Cfg::carve(a.m < Cfg::kTokens ? a.m : Cfg::kTokens, aps, groups, segments).total;
+  }
+
+  // Split-K factor, from a cost model in units of one atom's step on a warp's chain / 8 (about
+  // 90 cycles on an H100, measured: benchmarks/NOTES.md section 9). Each warp's chain is serial
+  // and latency-bound (ncu: ~100 instructions per atom at ~7.5 cycles each), so a launch takes
+  // about the waves of resident CTAs an SM runs times one warp's chain: 8 per atom of its slice,
+  // plus a start-up of 16, plus the split reductions (the k-slices' in shared memory, M/8 for
+  // the float32 partials of a cluster's splits, 16 more beyond a cluster's 8 splits for the
+  // global reduction's fence and counter). It is at least the time to move the SM's share of
+  // the bytes (~1.1 KB per unit and SM on an H100) and to issue its share of the instructions
+  // (~0.4 units per warp-atom at the ~2.8 instructions per cycle an SM sustains here). Within
+  // the shared-memory budget; ties go to fewer splits. An explicit a.splits >= 1 wins.
+  static char const* plan(abi::GemmArgs const& a, Plan& out) {
+    constexpr int KS = Cfg::kKSlices;
+    constexpr long kMaxResident = 3;                  // 256-thread CTAs at <= 80 registers
+    constexpr long kBytesPerUnit = 1100;              // per SM
+    // issue cost per warp-atom: ~60 instructions of loop, loads and MMAs plus ~10 per bit of
+    // code width (the decode), more MMAs for more token tiles
+    constexpr long kIssueMilliUnits = 4L * (60 + 10 * Cfg::kBits) * (Cfg::kNTiles + 3) / 4;
+    int const k_atoms = a.k / 64;
+    int const gshift = group_shift_of(a.group_size, a.k);
+    int const row_blocks = (a.n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;
+    long const sms = a.sm_count > 0 ? a.sm_count : 132;
+    int const tokens = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
+    long const total_bytes = long(a.n / 16) * k_atoms * Cfg::kAtomBytes;
+    long best_cost = -1;
+    bool const forced = a.splits >= 1;
+    int const lo = forced ? a.splits : 1;
+    int const hi = forced ? a.splits : 64;
+    for (int s = lo; s <= hi && s <= k_atoms; ++s) {
+      int const aps = (k_atoms + s - 1) / s;
+      int const se = (k_atoms + aps - 1) / aps;
+      if (!forced && se != s) continue;                // the same plan as a smaller s
+      int const groups = max_groups(k_atoms, aps, gshift);
+      // (only the folded zero point keeps x-sums per segment; the walk over every split's slices
+      // is not free, and plan() runs on every launch of a shape without a tuned split factor)
+      int const segments = !Cfg::kFold ? 0 : KS == 1 ? groups : max_segments(k_atoms, aps, gshift);
+      int const smem = smem_for(a, aps, groups, segments);
+      if (smem > Cfg::kMaxSmem) continue;
+      long const fit = (228L * 1024) / (smem + 1024);
+      long const resident = fit < kMaxResident ? fit : kMaxResident;
+      int const apw = (aps + KS - 1) / KS;              // atoms on one warp's chain
+      long const reduce = (KS > 1 ? 2 : 0) + (se == 1 ? 0 : se <= Cfg::kMaxClusterSplits ? tokens : tokens + 16);
+      long const ctas = long(row_blocks) * se;
+      long const per_sm = (ctas + sms - 1) / sms;       // CTAs of the busiest SM
+      long const waves = (per_sm + resident - 1) / resident;
+      long const chain = waves * (8L * apw + 16 + reduce);
+      long const dram = (total_bytes / sms) / kBytesPerUnit;
+      long const issue = per_sm * Cfg::kWarps * apw * kIssueMilliUnits / 1000;
+      long cost = chain > dram ? chain : dram;
+      cost = cost > issue ? cost : issue;
+      if (best_cost < 0 || cost < best_cost) {
+        best_cost = cost;
+        out = Plan{se, aps, groups, segments, smem, row_blocks};
+      }
+    }
+    if (best_cost < 0) return "no split of K fits this decode kernel's shared memory (too many tokens x K)";
+    return nullptr;
+  }
+
+  // Why the kernel cannot run `a` (nullptr if it can), and its plan.
+  static char const* check(abi::GemmArgs const* a, Plan& pl) {
+    if (a == nullptr) return "null argument";
+    if (char const* why = why_not(*a)) return why;
+    return plan(*a, pl);
+  }
+  static char const* check(abi::GemmArgs const* a) {
+    Plan pl;
+    return check(a, pl);
+  }
+
+  // The global reduction's workspace: beyond kMaxClusterSplits only.
+  static bool global_reduce(Plan const& pl) { return pl.splits > Cfg::kMaxClusterSplits; }
+  static uint64_t counters_bytes(Plan const& pl) {
+    return global_reduce(pl) ? (uint64_t(pl.row_blocks) * 4 + 255) / 256 * 256 : 0;
+  }
+  static uint64_t workspace_bytes(abi::GemmArgs const& a, Plan const& pl) {
+    return global_reduce(pl) ? counters_bytes(pl) + uint64_t(pl.splits) * a.n * a.m * 4 : 0;
+  }
+  static uint64_t workspace_size(abi::GemmArgs const* a) {
+    Plan pl;
+    return check(a, pl) ? 0 : workspace_bytes(*a, pl);
+  }
+
+  static int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* out, char* err, int errlen) {
+    auto fail = [&](char const* msg) {
+      if (err && errlen > 0) std::snprintf(err, size_t(errlen), "%s", msg);
+      return 1;
+    };
+    Plan pl;
+    if (char const* why = check(a, pl)) return fail(why);
+    if (dst == nullptr || out == nullptr) return fail("null output buffer");
+    if (capacity < sizeof(Params<Act>)) return fail("params buffer too small");
+    std::memset(out, 0, sizeof(*out));
+    out->workspace_bytes = workspace_bytes(*a, pl);
+    out->workspace_zero_bytes = uint32_t(counters_bytes(pl));
+    if (out->workspace_bytes && a->workspace == 0) return fail("this launch needs a workspace");
+    Params<Act> p{};
+    p.weight = reinterpret_cast<uint8_t const*>(a->weight);
+    p.scales = reinterpret_cast<Act const*>(a->scales);
+    p.zeros = reinterpret_cast<Act const*>(a->zeros);
+    p.x = reinterpret_cast<Act const*>(a->x);
+    p.bias = reinterpret_cast<Act const*>(a->bias);
+    p.y = reinterpret_cast<Act*>(a->y);
+    p.counters = global_reduce(pl) ? reinterpret_cast<int32_t*>(a->workspace) : nullptr;
+    p.partials = global_reduce(pl) ? reinterpret_cast<float*>(a->workspace + counters_bytes(pl)) : nullptr;
+    p.m = a->m; p.n = a->n; p.k = a->k;
+    p.group_shift = group_shift_of(a->group_size, a->k);
+    p.atoms_per_split = pl.atoms_per_split;
+    p.splits = pl.splits;
+    p.groups_per_split = pl.groups_per_split;
+    p.segments_per_slice = pl.segments_per_slice;
+    p.ldx = a->ldx; p.ldy = a->ldy;
+    std::memcpy(dst, &p, sizeof(p));
+    out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = 1;
+    out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;
+    out->cluster[0] = 1;    // the splits of a row block are one cluster, up to kMaxClusterSplits
+    out->cluster[1] = global_reduce(pl) ? 1u : uint32_t(pl.splits);
+    out->cluster[2] = 1;
+    out->smem_bytes = uint32_t(pl.smem_bytes);
+    out->params_bytes = uint32_t(sizeof(Params<Act>));
+    return 0;
+  }
+};
+
+}  // namespace mixgemm::decode
