@@ -1,7 +1,7 @@
 """Measured launch choices: the decode kernels' split-K factor, per GPU and layer shape.
 
 The decode kernels' host helper plans a split-K factor from a cost model
-(``cutlass_ext/mixgemm/decode_kernel.hpp`` ``Host::plan``). For the layer shapes that were
+(``cutlass_ext/mixgemm/decode_plan.hpp`` ``Host::plan``). For the layer shapes that were
 measured on a GPU, the measured best factor is used instead: ``tools/sweep_decode.py`` times
 every factor in {1, 2, 3, 4, 6, 8, 12, 16} next to the planner's own pick, and ``--table`` writes the
 winners to ``python/mixgemm/tuning/<gpu>.json``, committed with the sweep's JSON
