@@ -166,6 +166,28 @@ struct Host {
     return check(a, pl) ? 0 : workspace_bytes(*a, pl);
   }
 
+  // The kernel's parameters for `a` under plan `pl` (the global reduction's counters and partials
+  // carved from a.workspace); the grouped decode kernel's host starts from them too.
+  static Params<Act> params(abi::GemmArgs const& a, Plan const& pl) {
+    Params<Act> p{};
+    p.weight = reinterpret_cast<uint8_t const*>(a.weight);
+    p.scales = reinterpret_cast<Act const*>(a.scales);
+    p.zeros = reinterpret_cast<Act const*>(a.zeros);
+    p.x = reinterpret_cast<Act const*>(a.x);
+    p.bias = reinterpret_cast<Act const*>(a.bias);
+    p.y = reinterpret_cast<Act*>(a.y);
+    p.counters = global_reduce(pl) ? reinterpret_cast<int32_t*>(a.workspace) : nullptr;
+    p.partials = global_reduce(pl) ? reinterpret_cast<float*>(a.workspace + counters_bytes(pl)) : nullptr;
+    p.m = a.m; p.n = a.n; p.k = a.k;
+    p.group_shift = group_shift_of(a.group_size, a.k);
+    p.atoms_per_split = pl.atoms_per_split;
+    p.splits = pl.splits;
+    p.groups_per_split = pl.groups_per_split;
+    p.segments_per_slice = pl.segments_per_slice;
+    p.ldx = a.ldx; p.ldy = a.ldy;
+    return p;
+  }
+
   static int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* out, char* err, int errlen) {
     auto fail = [&](char const* msg) {
       if (err && errlen > 0) std::snprintf(err, size_t(errlen), "%s", msg);
@@ -179,22 +201,7 @@ struct Host {
     out->workspace_bytes = workspace_bytes(*a, pl);
     out->workspace_zero_bytes = uint32_t(counters_bytes(pl));
     if (out->workspace_bytes && a->workspace == 0) return fail("this launch needs a workspace");
-    Params<Act> p{};
-    p.weight = reinterpret_cast<uint8_t const*>(a->weight);
-    p.scales = reinterpret_cast<Act const*>(a->scales);
-    p.zeros = reinterpret_cast<Act const*>(a->zeros);
-    p.x = reinterpret_cast<Act const*>(a->x);
-    p.bias = reinterpret_cast<Act const*>(a->bias);
-    p.y = reinterpret_cast<Act*>(a->y);
-    p.counters = global_reduce(pl) ? reinterpret_cast<int32_t*>(a->workspace) : nullptr;
-    p.partials = global_reduce(pl) ? reinterpret_cast<float*>(a->workspace + counters_bytes(pl)) : nullptr;
-    p.m = a->m; p.n = a->n; p.k = a->k;
-    p.group_shift = group_shift_of(a->group_size, a->k);
-    p.atoms_per_split = pl.atoms_per_split;
-    p.splits = pl.splits;
-    p.groups_per_split = pl.groups_per_split;
-    p.segments_per_slice = pl.segments_per_slice;
-    p.ldx = a->ldx; p.ldy = a->ldy;
+    Params<Act> const p = params(*a, pl);
     std::memcpy(dst, &p, sizeof(p));
     out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = 1;
     out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;

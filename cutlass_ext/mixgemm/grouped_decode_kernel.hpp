@@ -238,23 +238,8 @@ struct Host {
     if (capacity < sizeof(Params<Act>)) return fail("params buffer too small");
     std::memset(out, 0, sizeof(*out));
     Params<Act> gp{};
-    decode::Params<Act>& p = gp.base;
-    p.weight = reinterpret_cast<uint8_t const*>(a->weight);
-    p.scales = reinterpret_cast<Act const*>(a->scales);
-    p.zeros = reinterpret_cast<Act const*>(a->zeros);
-    p.x = reinterpret_cast<Act const*>(a->x);
-    p.bias = reinterpret_cast<Act const*>(a->bias);
-    p.y = reinterpret_cast<Act*>(a->y);
-    p.partials = nullptr;
-    p.counters = nullptr;
-    p.m = Cfg::kTokens;
-    p.n = a->n; p.k = a->k;
-    p.group_shift = decode::group_shift_of(a->group_size, a->k);
-    p.atoms_per_split = pl.atoms_per_split;
-    p.splits = pl.splits;
-    p.groups_per_split = pl.groups_per_split;
-    p.segments_per_slice = pl.segments_per_slice;
-    p.ldx = a->ldx; p.ldy = a->ldy;
+    gp.base = Dense::params(*a, pl);   // (at most a cluster's splits: no workspace)
+    gp.base.m = Cfg::kTokens;          // a tile's rows; each CTA sets its expert's count
     gp.offsets = reinterpret_cast<int32_t const*>(offsets);
     gp.weight_stride = int64_t(a->n / 16) * (a->k / 64) * Cfg::kAtomBytes;
     gp.group_stride = int64_t(a->k / a->group_size) * a->n;

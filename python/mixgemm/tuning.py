@@ -52,13 +52,16 @@ def _table(gpu_name: str) -> Mapping[SplitKey, int]:
     return load_table(path)
 
 
+def _entry_key(e: Mapping) -> SplitKey:
+    return SplitKey(int(e["n"]), int(e["k"]), int(e["tokens"]), int(e["bits"]))
+
+
 def load_table(path: Path) -> dict[SplitKey, int]:
     """Read a table file; raises ValueError naming the file if it is malformed."""
     try:
         data = json.loads(Path(path).read_text())
         entries = data["decode_splits"]
-        table = {SplitKey(int(e["n"]), int(e["k"]), int(e["tokens"]), int(e["bits"])): int(e["splits"])
-                 for e in entries}
+        table = {_entry_key(e): int(e["splits"]) for e in entries}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a mixgemm tuning table ({e})") from e
     if any(s < 1 for s in table.values()):
@@ -94,11 +97,8 @@ def merge_entries(old: Iterable[Mapping], new: Iterable[Mapping], covered: set[S
     """A table after a sweep of some shapes: the sweep decides every key it ``covered`` (its entries
     replace the old ones, and an old entry that the sweep left out -- the planner matched the best
     factor -- is dropped); the old entries of the other keys stay. Sorted by key."""
-    def key(e: Mapping) -> SplitKey:
-        return SplitKey(int(e["n"]), int(e["k"]), int(e["tokens"]), int(e["bits"]))
-
-    merged = {key(e): dict(e) for e in old if key(e) not in covered}
-    merged.update({key(e): dict(e) for e in new})
+    merged = {_entry_key(e): dict(e) for e in old if _entry_key(e) not in covered}
+    merged.update({_entry_key(e): dict(e) for e in new})
     return [merged[k] for k in sorted(merged, key=dataclasses.astuple)]
 
 
