@@ -86,6 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prebuild", action="store_true", help="build those kernels (and the launcher) and exit")
     p.add_argument("--tp", type=int, default=2, help="with --list-kernels/--prebuild: the TP size (default 2)")
     p.add_argument("--jobs", type=int, default=None, help="with --prebuild: parallel nvcc builds")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="also record every kernel of STEPS graph replays with torch.profiler, at TP=1 and "
+                        "TP=P, and write each kernel's time per step (by kind: GEMM, collective, attention, "
+                        "other) into the JSON (default 0: no profile)")
     args = p.parse_args(argv)
     for name in ("layers", "group_size", "context", "iters", "tp"):
         if getattr(args, name) < 1:
@@ -200,6 +204,49 @@ def reference_forward(self, x):
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
+#: a kernel's kind in --profile, by the first pattern its name contains
+KERNEL_KINDS = (("gemm", ("mixgemm_",)), ("collective", ("nccl", "all_reduce", "allreduce", "symm")),
+                ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, pats in KERNEL_KINDS if any(p in low for p in pats)), "other")
+
+
+def kernel_profile(replay, steps: int) -> dict:
+    """Every kernel of ``steps`` replays (no L2 flush between them) through torch.profiler: each
+    kernel name's calls and microseconds per step, the sum by kind, and the sum of all kernels
+    (against the step's timed median it shows the gaps between kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us > 0:
+            rows.append({"kernel": e.key[:160], "kind": kernel_kind(e.key), "calls": e.count / steps,
+                         "us": us / steps})
+    rows.sort(key=lambda r: -r["us"])
+    by_kind = {}
+    for r in rows:
+        by_kind[r["kind"]] = by_kind.get(r["kind"], 0.0) + r["us"]
+    return {"steps": steps, "kernels_us": sum(r["us"] for r in rows), "by_kind_us": by_kind, "kernels": rows}
+
+
+def print_profile(log, label: str, prof: dict, step_us: float) -> None:
+    kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(prof["by_kind_us"].items(), key=lambda kv: -kv[1]))
+    log(f"  {label}: kernels {prof['kernels_us']:.1f} us of the {step_us:.1f} us step ({kinds})")
+    for r in prof["kernels"][:12]:
+        log(f"    {r['us']:8.1f} us  {r['calls']:5.1f}x  {r['kind']:10s}  {r['kernel'][:90]}")
+
+
 def delta_error(y, ref, x) -> float:
     ref64 = ref.double()
     return float((y.double() - ref64).norm() / (ref64 - x.double()).norm())
@@ -301,6 +348,12 @@ def run(args) -> int:
         t_tp = time_cuda(graph_tp.replay, args.iters, args.warmup, flush, device=device)
         medians = [None] * tp
         dist.all_gather_object(medians, t_tp.median_us)
+        if args.profile:
+            prof_1 = kernel_profile(graph_1.replay, args.profile) if rank == 0 else None
+            dist.barrier()
+            prof_tp = kernel_profile(graph_tp.replay, args.profile)
+            profs = [None] * tp
+            dist.all_gather_object(profs, prof_tp)
         if rank == 0:
             step_tp = max(medians)
             speedup = t1.median_us / step_tp
@@ -322,6 +375,11 @@ def run(args) -> int:
                 log("    " + "  ".join(c.rjust(w) for c, w in zip(row, widths)))
             log(f"  graph replay vs eager: {replay_err:.2e}; target TP={tp} >= {TARGET_SPEEDUP}x TP=1: "
                 f"{'met' if speedup >= TARGET_SPEEDUP else 'NOT met'} ({speedup:.2f}x)")
+            if args.profile:
+                result["profile"] = {"tp1": prof_1, f"tp{tp}_ranks": profs}
+                print_profile(log, "TP=1 profile", prof_1, t1.median_us)
+                for r, prof in enumerate(profs):
+                    print_profile(log, f"TP={tp} rank {r} profile", prof, medians[r])
     # every rank's checks, on rank 0
     all_checks = [None] * tp
     dist.all_gather_object(all_checks, checks)
@@ -338,7 +396,11 @@ def run(args) -> int:
         os.replace(tmp, args.json)
         log(f"  checks: {merged} -> {'OK' if ok else 'FAILED'}; wrote {args.json}")
     dist.barrier()
-    dist.destroy_process_group()
+    if dry:
+        dist.destroy_process_group()
+    # with NCCL, no destroy_process_group: after collectives captured in CUDA graphs it waited
+    # for ever on the 2-GPU H200 machine (session 16); main() leaves with os._exit, which ends
+    # the communicator with the process
     return 0 if ok else 1
 
 

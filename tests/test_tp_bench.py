@@ -129,3 +129,22 @@ def test_hf_split_model_on_two_gpus(requires_gpu, tmp_path):
     print(out.stdout)
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out_json.read_text())["ok"]
+
+
+def test_profile_sorts_kernels_by_kind():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tp_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    kinds = {"mixgemm_decode_bf16_u4_m8_w8_b1024_s4_k1_swiglu": "gemm",
+             "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "collective",
+             "cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35": "attention",
+             "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>": "other"}
+    assert {name: mod.kernel_kind(name) for name in kinds} == kinds
+    lines = []
+    prof = {"kernels_us": 10.0, "by_kind_us": {"gemm": 7.0, "other": 3.0},
+            "kernels": [{"kernel": "mixgemm_decode_x", "kind": "gemm", "calls": 2.0, "us": 7.0}]}
+    mod.print_profile(lines.append, "TP=1 profile", prof, 12.5)
+    assert lines[0] == "  TP=1 profile: kernels 10.0 us of the 12.5 us step (gemm 7.0, other 3.0)"
+    assert "mixgemm_decode_x" in lines[1]
