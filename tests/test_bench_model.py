@@ -550,15 +550,17 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
     assert bench.main(["--model", "llama3-8b", "--batch", "1", "--prefill", "0", "--variants", "int4",
                        "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
-    # batch 1: every linear through the 8-token decode kernel, gate/up with the swiglu epilogue
+    # batch 1: every linear through the 8-token decode kernel, gate/up with the swiglu epilogue;
+    # the layer's two RMSNorm kernels (the second with the residual add)
     dec8 = next(tc for tc in TILE_CONFIGS if tc.label == "dec8")
-    assert names == [dec8.spec(ActType.BF16, WeightType.U4).name,
-                     dec8.spec(ActType.BF16, WeightType.U4, Activation.SWIGLU).name]
+    norms = ["mixgemm_add_rmsnorm_bf16", "mixgemm_rmsnorm_bf16"]
+    assert names == sorted([dec8.spec(ActType.BF16, WeightType.U4).name,
+                            dec8.spec(ActType.BF16, WeightType.U4, Activation.SWIGLU).name] + norms)
     assert bench.main(["--model", "llama3-70b", "--batch", "256", "--prefill", "2048", "--variants", "int2",
                        "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
-    assert names == ["mixgemm_gemm_bf16_u2_t128x256x64_coop_streamk_biasact_s0",
-                     "mixgemm_gemm_bf16_u2_t128x256x64_coop_streamk_swiglu_s0"]
+    assert names == sorted(["mixgemm_gemm_bf16_u2_t128x256x64_coop_streamk_biasact_s0",
+                            "mixgemm_gemm_bf16_u2_t128x256x64_coop_streamk_swiglu_s0"] + norms)
     assert bench.main(["--host", "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
     from mixgemm.ops import select_spec

@@ -11,7 +11,8 @@ from .layout import prepack, unpack
 from .quantize import quantize, dequantize_reference
 from .io import save, load
 from .ops import gemm, dequantize, supports
+from .norm import rms_norm
 
 __all__ = ["__version__", "ActType", "PackedWeight", "QuantizedWeight", "WeightType", "LAYOUT_VERSION",
            "prepack", "unpack", "quantize", "dequantize_reference", "save", "load", "gemm", "dequantize",
-           "supports"]
+           "supports", "rms_norm"]

@@ -30,7 +30,7 @@ from typing import Iterable, Optional, Union
 
 from ._version import __version__
 from .specs import (SWIZZLES, Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, GroupedDecodeSpec,
-                    GroupedGemmSpec, IndexType, KernelSpec, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec,
+                    GroupedGemmSpec, IndexType, KernelSpec, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, NormSpec,
                     Raster, RoutingWeightType, Schedule, Scheduler)
 from .types import ActType, WeightType
 
@@ -154,7 +154,15 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
     specs += grouped_specs(acts, weights)
     specs += grouped_gemm_specs(acts, weights)
     specs += moe_specs(acts)
+    specs += norm_specs(acts)
     return specs
+
+
+def norm_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[NormSpec]:
+    """The RMSNorm kernels of :func:`mixgemm.rms_norm`, without and with the fused residual add,
+    for each activation type. Part of :func:`default_specs`; alone: ``mixgemm generate --build
+    --kernels rmsnorm``."""
+    return [NormSpec(a, residual) for a in acts for residual in (False, True)]
 
 
 #: The grouped sm90 GEMM's tiles (weight rows x token tile x k) for many rows per expert
@@ -354,6 +362,11 @@ def render(spec: KernelSpec) -> str:
         act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
         return (head + '#include "mixgemm/moe_route_kernel.hpp"\n\n'
                 f"MIXGEMM_MOE_COMBINE_ENTRY({spec.name}, {act}, {spec.weight.cpp})\n")
+    if isinstance(spec, NormSpec):
+        L, _ = _cutlass_library()
+        act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
+        return (head + '#include "mixgemm/norm_kernel.hpp"\n\n'
+                f"MIXGEMM_RMS_NORM_ENTRY({spec.name}, {act}, {str(spec.residual).lower()})\n")
     grouped = isinstance(spec, GroupedGemmSpec)
     if not isinstance(spec, GemmSpec) and not grouped:
         raise TypeError(f"not a kernel spec: {spec!r}")

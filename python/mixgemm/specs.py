@@ -2,8 +2,8 @@
 
 Every kernel mixgemm can run is described by a frozen spec dataclass (:class:`GemmSpec`,
 :class:`DecodeSpec`, :class:`GroupedDecodeSpec`, :class:`GroupedGemmSpec`, :class:`DequantSpec`,
-:class:`MoeRouteSpec`, :class:`MoeCombineSpec`, :class:`MoeLayoutSpec`: together
-:data:`KernelSpec`) whose ``name`` encodes every field; :func:`parse_name` is its inverse. That
+:class:`MoeRouteSpec`, :class:`MoeCombineSpec`, :class:`MoeLayoutSpec`, :class:`NormSpec`:
+together :data:`KernelSpec`) whose ``name`` encodes every field; :func:`parse_name` is its inverse. That
 name is the cubin's kernel symbol, the generated file's name, the cache-key prefix and the test
 id. The enums here (:class:`Schedule`, :class:`Scheduler`, :class:`Epilogue`,
 :class:`Activation`, :class:`Raster`, ...) are the specs' fields and the kernels' launch options.
@@ -97,6 +97,7 @@ class KernelKind(enum.Enum):
     MOE_ROUTE = "moe_route"
     MOE_COMBINE = "moe_combine"
     MOE_LAYOUT = "moe_layout"
+    NORM = "norm"
 
 
 class IndexType(enum.Enum):
@@ -380,8 +381,25 @@ class MoeLayoutSpec:
         return "mixgemm_moe_layout"
 
 
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+    """The RMSNorm kernel (``cutlass_ext/mixgemm/norm_kernel.hpp``) for rows of type ``act``, with
+    the residual add fused in front of it when ``residual``: ``s = x + residual`` (written out),
+    ``y = rms_norm(s) * w``. Launched by :func:`mixgemm.rms_norm`."""
+
+    act: ActType
+    residual: bool
+
+    kind = KernelKind.NORM
+    programmatic_launch = True   # griddepcontrol.wait precedes every global access
+
+    @property
+    def name(self) -> str:
+        return f"mixgemm_{'add_' if self.residual else ''}rmsnorm_{self.act.value}"
+
+
 KernelSpec = Union[GemmSpec, DecodeSpec, GroupedDecodeSpec, GroupedGemmSpec, DequantSpec, MoeRouteSpec,
-                   MoeCombineSpec, MoeLayoutSpec]
+                   MoeCombineSpec, MoeLayoutSpec, NormSpec]
 #: The kernels that compute a GEMM (and have a host helper): what gemm_with_spec takes.
 GEMM_KINDS = (GemmSpec, DecodeSpec)
 #: The kernels built with a host helper library (helper.so).
@@ -400,6 +418,7 @@ _GROUPED_GEMM_NAME = re.compile(
 _DEQUANT_NAME = re.compile(r"^mixgemm_dequant_(?P<act>bf16|fp16)_(?P<weight>[su][248])$")
 _MOE_ROUTE_NAME = re.compile(r"^mixgemm_moe_route_(?P<index>i32|i64)$")
 _MOE_COMBINE_NAME = re.compile(r"^mixgemm_moe_combine_(?P<act>bf16|fp16)_w(?P<weight>f32|bf16|f16)$")
+_NORM_NAME = re.compile(r"^mixgemm_(?P<add>add_)?rmsnorm_(?P<act>bf16|fp16)$")
 
 
 def parse_name(name: str) -> KernelSpec:
@@ -433,4 +452,7 @@ def parse_name(name: str) -> KernelSpec:
     m = _MOE_COMBINE_NAME.match(name)
     if m:
         return MoeCombineSpec(ActType(m["act"]), RoutingWeightType(m["weight"]))
+    m = _NORM_NAME.match(name)
+    if m:
+        return NormSpec(ActType(m["act"]), m["add"] is not None)
     raise ValueError(f"not a mixgemm kernel name: {name!r}")

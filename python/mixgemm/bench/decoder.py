@@ -105,11 +105,15 @@ PRESETS: dict[str, ModelPreset] = {p.name: p for p in (
 # ---------------------------------------------------------------------------------------------
 # The layer's pieces
 # ---------------------------------------------------------------------------------------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps))`` through ``F.rms_norm`` (one fused
-    kernel on recent PyTorch GPUs; it computes in float32 for a bf16 x and rounds once, where
-    LLaMA's code rounds the normalized x before the weight multiplies it: at most an ulp apart)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    """RMSNorm: ``weight * (x / sqrt(mean(x^2) + eps))``, of ``x + residual`` when given (then
+    ``(y, x + residual)``): :func:`mixgemm.rms_norm`, one launch of mixgemm's kernel on an sm_90 GPU
+    (the residual add fused in), else the add and ``F.rms_norm``. It computes in float32 and rounds
+    once, where LLaMA's code rounds the normalized x before the weight multiplies it: at most an
+    ulp apart. Every variant's layer runs it, so the comparisons between them are of the GEMMs."""
+    from ..norm import rms_norm as _rms_norm
+
+    return _rms_norm(x, weight, eps, residual)
 
 
 class Rotary:
@@ -271,9 +275,21 @@ def decoder_layer(x: torch.Tensor, pos: int, preset: ModelPreset, proj: Projecti
     reads the cache's positions ``0 .. pos + T - 1``, which must be all of it: size the cache to
     the step); then ``h + down(mlp_in(rms_norm(h)))``. Returns ``[B, T, hidden]``.
     """
+    x, delta = decoder_layer_parts(x, None, pos, preset, proj, state, rotary)
+    return x + delta
+
+
+def decoder_layer_parts(x: torch.Tensor, delta: Optional[torch.Tensor], pos: int, preset: ModelPreset,
+                        proj: Projections, state: LayerState, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decoder_layer` of ``x + delta`` (``delta`` None: of ``x``), returning its output as
+    ``(x', delta')`` with the last residual add left to the caller: a stack adds it in the next
+    layer's first RMSNorm (one launch for the add and the norm, as serving engines fuse them)."""
     b, t, hidden = x.shape
     d = preset.head_dim
-    h = rms_norm(x, state.attn_norm, preset.rms_eps)
+    if delta is None:
+        h = rms_norm(x, state.attn_norm, preset.rms_eps)
+    else:
+        h, x = rms_norm(delta, state.attn_norm, preset.rms_eps, residual=x)
     qkv = proj.qkv(h.reshape(b * t, hidden))
     # q and k turn together (one rotary pass over their heads), v as is
     qk, v = qkv.split((preset.q_size + preset.kv_size, preset.kv_size), dim=-1)
@@ -283,9 +299,9 @@ def decoder_layer(x: torch.Tensor, pos: int, preset: ModelPreset, proj: Projecti
     k_cache[:, :, pos:pos + t] = k.transpose(1, 2)
     v_cache[:, :, pos:pos + t] = v.reshape(b, t, preset.kv_heads, d).transpose(1, 2)
     attn = attention(q.transpose(1, 2), k_cache[:, :, :pos + t], v_cache[:, :, :pos + t], pos)
-    x = x + proj.o(attn.transpose(1, 2).reshape(b * t, preset.q_size)).reshape(b, t, hidden)
-    h = rms_norm(x, state.mlp_norm, preset.rms_eps)
-    return x + proj.down(proj.mlp_in(h.reshape(b * t, hidden))).reshape(b, t, hidden)
+    o = proj.o(attn.transpose(1, 2).reshape(b * t, preset.q_size)).reshape(b, t, hidden)
+    h, x = rms_norm(o, state.mlp_norm, preset.rms_eps, residual=x)     # x + o, then its norm: one launch
+    return x, proj.down(proj.mlp_in(h.reshape(b * t, hidden))).reshape(b, t, hidden)
 
 
 class DecoderStack:
@@ -312,9 +328,10 @@ class DecoderStack:
         return len(self.projections)
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        delta = None
         for proj, state in zip(self.projections, self.states):
-            x = decoder_layer(x, pos, self.preset, proj, state, self.rotary)
-        return x
+            x, delta = decoder_layer_parts(x, delta, pos, self.preset, proj, state, self.rotary)
+        return x if delta is None else x + delta
 
     def weight_bytes(self) -> int:
         """Bytes of every weight the stack reads: projections and norms."""
@@ -388,6 +405,6 @@ def dense_projections(preset: ModelPreset, layer: int, seed: int, device: torch.
                             qkv_bias(preset, layer, seed, device, dtype))
 
 
-__all__ = ["ModelPreset", "PRESETS", "rms_norm", "Rotary", "attention", "Projections", "DenseProjections",
+__all__ = ["ModelPreset", "PRESETS", "rms_norm", "Rotary", "attention", "decoder_layer_parts", "Projections", "DenseProjections",
            "LayerState", "decoder_layer", "DecoderStack", "KEY_STD", "PROJECTIONS", "tensor_seed",
            "random_tensor", "float_weight", "qkv_bias", "layer_state", "dense_projections"]

@@ -1,0 +1,168 @@
+"""RMSNorm, with the residual add fused in front of it: :func:`rms_norm`.
+
+A decoder layer at decode time normalizes one row of ``hidden`` values twice, and each time the
+row is the sum of the residual stream and a projection's output. torch runs that as an add and
+``F.rms_norm``: two launches, and ``F.rms_norm``'s kernel takes 6-11 us on a single row on an
+H100 / H200 (one CTA that walks the row in small steps; benchmarks/NOTES.md section 20). On an
+sm_90 GPU :func:`rms_norm` is one launch of mixgemm's kernel (:class:`mixgemm.specs.NormSpec`,
+``cutlass_ext/mixgemm/norm_kernel.hpp``): one CTA per row, the row read once into registers.
+Elsewhere it runs the same two torch ops. ``torch.ops.mixgemm.rms_norm`` and
+``torch.ops.mixgemm.add_rms_norm`` are its custom ops (traceable by torch.compile).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from .types import ActType
+
+__all__ = ["rms_norm", "norm_spec"]
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_THREADS = 256   # norm_kernel.hpp's kNormThreads
+
+
+def norm_spec(dtype: torch.dtype, residual: bool):
+    """The kernel :func:`rms_norm` launches for rows of ``dtype`` (bf16 or fp16), without or with
+    the residual add."""
+    from .specs import NormSpec
+
+    return NormSpec(ActType.from_torch(dtype), bool(residual))
+
+
+def _check(x, weight, eps, residual) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise TypeError(f"x must be a floating-point tensor [..., H], got "
+                        f"{type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype}")
+    h = x.shape[-1]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != h:
+        raise ValueError(f"weight must be a 1-D tensor of H={h} values, got "
+                         f"{list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"weight must have x's dtype and device ({x.dtype}, {x.device}), "
+                         f"got {weight.dtype} on {weight.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:
+            raise ValueError(f"residual must be a tensor of x's shape {list(x.shape)}, got "
+                             f"{list(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__}")
+        if residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"residual must have x's dtype and device ({x.dtype}, {x.device}), "
+                             f"got {residual.dtype} on {residual.device}")
+
+
+def _kernel_takes(x: torch.Tensor) -> bool:
+    from .ops import _device_ok
+
+    return (x.dtype in _KERNEL_DTYPES and (x.shape[-1] * x.element_size()) % 16 == 0 and x.shape[-1] > 0
+            and _device_ok(x.device) is None)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous rows ``[R, H]`` with a 16-byte aligned start (a copy only if needed)."""
+    t = t.reshape(-1, t.shape[-1])
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        t = t.contiguous() if not t.is_contiguous() else t.clone()
+    return t
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor]):
+    from . import runtime
+
+    shape = x.shape
+    rows_x = _rows(x)
+    w = _rows(weight[None])
+    out = torch.empty_like(rows_x)
+    res = _rows(residual) if residual is not None else None
+    sums = torch.empty_like(rows_x) if residual is not None else None
+    kernel = runtime.KERNELS.get(norm_spec(x.dtype, residual is not None), x.device)
+    if rows_x.shape[0]:
+        p = ctypes.c_void_p
+        runtime.launch_kernel(kernel, (rows_x.shape[0], 1, 1), _THREADS,
+                              (p(rows_x.data_ptr()), p(res.data_ptr() if res is not None else 0), p(w.data_ptr()),
+                               p(out.data_ptr()), p(sums.data_ptr() if sums is not None else 0),
+                               ctypes.c_int(shape[-1] // 8), ctypes.c_float(eps)))
+    if residual is None:
+        return out.view(shape)
+    return out.view(shape), sums.view(shape)
+
+
+def _torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor]):
+    s = x if residual is None else x + residual
+    y = F.rms_norm(s, (s.shape[-1],), weight, eps)
+    return y if residual is None else (y, s)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+             residual: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """RMSNorm of the last dimension, optionally of ``x + residual``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., H]``, bfloat16 or float16 for the kernel (any floating dtype runs torch's ops).
+    weight : torch.Tensor
+        ``[H]``, x's dtype and device.
+    eps : float
+        Added to the mean square (the model's ``rms_norm_eps``).
+    residual : torch.Tensor, optional
+        x's shape, dtype and device. When given, the row normalized is ``s = x + residual``
+        (rounded to x's dtype, as torch's add) and ``s`` is returned too: the residual stream of
+        a decoder layer after a projection's output is added to it.
+
+    Returns
+    -------
+    torch.Tensor or (torch.Tensor, torch.Tensor)
+        ``y = weight * s / sqrt(mean(s^2) + eps)`` computed in float32 and rounded once to x's
+        dtype (``s = x`` without residual), contiguous, of x's shape; with ``residual``,
+        ``(y, s)``. Neither input is modified.
+
+    Notes
+    -----
+    On an sm_90 GPU with bf16 / fp16 rows of ``H * 2 % 16 == 0`` bytes this is one launch of
+    :class:`mixgemm.specs.NormSpec`'s kernel (capturable in a CUDA graph after a first call has
+    loaded it); it equals ``F.rms_norm`` up to the order of the sum of squares (an ulp of the
+    dtype where that moves the last bit of the float32 scale). Otherwise it is ``x + residual``
+    and ``F.rms_norm``. Under torch.compile it goes through ``torch.ops.mixgemm.rms_norm`` /
+    ``add_rms_norm``.
+    """
+    _check(x, weight, eps, residual)
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        if residual is None:
+            return torch.ops.mixgemm.rms_norm(x, weight, eps)
+        return tuple(torch.ops.mixgemm.add_rms_norm(x, residual, weight, eps))
+    return _rms_norm(x, weight, eps, residual)
+
+
+def _rms_norm(x, weight, eps, residual):
+    if _kernel_takes(x):
+        return _launch(x, weight, eps, residual)
+    return _torch(x, weight, eps, residual)
+
+
+@torch.library.custom_op("mixgemm::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm(x, weight, eps, None)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mixgemm::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rms_norm(x, weight, eps, residual)
+
+
+@_add_rms_norm_op.register_fake
+def _add_rms_norm_fake(x, residual, weight, eps):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
