@@ -12,7 +12,9 @@ Elsewhere it runs the same two torch ops. ``torch.ops.mixgemm.rms_norm`` and
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
+import threading
 from typing import Optional, Union
 
 import torch
@@ -26,6 +28,7 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _THREADS = 256   # norm_kernel.hpp's kNormThreads
 
 
+@functools.lru_cache(maxsize=None)
 def norm_spec(dtype: torch.dtype, residual: bool):
     """The kernel :func:`rms_norm` launches for rows of ``dtype`` (bf16 or fp16), without or with
     the residual add."""
@@ -63,33 +66,51 @@ def _kernel_takes(x: torch.Tensor) -> bool:
             and _device_ok(x.device) is None)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as contiguous rows ``[R, H]`` with a 16-byte aligned start (a copy only if needed)."""
-    t = t.reshape(-1, t.shape[-1])
-    if not t.is_contiguous() or t.data_ptr() % 16:
-        t = t.contiguous() if not t.is_contiguous() else t.clone()
-    return t
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with a 16-byte aligned start (a copy only if needed)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+#: the argument types of MIXGEMM_RMS_NORM_ENTRY: x, residual, weight, out, sum_out, row_vecs, eps
+_ARG_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int, ctypes.c_float)
+#: (kernel name, device index) -> its reused launch (made on first use; a launch is ~10 us of host
+#: time less than building the arguments each call, and an eager decoder layer makes two)
+_LAUNCHES: dict = {}
+_LAUNCHES_LOCK = threading.Lock()
+
+
+def _launcher(spec, device: torch.device):
+    from . import runtime
+
+    kernel = runtime.KERNELS.get(spec, device)
+    launch = _LAUNCHES.get((spec.name, device.index))
+    if launch is None or launch.kernel is not kernel:
+        with _LAUNCHES_LOCK:
+            launch = runtime.PlainLaunch(kernel, _ARG_TYPES, _THREADS)
+            _LAUNCHES[(spec.name, device.index)] = launch
+    return launch
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor]):
-    from . import runtime
+    from .plans import current_stream
 
-    shape = x.shape
-    rows_x = _rows(x)
-    w = _rows(weight[None])
-    out = torch.empty_like(rows_x)
-    res = _rows(residual) if residual is not None else None
-    sums = torch.empty_like(rows_x) if residual is not None else None
-    kernel = runtime.KERNELS.get(norm_spec(x.dtype, residual is not None), x.device)
-    if rows_x.shape[0]:
-        p = ctypes.c_void_p
-        runtime.launch_kernel(kernel, (rows_x.shape[0], 1, 1), _THREADS,
-                              (p(rows_x.data_ptr()), p(res.data_ptr() if res is not None else 0), p(w.data_ptr()),
-                               p(out.data_ptr()), p(sums.data_ptr() if sums is not None else 0),
-                               ctypes.c_int(shape[-1] // 8), ctypes.c_float(eps)))
-    if residual is None:
-        return out.view(shape)
-    return out.view(shape), sums.view(shape)
+    h = x.shape[-1]
+    x, w = _aligned(x), _aligned(weight)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        residual = _aligned(residual)
+        sums = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        res_ptr, sums_ptr = residual.data_ptr(), sums.data_ptr()
+    else:
+        res_ptr = sums_ptr = None
+    launch = _launcher(norm_spec(x.dtype, residual is not None), x.device)
+    rows = x.numel() // h
+    if rows:
+        launch(rows, current_stream(x.device.index), x.data_ptr(), res_ptr, w.data_ptr(), out.data_ptr(), sums_ptr,
+               h // 8, eps)
+    return out if residual is None else (out, sums)
 
 
 def _torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor]):

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -278,12 +279,77 @@ def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, 
     _launch_ex(kernel, launch.grid, launch.block, launch.smem_bytes, stream, argv, cluster=launch.cluster)
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` (cuda.h): the id, padding to 8 bytes, the 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_uint32), ("value", ctypes.c_uint32 * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h)."""
+
+    _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3), ("smem", ctypes.c_uint32),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint32)]
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_launch_entry() -> tuple[Callable[..., int], int]:
+    """The driver's ``cuLaunchKernelEx`` as a ctypes function (the entry point cuda-python's
+    driver gives, :func:`mixgemm.launcher.entry_points`), and the PDL attribute's id."""
+    from .launcher import entry_points
+
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    pdl = int(_driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    return proto(entry_points().launch_kernel_ex), pdl
+
+
 def launch_kernel(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, args: tuple) -> None:
     """Launch a kernel without a host helper (its arguments are plain pointers and ints, given as
     ctypes values in order) on torch's current stream, with programmatic stream serialization
-    where the kernel allows it (:func:`launch_prepared`'s rules)."""
+    where the kernel allows it (:func:`launch_prepared`'s rules). The driver's
+    ``cuLaunchKernelEx`` is called through ctypes with a ``CUlaunchConfig`` built here, not
+    cuda-python's config objects. A kernel launched on every call of an eager hot path keeps a
+    :class:`PlainLaunch` instead."""
+    launch_ex, pdl_id = _plain_launch_entry()
     argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    _launch_ex(kernel, grid, (block, 1, 1), 0, _stream_handle(kernel.device), argv)
+    attr = _LaunchAttribute(pdl_id, 0)
+    attr.value[0] = 1                      # programmaticStreamSerializationAllowed
+    config = _LaunchConfig((ctypes.c_uint32 * 3)(*grid), (ctypes.c_uint32 * 3)(block, 1, 1), 0,
+                           int(_stream_handle(kernel.device)), ctypes.addressof(attr),
+                           1 if kernel.spec.programmatic_launch else 0)
+    rc = launch_ex(ctypes.addressof(config), int(kernel.function), ctypes.addressof(argv), None)
+    if rc:
+        check(_driver().CUresult(rc), f"cuLaunchKernelEx({kernel.spec.name})")
+
+
+class PlainLaunch:
+    """:func:`launch_kernel` for one kernel with its argument slots, attribute and config made
+    once and reused by every call (under a lock: they are shared): ``launch(grid_x, stream,
+    *values)`` sets the slots' values (``slot_types``: the ctypes types of the kernel's
+    arguments, in order), the grid's x and the stream, and launches ``block`` threads per CTA."""
+
+    def __init__(self, kernel: LoadedKernel, slot_types: tuple, block: int):
+        launch_ex, pdl_id = _plain_launch_entry()
+        self.kernel = kernel
+        self._launch_ex, self._function = launch_ex, int(kernel.function)
+        self._slots = tuple(t() for t in slot_types)
+        self._argv = (ctypes.c_void_p * len(self._slots))(*(ctypes.addressof(a) for a in self._slots))
+        self._attr = _LaunchAttribute(pdl_id, 0)
+        self._attr.value[0] = 1
+        self._config = _LaunchConfig((ctypes.c_uint32 * 3)(1, 1, 1), (ctypes.c_uint32 * 3)(block, 1, 1), 0, 0,
+                                     ctypes.addressof(self._attr), 1 if kernel.spec.programmatic_launch else 0)
+        self._addrs = (ctypes.addressof(self._config), ctypes.addressof(self._argv))
+        self._lock = threading.Lock()
+
+    def __call__(self, grid_x: int, stream: int, *values) -> None:
+        with self._lock:
+            for slot, v in zip(self._slots, values):
+                slot.value = v
+            self._config.grid[0] = grid_x
+            self._config.stream = stream
+            rc = self._launch_ex(self._addrs[0], self._function, self._addrs[1], None)
+        if rc:
+            check(_driver().CUresult(rc), f"cuLaunchKernelEx({self.kernel.spec.name})")
 
 
 def launch_dequant(kernel: LoadedKernel, qdata: int, scales: int, zeros: int, out: int,
