@@ -222,6 +222,45 @@ def test_the_loaded_model_traces_as_one_graph_with_a_static_cache(tmp_path):
     assert graph.count("mixgemm.gemm") == 6 * hc.LAYERS and graph.count("index_select") == 6 * hc.LAYERS
 
 
+def test_norms_are_replaced_by_mixgemm_rms_norm(tmp_path):
+    """fuse_norms (default): every LlamaRMSNorm becomes a mixgemm.nn.RMSNorm sharing its weight,
+    named in the summary; it computes transformers' formula (rounded once: within an ulp);
+    fuse_norms=False keeps transformers' modules."""
+    from mixgemm.nn import RMSNorm
+
+    hc.write_awq(tmp_path / "m")
+    model = load(tmp_path / "m")
+    want = [f"model.layers.{i}.{n}" for i in range(hc.LAYERS) for n in ("input_layernorm", "post_attention_layernorm")]
+    assert model.mixgemm_summary.norms == want + ["model.norm"]
+    assert "5 RMSNorms on mixgemm's kernel" in str(model.mixgemm_summary)
+    plain = load(tmp_path / "m", fuse_norms=False)
+    assert plain.mixgemm_summary.norms == [] and "0 RMSNorms" in str(plain.mixgemm_summary)
+    x = torch.randn(2, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).half() * 4
+    for name in want + ["model.norm"]:
+        ours, theirs = model.get_submodule(name), plain.get_submodule(name)
+        assert isinstance(ours, RMSNorm) and type(theirs).__name__ == "LlamaRMSNorm"
+        assert ours.variance_epsilon == theirs.variance_epsilon and torch.equal(ours.weight, theirs.weight)
+        with torch.no_grad():
+            a, b = ours(x).float(), theirs(x).float()
+        assert ((a - b).abs() / b.abs().clamp(min=1e-3)).max() <= 2 ** -10 * 2
+    assert model.model.norm.weight is model.get_parameter("model.norm.weight")
+    with pytest.raises(TypeError, match="not a LLaMA-style RMSNorm"):
+        RMSNorm.from_module(nn.LayerNorm(8))
+
+
+def test_generate_for_a_model_lists_its_norm_kernel(tmp_path, capsys):
+    from mixgemm.cli import main
+
+    hc.write_awq(tmp_path / "m")
+    assert main(["generate", "--list", "--for", str(tmp_path / "m")]) == 0
+    names = capsys.readouterr().out.split()
+    assert "mixgemm_rmsnorm_fp16" in names and not [n for n in names if "add_rmsnorm" in n]
+    assert main(["generate", "--list", "--for", str(tmp_path / "m"), "--no-fuse-norms"]) == 0
+    assert "mixgemm_rmsnorm_fp16" not in capsys.readouterr().out.split()
+    assert main(["generate", "--list", "--no-fuse-norms"]) == 2
+    assert "--no-fuse-norms go with --for" in capsys.readouterr().err
+
+
 def test_other_activation_dtype_rounds_the_scales(tmp_path):
     ref = hc.write_awq(tmp_path / "m", shards=1)
     model = load(tmp_path / "m", dtype=torch.bfloat16)

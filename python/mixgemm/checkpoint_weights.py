@@ -171,6 +171,31 @@ def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
     return dense + _experts_uses(stacked, path)
 
 
+#: transformers' model types whose RMSNorm modules are LLaMA's (mixgemm.norm.LLAMA_STYLE_NORMS):
+#: what mixgemm.hf.from_pretrained(fuse_norms=True) replaces
+LLAMA_STYLE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"})
+
+
+def norm_specs(path: Union[str, os.PathLike], dtype: Optional[str] = None) -> list:
+    """The RMSNorm kernel :func:`mixgemm.hf.from_pretrained` (``fuse_norms=True``) makes a Hugging
+    Face model directory's norms launch (:class:`mixgemm.nn.RMSNorm`), from its ``config.json``:
+    one :class:`~mixgemm.specs.NormSpec` of the activation dtype for a LLaMA-style model type
+    (:data:`LLAMA_STYLE_MODEL_TYPES`) with a ``quantization_config``; none otherwise (a mixgemm
+    file, another architecture)."""
+    from .norm import norm_spec
+
+    path = Path(path)
+    config = path / "config.json"
+    if not path.is_dir() or not config.is_file():
+        return []
+    raw = _read_json(config)
+    if "quantization_config" not in raw or str(raw.get("model_type", "")) not in LLAMA_STYLE_MODEL_TYPES:
+        return []
+    from .hf.plan import resolve_dtype
+
+    return [norm_spec(resolve_dtype(dtype, raw), False)]
+
+
 def _experts_uses(stacked: Dict[str, _Layer], path) -> list:
     """One :class:`~mixgemm.prebuild.ExpertsUse` per MoE layer: its stacked ``<prefix>.w13``
     (gate/up interleaved, ``[2I, H]``) and ``<prefix>.w2`` (``[H, I]``), as ``mixgemm prepack``

@@ -166,8 +166,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from . import codegen
 
-    if args.for_path is None and (args.max_tokens is not None or args.dtype is not None or args.no_fuse_gate_up):
-        raise UsageError("--max-tokens, --dtype and --no-fuse-gate-up go with --for")
+    if args.for_path is None and (args.max_tokens is not None or args.dtype is not None or args.no_fuse_gate_up
+                                  or args.no_fuse_norms):
+        raise UsageError("--max-tokens, --dtype, --no-fuse-gate-up and --no-fuse-norms go with --for")
     if args.for_path is not None:
         from .cli_kernels import model_specs
         specs = model_specs(args)

@@ -31,6 +31,8 @@ def add_generate_for(p) -> None:
                         "for mixgemm files without a config, each weight's scales' dtype)")
     g.add_argument("--no-fuse-gate-up", action="store_true",
                    help="count gate_proj and up_proj as two plain layers")
+    g.add_argument("--no-fuse-norms", action="store_true",
+                   help="leave out the RMSNorm kernel (from_pretrained(fuse_norms=False))")
 
 
 def model_specs(args: argparse.Namespace) -> list:
@@ -39,6 +41,8 @@ def model_specs(args: argparse.Namespace) -> list:
 
     uses = checkpoint_weights.weight_uses(args.for_path, dtype=args.dtype, fuse_gate_up=not args.no_fuse_gate_up)
     specs = prebuild.specs_for(uses, max_tokens=args.max_tokens)
+    if not args.no_fuse_norms:
+        specs = sorted(specs + checkpoint_weights.norm_specs(args.for_path, dtype=args.dtype), key=lambda s: s.name)
     if not args.list:
         print(f"{args.for_path}: {len(uses)} quantized layers -> {len(specs)} kernels"
               + (f" (up to {args.max_tokens} tokens per call)" if args.max_tokens else ""), file=sys.stderr)

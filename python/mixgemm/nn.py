@@ -26,6 +26,7 @@ from torch import nn
 from . import plans
 from .errors import UnsupportedLayerError
 from .layout import ATOM_K, ATOM_N, prepack
+from .norm import RMSNorm
 from .ops import TOKEN_BUCKETS, gemm_tensors, gemm_tensors_full
 from .quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
 from .types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
@@ -424,4 +425,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["QuantLinear", "quantize_model", "QuantizeSummary", "gemm_op", "unsupported_reason", *_PARALLEL]
+__all__ = ["QuantLinear", "quantize_model", "QuantizeSummary", "gemm_op", "unsupported_reason", "RMSNorm",
+           *_PARALLEL]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .types import ActType
 
-__all__ = ["rms_norm", "norm_spec"]
+__all__ = ["rms_norm", "norm_spec", "RMSNorm", "replace_rms_norms", "LLAMA_STYLE_NORMS"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _THREADS = 256   # norm_kernel.hpp's kNormThreads
@@ -187,3 +187,82 @@ def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 def _add_rms_norm_fake(x, residual, weight, eps):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+# ---------------------------------------------------------------------------------------------
+# The module
+# ---------------------------------------------------------------------------------------------
+#: transformers' RMSNorm classes whose forward is LLaMA's: ``weight * (x.float() *
+#: rsqrt(mean(x.float()^2) + variance_epsilon)).to(x.dtype)``, a ``weight`` of ``[H]`` and a float
+#: ``variance_epsilon`` (Gemma's, which scales by ``1 + weight``, is not among them)
+LLAMA_STYLE_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm",
+                               "Qwen3RMSNorm", "Qwen3MoeRMSNorm"})
+
+
+class RMSNorm(torch.nn.Module):
+    """LLaMA's RMSNorm through :func:`rms_norm`: one launch on an sm_90 GPU where transformers'
+    ``LlamaRMSNorm`` makes about seven (float cast, square, mean, rsqrt, two multiplies, cast).
+
+    Parameters
+    ----------
+    hidden_size : int
+    eps : float, default 1e-6
+        Kept as ``variance_epsilon``, the attribute name of transformers' modules.
+    dtype, device : optional
+        Of the weight (initialized to ones).
+
+    Notes
+    -----
+    ``forward(x)`` with x ``[..., hidden_size]`` of the weight's dtype is :func:`rms_norm`:
+    computed in float32 and rounded once, where transformers' module rounds the normalized x to
+    x's dtype before the weight multiplies it (the two differ by at most an ulp of the dtype).
+    An x of another dtype takes transformers' formula in torch ops.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.variance_epsilon = float(eps)
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module) -> "RMSNorm":
+        """The same norm (its weight shared, not copied) from a transformers RMSNorm module of
+        :data:`LLAMA_STYLE_NORMS`. Raises TypeError for any other module."""
+        name = type(module).__name__
+        weight = getattr(module, "weight", None)
+        eps = getattr(module, "variance_epsilon", None)
+        if name not in LLAMA_STYLE_NORMS or not isinstance(weight, torch.Tensor) or weight.dim() != 1 \
+                or isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"not a LLaMA-style RMSNorm (one of {sorted(LLAMA_STYLE_NORMS)} with a 1-D weight "
+                            f"and a float variance_epsilon): {name}")
+        norm = cls.__new__(cls)
+        torch.nn.Module.__init__(norm)
+        norm.weight = weight if isinstance(weight, torch.nn.Parameter) else torch.nn.Parameter(weight, False)
+        norm.variance_epsilon = float(eps)
+        return norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
+def replace_rms_norms(model: torch.nn.Module) -> list[str]:
+    """Replace every transformers RMSNorm module of :data:`LLAMA_STYLE_NORMS` inside ``model`` by
+    :class:`RMSNorm` (sharing its weight), in place; the names of the replaced modules."""
+    targets = [(name, mod) for name, mod in model.named_modules() if type(mod).__name__ in LLAMA_STYLE_NORMS]
+    done = []
+    for name, mod in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if not attr:
+            continue                     # the model itself is a norm: nothing to replace it in
+        setattr(parent, attr, RMSNorm.from_module(mod))
+        done.append(name)
+    return done

@@ -20,7 +20,8 @@ directories are read by :mod:`mixgemm.checkpoint_weights` (headers only, no tens
 A :class:`~mixgemm.nn_moe.QuantMoE` inside an ``nn.Module``, or an :class:`ExpertsUse` (a
 checkpoint's stacked experts, :mod:`mixgemm.checkpoint_weights`), adds the kernels a MoE layer
 can launch (:func:`moe_specs_for`): the grouped kernels of its two GEMMs at every row count, the
-layout kernel, and the routing and combine kernels.
+layout kernel, and the routing and combine kernels. A :class:`~mixgemm.nn.RMSNorm` inside one
+adds the RMSNorm kernel of its dtype.
 
 The dequantizer kernels (:func:`mixgemm.dequantize`) are not on the GEMM path and are not
 included.
@@ -194,7 +195,19 @@ def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
             specs[spec.name] = spec
     for use in _experts_uses(items):
         specs.update((spec.name, spec) for spec in moe_specs_for(use, max_tokens))
+    specs.update((spec.name, spec) for spec in _norm_specs(items))
     return [specs[name] for name in sorted(specs)]
+
+
+def _norm_specs(items) -> list[KernelSpec]:
+    """The RMSNorm kernels of the :class:`~mixgemm.nn.RMSNorm` modules inside the nn.Modules
+    among ``items`` (bf16 / fp16 weights: what their forward launches)."""
+    from .norm import RMSNorm, norm_spec
+
+    items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
+    dtypes = {mod.weight.dtype for item in items if isinstance(item, torch.nn.Module)
+              for mod in item.modules() if isinstance(mod, RMSNorm)}
+    return [norm_spec(d, False) for d in sorted(dtypes, key=str) if d in (torch.bfloat16, torch.float16)]
 
 
 def _experts_uses(items) -> list[ExpertsUse]:

@@ -64,6 +64,8 @@ class LoadSummary:
         What the same model takes with bf16 weights.
     tp_rank, tp_size : int
         This rank's place in a tensor-parallel split (the bytes are this rank's).
+    norms : list of str
+        The RMSNorm modules replaced by :class:`mixgemm.nn.RMSNorm` (``fuse_norms``).
     """
 
     model_dir: str
@@ -76,6 +78,7 @@ class LoadSummary:
     bf16_bytes: int
     tp_rank: int = 0
     tp_size: int = 1
+    norms: List[str] = dataclasses.field(default_factory=list)
 
     @property
     def resident_bytes(self) -> int:
@@ -85,7 +88,8 @@ class LoadSummary:
         ratio = self.bf16_bytes / self.resident_bytes if self.resident_bytes else float("nan")
         rank = f" rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else ""
         return (f"mixgemm.hf: loaded {self.model_dir} ({self.method}){rank}: {len(self.quantized)} quantized layers "
-                f"({len(self.fused)} gated MLPs fused), {len(self.full_precision)} kept in full precision; "
+                f"({len(self.fused)} gated MLPs fused), {len(self.full_precision)} kept in full precision, "
+                f"{len(self.norms)} RMSNorms on mixgemm's kernel; "
                 f"resident {_mib(self.resident_bytes)} (quantized {_mib(self.quantized_bytes)} + other "
                 f"{_mib(self.other_bytes)}) vs {_mib(self.bf16_bytes)} in bf16 ({ratio:.2f}x smaller)")
 
