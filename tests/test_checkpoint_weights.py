@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 
 from mixgemm import formats, prebuild
-from mixgemm.checkpoint_weights import weight_uses
+from mixgemm.checkpoint_weights import kernel_specs, weight_uses
 from mixgemm.cli import main
 from mixgemm.errors import UserError
 from mixgemm.io import save
@@ -302,10 +302,15 @@ def test_the_loaded_model_asks_for_the_kernels_of_its_headers(tmp_path, kind):
     for dtype in (None, "bf16", "fp16"):
         model = hf.from_pretrained(tmp_path / kind, device="cpu", dtype=dtype, attn_implementation="eager")
         assert model.mixgemm_summary.fused, "the gated MLPs are fused"
-        assert [s.name for s in specs_for(weight_uses(tmp_path / kind, dtype=dtype))] == \
+        assert [s.name for s in kernel_specs(tmp_path / kind, dtype=dtype)] == \
             [s.name for s in specs_for(model)], (kind, dtype)
-    plain = hf.from_pretrained(tmp_path / kind, device="cpu", fuse_gate_up=False, attn_implementation="eager")
-    assert [s.name for s in specs_for(weight_uses(tmp_path / kind, fuse_gate_up=False))] == \
+        # the GEMMs' kernels are the weight uses'; the rest is the RMSNorm kernel of the norms
+        gemms = [s.name for s in specs_for(weight_uses(tmp_path / kind, dtype=dtype))]
+        assert sorted(set(s.name for s in specs_for(model)) - set(gemms)) == \
+            [f"mixgemm_rmsnorm_{'fp16' if model.dtype == torch.float16 else 'bf16'}"]
+    plain = hf.from_pretrained(tmp_path / kind, device="cpu", fuse_gate_up=False, fuse_norms=False,
+                               attn_implementation="eager")
+    assert [s.name for s in kernel_specs(tmp_path / kind, fuse_gate_up=False, fuse_norms=False)] == \
         [s.name for s in specs_for(plain)]
 
 
@@ -316,7 +321,8 @@ def test_the_config_dtype_decides_the_activation(tmp_path):
     hc.edit_config(tmp_path / "m", torch_dtype="bfloat16")
     assert {u.act for u in weight_uses(tmp_path / "m")} == {ActType.BF16}
     model = hf.from_pretrained(tmp_path / "m", device="cpu", attn_implementation="eager")
-    assert [s.name for s in specs_for(weight_uses(tmp_path / "m"))] == [s.name for s in specs_for(model)]
+    assert [s.name for s in kernel_specs(tmp_path / "m")] == [s.name for s in specs_for(model)]
+    assert "mixgemm_rmsnorm_bf16" in [s.name for s in kernel_specs(tmp_path / "m")]
 
 
 def test_different_gate_and_up_permutations_are_not_fused(tmp_path):
@@ -335,7 +341,7 @@ def test_different_gate_and_up_permutations_are_not_fused(tmp_path):
     assert model.mixgemm_summary.fused == ["model.layers.1.mlp"]
     uses = weight_uses(tmp_path / "m")
     assert [u.name for u in uses if u.activation is Activation.SWIGLU] == ["model.layers.1.mlp.gate_up"]
-    assert [s.name for s in specs_for(uses)] == [s.name for s in specs_for(model)]
+    assert [s.name for s in kernel_specs(tmp_path / "m")] == [s.name for s in specs_for(model)]
 
 
 def test_generate_build_for_a_failed_build(tmp_path, capsys, fake_env, monkeypatch):  # noqa: F811

@@ -196,6 +196,20 @@ def norm_specs(path: Union[str, os.PathLike], dtype: Optional[str] = None) -> li
     return [norm_spec(resolve_dtype(dtype, raw), False)]
 
 
+def kernel_specs(path: Union[str, os.PathLike], dtype: Optional[str] = None, fuse_gate_up: bool = True,
+                 fuse_norms: bool = True, max_tokens: Optional[int] = None) -> list:
+    """Every kernel the model of ``path`` launches once loaded (``mixgemm generate --for``): its
+    GEMMs' (:func:`mixgemm.prebuild.specs_for` of :func:`weight_uses`, up to ``max_tokens`` tokens
+    per call) and, with ``fuse_norms``, its RMSNorm kernel (:func:`norm_specs`); sorted by name.
+    ``dtype`` and ``fuse_gate_up`` as for :func:`weight_uses`."""
+    from .prebuild import specs_for
+
+    specs = specs_for(weight_uses(path, dtype=dtype, fuse_gate_up=fuse_gate_up), max_tokens=max_tokens)
+    if fuse_norms:
+        specs += norm_specs(path, dtype=dtype)
+    return sorted(specs, key=lambda s: s.name)
+
+
 def _experts_uses(stacked: Dict[str, _Layer], path) -> list:
     """One :class:`~mixgemm.prebuild.ExpertsUse` per MoE layer: its stacked ``<prefix>.w13``
     (gate/up interleaved, ``[2I, H]``) and ``<prefix>.w2`` (``[H, I]``), as ``mixgemm prepack``

@@ -37,12 +37,11 @@ def add_generate_for(p) -> None:
 
 def model_specs(args: argparse.Namespace) -> list:
     """The kernels of ``--for``'s model (the options that only go with --for are checked here)."""
-    from . import checkpoint_weights, prebuild
+    from . import checkpoint_weights
 
     uses = checkpoint_weights.weight_uses(args.for_path, dtype=args.dtype, fuse_gate_up=not args.no_fuse_gate_up)
-    specs = prebuild.specs_for(uses, max_tokens=args.max_tokens)
-    if not args.no_fuse_norms:
-        specs = sorted(specs + checkpoint_weights.norm_specs(args.for_path, dtype=args.dtype), key=lambda s: s.name)
+    specs = checkpoint_weights.kernel_specs(args.for_path, dtype=args.dtype, fuse_gate_up=not args.no_fuse_gate_up,
+                                            fuse_norms=not args.no_fuse_norms, max_tokens=args.max_tokens)
     if not args.list:
         print(f"{args.for_path}: {len(uses)} quantized layers -> {len(specs)} kernels"
               + (f" (up to {args.max_tokens} tokens per call)" if args.max_tokens else ""), file=sys.stderr)
