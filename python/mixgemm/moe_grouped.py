@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .experts import PackedExperts
-from .moe_routing import aligned_contiguous
+from .runtime import aligned_contiguous
 from .moe_tiles import TokenTiles, token_tiles
 from .specs import KernelKind, Raster
 from .types import WeightType

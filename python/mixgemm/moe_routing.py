@@ -25,6 +25,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .runtime import aligned_contiguous
+
 __all__ = ["Routing", "route", "route_and_gather", "combine", "routing_specs", "ROUTE_MAX_ASSIGNMENTS",
            "ROUTE_MAX_EXPERTS", "COMBINE_MAX_TOKENS"]
 
@@ -112,13 +114,6 @@ def routing_specs(act_type, ids_dtype: torch.dtype = torch.int64, weights_dtype:
     spec = route_spec(torch.empty(0, dtype=ids_dtype))
     out = [] if spec is None else [spec]
     return out + [combine_spec(torch.empty(0, dtype=act_type.torch_dtype), torch.empty(0, dtype=weights_dtype))]
-
-
-def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with a 16-byte aligned start (a copy only if it is not)."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
 def _launch_route(spec, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import threading
 from typing import Optional, Union
 
 import torch
@@ -66,46 +65,24 @@ def _kernel_takes(x: torch.Tensor) -> bool:
             and _device_ok(x.device) is None)
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous with a 16-byte aligned start (a copy only if needed)."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    return t.contiguous() if not t.is_contiguous() else t.clone()
-
-
 #: the argument types of MIXGEMM_RMS_NORM_ENTRY: x, residual, weight, out, sum_out, row_vecs, eps
 _ARG_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int, ctypes.c_float)
-#: (kernel name, device index) -> its reused launch (made on first use; a launch is ~10 us of host
-#: time less than building the arguments each call, and an eager decoder layer makes two)
-_LAUNCHES: dict = {}
-_LAUNCHES_LOCK = threading.Lock()
-
-
-def _launcher(spec, device: torch.device):
-    from . import runtime
-
-    kernel = runtime.KERNELS.get(spec, device)
-    launch = _LAUNCHES.get((spec.name, device.index))
-    if launch is None or launch.kernel is not kernel:
-        with _LAUNCHES_LOCK:
-            launch = runtime.PlainLaunch(kernel, _ARG_TYPES, _THREADS)
-            _LAUNCHES[(spec.name, device.index)] = launch
-    return launch
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor]):
     from .plans import current_stream
+    from .runtime import KERNELS, aligned_contiguous
 
     h = x.shape[-1]
-    x, w = _aligned(x), _aligned(weight)
+    x, w = aligned_contiguous(x), aligned_contiguous(weight)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if residual is not None:
-        residual = _aligned(residual)
+        residual = aligned_contiguous(residual)
         sums = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         res_ptr, sums_ptr = residual.data_ptr(), sums.data_ptr()
     else:
         res_ptr = sums_ptr = None
-    launch = _launcher(norm_spec(x.dtype, residual is not None), x.device)
+    launch = KERNELS.plain_launch(norm_spec(x.dtype, residual is not None), x.device, _ARG_TYPES, _THREADS)
     rows = x.numel() // h
     if rows:
         launch(rows, current_stream(x.device.index), x.data_ptr(), res_ptr, w.data_ptr(), out.data_ptr(), sums_ptr,

@@ -169,6 +169,7 @@ class KernelCache:
     def __init__(self):
         self._lock = threading.Lock()
         self._kernels: dict[tuple[str, int], LoadedKernel] = {}
+        self._plain: dict[tuple[str, int], "PlainLaunch"] = {}
 
     def get(self, spec: KernelSpec, device: torch.device) -> LoadedKernel:
         if device.type == "cuda" and device.index is None:   # "cuda": the current device, one key for both
@@ -189,6 +190,17 @@ class KernelCache:
     def loaded(self) -> list[str]:
         with self._lock:
             return sorted({name for name, _ in self._kernels})
+
+    def plain_launch(self, spec: KernelSpec, device: torch.device, slot_types: tuple, block: int) -> "PlainLaunch":
+        """The kernel of :meth:`get` as a :class:`PlainLaunch` (made on first use, then reused:
+        an eager hot path launches it without building its arguments and config each call)."""
+        kernel = self.get(spec, device)
+        key = (spec.name, kernel.device.index)
+        launch = self._plain.get(key)
+        if launch is None:
+            with self._lock:
+                launch = self._plain.setdefault(key, PlainLaunch(kernel, slot_types, block))
+        return launch
 
     @staticmethod
     def _load(spec: KernelSpec, device: torch.device) -> LoadedKernel:
@@ -303,20 +315,27 @@ def _plain_launch_entry() -> tuple[Callable[..., int], int]:
     return proto(entry_points().launch_kernel_ex), pdl
 
 
+def _plain_config(kernel: LoadedKernel, grid, block: int, stream: int) -> tuple[_LaunchConfig, _LaunchAttribute]:
+    """A ``CUlaunchConfig`` for ``kernel`` with its PDL attribute (used where the kernel allows
+    it): keep both alive, the config points at the attribute."""
+    _, pdl_id = _plain_launch_entry()
+    attr = _LaunchAttribute(pdl_id, 0)
+    attr.value[0] = 1                      # programmaticStreamSerializationAllowed
+    config = _LaunchConfig((ctypes.c_uint32 * 3)(*grid), (ctypes.c_uint32 * 3)(block, 1, 1), 0, stream,
+                           ctypes.addressof(attr), 1 if kernel.spec.programmatic_launch else 0)
+    return config, attr
+
+
 def launch_kernel(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, args: tuple) -> None:
     """Launch a kernel without a host helper (its arguments are plain pointers and ints, given as
     ctypes values in order) on torch's current stream, with programmatic stream serialization
     where the kernel allows it (:func:`launch_prepared`'s rules). The driver's
     ``cuLaunchKernelEx`` is called through ctypes with a ``CUlaunchConfig`` built here, not
     cuda-python's config objects. A kernel launched on every call of an eager hot path keeps a
-    :class:`PlainLaunch` instead."""
-    launch_ex, pdl_id = _plain_launch_entry()
+    :class:`PlainLaunch` instead (:meth:`KernelCache.plain_launch`)."""
+    launch_ex, _ = _plain_launch_entry()
     argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    attr = _LaunchAttribute(pdl_id, 0)
-    attr.value[0] = 1                      # programmaticStreamSerializationAllowed
-    config = _LaunchConfig((ctypes.c_uint32 * 3)(*grid), (ctypes.c_uint32 * 3)(block, 1, 1), 0,
-                           int(_stream_handle(kernel.device)), ctypes.addressof(attr),
-                           1 if kernel.spec.programmatic_launch else 0)
+    config, _attr = _plain_config(kernel, grid, block, int(_stream_handle(kernel.device)))
     rc = launch_ex(ctypes.addressof(config), int(kernel.function), ctypes.addressof(argv), None)
     if rc:
         check(_driver().CUresult(rc), f"cuLaunchKernelEx({kernel.spec.name})")
@@ -329,15 +348,11 @@ class PlainLaunch:
     arguments, in order), the grid's x and the stream, and launches ``block`` threads per CTA."""
 
     def __init__(self, kernel: LoadedKernel, slot_types: tuple, block: int):
-        launch_ex, pdl_id = _plain_launch_entry()
         self.kernel = kernel
-        self._launch_ex, self._function = launch_ex, int(kernel.function)
+        self._launch_ex, self._function = _plain_launch_entry()[0], int(kernel.function)
         self._slots = tuple(t() for t in slot_types)
         self._argv = (ctypes.c_void_p * len(self._slots))(*(ctypes.addressof(a) for a in self._slots))
-        self._attr = _LaunchAttribute(pdl_id, 0)
-        self._attr.value[0] = 1
-        self._config = _LaunchConfig((ctypes.c_uint32 * 3)(1, 1, 1), (ctypes.c_uint32 * 3)(block, 1, 1), 0, 0,
-                                     ctypes.addressof(self._attr), 1 if kernel.spec.programmatic_launch else 0)
+        self._config, self._attr = _plain_config(kernel, (1, 1, 1), block, 0)
         self._addrs = (ctypes.addressof(self._config), ctypes.addressof(self._argv))
         self._lock = threading.Lock()
 
@@ -350,6 +365,14 @@ class PlainLaunch:
             rc = self._launch_ex(self._addrs[0], self._function, self._addrs[1], None)
         if rc:
             check(_driver().CUresult(rc), f"cuLaunchKernelEx({self.kernel.spec.name})")
+
+
+def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with a 16-byte aligned start (a copy only if it is not): what the
+    plain-argument kernels' 16-byte vector loads need."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
 def launch_dequant(kernel: LoadedKernel, qdata: int, scales: int, zeros: int, out: int,
