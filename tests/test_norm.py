@@ -215,3 +215,41 @@ def test_torch_compile_traces_the_custom_op(requires_gpu):
     got = torch.compile(f, fullgraph=True)(x, r)
     want = f(x, r)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+def test_decode_gemm_after_the_norm_reads_its_output(requires_gpu):
+    """The norm kernel lets the next kernel launch at its start, and the decode kernel requests its
+    weights and scale rows before its grid wait: it must still read x only once the norm has
+    written it. A chain of add + norm -> decode GEMM steps (each GEMM's input the norm's output)
+    queued without synchronisation, and replayed from a CUDA graph, equals the chain run one
+    kernel at a time, bit for bit."""
+    import math
+
+    dev = requires_gpu
+    n = k = 4096
+    g = torch.Generator(device=dev).manual_seed(5)
+    w = torch.randn(n, k, device=dev, generator=g) / math.sqrt(k)
+    packed = mixgemm.prepack(mixgemm.quantize(w, 4, 128, symmetric=False, dtype=torch.bfloat16))
+    weight = torch.rand(k, device=dev, generator=g, dtype=torch.float32).to(torch.bfloat16) + 0.5
+    x = torch.randn(1, k, device=dev, generator=g, dtype=torch.float32).to(torch.bfloat16)
+
+    def chain(sync: bool):
+        h, r = x, torch.zeros_like(x)
+        for _ in range(16):
+            y, r = mixgemm.rms_norm(h, weight, 1e-6, residual=r)
+            h = mixgemm.gemm(y, packed)
+            if sync:
+                torch.cuda.synchronize()
+        return h, r
+
+    one_at_a_time = chain(True)
+    queued = chain(False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = chain(False)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got in (queued, replayed):
+        assert torch.equal(got[0], one_at_a_time[0]) and torch.equal(got[1], one_at_a_time[1])
+    assert one_at_a_time[0].abs().max().item() > 1e-3

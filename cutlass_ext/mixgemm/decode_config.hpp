@@ -79,10 +79,12 @@ struct Config {
   static constexpr int kSumsBytes = kThreads * kNTiles * 4 * 4;
   static constexpr int kRingRegion = kRingBytes > kSumsBytes ? kRingBytes : kSumsBytes;
   static constexpr int kMaxClusterSplits = 8;   // the portable cluster size
+  // mbarriers: one per ring stage of every warp, the x tile's, the scale rows'
+  static constexpr int kBarriers = kWarps * kStages + 2;
 
   // The carve-up of dynamic shared memory, shared by the host plan and the kernel:
   //   [weight rings: warps x stages x stage bytes, or the split sums][x: rows x x_row_bytes]
-  //   [scales][zeros][xsum: slices x segments x tokens float32, kFold only][barriers]
+  //   [scales][zeros][xsum: slices x segments x tokens float32, kFold only][barriers][flag]
   // x rows: min(M, tokens); x_row_bytes = 128 * atoms_per_split + 16 (16 mod 128: the 8 rows an
   // ldmatrix reads fall in distinct banks); scales/zeros: groups x rows-per-CTA.
   struct Carve {
@@ -97,7 +99,7 @@ struct Config {
     c.zeros = c.scales + group_bytes;
     c.xsum = (c.zeros + (kHasZero ? group_bytes : 0) + 15) / 16 * 16;
     c.bars = c.xsum + (kFold ? kKSlices * segments * kTokens * 4 : 0);
-    c.total = c.bars + 8 * (kWarps * kStages + 1) + 16;   // + the last-CTA flag of the global reduction
+    c.total = c.bars + 8 * kBarriers + 16;   // + the last-CTA flag of the global reduction
     return c;
   }
 };

@@ -30,8 +30,13 @@
 //   with many tokens, where the x tile limits the k-range of a CTA), each split writes float32
 //   partials to a global workspace and the last CTA of a row block to finish (an atomic counter,
 //   reset by that CTA) adds them in split order and runs the epilogue;
-// * programmatic dependent launch: the kernel waits for the previous kernel in the stream
-//   (griddepcontrol.wait) before its first global memory access, and lets the next one launch
+// * programmatic dependent launch: the kernel requests its constant operands (the weight ring's
+//   first stages and the scale / zero rows) at once, then waits for the previous kernel in the
+//   stream (griddepcontrol.wait) before it reads anything that kernel may write (the x tile; the
+//   bias and the output in the epilogue). The weights, scales and zeros must therefore not be
+//   written by the kernel just before it in the stream: they are written when a model is loaded.
+//   Behind a kernel that lets it launch early (the RMSNorm kernel, at its start), its first
+//   weights arrive while that kernel runs. It lets the next kernel launch
 //   (griddepcontrol.launch_dependents) as each CTA ends, so that the next kernel's launch and
 //   set-up overlap this one's last CTAs and memory flush. (Triggering earlier, when a CTA's
 //   weight stream is done, placed the next kernel's CTAs on the SMs that happened to be free
@@ -95,6 +100,51 @@ CUTLASS_DEVICE float4 ld_cluster_f4(float const* local, uint32_t rank) {
 CUTLASS_DEVICE void wait_previous_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 CUTLASS_DEVICE void launch_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
+// Phase trace, in experiment builds only (MIXGEMM_NVCC_FLAGS=-DMIXGEMM_DECODE_TRACE, a cache key
+// of its own; benchmarks/experiments/session17/trace.py reads it back): thread 0 of every CTA
+// records %globaltimer and clock64 at the kernel's phases (TracePhase) into record
+// [launch of this CTA index % kTraceSlots][CTA index], with the shape, the output pointer, the SM and
+// the grid size to tell the launches apart. Without the macro the marks compile to nothing.
+enum TracePhase : int {
+  kEntry, kInit, kScalesIssued, kRingIssued, kGridWait, kXTile, kXSum, kScales, kFirstStage, kStream, kReduce, kExit,
+  kPhases
+};
+#if defined(MIXGEMM_DECODE_TRACE)
+constexpr int kTraceSlots = 32, kTraceCtas = 2048, kTraceFields = 3 + 2 * kPhases;
+extern "C" {
+__device__ unsigned long long mixgemm_decode_trace[kTraceSlots][kTraceCtas][kTraceFields];
+__device__ unsigned int mixgemm_decode_trace_seq[kTraceCtas];
+}
+struct Trace {
+  unsigned long long* rec = nullptr;
+  template <class P>
+  CUTLASS_DEVICE void begin(P const& p) {
+    unsigned const cta = blockIdx.x + gridDim.x * blockIdx.y;
+    if (threadIdx.x != 0 || cta >= unsigned(kTraceCtas)) return;
+    unsigned const slot = atomicAdd(&mixgemm_decode_trace_seq[cta], 1u) % kTraceSlots;
+    rec = mixgemm_decode_trace[slot][cta];
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    rec[0] = (unsigned long long)(unsigned(p.n)) | ((unsigned long long)(unsigned(p.m)) << 32);
+    rec[1] = reinterpret_cast<unsigned long long>(p.y);
+    rec[2] = smid | ((unsigned long long)(gridDim.x * gridDim.y) << 32);
+  }
+  CUTLASS_DEVICE void mark(TracePhase e) {
+    if (rec == nullptr) return;
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    rec[3 + e] = t;
+    rec[3 + kPhases + e] = clock64();
+  }
+};
+#else
+struct Trace {
+  template <class P>
+  CUTLASS_DEVICE void begin(P const&) {}
+  CUTLASS_DEVICE void mark(TracePhase) {}
+};
+#endif
+
 // A lane's 4 A registers of k16 block KB: F (q - z) as exact half-precision integers (no scale:
 // the kernel applies the scale in float32 per group; F = Raw::row_factor of the register's row).
 // bias2: Raw::bias of rows g and g + 8. With Fold, the decoded E + F c itself (bias2 unused).
@@ -118,6 +168,9 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   constexpr int KS = Cfg::kKSlices;
   constexpr Half H = half_of<Act>::value;
 
+  Trace trace;
+  trace.begin(p);
+  trace.mark(kEntry);
   int const warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0);   // warp-uniform, as the compiler sees it
   int const lane = threadIdx.x % 32;
   int const g = lane / 4, t = lane % 4;
@@ -154,12 +207,13 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   Act* ss = reinterpret_cast<Act*>(smem + carve.scales);
   Act* zs = reinterpret_cast<Act*>(smem + carve.zeros);
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + carve.bars);
-  uint64_t* xbar = bars + Cfg::kWarps * S;
+  uint64_t* xbar = bars + Cfg::kWarps * S;   // the x tile
+  uint64_t* sbar = xbar + 1;                  // the scale / zero rows
   uint64_t* wbar = bars + warp * S;
-  int* last_flag = reinterpret_cast<int*>(xbar + 1);
+  int* last_flag = reinterpret_cast<int*>(bars + Cfg::kBarriers);
 
   if (threadIdx.x == 0) {
-    for (int i = 0; i < Cfg::kWarps * S + 1; ++i) {
+    for (int i = 0; i < Cfg::kBarriers; ++i) {
       Barrier::init(&bars[i], 1);
     }
     cutlass::arch::fence_barrier_init();
@@ -179,35 +233,47 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       }
     }
   };
-  // The x tile and the scale/zero rows complete one barrier; copies spread over warp 0's lanes.
+  // The scale/zero rows complete one barrier (sbar), the x tile another (xbar); the copies are
+  // spread over warp 0's lanes.
   int const x_bytes = n_atoms * 128;
   auto issue_scales = [&]() {   // warp 0: the barrier's byte count, then the scale / zero rows
     int const g_bytes = rows_valid * int(sizeof(Act));
     int const n_groups = grp1 - grp0;
     if (lane == 0) {
-      uint32_t total = uint32_t(m_rows * x_bytes + n_groups * g_bytes * (Cfg::kHasZero ? 2 : 1));
-      Barrier::arrive_and_expect_tx(xbar, total);
+      Barrier::arrive_and_expect_tx(sbar, uint32_t(n_groups * g_bytes * (Cfg::kHasZero ? 2 : 1)));
     }
     __syncwarp();
     for (int i = lane; i < n_groups; i += 32) {
       int64_t src = int64_t(grp0 + i) * p.n + row0;
-      cute::SM90_BULK_COPY_G2S::copy(p.scales + src, xbar, ss + i * Cfg::kRowsPerCta, g_bytes);
+      cute::SM90_BULK_COPY_G2S::copy(p.scales + src, sbar, ss + i * Cfg::kRowsPerCta, g_bytes);
       if constexpr (Cfg::kHasZero) {
-        cute::SM90_BULK_COPY_G2S::copy(p.zeros + src, xbar, zs + i * Cfg::kRowsPerCta, g_bytes);
+        cute::SM90_BULK_COPY_G2S::copy(p.zeros + src, sbar, zs + i * Cfg::kRowsPerCta, g_bytes);
       }
     }
   };
   auto issue_x = [&]() {   // warp 0: the x tile (the previous kernel's output)
+    if (lane == 0) {
+      Barrier::arrive_and_expect_tx(xbar, uint32_t(m_rows * x_bytes));
+    }
+    __syncwarp();
     for (int r = lane; r < m_rows; r += 32) {
       cute::SM90_BULK_COPY_G2S::copy(p.x + r * p.ldx + int64_t(ka0) * 64, xbar, xs + r * x_pitch, x_bytes);
     }
   };
-  // wait for the previous kernel, then x and the scale rows, then the weights (issuing the
-  // constant data before the wait measured no faster, NOTES 9c)
+  // The constant operands first: the scale rows and the weight ring do not come from the previous
+  // kernel, so they are requested before the grid wait. When the previous kernel lets this one
+  // launch early (the RMSNorm kernel does at its start), they are in flight while it runs; only
+  // the x tile waits for it. (Behind a kernel that triggers at its end, as the decode kernels
+  // do, the wait returns at once and the order changes nothing: NOTES 9c.)
   __syncthreads();
-  wait_previous_grid();
-  if (warp == 0) { issue_scales(); issue_x(); }
+  trace.mark(kInit);
+  if (warp == 0) issue_scales();
+  trace.mark(kScalesIssued);
   issue_ring();
+  trace.mark(kRingIssued);
+  wait_previous_grid();
+  trace.mark(kGridWait);
+  if (warp == 0) issue_x();
 
   float acc[NT][4];
   // The group's partial sums, in two independent chains (even / odd k16 blocks) so that
@@ -240,6 +306,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   // (the x tile starts at the CTA's first atom; the warp's atoms at wa0)
 
   Barrier::wait(xbar, 0);
+  trace.mark(kXTile);
 
   // ---- kFold: sum(x) per (slice, group, token) over the part of the group that the slice
   // streams, by the tensor cores (an all-ones A operand); segment j of slice s is the slice's
@@ -281,6 +348,9 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     }
     __syncthreads();
   }
+  trace.mark(kXSum);
+  Barrier::wait(sbar, 0);
+  trace.mark(kScales);
 
   int const lrow = wstripe * 16 + g;   // the lane's rows in the CTA's scale rows: lrow, lrow + 8
   float const* wxsum = KS == 1 ? xsum : xsum + slice * sps * Cfg::kTokens;   // the warp's slice's segments
@@ -352,6 +422,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     auto stage_body = [&](int s, auto full_const) {
       constexpr bool kFull = decltype(full_const)::value;
       Barrier::wait(&wbar[slot], phase);
+      if (s == 0) trace.mark(kFirstStage);
       char const* stage = ring + slot * Cfg::kStageBytes;
       int const atoms = kFull ? APS : w_atoms - s * APS;
       // All of the stage's chunks first, so their shared-memory latency overlaps (a short last
@@ -426,6 +497,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     }
     flush();
   }
+  trace.mark(kStream);
 
   // ---- epilogue: lane holds rows (g, g + 8) x tokens (8i + 2t, 8i + 2t + 1) of its stripe ----
   int const rows[2] = {stripe * 16 + g, stripe * 16 + g + 8};
@@ -497,7 +569,9 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     __syncthreads();                                 // the sums are read: the region is free again
   }
   if (p.splits == 1) {
+    trace.mark(kReduce);
     finish(true);
+    trace.mark(kExit);
     return;
   }
   if (p.splits <= Cfg::kMaxClusterSplits) {
@@ -527,7 +601,9 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       }
     }
     cute::cluster_sync();                            // the peers are done reading: smem is free again
+    trace.mark(kReduce);
     finish(mine);
+    trace.mark(kExit);
     return;
   }
   // ---- split-K through global memory: publish this split's float32 partials, then the last CTA
@@ -549,7 +625,11 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
     *last_flag = atomicAdd(&p.counters[blockIdx.x], 1) == p.splits - 1;
   }
   __syncthreads();
-  if (!*last_flag) return;
+  if (!*last_flag) {
+    trace.mark(kReduce);
+    trace.mark(kExit);
+    return;
+  }
   __threadfence();
   if (lead) {
     CUTLASS_PRAGMA_UNROLL
@@ -566,10 +646,12 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       }
     }
   }
+  trace.mark(kReduce);
   finish(true);
   if (threadIdx.x == 0) {
     p.counters[blockIdx.x] = 0;   // leave the counter as found: zero
   }
+  trace.mark(kExit);
 }
 
 template <class Cfg, Activation A>

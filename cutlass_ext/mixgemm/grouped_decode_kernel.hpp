@@ -150,7 +150,7 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
         if (threadIdx.x == 0) {
           auto const carve = Cfg::carve(tile.m, tile.atoms_per_split, tile.groups_per_split, tile.segments_per_slice);
           uint64_t* bars = reinterpret_cast<uint64_t*>(smem + carve.bars);
-          for (int i = 0; i < Cfg::kWarps * Cfg::kStages + 1; ++i) {
+          for (int i = 0; i < Cfg::kBarriers; ++i) {
             decode::Barrier::invalidate(&bars[i]);
           }
           tile.x += int64_t(Cfg::kTokens) * tile.ldx;

@@ -16,8 +16,13 @@
 // remaining vectors twice (the second time from L2). The sum of squares is reduced with warp
 // shuffles and one shared-memory round, in a fixed order (deterministic).
 //
-// Programmatic dependent launch: it waits for the previous grid before its first global access
-// and lets the next one launch as each CTA ends, as the decode kernels do.
+// Programmatic dependent launch: it waits for the previous grid before its first global access,
+// and lets the next one launch as each CTA starts: the kernel after a norm is a projection whose
+// decode kernel requests its weights and scale rows before its own grid wait (decode_kernel.hpp),
+// so those loads overlap this kernel, and only the normalized x waits for it (the dependent's
+// grid wait still returns only when every CTA of this grid has finished and its stores are
+// visible). A dependent launches once every CTA of this grid has started, so it never holds an
+// SM that a CTA of this grid is waiting for.
 #pragma once
 
 #include <cstdint>
@@ -89,6 +94,7 @@ CUTLASS_DEVICE void rms_norm(uint4 const* __restrict__ x, uint4 const* __restric
                              uint4* __restrict__ sum_out, int row_vecs, float eps) {
   int64_t const base = int64_t(blockIdx.x) * row_vecs;
   int const tid = threadIdx.x;
+  launch_next_grid();
   wait_previous_grid();
   uint4 cache[kNormCached];
   uint4 res[kNormCached];
@@ -133,7 +139,6 @@ CUTLASS_DEVICE void rms_norm(uint4 const* __restrict__ x, uint4 const* __restric
     uint4 const v = kResidual ? sum_out[base + col] : x[base + col];
     out[base + col] = scale<Act>(v, weight[col], rstd);
   }
-  launch_next_grid();
 }
 
 #endif  // __CUDACC__
