@@ -551,16 +551,17 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
                        "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
     # batch 1: every linear through the 8-token decode kernel, gate/up with the swiglu epilogue;
-    # the layer's two RMSNorm kernels (the second with the residual add)
+    # the layer's two RMSNorm kernels (the second with the residual add) and its rotary / KV-cache
+    # kernel
     dec8 = next(tc for tc in TILE_CONFIGS if tc.label == "dec8")
-    norms = ["mixgemm_add_rmsnorm_bf16", "mixgemm_rmsnorm_bf16"]
+    layer_kernels = ["mixgemm_add_rmsnorm_bf16", "mixgemm_rmsnorm_bf16", "mixgemm_rope_kv_bf16"]
     assert names == sorted([dec8.spec(ActType.BF16, WeightType.U4).name,
-                            dec8.spec(ActType.BF16, WeightType.U4, Activation.SWIGLU).name] + norms)
+                            dec8.spec(ActType.BF16, WeightType.U4, Activation.SWIGLU).name] + layer_kernels)
     assert bench.main(["--model", "llama3-70b", "--batch", "256", "--prefill", "2048", "--variants", "int2",
                        "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
     assert names == sorted(["mixgemm_gemm_bf16_u2_t128x256x64_coop_streamk_biasact_s0",
-                            "mixgemm_gemm_bf16_u2_t128x256x64_coop_streamk_swiglu_s0"] + norms)
+                            "mixgemm_gemm_bf16_u2_t128x256x64_coop_streamk_swiglu_s0"] + layer_kernels)
     assert bench.main(["--host", "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
     from mixgemm.ops import select_spec

@@ -75,10 +75,12 @@ def test_kernel_list_is_the_decode_kernels_of_both_splits():
     out = _script("--list-kernels")
     assert out.returncode == 0, out.stderr
     names = out.stdout.split()
-    # the decode kernels (M = 1) of the plain and the swiglu linears, u4 bf16, and the RMSNorms
+    # the decode kernels (M = 1) of the plain and the swiglu linears, u4 bf16, the RMSNorms and the
+    # rotary / KV-cache kernel
     decode = [n for n in names if n.startswith("mixgemm_decode_bf16_u4_")]
     assert decode and {n.rsplit("_", 1)[1] for n in decode} == {"none", "swiglu"}
-    assert sorted(set(names) - set(decode)) == ["mixgemm_add_rmsnorm_bf16", "mixgemm_rmsnorm_bf16"]
+    assert sorted(set(names) - set(decode)) == ["mixgemm_add_rmsnorm_bf16", "mixgemm_rmsnorm_bf16",
+                                                "mixgemm_rope_kv_bf16"]
 
 
 def test_dry_run_on_the_cpu(tmp_path):

@@ -12,7 +12,8 @@ from .quantize import quantize, dequantize_reference
 from .io import save, load
 from .ops import gemm, dequantize, supports
 from .norm import rms_norm
+from .rotary import rotary_kv_cache
 
 __all__ = ["__version__", "ActType", "PackedWeight", "QuantizedWeight", "WeightType", "LAYOUT_VERSION",
            "prepack", "unpack", "quantize", "dequantize_reference", "save", "load", "gemm", "dequantize",
-           "supports", "rms_norm"]
+           "supports", "rms_norm", "rotary_kv_cache"]

@@ -31,7 +31,7 @@ from typing import Iterable, Optional, Union
 from ._version import __version__
 from .specs import (SWIZZLES, Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, GroupedDecodeSpec,
                     GroupedGemmSpec, IndexType, KernelSpec, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, NormSpec,
-                    Raster, RoutingWeightType, Schedule, Scheduler)
+                    Raster, RopeSpec, RoutingWeightType, Schedule, Scheduler)
 from .types import ActType, WeightType
 
 
@@ -155,6 +155,7 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
     specs += grouped_gemm_specs(acts, weights)
     specs += moe_specs(acts)
     specs += norm_specs(acts)
+    specs += rope_specs(acts)
     return specs
 
 
@@ -163,6 +164,13 @@ def norm_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[NormSpec]:
     for each activation type. Part of :func:`default_specs`; alone: ``mixgemm generate --build
     --kernels rmsnorm``."""
     return [NormSpec(a, residual) for a in acts for residual in (False, True)]
+
+
+def rope_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[RopeSpec]:
+    """The rotary embedding + KV-cache write kernels of :func:`mixgemm.rotary_kv_cache`, one per
+    activation type. Part of :func:`default_specs`; alone: ``mixgemm generate --build --kernels
+    rope``."""
+    return [RopeSpec(a) for a in acts]
 
 
 #: The grouped sm90 GEMM's tiles (weight rows x token tile x k) for many rows per expert
@@ -367,6 +375,10 @@ def render(spec: KernelSpec) -> str:
         act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
         return (head + '#include "mixgemm/norm_kernel.hpp"\n\n'
                 f"MIXGEMM_RMS_NORM_ENTRY({spec.name}, {act}, {str(spec.residual).lower()})\n")
+    if isinstance(spec, RopeSpec):
+        L, _ = _cutlass_library()
+        act = L.DataTypeTag[getattr(L.DataType, _ACT_DATATYPE[spec.act])]
+        return head + '#include "mixgemm/rope_kernel.hpp"\n\n' + f"MIXGEMM_ROPE_KV_ENTRY({spec.name}, {act})\n"
     grouped = isinstance(spec, GroupedGemmSpec)
     if not isinstance(spec, GemmSpec) and not grouped:
         raise TypeError(f"not a kernel spec: {spec!r}")

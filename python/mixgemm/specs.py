@@ -2,8 +2,8 @@
 
 Every kernel mixgemm can run is described by a frozen spec dataclass (:class:`GemmSpec`,
 :class:`DecodeSpec`, :class:`GroupedDecodeSpec`, :class:`GroupedGemmSpec`, :class:`DequantSpec`,
-:class:`MoeRouteSpec`, :class:`MoeCombineSpec`, :class:`MoeLayoutSpec`, :class:`NormSpec`:
-together :data:`KernelSpec`) whose ``name`` encodes every field; :func:`parse_name` is its inverse. That
+:class:`MoeRouteSpec`, :class:`MoeCombineSpec`, :class:`MoeLayoutSpec`, :class:`NormSpec`,
+:class:`RopeSpec`: together :data:`KernelSpec`) whose ``name`` encodes every field; :func:`parse_name` is its inverse. That
 name is the cubin's kernel symbol, the generated file's name, the cache-key prefix and the test
 id. The enums here (:class:`Schedule`, :class:`Scheduler`, :class:`Epilogue`,
 :class:`Activation`, :class:`Raster`, ...) are the specs' fields and the kernels' launch options.
@@ -98,6 +98,7 @@ class KernelKind(enum.Enum):
     MOE_COMBINE = "moe_combine"
     MOE_LAYOUT = "moe_layout"
     NORM = "norm"
+    ROPE = "rope"
 
 
 class IndexType(enum.Enum):
@@ -398,8 +399,24 @@ class NormSpec:
         return f"mixgemm_{'add_' if self.residual else ''}rmsnorm_{self.act.value}"
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """The rotary embedding and KV-cache write kernel (``cutlass_ext/mixgemm/rope_kernel.hpp``)
+    for a qkv projection's output of type ``act``: q and k turned by their position, q written
+    out, k and v written into the cache. Launched by :func:`mixgemm.rotary_kv_cache`."""
+
+    act: ActType
+
+    kind = KernelKind.ROPE
+    programmatic_launch = True   # griddepcontrol.wait precedes every global access
+
+    @property
+    def name(self) -> str:
+        return f"mixgemm_rope_kv_{self.act.value}"
+
+
 KernelSpec = Union[GemmSpec, DecodeSpec, GroupedDecodeSpec, GroupedGemmSpec, DequantSpec, MoeRouteSpec,
-                   MoeCombineSpec, MoeLayoutSpec, NormSpec]
+                   MoeCombineSpec, MoeLayoutSpec, NormSpec, RopeSpec]
 #: The kernels that compute a GEMM (and have a host helper): what gemm_with_spec takes.
 GEMM_KINDS = (GemmSpec, DecodeSpec)
 #: The kernels built with a host helper library (helper.so).
@@ -419,6 +436,7 @@ _DEQUANT_NAME = re.compile(r"^mixgemm_dequant_(?P<act>bf16|fp16)_(?P<weight>[su]
 _MOE_ROUTE_NAME = re.compile(r"^mixgemm_moe_route_(?P<index>i32|i64)$")
 _MOE_COMBINE_NAME = re.compile(r"^mixgemm_moe_combine_(?P<act>bf16|fp16)_w(?P<weight>f32|bf16|f16)$")
 _NORM_NAME = re.compile(r"^mixgemm_(?P<add>add_)?rmsnorm_(?P<act>bf16|fp16)$")
+_ROPE_NAME = re.compile(r"^mixgemm_rope_kv_(?P<act>bf16|fp16)$")
 
 
 def parse_name(name: str) -> KernelSpec:
@@ -455,4 +473,7 @@ def parse_name(name: str) -> KernelSpec:
     m = _NORM_NAME.match(name)
     if m:
         return NormSpec(ActType(m["act"]), m["add"] is not None)
+    m = _ROPE_NAME.match(name)
+    if m:
+        return RopeSpec(ActType(m["act"]))
     raise ValueError(f"not a mixgemm kernel name: {name!r}")

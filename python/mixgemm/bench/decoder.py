@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..rotary import rotary_kv_cache
 from .grid import WEIGHT_STD
 
 
@@ -137,11 +138,9 @@ class Rotary:
         t = x.shape[1]
         if pos + t > self.positions:
             raise ValueError(f"positions {pos}..{pos + t - 1} exceed the table's {self.positions}")
-        cos = self.cos[pos:pos + t][None, :, None, :]
-        sin = self.sin[pos:pos + t][None, :, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        from ..rotary import rotate
+
+        return rotate(x, self.cos[pos:pos + t][None, :, None, :], self.sin[pos:pos + t][None, :, None, :])
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int) -> torch.Tensor:
@@ -291,13 +290,10 @@ def decoder_layer_parts(x: torch.Tensor, delta: Optional[torch.Tensor], pos: int
     else:
         h, x = rms_norm(delta, state.attn_norm, preset.rms_eps, residual=x)
     qkv = proj.qkv(h.reshape(b * t, hidden))
-    # q and k turn together (one rotary pass over their heads), v as is
-    qk, v = qkv.split((preset.q_size + preset.kv_size, preset.kv_size), dim=-1)
-    qk = rotary(qk.reshape(b, t, preset.heads + preset.kv_heads, d), pos)
-    q, k = qk[:, :, :preset.heads], qk[:, :, preset.heads:]
+    # q and k turned, k and v written into the cache at pos .. pos + t - 1: one launch
+    q = rotary_kv_cache(qkv.reshape(b, t, -1), rotary.cos, rotary.sin, state.k_cache, state.v_cache, pos,
+                        preset.heads, preset.kv_heads)
     k_cache, v_cache = state.k_cache[:b], state.v_cache[:b]
-    k_cache[:, :, pos:pos + t] = k.transpose(1, 2)
-    v_cache[:, :, pos:pos + t] = v.reshape(b, t, preset.kv_heads, d).transpose(1, 2)
     attn = attention(q.transpose(1, 2), k_cache[:, :, :pos + t], v_cache[:, :, :pos + t], pos)
     o = proj.o(attn.transpose(1, 2).reshape(b * t, preset.q_size)).reshape(b, t, hidden)
     h, x = rms_norm(o, state.mlp_norm, preset.rms_eps, residual=x)     # x + o, then its norm: one launch

@@ -330,9 +330,10 @@ def build_layer(preset: ModelPreset, variant: Variant, layer: int, seed: int, de
 def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: ActType = ActType.BF16) -> list:
     """The mixgemm kernels a ``variant`` step of ``m`` tokens launches, for every ``m`` in ``ms``
     (the heuristic's choice, :func:`mixgemm.ops.select_tile`, per linear; the gate/up linear with
-    the swiglu epilogue), and the RMSNorm kernels of the layer (every variant's layer launches them
-    on an sm_90 GPU; built with the mixgemm variants'). Empty for the other variants."""
-    from ..codegen import norm_specs
+    the swiglu epilogue), and the RMSNorm and rotary / KV-cache kernels of the layer (every
+    variant's layer launches them on an sm_90 GPU; built with the mixgemm variants'). Empty for the
+    other variants."""
+    from ..codegen import norm_specs, rope_specs
     from ..ops import select_tile
     from ..specs import Activation
 
@@ -344,7 +345,7 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
         for m in ms:
             spec = select_tile(m, n, k).spec(act, variant.weight_type, activation)
             specs[spec.name] = spec
-    specs.update((s.name, s) for s in norm_specs([act]))
+    specs.update((s.name, s) for s in norm_specs([act]) + rope_specs([act]))
     return list(specs.values())
 
 
