@@ -34,7 +34,9 @@
 //   first stages and the scale / zero rows) at once, then waits for the previous kernel in the
 //   stream (griddepcontrol.wait) before it reads anything that kernel may write (the x tile; the
 //   bias and the output in the epilogue). The weights, scales and zeros must therefore not be
-//   written by the kernel just before it in the stream: they are written when a model is loaded.
+//   written by the kernels just before it in the stream (the one before may itself be running
+//   ahead of its own predecessor): they are written when a model is loaded (mixgemm.gemm's
+//   docstring says so).
 //   Behind a kernel that lets it launch early (the RMSNorm kernel, at its start), its first
 //   weights arrive while that kernel runs. It lets the next kernel launch
 //   (griddepcontrol.launch_dependents) as each CTA ends, so that the next kernel's launch and

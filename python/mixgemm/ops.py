@@ -282,6 +282,12 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     device and graph-capture state validates everything and makes a launch plan
     (:mod:`mixgemm.plans`); later calls check themselves against it with a few attribute reads
     and launch it (one C call), and anything unusual takes the full path again.
+
+    The decode kernels (M <= 16) use programmatic dependent launch: they may start while the
+    kernels queued just before them finish, and they request the weight's tensors (``qdata``,
+    ``scales``, ``zeros``) before waiting for those kernels; only x, the bias and the output wait.
+    So write a packed weight's tensors in place (``copy_``) at load time, not in the last two
+    launches before a call that reads them on the same stream.
     """
     if type(w) is PackedWeight:
         y = plans.run(x, w.qdata, w.scales, w.zeros, w.zero_offsets, bias, out, w.weight_type, w.group_size,
