@@ -159,7 +159,10 @@ CUTLASS_DEVICE void centered_kblock(uint32_t const* chunk, uint32_t const (&bias
   }
 }
 
-template <class Cfg, Activation Act_, bool Group32>
+// Waited: the caller has already waited for the previous grid (the grouped decode kernel reads
+// its expert offsets first); then nothing is gained by requesting the constants before the x
+// tile, and the x tile goes first (it is what the first MMA waits for).
+template <class Cfg, Activation Act_, bool Group32, bool Waited = false>
 CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   using Act = typename Cfg::Act;
   using D = typename Cfg::Dequant;
@@ -269,13 +272,18 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   // do, the wait returns at once and the order changes nothing: NOTES 9c.)
   __syncthreads();
   trace.mark(kInit);
-  if (warp == 0) issue_scales();
-  trace.mark(kScalesIssued);
-  issue_ring();
-  trace.mark(kRingIssued);
-  wait_previous_grid();
-  trace.mark(kGridWait);
-  if (warp == 0) issue_x();
+  if constexpr (Waited) {
+    if (warp == 0) { issue_x(); issue_scales(); }
+    issue_ring();
+  } else {
+    if (warp == 0) issue_scales();
+    trace.mark(kScalesIssued);
+    issue_ring();
+    trace.mark(kRingIssued);
+    wait_previous_grid();
+    trace.mark(kGridWait);
+    if (warp == 0) issue_x();
+  }
 
   float acc[NT][4];
   // The group's partial sums, in two independent chains (even / odd k16 blocks) so that

@@ -138,9 +138,9 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
     __syncthreads();
     for (int t0 = 0; t0 < count; t0 += Cfg::kTokens) {
       if (gp.base.group_shift == 5) {
-        decode::run<Cfg, A, true>(tile, smem);
+        decode::run<Cfg, A, true, true>(tile, smem);
       } else {
-        decode::run<Cfg, A, false>(tile, smem);
+        decode::run<Cfg, A, false, true>(tile, smem);
       }
       if (t0 + Cfg::kTokens < count) {
         // another tile: every thread is done with this one's barriers and shared memory
