@@ -328,6 +328,28 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
 
 
 @pytest.mark.nvcc
+def test_decode_phase_trace_build(tmp_path, monkeypatch):
+    """The decode kernel's phase trace (benchmarks/experiments/session17/trace.py) is compiled
+    only with -DMIXGEMM_DECODE_TRACE in MIXGEMM_NVCC_FLAGS, which is part of the cache key: the
+    traced cubin holds the trace buffers the script reads, the plain one does not, and the two
+    live in different cache entries."""
+    if paths.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    spec = DecodeSpec(ActType.BF16, WeightType.U4, tokens=8)
+    source = codegen.render(spec)
+    tc = build.toolchain()
+    monkeypatch.setenv("MIXGEMM_NVCC_FLAGS", "")
+    plain_key = build.cache_key(spec, source, tc)
+    plain = build.build(spec).read_cubin()
+    monkeypatch.setenv("MIXGEMM_NVCC_FLAGS", "-DMIXGEMM_DECODE_TRACE")
+    assert build.cache_key(spec, source, tc) != plain_key
+    traced = build.build(spec).read_cubin()
+    for symbol in (b"mixgemm_decode_trace", b"mixgemm_decode_trace_seq"):
+        assert symbol in traced and symbol not in plain
+
+
+@pytest.mark.nvcc
 @pytest.mark.slow
 def test_gated_gemm_kernel_and_helper(tmp_path, monkeypatch):
     """A GEMM kernel with the gated (swiglu) epilogue, built by nvcc: its helper takes swiglu
