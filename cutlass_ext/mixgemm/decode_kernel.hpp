@@ -71,6 +71,7 @@
 #include "mixgemm/chunk.hpp"
 #include "mixgemm/decode_config.hpp"   // Params, Config
 #include "mixgemm/decode_plan.hpp"     // Plan, Host: the host helper's side
+#include "mixgemm/pdl.hpp"
 
 namespace mixgemm::decode {
 
@@ -97,10 +98,8 @@ CUTLASS_DEVICE float4 ld_cluster_f4(float const* local, uint32_t rank) {
   return v;
 }
 
-// Programmatic dependent launch (sm_90): wait until the previous grid in the stream has completed
-// and its memory is visible; let the next grid launch. No-ops for a launch without the attribute.
-CUTLASS_DEVICE void wait_previous_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-CUTLASS_DEVICE void launch_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+using pdl::launch_next_grid;     // (mixgemm/pdl.hpp)
+using pdl::wait_previous_grid;
 
 // Phase trace, in experiment builds only (MIXGEMM_NVCC_FLAGS=-DMIXGEMM_DECODE_TRACE, a cache key
 // of its own; benchmarks/experiments/session17/trace.py reads it back): thread 0 of every CTA

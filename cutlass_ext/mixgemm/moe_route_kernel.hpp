@@ -42,6 +42,8 @@
 #include "cutlass/cutlass.h"
 #include "cutlass/half.h"
 
+#include "mixgemm/pdl.hpp"
+
 namespace mixgemm::moe {
 
 constexpr int kRouteThreads = 1024;
@@ -57,8 +59,8 @@ static_assert(kRouteMaxAssignments < 0xFFFF, "sorted rows and tokens are kept as
 
 #if defined(__CUDACC__)
 
-CUTLASS_DEVICE void wait_previous_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-CUTLASS_DEVICE void launch_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+using pdl::launch_next_grid;     // (mixgemm/pdl.hpp)
+using pdl::wait_previous_grid;
 
 struct RouteSmem {
   // chunk by chunk: table[w * E + e] = the count of warp w's lanes with expert e, then (scanned

@@ -32,6 +32,8 @@
 #include "cutlass/cutlass.h"
 #include "cutlass/half.h"
 
+#include "mixgemm/pdl.hpp"
+
 namespace mixgemm::norm {
 
 constexpr int kNormThreads = 256;
@@ -39,8 +41,8 @@ constexpr int kNormCached = 8;
 
 #if defined(__CUDACC__)
 
-CUTLASS_DEVICE void wait_previous_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-CUTLASS_DEVICE void launch_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+using pdl::launch_next_grid;     // (mixgemm/pdl.hpp)
+using pdl::wait_previous_grid;
 
 template <class Act>
 using Vec = cutlass::Array<Act, 8>;
