@@ -141,12 +141,12 @@ def weight_uses(preset, weight_type, tp: int) -> list:
 
 def decode_specs(preset, weight_type, tp: int) -> list:
     """The decode kernels of both splits, and the layer's RMSNorm and rotary / KV-cache kernels."""
-    from mixgemm.codegen import norm_specs, rope_specs
+    from mixgemm.codegen import layer_specs
     from mixgemm.prebuild import specs_for
     from mixgemm.types import ActType
 
     return specs_for(weight_uses(preset, weight_type, 1) + (weight_uses(preset, weight_type, tp) if tp > 1 else []),
-                     max_tokens=1) + norm_specs([ActType.BF16]) + rope_specs([ActType.BF16])
+                     max_tokens=1) + layer_specs([ActType.BF16])
 
 
 class ParallelProjections:
@@ -417,15 +417,14 @@ def main(argv=None) -> int:
                 print(s.name)
             return 0
         from mixgemm import build
-        from mixgemm.codegen import norm_specs, rope_specs
+        from mixgemm.codegen import layer_specs
         from mixgemm.prebuild import build_for
         from mixgemm.types import ActType
 
         uses = weight_uses(preset, args.weight_type, 1) + weight_uses(preset, args.weight_type, args.tp)
         t0 = time.time()
         arts = build_for(uses, max_tokens=1, jobs=args.jobs)
-        arts += build.build_many(norm_specs([ActType.BF16]) + rope_specs([ActType.BF16]), jobs=args.jobs,
-                                 progress=False)
+        arts += build.build_many(layer_specs([ActType.BF16]), jobs=args.jobs, progress=False)
         print(f"built {len(arts)} decode, RMSNorm and rotary kernels and the launcher in {time.time() - t0:.0f} s")
         return 0
     if args.dry_run:

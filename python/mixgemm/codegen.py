@@ -154,8 +154,7 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
     specs += grouped_specs(acts, weights)
     specs += grouped_gemm_specs(acts, weights)
     specs += moe_specs(acts)
-    specs += norm_specs(acts)
-    specs += rope_specs(acts)
+    specs += layer_specs(acts)
     return specs
 
 
@@ -171,6 +170,13 @@ def rope_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[RopeSpec]:
     activation type. Part of :func:`default_specs`; alone: ``mixgemm generate --build --kernels
     rope``."""
     return [RopeSpec(a) for a in acts]
+
+
+def layer_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[Union[NormSpec, RopeSpec]]:
+    """The kernels a decoder layer launches around its GEMMs (``bench --model``'s layer and
+    ``benchmarks/tp_bench.py``'s): :func:`norm_specs` and :func:`rope_specs`."""
+    acts = list(acts)
+    return norm_specs(acts) + rope_specs(acts)
 
 
 #: The grouped sm90 GEMM's tiles (weight rows x token tile x k) for many rows per expert

@@ -38,6 +38,12 @@ def _shape(t) -> str:
     return str(list(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
+def _check_like_qkv(name: str, t: torch.Tensor, qkv: torch.Tensor) -> None:
+    if t.dtype != qkv.dtype or t.device != qkv.device:
+        raise ValueError(f"{name} must have qkv's dtype and device ({qkv.dtype}, {qkv.device}), "
+                         f"got {t.dtype} on {t.device}")
+
+
 def _check(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads) -> tuple[int, int, int]:
     """(B, T, D), or a clear error."""
     for name, v in (("heads", heads), ("kv_heads", kv_heads)):
@@ -55,18 +61,14 @@ def _check(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads) -> tuple
     for name, table in (("cos", cos), ("sin", sin)):
         if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] != d:
             raise ValueError(f"{name} must be a table [positions, D={d}], got {_shape(table)}")
-        if table.dtype != qkv.dtype or table.device != qkv.device:
-            raise ValueError(f"{name} must have qkv's dtype and device ({qkv.dtype}, {qkv.device}), "
-                             f"got {table.dtype} on {table.device}")
+        _check_like_qkv(name, table, qkv)
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin must have one shape, got {list(cos.shape)} and {list(sin.shape)}")
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or cache.shape[0] < b \
                 or cache.shape[1] != kv_heads or cache.shape[3] != d:
             raise ValueError(f"{name} must be [batch >= {b}, kv_heads={kv_heads}, length, D={d}], got {_shape(cache)}")
-        if cache.dtype != qkv.dtype or cache.device != qkv.device:
-            raise ValueError(f"{name} must have qkv's dtype and device ({qkv.dtype}, {qkv.device}), "
-                             f"got {cache.dtype} on {cache.device}")
+        _check_like_qkv(name, cache, qkv)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have one shape, got {list(k_cache.shape)} and {list(v_cache.shape)}")
     limit = min(cos.shape[0], k_cache.shape[2])

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..rotary import rotary_kv_cache
+from ..rotary import rotary_kv_cache, rotate
 from .grid import WEIGHT_STD
 
 
@@ -138,8 +138,6 @@ class Rotary:
         t = x.shape[1]
         if pos + t > self.positions:
             raise ValueError(f"positions {pos}..{pos + t - 1} exceed the table's {self.positions}")
-        from ..rotary import rotate
-
         return rotate(x, self.cos[pos:pos + t][None, :, None, :], self.sin[pos:pos + t][None, :, None, :])
 
 

@@ -333,7 +333,7 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
     the swiglu epilogue), and the RMSNorm and rotary / KV-cache kernels of the layer (every
     variant's layer launches them on an sm_90 GPU; built with the mixgemm variants'). Empty for the
     other variants."""
-    from ..codegen import norm_specs, rope_specs
+    from ..codegen import layer_specs
     from ..ops import select_tile
     from ..specs import Activation
 
@@ -345,7 +345,7 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
         for m in ms:
             spec = select_tile(m, n, k).spec(act, variant.weight_type, activation)
             specs[spec.name] = spec
-    specs.update((s.name, s) for s in norm_specs([act]) + rope_specs([act]))
+    specs.update((s.name, s) for s in layer_specs([act]))
     return list(specs.values())
 
 
