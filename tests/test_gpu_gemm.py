@@ -307,6 +307,30 @@ def test_decode_kslices(spec: DecodeSpec, group):
             assert torch.equal(again, y), "the slice and split reductions must be deterministic"
 
 
+@pytest.mark.parametrize("spec", [DecodeSpec(act, wt, 8, kslices=ks) for act in ALL_ACTS
+                                  for wt, ks in ((WeightType.U4, 1), (WeightType.S8, 8), (WeightType.U2, 1))],
+                         ids=lambda s: s.name)
+def test_decode_scale_rows_in_several_boxes(spec: DecodeSpec):
+    """A CTA's scale / zero rows arrive as TMA boxes of at most 256 group rows, each landing
+    128-byte aligned: 290 groups of 32 in one split take two boxes of 145 rows rounded up to the
+    alignment (the second runs past the last group: zero-filled, unused), and 97 stripes leave
+    the last CTA's box partly past row N. Equal to float64 at every split. (One split of 9280 k
+    fits a CTA's shared memory at one token; at three, from two splits.)"""
+    dev = _dev()
+    n, k, group = 1552, 9280, 32
+    dtype = spec.act.torch_dtype
+    packed, deq = _weights(spec.act, spec.weight, group, n, k)
+    for m, all_splits in ((1, (1, 2, 0)), (3, (2, 0))):
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        ref = x.double() @ deq.T
+        for splits in all_splits:
+            y = torch.full((m, n), float("nan"), device=dev, dtype=dtype)
+            ops.gemm_with_spec(x, packed, spec, out=y, splits=splits)
+            assert not torch.isnan(y).any(), f"M={m} splits={splits}: unwritten outputs"
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert err <= tolerance(k, dtype), f"M={m} splits={splits}: {err:.3e}"
+
+
 @pytest.mark.parametrize("spec", [s for s in DECODE_SPECS if s.act is ActType.BF16 and s.weight is WeightType.U4]
                          + [s for s in DECODE_SPECS if s.act is ActType.BF16 and s.weight is WeightType.S8 and s.kslices > 1],
                          ids=lambda s: s.name)

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cute/arch/copy_sm90_desc.hpp"   // cute::TmaDescriptor
 #include "cutlass/cutlass.h"
 #include "cutlass/numeric_types.h"
 
@@ -36,6 +37,19 @@ struct Params {
   int32_t groups_per_split; // group rows of scales/zeros staged per CTA
   int32_t segments_per_slice; // (group, slice) x-sum segments per slice (kFold): groups a slice touches
   int64_t ldx, ldy;
+};
+
+// The dense decode kernel's arguments: Params, and the TMA descriptors of its scale and zero rows
+// as 2-D tensors [G][N] (boxes of Config::box_groups x rows per CTA), encoded by the host helper
+// on every call (mixgemm/decode_plan.hpp; ~0.7 us of host time): one copy brings a CTA's scale
+// rows where one bulk copy per group row did (a CTA's copies issue one after another, ~40 ns
+// each: benchmarks/NOTES.md sections 21a, 22).
+// (Params first: the kernel reads them from the constant bank; the descriptors only by address.)
+template <class Act>
+struct Args {
+  Params<Act> p;
+  cute::TmaDescriptor scales_map;
+  cute::TmaDescriptor zeros_map;   // (zeroed for signed codes)
 };
 
 // Compile-time shape of one kernel.
@@ -91,11 +105,25 @@ struct Config {
     int x, scales, zeros, xsum, bars, total;
   };
   CUTLASS_HOST_DEVICE static int x_row_bytes(int atoms_per_split) { return atoms_per_split * 128 + 16; }
+  // The scale / zero rows of a CTA's groups arrive in TMA boxes of at most 256 group rows (a box
+  // dimension's limit): scale_copies(groups) boxes of box_groups(groups) rows each (the last
+  // box may run past the CTA's groups or the tensor's last group: zero-filled or unused rows).
+  // A box's rows are a multiple of kBoxAlign, so that every box lands 128-byte aligned.
+  static constexpr int kMaxBoxGroups = 256;
+  static constexpr int kGroupRowBytes = kRowsPerCta * int(sizeof(Act_));
+  static constexpr int kBoxAlign = kGroupRowBytes >= 128 ? 1 : 128 / kGroupRowBytes;
+  static_assert(kGroupRowBytes % 128 == 0 || 128 % kGroupRowBytes == 0, "boxes land 128-byte aligned");
+  CUTLASS_HOST_DEVICE static int scale_copies(int groups) { return (groups + kMaxBoxGroups - 1) / kMaxBoxGroups; }
+  CUTLASS_HOST_DEVICE static int box_groups(int groups) {
+    int const c = scale_copies(groups);
+    return c == 0 ? 0 : ((groups + c - 1) / c + kBoxAlign - 1) / kBoxAlign * kBoxAlign;   // (<= 256)
+  }
   CUTLASS_HOST_DEVICE static Carve carve(int x_rows, int atoms_per_split, int groups, int segments) {
     Carve c;
-    int const group_bytes = groups * kRowsPerCta * int(sizeof(Act));
+    // (128-byte aligned: the boxes' destinations)
+    int const group_bytes = (scale_copies(groups) * box_groups(groups) * kRowsPerCta * int(sizeof(Act)) + 127) / 128 * 128;
     c.x = kRingRegion;
-    c.scales = c.x + x_rows * x_row_bytes(atoms_per_split);
+    c.scales = (c.x + x_rows * x_row_bytes(atoms_per_split) + 127) / 128 * 128;
     c.zeros = c.scales + group_bytes;
     c.xsum = (c.zeros + (kHasZero ? group_bytes : 0) + 15) / 16 * 16;
     c.bars = c.xsum + (kFold ? kKSlices * segments * kTokens * 4 : 0);

@@ -30,13 +30,17 @@
 //   with many tokens, where the x tile limits the k-range of a CTA), each split writes float32
 //   partials to a global workspace and the last CTA of a row block to finish (an atomic counter,
 //   reset by that CTA) adds them in split order and runs the epilogue;
-// * programmatic dependent launch: the kernel requests its constant operands (the weight ring's
-//   first stages and the scale / zero rows) at once, then waits for the previous kernel in the
+// * scale / zero rows: the CTA's [groups x rows] block of the [G][N] tensors arrives as one TMA
+//   box (a 2-D tensor copy; descriptors encoded by the host helper on every call) rather than a
+//   bulk copy per group row: a CTA's copies are issued one after another, ~40 ns each;
+// * programmatic dependent launch: the kernel requests constant operands (the scale / zero rows
+//   and the first stage of each warp's ring) at once, then waits for the previous kernel in the
 //   stream (griddepcontrol.wait) before it reads anything that kernel may write (the x tile; the
-//   bias and the output in the epilogue). The weights, scales and zeros must therefore not be
-//   written by the kernels just before it in the stream (the one before may itself be running
-//   ahead of its own predecessor): they are written when a model is loaded (mixgemm.gemm's
-//   docstring says so).
+//   bias and the output in the epilogue). The x tile goes out before the rest of the ring: it is
+//   an L2 hit, but it lands behind whatever the SM requested before it (NOTES 22). The weights,
+//   scales and zeros must therefore not be written by the kernels just before it in the stream
+//   (the one before may itself be running ahead of its own predecessor): they are written when
+//   a model is loaded (mixgemm.gemm's docstring says so).
 //   Behind a kernel that lets it launch early (the RMSNorm kernel, at its start), its first
 //   weights arrive while that kernel runs. It lets the next kernel launch
 //   (griddepcontrol.launch_dependents) as each CTA ends, so that the next kernel's launch and
@@ -161,8 +165,10 @@ CUTLASS_DEVICE void centered_kblock(uint32_t const* chunk, uint32_t const (&bias
 // Waited: the caller has already waited for the previous grid (the grouped decode kernel reads
 // its expert offsets first); then nothing is gained by requesting the constants before the x
 // tile, and the x tile goes first (it is what the first MMA waits for).
-template <class Cfg, Activation Act_, bool Group32, bool Waited = false>
-CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
+// Maps: the scale / zero rows come as TMA boxes through `maps` (the dense kernel's Args);
+// otherwise (the grouped kernel, whose tensors move with the expert) one bulk copy per group row.
+template <class Cfg, Activation Act_, bool Group32, bool Waited = false, bool Maps = false>
+CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typename Cfg::Act> const* maps = nullptr) {
   using Act = typename Cfg::Act;
   using D = typename Cfg::Dequant;
   using Raw = typename Cfg::Raw;
@@ -224,16 +230,19 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   }
   int const n_stages = (w_atoms + APS - 1) / APS;
   uint8_t const* wsrc = p.weight + (int64_t(stripe) * k_atoms + wk0) * Cfg::kAtomBytes;
-  auto issue = [&](int s) {
-    int const atoms = min(APS, w_atoms - s * APS);
-    Barrier::arrive_and_expect_tx(&wbar[s % S], uint32_t(atoms * Cfg::kAtomBytes));
-    cute::SM90_BULK_COPY_G2S::copy(wsrc + int64_t(s) * Cfg::kStageBytes, &wbar[s % S],
-                                   ring + (s % S) * Cfg::kStageBytes, atoms * Cfg::kAtomBytes);
-  };
-  auto issue_ring = [&]() {   // each warp's first weight stages (its slice of its stripe)
-    if (streams && lane == 0) {
-      for (int s = 0; s < S && s < n_stages; ++s) {
-        issue(s);
+  // Stages [lo, hi) of each warp's first pass over its ring (its slice of its stripe) are
+  // contiguous in the prepacked weight and in the warp's ring: one bulk copy, completing stage
+  // lo's barrier, fills them all (a CTA's copies are issued one after another, ~40 ns each: NOTES
+  // 21a), and the other stages' barriers complete their phase 0 at once (the stream waits for
+  // stage lo first, which covers their bytes).
+  auto issue_ring = [&](int lo, int hi) {
+    hi = min(hi, n_stages);
+    if (streams && lane == 0 && lo < hi) {
+      uint32_t const bytes = uint32_t((min(hi * APS, w_atoms) - lo * APS) * Cfg::kAtomBytes);
+      Barrier::arrive_and_expect_tx(&wbar[lo], bytes);
+      cute::SM90_BULK_COPY_G2S::copy(wsrc + int64_t(lo) * Cfg::kStageBytes, &wbar[lo], ring + lo * Cfg::kStageBytes, bytes);
+      for (int s = lo + 1; s < hi; ++s) {
+        Barrier::arrive(&wbar[s]);
       }
     }
   };
@@ -241,6 +250,23 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
   // spread over warp 0's lanes.
   int const x_bytes = n_atoms * 128;
   auto issue_scales = [&]() {   // warp 0: the barrier's byte count, then the scale / zero rows
+    if constexpr (Maps) {
+      // boxes of box_groups x rows per CTA from (group grp0, row row0): the full box's bytes
+      // arrive whatever part of it lies outside the tensor (zero-filled)
+      if (lane == 0) {
+        int const copies = Cfg::scale_copies(p.groups_per_split), bg = Cfg::box_groups(p.groups_per_split);
+        int const box_bytes = bg * Cfg::kRowsPerCta * int(sizeof(Act));
+        Barrier::arrive_and_expect_tx(sbar, uint32_t(copies * box_bytes * (Cfg::kHasZero ? 2 : 1)));
+        uint64_t const hint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+        for (int c = 0; c < copies; ++c) {
+          cute::SM90_TMA_LOAD_2D::copy(&maps->scales_map, sbar, hint, ss + c * bg * Cfg::kRowsPerCta, row0, grp0 + c * bg);
+          if constexpr (Cfg::kHasZero) {
+            cute::SM90_TMA_LOAD_2D::copy(&maps->zeros_map, sbar, hint, zs + c * bg * Cfg::kRowsPerCta, row0, grp0 + c * bg);
+          }
+        }
+      }
+      return;
+    }
     int const g_bytes = rows_valid * int(sizeof(Act));
     int const n_groups = grp1 - grp0;
     if (lane == 0) {
@@ -264,24 +290,37 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
       cute::SM90_BULK_COPY_G2S::copy(p.x + r * p.ldx + int64_t(ka0) * 64, xbar, xs + r * x_pitch, x_bytes);
     }
   };
-  // The constant operands first: the scale rows and the weight ring do not come from the previous
-  // kernel, so they are requested before the grid wait. When the previous kernel lets this one
+  // Constant operands first: the scale rows and the weight ring do not come from the previous
+  // kernel, so some are requested before the grid wait. When the previous kernel lets this one
   // launch early (the RMSNorm kernel does at its start), they are in flight while it runs; only
-  // the x tile waits for it. (Behind a kernel that triggers at its end, as the decode kernels
-  // do, the wait returns at once and the order changes nothing: NOTES 9c.)
+  // the x tile waits for it. But the x tile, an L2 hit, lands behind whatever the SM requested
+  // before it (the SM's share of the DRAM bandwidth is ~23 KB per us): so only the scale rows
+  // and each warp's first stage go before the wait, and the rest of the ring after the x tile
+  // (NOTES 22: qkv's x tile landed 0.5 instead of 1.4 us after the wait).
   __syncthreads();
   trace.mark(kInit);
   if constexpr (Waited) {
     if (warp == 0) { issue_x(); issue_scales(); }
-    issue_ring();
+    // One copy per stage, spelled out: through issue_ring (per stage or all at once), ptxas gave
+    // this kernel 16 more registers and mixtral's MoE layer took 1-3% longer (NOTES 22).
+    if (streams && lane == 0) {
+      for (int s = 0; s < S && s < n_stages; ++s) {
+        int const atoms = min(APS, w_atoms - s * APS);
+        Barrier::arrive_and_expect_tx(&wbar[s], uint32_t(atoms * Cfg::kAtomBytes));
+        cute::SM90_BULK_COPY_G2S::copy(wsrc + int64_t(s) * Cfg::kStageBytes, &wbar[s], ring + s * Cfg::kStageBytes,
+                                       atoms * Cfg::kAtomBytes);
+      }
+    }
   } else {
     if (warp == 0) issue_scales();
     trace.mark(kScalesIssued);
-    issue_ring();
+    issue_ring(0, 1);
     trace.mark(kRingIssued);
     wait_previous_grid();
     trace.mark(kGridWait);
     if (warp == 0) issue_x();
+    __syncthreads();
+    issue_ring(1, S);
   }
 
   float acc[NT][4];
@@ -664,12 +703,12 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem) {
 }
 
 template <class Cfg, Activation A>
-CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& p) {
+CUTLASS_DEVICE void kernel_body(Args<typename Cfg::Act> const& args) {
   extern __shared__ __align__(128) char smem[];
-  if (p.group_shift == 5) {
-    run<Cfg, A, true>(p, smem);
+  if (args.p.group_shift == 5) {
+    run<Cfg, A, true, false, true>(args.p, smem, &args);
   } else {
-    run<Cfg, A, false>(p, smem);
+    run<Cfg, A, false, false, true>(args.p, smem, &args);
   }
   launch_next_grid();   // this CTA is done: the next kernel may launch once every CTA is
 }
@@ -687,7 +726,7 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& p) {
   using NAME##_host = mixgemm::decode::Host<CFG, ACTIVATION>;                                                   \
   extern "C" int32_t mixgemm_abi_version() { return mixgemm::abi::kAbiVersion; }                    \
   extern "C" char const* mixgemm_kernel_name() { return MIXGEMM_DECODE_STR(NAME); }                 \
-  extern "C" uint32_t mixgemm_params_size() { return uint32_t(sizeof(mixgemm::decode::Params<CFG::Act>)); } \
+  extern "C" uint32_t mixgemm_params_size() { return uint32_t(sizeof(mixgemm::decode::Args<CFG::Act>)); } \
   extern "C" uint32_t mixgemm_smem_size() { return uint32_t(CFG::kMaxSmem); }                       \
   extern "C" int mixgemm_gemm_check(mixgemm::abi::GemmArgs const* a, char* err, int errlen) {       \
     char const* why = NAME##_host::check(a);                                                        \
@@ -704,7 +743,7 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& p) {
 #else
 #define MIXGEMM_DECODE_ENTRY(NAME, CFG, ACTIVATION)                                                 \
   extern "C" __global__ void __launch_bounds__(CFG::kThreads, 2)                                    \
-  NAME(CUTLASS_GRID_CONSTANT mixgemm::decode::Params<CFG::Act> const params) {                      \
+  NAME(CUTLASS_GRID_CONSTANT mixgemm::decode::Args<CFG::Act> const params) {                        \
     mixgemm::decode::kernel_body<CFG, ACTIVATION>(params);                                          \
   }
 #endif

@@ -7,6 +7,10 @@
 #include <cstdio>
 #include <cstring>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>       // PFN_cuTensorMapEncodeTiled
+#include <cuda_runtime_api.h>   // cudaGetDriverEntryPointByVersion
+
 #include "mixgemm/abi.hpp"
 #include "mixgemm/decode_config.hpp"
 
@@ -26,6 +30,40 @@ inline int group_shift_of(int group_size, int k) {
     if (group_size == (1 << s)) return s;
   }
   return group_size == k ? 30 : -1;
+}
+
+// The driver's cuTensorMapEncodeTiled, looked up once (through the runtime, so that the helper
+// links no CUDA library of its own; as CUTLASS's GEMM helpers do, but cached).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 const fn = [] {
+    void* pfn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &pfn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      pfn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(pfn);
+  }();
+  return fn;
+}
+
+// The TMA descriptor of a [groups][n] tensor of 16-bit values (scales or zeros), read in boxes
+// of box_groups x rows_per_cta. Null: a zeroed descriptor (unused). Returns why not, or nullptr.
+inline char const* encode_group_rows(cute::TmaDescriptor* map, void const* base, int n, int groups, int rows_per_cta,
+                                     int box_groups) {
+  std::memset(map, 0, sizeof(*map));
+  if (base == nullptr) return nullptr;
+  auto encode = tensor_map_encoder();
+  if (encode == nullptr) return "cuTensorMapEncodeTiled is not available from the CUDA driver";
+  cuuint64_t const dims[2] = {cuuint64_t(n), cuuint64_t(groups)};
+  cuuint64_t const strides[1] = {cuuint64_t(n) * 2};
+  cuuint32_t const box[2] = {cuuint32_t(rows_per_cta), cuuint32_t(box_groups)};
+  cuuint32_t const elem_strides[2] = {1, 1};
+  CUresult const r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, const_cast<void*>(base), dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? nullptr
+                           : "cuTensorMapEncodeTiled refused the scale / zero rows (their address must be 16-byte aligned)";
 }
 
 template <class Cfg, Activation A = Activation::kNone>
@@ -196,20 +234,33 @@ struct Host {
     Plan pl;
     if (char const* why = check(a, pl)) return fail(why);
     if (dst == nullptr || out == nullptr) return fail("null output buffer");
-    if (capacity < sizeof(Params<Act>)) return fail("params buffer too small");
+    if (capacity < sizeof(Args<Act>)) return fail("params buffer too small");
     std::memset(out, 0, sizeof(*out));
     out->workspace_bytes = workspace_bytes(*a, pl);
     out->workspace_zero_bytes = uint32_t(counters_bytes(pl));
     if (out->workspace_bytes && a->workspace == 0) return fail("this launch needs a workspace");
-    Params<Act> const p = params(*a, pl);
-    std::memcpy(dst, &p, sizeof(p));
     out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = 1;
     out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;
     out->cluster[0] = 1;    // the splits of a row block are one cluster, up to kMaxClusterSplits
     out->cluster[1] = global_reduce(pl) ? 1u : uint32_t(pl.splits);
     out->cluster[2] = 1;
     out->smem_bytes = uint32_t(pl.smem_bytes);
-    out->params_bytes = uint32_t(sizeof(Params<Act>));
+    out->params_bytes = uint32_t(sizeof(Args<Act>));
+    // (the launch's geometry is filled first: without a CUDA driver, as on a build machine, the
+    // descriptors cannot be encoded and the call fails here, its plan still readable)
+    Args<Act> args;
+    args.p = params(*a, pl);
+    int const gshift = args.p.group_shift;
+    int const groups = gshift >= 30 ? 1 : (a->k + (1 << gshift) - 1) >> gshift;
+    int const bg = Cfg::box_groups(pl.groups_per_split);
+    if (char const* why = encode_group_rows(&args.scales_map, args.p.scales, a->n, groups, Cfg::kRowsPerCta, bg)) {
+      return fail(why);
+    }
+    if (char const* why = encode_group_rows(&args.zeros_map, Cfg::kHasZero ? args.p.zeros : nullptr, a->n, groups,
+                                            Cfg::kRowsPerCta, bg)) {
+      return fail(why);
+    }
+    std::memcpy(dst, &args, sizeof(args));
     return 0;
   }
 };
