@@ -175,7 +175,8 @@ def check_cutlass() -> Finding:
 
 
 def check_nvcc() -> Finding:
-    from . import build, paths
+    from . import paths, toolchain
+    from .errors import BuildError
 
     fix = (f"install the CUDA toolkit >= {MIN_NVCC[0]}.{MIN_NVCC[1]} and set CUDA_HOME to it (or put its "
            f"bin/ on PATH)")
@@ -184,8 +185,8 @@ def check_nvcc() -> Finding:
         return Finding("nvcc", Status.FAIL, "not found ($CUDA_HOME/bin, $CUDA_PATH/bin, PATH, the "
                        "nvidia-cuda-nvcc wheel, /usr/local/cuda/bin)", fix)
     try:
-        tc = build._toolchain_at(nvcc)
-    except build.BuildError as e:
+        tc = toolchain.toolchain_at(nvcc)
+    except BuildError as e:
         return Finding("nvcc", Status.FAIL, f"{nvcc} does not run: {_first_line(e)}", fix, more=str(e))
     major, minor = tc.release
     line = next((ln.strip() for ln in tc.version.splitlines() if "release" in ln), "")
