@@ -131,6 +131,7 @@ class FakeKernels(runtime.KernelCache):
             return runtime.LoadedKernel(spec, device, None, function, None, None)
         if self.helpers == "real":
             helper = runtime.HostHelper(str(build_helper(spec, self.helper_dir)), spec.name)
+            helper.bind_driver()   # (as runtime.KernelCache._load does: the fake driver's encoder)
         else:
             helper = FakeHelper(spec) if self.helpers == "fake" else self.helpers(spec)
         return runtime.LoadedKernel(spec, device, None, function, helper, None)

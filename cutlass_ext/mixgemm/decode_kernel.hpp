@@ -736,6 +736,9 @@ CUTLASS_DEVICE void kernel_body(Args<typename Cfg::Act> const& args) {
   extern "C" uint64_t mixgemm_gemm_workspace_size(mixgemm::abi::GemmArgs const* a) {                \
     return NAME##_host::workspace_size(a);                                                          \
   }                                                                                                 \
+  extern "C" void mixgemm_set_tensor_map_encoder(void* fn) {                                         \
+    mixgemm::decode::tensor_map_encoder() = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn); \
+  }                                                                                                 \
   extern "C" int mixgemm_gemm_prepare(mixgemm::abi::GemmArgs const* a, void* dst, uint32_t cap,      \
                                       mixgemm::abi::Launch* out, char* err, int errlen) {           \
     return NAME##_host::prepare(a, dst, cap, out, err, errlen);                                     \

@@ -8,8 +8,7 @@
 #include <cstring>
 
 #include <cuda.h>
-#include <cudaTypedefs.h>       // PFN_cuTensorMapEncodeTiled
-#include <cuda_runtime_api.h>   // cudaGetDriverEntryPointByVersion
+#include <cudaTypedefs.h>   // PFN_cuTensorMapEncodeTiled
 
 #include "mixgemm/abi.hpp"
 #include "mixgemm/decode_config.hpp"
@@ -32,18 +31,11 @@ inline int group_shift_of(int group_size, int k) {
   return group_size == k ? 30 : -1;
 }
 
-// The driver's cuTensorMapEncodeTiled, looked up once (through the runtime, so that the helper
-// links no CUDA library of its own; as CUTLASS's GEMM helpers do, but cached).
-inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 const fn = [] {
-    void* pfn = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &pfn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      pfn = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(pfn);
-  }();
+// The driver's cuTensorMapEncodeTiled, handed over by mixgemm's runtime when it loads the helper
+// (mixgemm_set_tensor_map_encoder, from cuGetProcAddress through cuda-python: the driver that owns
+// the contexts; the helper itself links no CUDA library). Null until then.
+inline PFN_cuTensorMapEncodeTiled_v12000& tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
   return fn;
 }
 
@@ -54,7 +46,10 @@ inline char const* encode_group_rows(cute::TmaDescriptor* map, void const* base,
   std::memset(map, 0, sizeof(*map));
   if (base == nullptr) return nullptr;
   auto encode = tensor_map_encoder();
-  if (encode == nullptr) return "cuTensorMapEncodeTiled is not available from the CUDA driver";
+  if (encode == nullptr) {
+    return "no tensor-map encoder: mixgemm's runtime hands the helper the driver's cuTensorMapEncodeTiled "
+           "(mixgemm_set_tensor_map_encoder) when it loads the kernel";
+  }
   cuuint64_t const dims[2] = {cuuint64_t(n), cuuint64_t(groups)};
   cuuint64_t const strides[1] = {cuuint64_t(n) * 2};
   cuuint32_t const box[2] = {cuuint32_t(rows_per_cta), cuuint32_t(box_groups)};
@@ -246,9 +241,10 @@ struct Host {
     out->cluster[2] = 1;
     out->smem_bytes = uint32_t(pl.smem_bytes);
     out->params_bytes = uint32_t(sizeof(Args<Act>));
-    // (the launch's geometry is filled first: without a CUDA driver, as on a build machine, the
-    // descriptors cannot be encoded and the call fails here, its plan still readable)
+    // (the launch's geometry is filled first: without the driver's encoder, as on a build
+    // machine, the descriptors cannot be encoded and the call fails here, its plan still readable)
     Args<Act> args;
+    std::memset(&args, 0, sizeof(args));   // (the padding too: the params bytes are compared and cached)
     args.p = params(*a, pl);
     int const gshift = args.p.group_shift;
     int const groups = gshift >= 30 ? 1 : (a->k + (1 << gshift) - 1) >> gshift;

@@ -92,6 +92,18 @@ class Launch(ctypes.Structure):
     ]
 
 
+def tensor_map_encoder() -> int:
+    """The driver's ``cuTensorMapEncodeTiled``, from ``cuGetProcAddress`` through cuda-python (the
+    driver that owns the contexts), for :meth:`HostHelper.bind_driver`."""
+    drv = _driver()
+    pfn, status = check(drv.cuGetProcAddress(b"cuTensorMapEncodeTiled", 12000,
+                                             drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT),
+                        "cuGetProcAddress(cuTensorMapEncodeTiled)")
+    if status != drv.CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SUCCESS or not pfn:
+        raise KernelError(f"the CUDA driver has no cuTensorMapEncodeTiled ({status!r})")
+    return int(pfn)
+
+
 class HostHelper:
     """ctypes wrapper of a GEMM kernel's helper.so."""
 
@@ -117,6 +129,16 @@ class HostHelper:
         self.name = kernel_name
         self.params_size = int(lib.mixgemm_params_size())
         self.smem_size = int(lib.mixgemm_smem_size())
+
+    def bind_driver(self) -> None:
+        """Hand the helper the driver functions it calls itself: the decode kernels' helpers
+        encode their scale rows' TMA descriptors on every call (cuTensorMapEncodeTiled). A no-op
+        for the other helpers."""
+        setter = getattr(self.lib, "mixgemm_set_tensor_map_encoder", None)
+        if setter is not None:
+            setter.argtypes = [ctypes.c_void_p]
+            setter.restype = None
+            setter(tensor_map_encoder())
 
     def check(self, args: GemmArgs) -> Optional[str]:
         err = ctypes.create_string_buffer(512)
@@ -208,6 +230,8 @@ class KernelCache:
         art, cubin = load_artifacts(spec)  # builds on first use (JIT), under the entry's lock
         helper = HostHelper(str(art.helper_path), spec.name) if isinstance(spec, HELPER_KINDS) else None
         _ensure_context(device)
+        if helper is not None:
+            helper.bind_driver()
         with torch.cuda.device(device):
             module = check(drv.cuModuleLoadData(cubin), f"cuModuleLoadData({spec.name})")
             function = check(drv.cuModuleGetFunction(module, spec.name.encode()),

@@ -8,6 +8,7 @@
  *                      and the first `params_size` bytes of the kernel's one by-value parameter
  *   cuMemsetD8Async    pointer, value, byte count, stream
  *   cuGetErrorName / cuGetErrorString   fixed strings
+ *   cuTensorMapEncodeTiled   a made-up descriptor of its arguments
  *
  * Nothing runs on any device. The structures below mirror cuda.h's (CUlaunchConfig,
  * CUlaunchAttribute) so that this file builds with a plain C compiler, without the toolkit.
@@ -120,13 +121,31 @@ int cuGetErrorString(int error, const char** text) {
   return 0;
 }
 
+/* cuTensorMapEncodeTiled: a made-up 128-byte descriptor of its arguments (address, the first two
+ * dimensions, the first stride, the box, the data type and rank), so that params compare equal
+ * exactly when they describe the same tensor the same way. */
+int cuTensorMapEncodeTiled(void* map, int dtype, uint32_t rank, void* address, const uint64_t* dims,
+                           const uint64_t* strides, const uint32_t* box, const uint32_t* element_strides,
+                           int interleave, int swizzle, int l2_promotion, int oob_fill) {
+  (void)element_strides; (void)interleave; (void)swizzle; (void)l2_promotion; (void)oob_fill;
+  uint64_t w[16] = {0};
+  w[0] = (uint64_t)address;
+  w[1] = dims[0];
+  w[2] = rank > 1 ? dims[1] : 0;
+  w[3] = rank > 1 ? strides[0] : 0;
+  w[4] = (uint64_t)box[0] | (rank > 1 ? (uint64_t)box[1] << 32 : 0);
+  w[5] = (uint64_t)(uint32_t)dtype | (uint64_t)rank << 32;
+  memcpy(map, w, sizeof(w));
+  return 0;
+}
+
 int cuGetProcAddress_v2(const char* symbol, void** pfn, int version, uint64_t flags, int* status) {
   (void)version; (void)flags;
   static const struct { const char* name; void* fn; } known[] = {
     {"cuDriverGetVersion", (void*)cuDriverGetVersion}, {"cuInit", (void*)cuInit},
     {"cuLaunchKernelEx", (void*)cuLaunchKernelEx}, {"cuMemsetD8Async", (void*)cuMemsetD8Async},
     {"cuGetErrorName", (void*)cuGetErrorName}, {"cuGetErrorString", (void*)cuGetErrorString},
-    {"cuGetProcAddress", (void*)cuGetProcAddress_v2},
+    {"cuGetProcAddress", (void*)cuGetProcAddress_v2}, {"cuTensorMapEncodeTiled", (void*)cuTensorMapEncodeTiled},
   };
   *pfn = (void*)fake_ok;
   for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); ++i)
