@@ -16,7 +16,7 @@ One module per concern:
 
 * :mod:`.timing`: CUDA-event timing with the L2 flushed, the copy / read bandwidth and the dense
   rate measured in the same process;
-* :mod:`.peers`: the implementations' adapters and the peers' weight conventions;
+* :mod:`.peers`: the implementations' adapters; :mod:`.peer_formats`: the peers' weight conventions;
 * :mod:`.grid`: the default mode, every implementation x layer shape x token count, and its
   analysis (bytes, GB/s, speedups, FAIL flags);
 * :mod:`.block`: ``--block``, a LLaMA MLP block under CUDA graphs;
@@ -51,10 +51,10 @@ from .host import HOST_SCHEMA, HostPoint, HostReport, format_host_table, host_re
 from .model import (MODEL_SCHEMA, LayerTraffic, ModelConfig, ModelPoint, ModelReport, StepMeasurement, StepShape,
                     analyze_model, format_model_table, layer_traffic, merge_model_reports, model_report_from_dict,
                     model_report_to_dict, split_by_preset)
-from .peers import (BASELINE, MIXGEMM_TYPES, PEER_NAMES, TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES,
-                    CublasImpl, GemliteImpl, Impl, ImplUnavailable, MixgemmImpl, QuantCache, TorchInt4Impl,
-                    gemlite_dequant, impl_names, is_peer, make_impls, select_impl_names, torch_int4_dequant,
-                    torch_int4_mm, torch_int4_pack, torch_int4_params)
+from .peer_formats import (TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES, ImplUnavailable, gemlite_dequant,
+                           torch_int4_dequant, torch_int4_mm, torch_int4_pack, torch_int4_params)
+from .peers import (BASELINE, MIXGEMM_TYPES, PEER_NAMES, CublasImpl, GemliteImpl, Impl, MixgemmImpl, QuantCache,
+                    TorchInt4Impl, impl_names, is_peer, make_impls, select_impl_names)
 from .plots import write_model_plot, write_plot
 from .report import (JSON_SCHEMA, BenchReport, MachineInfo, default_results_root, format_table, machine_info,
                      merge_reports, read_json, report_from_dict, report_to_dict, results_dir, slugify, write_json)

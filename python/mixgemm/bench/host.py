@@ -217,7 +217,7 @@ def host_callables(w_float: torch.Tensor, impls: Sequence[str]) -> dict[str, Cal
     from ..nn import QuantLinear
     from ..ops import gemm
     from ..quantize import quantize
-    from .peers import torch_int4_mm, torch_int4_pack
+    from .peer_formats import torch_int4_mm, torch_int4_pack
 
     out: dict[str, Callable[[torch.Tensor], Any]] = {}
     qw = quantize(w_float, HOST_WEIGHT.bits, HOST_GROUP_SIZE, symmetric=HOST_WEIGHT.signed, dtype=torch.bfloat16)

@@ -32,7 +32,7 @@ from ..quantize import interleave_rows
 from ..types import ActType
 from .grid import relative_error
 from .moe import MOE_PRESETS, MoeConfig, MoeMeasurement, MoePreset, expert_counts, make_routing
-from .peers import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
+from .peer_formats import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
 from .run_support import Log, cuda_capture, describe, free, prebuild_variants, recover, sync, variant_available
 from .timing import Clock, CudaEventClock, budgeted_iters, device_flush_size, time_cuda
 from .variants import Variant, VariantKind

@@ -1,6 +1,6 @@
 """The implementations the grid times (``mixgemm bench``), each behind a small adapter
-(:class:`Impl`): cuBLAS (the baseline), PyTorch's int4 kernel, gemlite and mixgemm; and the
-conversions of mixgemm's quantized weight to the peers' conventions.
+(:class:`Impl`): cuBLAS (the baseline), PyTorch's int4 kernel, gemlite and mixgemm (the
+conversions of mixgemm's quantized weight to the peers' conventions are in :mod:`.peer_formats`).
 
 The quantized implementations share one quantization per bit width (:class:`QuantCache`:
 mixgemm's round-to-nearest, :func:`mixgemm.quantize`): torch_int4, gemlite-u4 and mixgemm-u4
@@ -16,6 +16,8 @@ import torch
 
 from ..codegen import TILE_CONFIGS
 from ..types import ActType, PackedWeight, QuantizedWeight, WeightType
+from .peer_formats import (TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES, ImplUnavailable,
+                           gemlite_dequant, torch_int4_dequant, torch_int4_mm, torch_int4_pack, torch_int4_params)
 
 #: The baseline implementation: always run, the denominator of "speedup over cuBLAS".
 BASELINE = "cublas"
@@ -24,15 +26,6 @@ PEER_NAMES: tuple[str, ...] = ("torch_int4", "gemlite-u4", "gemlite-u2")
 #: Weight types benchmarked for mixgemm, in table order.
 MIXGEMM_TYPES: tuple[WeightType, ...] = (WeightType.S8, WeightType.U8, WeightType.S4,
                                          WeightType.U4, WeightType.S2, WeightType.U2)
-#: torch_int4 packs this many 16-wide k-tiles together (gpt-fast's and torchao's choice).
-TORCH_INT4_INNER_K_TILES = 8
-#: Group sizes tinygemm supports.
-TORCH_INT4_GROUP_SIZES = (32, 64, 128, 256)
-
-
-class ImplUnavailable(Exception):
-    """An implementation cannot run this configuration (dtype, group size, shape); the
-    message says why and is reported in place of its numbers."""
 
 
 def mixgemm_available() -> tuple[bool, str]:
@@ -229,84 +222,6 @@ class CublasImpl(Impl):
         self._w = None
 
 
-def torch_int4_params(q: torch.Tensor, scales: torch.Tensor,
-                      zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Convert mixgemm's asymmetric 4-bit weight to tinygemm's inputs.
-
-    mixgemm: ``w = (q - z) * s`` with ``q, z`` in ``[0, 15]``. tinygemm: ``w = (q - 8) * s + zf``,
-    so ``zf = (8 - z) * s`` (rounded once to the scales' dtype).
-
-    Parameters
-    ----------
-    q : torch.Tensor
-        uint8 codes ``[N, K]`` in ``[0, 15]``.
-    scales, zeros : torch.Tensor
-        ``[N, K/g]``, bf16 (zeros integer-valued).
-
-    Returns
-    -------
-    (torch.Tensor, torch.Tensor)
-        ``packed`` uint8 ``[N, K/2]`` (element ``2i`` in the high nibble of byte ``i``, the
-        input ``aten._convert_weight_to_int4pack`` takes since PyTorch 2.5) and
-        ``scale_and_zeros`` ``[K/g, N, 2]`` (``[..., 0]`` scale, ``[..., 1]`` zero).
-    """
-    if q.shape[1] % 2:
-        raise ValueError(f"K={q.shape[1]} must be even for int4 packing")
-    qi = q.to(torch.uint8)
-    packed = ((qi[:, ::2] << 4) | qi[:, 1::2]).contiguous()
-    zero_f = ((8.0 - zeros.double()) * scales.double()).to(scales.dtype)
-    scale_and_zeros = torch.stack([scales, zero_f], dim=-1).transpose(0, 1).contiguous()
-    return packed, scale_and_zeros
-
-
-def torch_int4_dequant(q: torch.Tensor, scale_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
-    """tinygemm's weight: ``fl((q - 8) * scale + zero)`` (one rounding, as its bf16 ``fma``),
-    from the codes ``q [N, K]`` and ``scale_and_zeros [K/g, N, 2]``; ``[N, K]`` in the scales'
-    dtype."""
-    s = scale_and_zeros[..., 0].t().double().repeat_interleave(group_size, dim=1)
-    z = scale_and_zeros[..., 1].t().double().repeat_interleave(group_size, dim=1)
-    return ((q.double() - 8.0) * s + z).to(scale_and_zeros.dtype)
-
-
-def torch_int4_pack(qw: QuantizedWeight, inner_k_tiles: int = TORCH_INT4_INNER_K_TILES
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """tinygemm's weight from mixgemm's asymmetric 4-bit ``qw``: ``(packed, scale_and_zeros)``
-    for ``aten._weight_int4pack_mm`` (CUDA tensors), or for ``aten._weight_int4pack_mm_for_cpu``
-    (CPU tensors). ``packed`` holds ``N*K/2`` bytes in either layout.
-
-    Raises
-    ------
-    ImplUnavailable
-        ``qw`` is not asymmetric 4-bit, or PyTorch cannot pack it (its message says why).
-    """
-    if qw.bits != 4 or qw.symmetric:
-        raise ImplUnavailable(f"tinygemm takes asymmetric 4-bit weights, not {qw.weight_type.value}")
-    packed_u8, sz = torch_int4_params(qw.qweight, qw.scales, qw.zeros)
-    if qw.qweight.device.type == "cpu":
-        op = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
-        if op is None:
-            raise ImplUnavailable(f"this PyTorch ({torch.__version__}) has no CPU int4 kernel")
-        return op(qw.qweight.to(torch.int32).contiguous(), inner_k_tiles), sz
-    try:  # PyTorch >= 2.5: uint8 [N, K/2]
-        packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8, inner_k_tiles)
-    except RuntimeError as first:
-        try:  # older PyTorch: int32 [N, K] codes
-            packed = torch.ops.aten._convert_weight_to_int4pack(
-                qw.qweight.to(torch.int32).contiguous(), inner_k_tiles)
-        except RuntimeError:
-            raise ImplUnavailable(f"aten._convert_weight_to_int4pack failed: {first}") from None
-    return packed, sz
-
-
-def torch_int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int,
-                  scale_and_zeros: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ W^T`` through tinygemm (``aten._weight_int4pack_mm``, or its CPU twin for
-    CPU tensors), for a weight from :func:`torch_int4_pack`."""
-    if x.device.type == "cpu":
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_and_zeros)
-    return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scale_and_zeros)
-
-
 class TorchInt4Impl(Impl):
     """PyTorch's tinygemm int4 kernel: asymmetric 4-bit, bf16 activations only."""
 
@@ -346,33 +261,6 @@ class TorchInt4Impl(Impl):
     def release(self) -> None:
         super().release()
         self._packed = self._sz = None
-
-
-def gemlite_dequant(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    mode: int, dtype: torch.dtype) -> torch.Tensor:
-    """gemlite's weight from its own parameters, as its Triton ``dequantize`` computes it.
-
-    Parameters
-    ----------
-    q : torch.Tensor
-        Codes ``[N, K]`` (unsigned).
-    scales, zeros : torch.Tensor
-        ``[N, K/g]``: gemlite's stored ``scales`` and ``zeros``, transposed back.
-    group_size : int
-        K elements per group.
-    mode : int
-        gemlite's ``W_group_mode``: 4 (``fma(q, s, zeros)``, its default for asymmetric groups,
-        with ``zeros = -z*s``) or 3 (``(q - zeros) * s``).
-    dtype : torch.dtype
-        The activation dtype (one final rounding).
-    """
-    s = scales.double().repeat_interleave(group_size, dim=1)
-    z = zeros.double().repeat_interleave(group_size, dim=1)
-    if mode == 4:
-        return (q.double() * s + z).to(dtype)
-    if mode == 3:
-        return (q.double() - z).to(dtype).double().mul(s).to(dtype)
-    raise ValueError(f"unsupported gemlite W_group_mode {mode} (expected 3 or 4)")
 
 
 class GemliteImpl(Impl):

@@ -7,7 +7,7 @@
   ``--variants`` aliases ``int4``, ``int2`` and ``int8`` name u4, u2 (asymmetric) and s8
   (symmetric).
 * ``torch-int4``: PyTorch's tinygemm (``aten._weight_int4pack_mm``), asymmetric int4 on
-  mixgemm's round-to-nearest codes (:func:`.peers.torch_int4_pack`); gate/up as one GEMM then
+  mixgemm's round-to-nearest codes (:func:`.peer_formats.torch_int4_pack`); gate/up as one GEMM then
   ``silu * up`` in torch, the qkv bias added in torch.
 * ``no-gemm``: no linear at all: each projection returns a broadcast view of its input's first
   column with the projection's output width (:class:`NoGemmProjections`: no GEMM, no weights,
@@ -18,7 +18,7 @@
 
 Each quantized variant also gives its own dequantized weights as :class:`.decoder.DenseProjections`
 (mixgemm: :func:`mixgemm.dequantize_reference`; torch-int4: tinygemm's formula,
-:func:`.peers.torch_int4_dequant`): the bf16 step on those is the reference its step is checked
+:func:`.peer_formats.torch_int4_dequant`): the bf16 step on those is the reference its step is checked
 against, so that the difference is the kernels' alone.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import nn
 
 from ..types import ActType, WeightType
 from .decoder import DenseProjections, ModelPreset, Projections, dense_projections, float_weight, qkv_bias
-from .peers import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
+from .peer_formats import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
 
 #: Bytes per activation / norm / bias element (bf16).
 ELEMENT_BYTES = 2
@@ -197,7 +197,7 @@ class MixgemmProjections(Projections):
 
 
 class TorchInt4Projections(Projections):
-    """tinygemm linears: ``packs[name] = (packed, scale_and_zeros)`` from :func:`.peers.torch_int4_pack`;
+    """tinygemm linears: ``packs[name] = (packed, scale_and_zeros)`` from :func:`.peer_formats.torch_int4_pack`;
     ``gate_up`` holds the gate's rows then the up projection's."""
 
     def __init__(self, packs: dict, intermediate: int, group_size: int, qkv_bias: Optional[torch.Tensor] = None):
