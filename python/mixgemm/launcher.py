@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .errors import BuildError, KernelError
-from .runtime import ABI_VERSION, GemmArgs, Launch, LoadedKernel, check
+from .runtime import ABI_VERSION, GemmArgs, Launch, LoadedKernel, check, driver_entry_point
 
 log = logging.getLogger("mixgemm")
 
@@ -142,14 +142,8 @@ class DriverEntryPoints:
         per_thread = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
         flag = flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if per_thread \
             else flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
-        self.launch_kernel_ex = self._resolve(drv, "cuLaunchKernelEx", flag)
-        self.memset_d8_async = self._resolve(drv, "cuMemsetD8Async", flag)
-
-    def _resolve(self, drv, name: str, flag) -> int:
-        pfn, status = check(drv.cuGetProcAddress(name.encode(), self.CUDA_VERSION, flag), f"cuGetProcAddress({name})")
-        if status != drv.CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SUCCESS or not pfn:
-            raise BuildError(f"the CUDA driver has no {name} for CUDA {self.CUDA_VERSION // 1000}.0 ({status!r})")
-        return int(pfn)
+        self.launch_kernel_ex = driver_entry_point("cuLaunchKernelEx", flag, self.CUDA_VERSION)
+        self.memset_d8_async = driver_entry_point("cuMemsetD8Async", flag, self.CUDA_VERSION)
 
 
 _entry_points: Optional[DriverEntryPoints] = None

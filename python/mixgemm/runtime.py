@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .build import Artifacts, load_artifacts
-from .errors import CudaError, KernelError
+from .errors import BuildError, CudaError, KernelError
 from .specs import HELPER_KINDS, KernelSpec
 
 ABI_VERSION = 4  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
@@ -92,15 +92,16 @@ class Launch(ctypes.Structure):
     ]
 
 
-def tensor_map_encoder() -> int:
-    """The driver's ``cuTensorMapEncodeTiled``, from ``cuGetProcAddress`` through cuda-python (the
-    driver that owns the contexts), for :meth:`HostHelper.bind_driver`."""
+def driver_entry_point(name: str, flag: Any = None, cuda_version: int = 12000) -> int:
+    """The CUDA driver's function ``name`` for the ABI of ``cuda_version``, from
+    ``cuGetProcAddress`` through cuda-python (the driver that cuda-python opened and that owns
+    the contexts); ``flag``: a ``CUdriverProcAddress_flags`` (default: ``CU_GET_PROC_ADDRESS_DEFAULT``)."""
     drv = _driver()
-    pfn, status = check(drv.cuGetProcAddress(b"cuTensorMapEncodeTiled", 12000,
-                                             drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT),
-                        "cuGetProcAddress(cuTensorMapEncodeTiled)")
+    if flag is None:
+        flag = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+    pfn, status = check(drv.cuGetProcAddress(name.encode(), cuda_version, flag), f"cuGetProcAddress({name})")
     if status != drv.CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SUCCESS or not pfn:
-        raise KernelError(f"the CUDA driver has no cuTensorMapEncodeTiled ({status!r})")
+        raise BuildError(f"the CUDA driver has no {name} for CUDA {cuda_version // 1000}.0 ({status!r})")
     return int(pfn)
 
 
@@ -138,7 +139,7 @@ class HostHelper:
         if setter is not None:
             setter.argtypes = [ctypes.c_void_p]
             setter.restype = None
-            setter(tensor_map_encoder())
+            setter(driver_entry_point("cuTensorMapEncodeTiled"))
 
     def check(self, args: GemmArgs) -> Optional[str]:
         err = ctypes.create_string_buffer(512)
