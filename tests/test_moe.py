@@ -15,7 +15,7 @@ from mixgemm import codegen, moe, moe_grouped, paths, runtime
 from mixgemm.codegen import render
 from mixgemm.experts import PackedExperts
 from mixgemm.quantize import interleave_gate_up, quantize
-from mixgemm.specs import Activation, DecodeSpec, GroupedDecodeSpec, parse_name
+from mixgemm.specs import Activation, DecodeSpec, GroupedDecodeSpec, KernelKind, parse_name
 from mixgemm.types import ActType, WeightType
 
 
@@ -54,6 +54,24 @@ def test_select_grouped_spec():
     assert moe.select_grouped_spec(8, ex).tokens == 8 and moe.select_grouped_spec(8, ex).kslices == 8
     s = moe.select_grouped_spec(9, ex, "swiglu")
     assert (s.tokens, s.activation, s.weight, s.act) == (16, Activation.SWIGLU, WeightType.U8, ActType.BF16)
+
+
+@pytest.mark.parametrize("rows,experts,tokens", [
+    (8, 1, 8), (9, 1, 16), (16, 2, 16),                  # one or two experts: 8 rows in all, else the 16-row tile
+    (32, 8, 8), (33, 8, 16),                             # mixtral at 16 tokens: 4 rows an expert -> 8-row tile
+    (128, 128, 8), (4 * 128, 128, 8), (4 * 128 + 1, 128, 16),
+    (24, 1000, 8),                                       # fewer rows than experts: rows / rows = 1
+])
+def test_grouped_decode_tile_by_rows_per_expert(rows, experts, tokens):
+    """The grouped decode kernel's token tile follows the rows per expert with rows (up to
+    DEC8_ROWS_PER_EXPERT: the 8-row tile), not the call's rows alone; fused_moe's plan agrees."""
+    per_expert = rows / min(experts, rows)
+    assert (per_expert <= moe.DEC8_ROWS_PER_EXPERT or rows <= 8) == (tokens == 8)
+    spec = moe.grouped_spec_for(rows, ActType.BF16, WeightType.U4, "swiglu", experts, 256, 256)
+    assert spec.kind is KernelKind.GROUPED_DECODE and spec.tokens == tokens
+    assert moe.decode_spec_for(rows, ActType.BF16, WeightType.U4, None, experts).tokens == tokens
+    plan = moe.plan_fused_moe(rows, ActType.BF16, WeightType.U4, experts, 256, 128)
+    assert plan.gate_up.tokens == tokens and plan.down.tokens == tokens
 
 
 # ---------------------------------------------------------------------------------------------- routing

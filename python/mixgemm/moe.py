@@ -18,7 +18,7 @@ The public face of four modules, each holding one concern:
 from __future__ import annotations
 
 from .experts import PackedExperts
-from .moe_grouped import (LONG_K, TILE128_FROM_ROWS, TILE256_FROM_ROWS, TILES_FROM_ROWS, TILES_FROM_ROWS_LONG_K,
+from .moe_grouped import (DEC8_ROWS_PER_EXPERT, LONG_K, TILE128_FROM_ROWS, TILE256_FROM_ROWS, TILES_FROM_ROWS, TILES_FROM_ROWS_LONG_K,
                           TILES_RASTER, decode_spec_for, grouped_gemm, grouped_gemm_op, grouped_gemm_with_spec,
                           grouped_spec_for, launch_tiles, select_grouped_spec)
 from .moe_layer import MoePlan, fused_moe, fused_moe_reference, plan_fused_moe
@@ -27,4 +27,5 @@ from .moe_routing import ROUTE_MAX_ASSIGNMENTS, Routing, combine, route, route_a
 __all__ = ["PackedExperts", "grouped_gemm", "grouped_gemm_with_spec", "grouped_gemm_op", "launch_tiles", "fused_moe",
            "fused_moe_reference", "plan_fused_moe", "MoePlan", "route", "route_and_gather", "combine", "Routing",
            "select_grouped_spec", "grouped_spec_for", "decode_spec_for", "ROUTE_MAX_ASSIGNMENTS", "TILES_FROM_ROWS",
-           "TILES_FROM_ROWS_LONG_K", "LONG_K", "TILE128_FROM_ROWS", "TILE256_FROM_ROWS", "TILES_RASTER"]
+           "TILES_FROM_ROWS_LONG_K", "LONG_K", "TILE128_FROM_ROWS", "TILE256_FROM_ROWS", "TILES_RASTER",
+           "DEC8_ROWS_PER_EXPERT"]

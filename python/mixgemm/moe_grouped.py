@@ -44,6 +44,13 @@ ACTIVATIONS = ("silu", "gelu", "swiglu")
 #: longer k-loop per tile), and from which it takes its 128- and 256-row token tiles. Measured on
 #: the three bench --moe presets (benchmarks/NOTES.md section 17).
 TILES_FROM_ROWS = 32
+#: Rows per expert with rows up to which the grouped decode kernel takes the 8-row token tile
+#: (above 8 rows in all). mixtral-8x7b at 16 tokens (32 rows, 4 an expert) and qwen3-30b-a3b at
+#: 4-16 tokens (1-2 an expert), uniform routing: fused_moe 15-22% faster than with the 16-row
+#: tile, whose second token tile only doubles the MMAs and the x tile (benchmarks/NOTES.md
+#: section 23a); under Zipf routing, where one expert takes more than 8 rows and streams its
+#: weights twice, from 5% faster to 5% slower.
+DEC8_ROWS_PER_EXPERT = 4
 TILES_FROM_ROWS_LONG_K = 16
 LONG_K = 4096
 TILE128_FROM_ROWS = 64
@@ -63,8 +70,9 @@ def tiles_from_rows(k: int) -> int:
 def select_grouped_spec(rows: int, experts: PackedExperts, activation: Optional[str] = None):
     """The grouped kernel for ``rows`` rows of x over ``experts``. By rows per expert with rows
     (``rows / min(E, rows)``): below :data:`TILES_FROM_ROWS` the grouped decode kernel (the 8-row
-    tile, 8-bit codes with 8 k-slices as the dense "dec8", when ``rows <= 8``, else the 16-row
-    tile), which streams an expert's weights once per 16 rows; from there the grouped sm90 GEMM
+    tile, 8-bit codes with 8 k-slices as the dense "dec8", up to :data:`DEC8_ROWS_PER_EXPERT`
+    rows per expert or 8 rows in all, else the 16-row tile), which streams an expert's weights
+    once per token tile of its rows; from there the grouped sm90 GEMM
     (:class:`mixgemm.specs.GroupedGemmSpec`), which converts each weight tile once per token
     tile of 64, 128 or 256 rows."""
     return grouped_spec_for(rows, experts.act_type, experts.weight_type, activation, experts.num_experts, experts.n,
@@ -86,16 +94,20 @@ def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: O
                  else "g64")
         epilogue = Epilogue.SWIGLU if activation == "swiglu" else Epilogue.BIAS_ACT
         return GroupedGemmSpec(act_type, weight_type, *GROUPED_GEMM_TILES[label], epilogue)
-    return decode_spec_for(rows, act_type, weight_type, activation)
+    return decode_spec_for(rows, act_type, weight_type, activation, num_experts)
 
 
-def decode_spec_for(rows: int, act_type, weight_type: WeightType, activation: Optional[str] = None):
-    """The grouped decode kernel for ``rows`` rows: the 8-row tile (8-bit codes with 8 k-slices, as
-    the dense "dec8") when ``rows <= 8``, else the 16-row tile."""
+def decode_spec_for(rows: int, act_type, weight_type: WeightType, activation: Optional[str] = None,
+                    num_experts: int = 1):
+    """The grouped decode kernel for ``rows`` rows over ``num_experts`` experts: the 8-row tile
+    (8-bit codes with 8 k-slices, as the dense "dec8") when ``rows <= 8`` or at most
+    :data:`DEC8_ROWS_PER_EXPERT` rows per expert with rows (``rows / min(E, rows)``), else the
+    16-row tile. (An expert with more rows than the tile streams its weights once per tile.)"""
     from .codegen import TILE_CONFIGS
     from .specs import Activation, GroupedDecodeSpec
 
-    label = "dec8" if rows <= 8 else "dec16"
+    per_expert = rows / max(1, min(num_experts, rows))
+    label = "dec8" if rows <= 8 or per_expert <= DEC8_ROWS_PER_EXPERT else "dec16"
     tc = next(t for t in TILE_CONFIGS if t.label == label)
     d = tc.spec(act_type, weight_type, Activation(activation or "none"))
     return GroupedDecodeSpec(d.act, d.weight, d.tokens, d.warps, d.stage_bytes, d.stages, d.activation, d.kslices)

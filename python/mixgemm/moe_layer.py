@@ -80,7 +80,7 @@ def plan_fused_moe(rows: int, act_type, weight_type: WeightType, num_experts: in
     spec13 = grouped.grouped_spec_for(rows, act_type, weight_type, "swiglu", num_experts, 2 * intermediate, hidden)
     if spec13.kind is KernelKind.GROUPED_GEMM and hidden % tile_m == 0:
         return MoePlan(spec13, GroupedGemmSpec(act_type, weight_type, spec13.tile_m, spec13.tile_n, spec13.tile_k))
-    spec2 = grouped.decode_spec_for(rows, act_type, weight_type)
+    spec2 = grouped.decode_spec_for(rows, act_type, weight_type, None, num_experts)
     per_expert = rows / max(1, min(num_experts, rows))
     if spec13.kind is KernelKind.GROUPED_DECODE and per_expert >= SPLIT_FROM_ROWS \
             and (2 * intermediate) % tile_m == 0 and hidden % tile_m == 0:
