@@ -284,6 +284,37 @@ def _decode_launch(helper, args):
 
 
 @pytest.mark.nvcc
+def test_real_decode_kernel_with_an_x_ring(tmp_path, monkeypatch):
+    """The x-ring decode kernel (x_stages): its arguments carry a third TMA descriptor (x), encoded
+    by the helper on every call; its shared memory does not grow with a CTA's k-range, so a full
+    token tile runs long K in one split where the resident x tile cannot."""
+    if paths.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    from mixgemm import runtime
+    helpers = {}
+    for xs in (0, 4):
+        spec = DecodeSpec(ActType.BF16, WeightType.U4, tokens=16, x_stages=xs)
+        art = build.build(spec)
+        assert spec.name.encode() in art.read_cubin()
+        helpers[xs] = runtime.HostHelper(str(art.helper_path), spec.name)
+    assert helpers[4].params_size == helpers[0].params_size + 128   # + the x descriptor
+    args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=16, n=4096, k=16384, group_size=128,
+                            sm_count=132, splits=1, raster=0, weight=1 << 20, scales=2 << 20, zeros=5 << 20,
+                            x=3 << 20, bias=0, y=4 << 20, workspace=6 << 20, ldx=16384, ldy=4096)
+    assert "shared memory" in helpers[0].check(args)
+    assert helpers[4].check(args) is None
+    ring = _decode_launch(helpers[4], args)
+    assert ring.grid[1] == 1 and ring.workspace_bytes == 0 and ring.smem_bytes <= 227 * 1024
+    # one split of a 4096-long K: the resident tile holds 16 x 4096 x 2 bytes of x, the ring 4 slots
+    args.k = args.ldx = 4096
+    resident, ring = _decode_launch(helpers[0], args), _decode_launch(helpers[4], args)
+    assert resident.smem_bytes - ring.smem_bytes > 16 * 4096 * 2 - 4 * 2 * 16 * 128 - 1024
+    args.m = 17
+    assert "too many tokens" in helpers[4].check(args)
+
+
+@pytest.mark.nvcc
 def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
     """A decode kernel and its helper, built by nvcc; the helper's launch plan and checks."""
     if paths.find_nvcc() is None:

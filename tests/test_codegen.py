@@ -71,10 +71,24 @@ def test_decode_kslices_in_name_and_validated():
     eight = DecodeSpec(ActType.BF16, WeightType.U4, 8, kslices=8)
     assert one.name != eight.name and "_k8_" in eight.name and "_k1_" in one.name
     assert parse_name(eight.name) == eight
-    assert render(eight).rstrip().splitlines()[-2].endswith("1024, 4, 8>;")
+    assert render(eight).rstrip().splitlines()[-2].endswith("1024, 4, 8, 0>;")
     for bad in (3, 16, 0):
         with pytest.raises(ValueError, match="kslices"):
             DecodeSpec(ActType.BF16, WeightType.U4, 8, warps=8 if bad != 16 else 4, kslices=bad)
+
+
+def test_decode_x_ring_in_name_and_validated():
+    """The x ring (x_stages slots streaming x) is a decode kernel field: in the name only when on
+    (the resident-x kernels keep their names), in the rendered Config, parsed back, and checked
+    (2-8 slots, one warp per stripe)."""
+    plain = DecodeSpec(ActType.BF16, WeightType.U4, 16)
+    ring = DecodeSpec(ActType.BF16, WeightType.U4, 16, activation=Activation.SWIGLU, x_stages=4)
+    assert "_x" not in plain.name and ring.name.endswith("_k1_x4_swiglu")
+    assert parse_name(ring.name) == ring and parse_name(plain.name) == plain
+    assert render(ring).rstrip().splitlines()[-2].endswith("1024, 4, 1, 4>;")
+    for bad, ks in ((1, 1), (9, 1), (4, 8)):
+        with pytest.raises(ValueError, match="x_stages"):
+            DecodeSpec(ActType.BF16, WeightType.S8, 8, kslices=ks, x_stages=bad)
 
 
 def test_dec8_slices_only_8bit_codes():

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cute/arch/copy_sm90_desc.hpp"   // cute::TmaDescriptor
 #include "cutlass/cutlass.h"
@@ -51,9 +52,17 @@ struct Args {
   cute::TmaDescriptor scales_map;
   cute::TmaDescriptor zeros_map;   // (zeroed for signed codes)
 };
+// With an x ring (Config::kXRing), the descriptor of x as a 3-D tensor [K/64 atoms][M rows][64]
+// (strides 128 bytes and ldx), read in boxes of Config::kXAtoms atoms x kTokens rows with the
+// 128-byte swizzle: rows past M arrive as zeros.
+template <class Act>
+struct ArgsX : Args<Act> {
+  cute::TmaDescriptor x_map;
+};
 
 // Compile-time shape of one kernel.
-template <class Code_, class Act_, int NTiles_, int Warps_, int StageBytes_, int Stages_, int KSlices_ = 1>
+template <class Code_, class Act_, int NTiles_, int Warps_, int StageBytes_, int Stages_, int KSlices_ = 1,
+          int XStages_ = 0>
 struct Config {
   using Code = Code_;
   using Act = Act_;
@@ -84,9 +93,24 @@ struct Config {
   // float32 partial carries E = 128 times sum(x) more than the result, so this costs ~2^-17
   // relative to sum(|x|) per group, far below bf16's output rounding (2^-9). fp16 (E = 1024:
   // 8x more) and the two-part int8 decode keep the exact in-register subtraction.
-  static constexpr bool kFold = half_of<Act_>::value == Half::kBF16 && !Dequant::Decoder::kTwoPart;
+  //
+  // x ring (XStages_ > 0): instead of the CTA's whole x[:, k-range] resident in shared memory
+  // (tokens x 2 bytes per k: at 16 tokens half the bytes of the int4 weight rows the CTA streams,
+  // so it bounds the CTAs per SM and forces finer splits of K: benchmarks/NOTES.md section 23b),
+  // x streams through kXStages slots of kXAtoms atoms (one TMA box each, 128-byte swizzle),
+  // refilled by warp 0 once every warp is done with a slot. The x sums that the folded offset
+  // needs are then not at hand before the stream: the x-ring kernels subtract the offset in
+  // registers (the exact path of fp16).
+  static constexpr int kXStages = XStages_;
+  static constexpr bool kXRing = XStages_ > 0;
+  static constexpr int kXAtoms = kAtomsPerStage > 2 ? kAtomsPerStage : 2;   // a stage never straddles two chunks
+  static constexpr int kXAtomBytes = kTokens * 128;                        // tokens rows x 64 k of 16 bits
+  static constexpr int kXChunkBytes = kXAtoms * kXAtomBytes;
+  static_assert(!kXRing || (KSlices_ == 1 && XStages_ >= 2), "the x ring: one warp per stripe, >= 2 slots");
+  static_assert(kXAtoms % kAtomsPerStage == 0 && kXAtomBytes % 1024 == 0, "chunks of whole stages, 1 KiB-aligned atoms");
+  static constexpr bool kFold = half_of<Act_>::value == Half::kBF16 && !Dequant::Decoder::kTwoPart && !kXRing;
 
-  // Shared memory: [ring: warps x stages x stage bytes][x tile][scales][zeros][barriers]
+  // Shared memory: [ring: warps x stages x stage bytes][x tile or x ring][scales][zeros][barriers]
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
   static constexpr int kMaxSmem = 227 * 1024;
   // Split-K: the CTA's float32 sums, [warp][lane][tile][4], reuse the ring once it is drained.
@@ -94,7 +118,8 @@ struct Config {
   static constexpr int kRingRegion = kRingBytes > kSumsBytes ? kRingBytes : kSumsBytes;
   static constexpr int kMaxClusterSplits = 8;   // the portable cluster size
   // mbarriers: one per ring stage of every warp, the x tile's, the scale rows'
-  static constexpr int kBarriers = kWarps * kStages + 2;
+  // (+ the x ring's full and empty barriers)
+  static constexpr int kBarriers = kWarps * kStages + 2 + (kXRing ? 2 * kXStages : 0);
 
   // The carve-up of dynamic shared memory, shared by the host plan and the kernel:
   //   [weight rings: warps x stages x stage bytes, or the split sums][x: rows x x_row_bytes]
@@ -122,8 +147,13 @@ struct Config {
     Carve c;
     // (128-byte aligned: the boxes' destinations)
     int const group_bytes = (scale_copies(groups) * box_groups(groups) * kRowsPerCta * int(sizeof(Act)) + 127) / 128 * 128;
-    c.x = kRingRegion;
-    c.scales = (c.x + x_rows * x_row_bytes(atoms_per_split) + 127) / 128 * 128;
+    if constexpr (kXRing) {
+      c.x = (kRingRegion + 1023) / 1024 * 1024;   // (the swizzle's 1 KiB pattern)
+      c.scales = c.x + kXStages * kXChunkBytes;
+    } else {
+      c.x = kRingRegion;
+      c.scales = (c.x + x_rows * x_row_bytes(atoms_per_split) + 127) / 128 * 128;
+    }
     c.zeros = c.scales + group_bytes;
     c.xsum = (c.zeros + (kHasZero ? group_bytes : 0) + 15) / 16 * 16;
     c.bars = c.xsum + (kFold ? kKSlices * segments * kTokens * 4 : 0);
@@ -131,5 +161,9 @@ struct Config {
     return c;
   }
 };
+
+// The kernel's argument struct: Args, and the x descriptor with an x ring.
+template <class Cfg>
+using ArgsOf = std::conditional_t<Cfg::kXRing, ArgsX<typename Cfg::Act>, Args<typename Cfg::Act>>;
 
 }  // namespace mixgemm::decode

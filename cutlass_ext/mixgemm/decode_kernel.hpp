@@ -10,7 +10,11 @@
 //   (cp.async.bulk + an mbarrier per stage): no registers held for loads in flight, one
 //   instruction per stage to issue;
 // * activations: the CTA's x[:, k-range] (at most 8*NTiles rows) is bulk-copied to shared memory
-//   once and shared by the CTA's warps; ldmatrix gives the mma.sync B fragments directly;
+//   once and shared by the CTA's warps; ldmatrix gives the mma.sync B fragments directly. Or,
+//   with an x ring (Config::kXRing: the 16-token kernels, where a resident x tile is half the
+//   bytes of the int4 weight a CTA streams and bounds the CTAs per SM), x streams through a few
+//   shared-memory slots of 2-4 atoms, one TMA box each (128-byte swizzle), which warp 0 refills
+//   once every warp has read them (NOTES 23b);
 // * math: the prepacked atom is exactly the m16n8k16 A fragment (the wgmma A fragment of one
 //   warp), so a lane's 16-byte chunk becomes 4 k16 blocks of A registers through
 //   converters/mixgemm/raw_decode.hpp (a lop3 per register, x = E + F c, F = 4 on row g + 8 of
@@ -219,12 +223,25 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + carve.bars);
   uint64_t* xbar = bars + Cfg::kWarps * S;   // the x tile
   uint64_t* sbar = xbar + 1;                  // the scale / zero rows
+  uint64_t* xfull = sbar + 1;                 // x ring: slot filled (kXStages), then slot free (kXStages)
+  uint64_t* xempty = xfull + Cfg::kXStages;
+  constexpr int XS = Cfg::kXStages;
+  constexpr int XA = Cfg::kXAtoms;
+  static_assert(!Cfg::kXRing || (Maps && !Waited), "the x ring: the dense kernel (its x descriptor is in Args)");
+  int const n_xchunks = (n_atoms + XA - 1) / XA;
   uint64_t* wbar = bars + warp * S;
   int* last_flag = reinterpret_cast<int*>(bars + Cfg::kBarriers);
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < Cfg::kBarriers; ++i) {
       Barrier::init(&bars[i], 1);
+    }
+    if constexpr (Cfg::kXRing) {
+      // a slot is free again once every warp that streams has read it (KS = 1: one per stripe)
+      int const consumers = n_atoms > 0 ? min(Cfg::kStripesPerCta, stripes - blockIdx.x * Cfg::kStripesPerCta) : 1;
+      for (int i = 0; i < XS; ++i) {
+        Barrier::init(&xempty[i], consumers);
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -281,7 +298,22 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
       }
     }
   };
+  auto issue_xchunk = [&](int c) {   // one lane: x ring chunk c (atoms [c XA, c XA + XA) of the CTA) into its slot
+    if constexpr (Cfg::kXRing) {
+      int const slot = c % XS;
+      Barrier::arrive_and_expect_tx(&xfull[slot], uint32_t(Cfg::kXChunkBytes));
+      uint64_t const hint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+      cute::SM90_TMA_LOAD_3D::copy(&static_cast<ArgsX<Act> const*>(maps)->x_map, &xfull[slot], hint,
+                                   xs + slot * Cfg::kXChunkBytes, 0, 0, ka0 + c * XA);
+    }
+  };
   auto issue_x = [&]() {   // warp 0: the x tile (the previous kernel's output)
+    if constexpr (Cfg::kXRing) {
+      if (lane == 0) {
+        for (int c = 0; c < XS && c < n_xchunks; ++c) issue_xchunk(c);
+      }
+      return;
+    }
     if (lane == 0) {
       Barrier::arrive_and_expect_tx(xbar, uint32_t(m_rows * x_bytes));
     }
@@ -345,15 +377,25 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
   // ldmatrix row addresses: lane l reads token row (l % 8) of tile i, 8 k at column 8 * (l / 8)
   // (+32 for the second half of an atom). Rows past the last token repeat the last token: they
   // only feed accumulator columns of tokens that are never stored.
+  // With the x ring: the same rows and columns in a slot's swizzled atom (tokens rows of 128 bytes,
+  // 16-byte unit u of row r at u ^ (line of r % 8): the 128-byte swizzle, a function of the
+  // address; rows past M are the box's zero fill), as offsets from the atom.
   uint32_t xs_row[NT];
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < NT; ++i) {
-    int const r = min(8 * i + lane % 8, p.m - 1);
-    xs_row[i] = cute::cast_smem_ptr_to_uint(xs) + r * x_pitch + (lane / 8) * 16;
+    if constexpr (Cfg::kXRing) {
+      int const line = int(cute::cast_smem_ptr_to_uint(xs) >> 7) + lane % 8;
+      xs_row[i] = uint32_t((8 * i + lane % 8) * 128 + (((lane / 8) ^ (line % 8)) << 4));
+    } else {
+      int const r = min(8 * i + lane % 8, p.m - 1);
+      xs_row[i] = cute::cast_smem_ptr_to_uint(xs) + r * x_pitch + (lane / 8) * 16;
+    }
   }
   // (the x tile starts at the CTA's first atom; the warp's atoms at wa0)
 
-  Barrier::wait(xbar, 0);
+  if constexpr (!Cfg::kXRing) {
+    Barrier::wait(xbar, 0);
+  }
   trace.mark(kXTile);
 
   // ---- kFold: sum(x) per (slice, group, token) over the part of the group that the slice
@@ -462,6 +504,10 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
     int slot = 0;
     uint32_t phase = 0;
     uint8_t const* next_src = wsrc + int64_t(S) * Cfg::kStageBytes;
+    // The x ring's running state: the current chunk, its slot and phase, and its atoms read.
+    int xchunk = 0, xslot = 0, x_read = 0;
+    uint32_t xphase = 0;
+    uint32_t const xs_base = cute::cast_smem_ptr_to_uint(xs);
     // Whole-atom groups: atoms per group, and the first atom of the next group counted from the
     // current stage's first atom (a group spanning K, shift 30, never ends inside the range).
     int const gshift_atoms = Group32 ? 0 : p.group_shift - 6;
@@ -471,6 +517,9 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
       constexpr bool kFull = decltype(full_const)::value;
       Barrier::wait(&wbar[slot], phase);
       if (s == 0) trace.mark(kFirstStage);
+      if constexpr (Cfg::kXRing) {
+        if (x_read == 0) Barrier::wait(&xfull[xslot], xphase);
+      }
       char const* stage = ring + slot * Cfg::kStageBytes;
       int const atoms = kFull ? APS : w_atoms - s * APS;
       // All of the stage's chunks first, so their shared-memory latency overlaps (a short last
@@ -489,9 +538,15 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
           uint32_t b[NT][4][2];
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < NT; ++i) {
-            uint32_t const addr = xs_row[i] + (wa0 + la) * 128;
-            ldsm_x4(addr, b[i][0][0], b[i][0][1], b[i][1][0], b[i][1][1]);
-            ldsm_x4(addr + 64, b[i][2][0], b[i][2][1], b[i][3][0], b[i][3][1]);
+            if constexpr (Cfg::kXRing) {
+              uint32_t const addr = xs_base + xslot * Cfg::kXChunkBytes + (x_read + a) * Cfg::kXAtomBytes + xs_row[i];
+              ldsm_x4(addr, b[i][0][0], b[i][0][1], b[i][1][0], b[i][1][1]);
+              ldsm_x4(addr ^ 64u, b[i][2][0], b[i][2][1], b[i][3][0], b[i][3][1]);   // units 4-7: u ^ 4
+            } else {
+              uint32_t const addr = xs_row[i] + (wa0 + la) * 128;
+              ldsm_x4(addr, b[i][0][0], b[i][0][1], b[i][1][0], b[i][1][1]);
+              ldsm_x4(addr + 64, b[i][2][0], b[i][2][1], b[i][3][0], b[i][3][1]);
+            }
           }
           if constexpr (!Group32) {
             // one group spans whole atoms: flush the partial sum when the atom starts a new group
@@ -535,6 +590,24 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
       next_src += Cfg::kStageBytes;
       slot = slot + 1 == S ? 0 : slot + 1;
       phase ^= slot == 0 ? 1u : 0u;
+      if constexpr (Cfg::kXRing) {
+        // (a chunk is whole stages; the last, short chunk is never released: nothing refills it)
+        x_read += APS;
+        if (x_read == XA) {
+          if (lane == 0) Barrier::arrive(&xempty[xslot]);
+          // warp 0 refills the slot of the chunk before this one (every warp done with it) with
+          // the chunk XS further: the slot of its own last chunk may still be read by the others
+          if (warp == 0 && xchunk >= 1 && xchunk - 1 + XS < n_xchunks) {
+            int const prev = xchunk - 1;
+            Barrier::wait(&xempty[prev % XS], uint32_t((prev / XS) & 1));
+            if (lane == 0) issue_xchunk(prev + XS);
+          }
+          x_read = 0;
+          ++xchunk;
+          xslot = xslot + 1 == XS ? 0 : xslot + 1;
+          xphase ^= xslot == 0 ? 1u : 0u;
+        }
+      }
     };
     int const full_stages = w_atoms / APS;
     for (int s = 0; s < full_stages; ++s) {
@@ -703,7 +776,7 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
 }
 
 template <class Cfg, Activation A>
-CUTLASS_DEVICE void kernel_body(Args<typename Cfg::Act> const& args) {
+CUTLASS_DEVICE void kernel_body(ArgsOf<Cfg> const& args) {
   extern __shared__ __align__(128) char smem[];
   if (args.p.group_shift == 5) {
     run<Cfg, A, true, false, true>(args.p, smem, &args);
@@ -726,7 +799,7 @@ CUTLASS_DEVICE void kernel_body(Args<typename Cfg::Act> const& args) {
   using NAME##_host = mixgemm::decode::Host<CFG, ACTIVATION>;                                                   \
   extern "C" int32_t mixgemm_abi_version() { return mixgemm::abi::kAbiVersion; }                    \
   extern "C" char const* mixgemm_kernel_name() { return MIXGEMM_DECODE_STR(NAME); }                 \
-  extern "C" uint32_t mixgemm_params_size() { return uint32_t(sizeof(mixgemm::decode::Args<CFG::Act>)); } \
+  extern "C" uint32_t mixgemm_params_size() { return uint32_t(sizeof(mixgemm::decode::ArgsOf<CFG>)); }     \
   extern "C" uint32_t mixgemm_smem_size() { return uint32_t(CFG::kMaxSmem); }                       \
   extern "C" int mixgemm_gemm_check(mixgemm::abi::GemmArgs const* a, char* err, int errlen) {       \
     char const* why = NAME##_host::check(a);                                                        \
@@ -746,7 +819,7 @@ CUTLASS_DEVICE void kernel_body(Args<typename Cfg::Act> const& args) {
 #else
 #define MIXGEMM_DECODE_ENTRY(NAME, CFG, ACTIVATION)                                                 \
   extern "C" __global__ void __launch_bounds__(CFG::kThreads, 2)                                    \
-  NAME(CUTLASS_GRID_CONSTANT mixgemm::decode::Args<CFG::Act> const params) {                        \
+  NAME(CUTLASS_GRID_CONSTANT mixgemm::decode::ArgsOf<CFG> const params) {                           \
     mixgemm::decode::kernel_body<CFG, ACTIVATION>(params);                                          \
   }
 #endif

@@ -61,6 +61,27 @@ inline char const* encode_group_rows(cute::TmaDescriptor* map, void const* base,
                            : "cuTensorMapEncodeTiled refused the scale / zero rows (their address must be 16-byte aligned)";
 }
 
+// The TMA descriptor of x [M][ldx] (16-bit values) as a 3-D tensor [K/64 atoms][M rows][64], read in
+// boxes of `atoms` atoms x `rows` rows with the 128-byte swizzle (the decode kernel's x ring; rows past
+// M and atoms past K arrive as zeros). Returns why not, or nullptr.
+inline char const* encode_x_chunks(cute::TmaDescriptor* map, void const* x, int m, int k, int64_t ldx, int rows,
+                                   int atoms) {
+  std::memset(map, 0, sizeof(*map));
+  auto encode = tensor_map_encoder();
+  if (encode == nullptr) {
+    return "no tensor-map encoder: mixgemm's runtime hands the helper the driver's cuTensorMapEncodeTiled "
+           "(mixgemm_set_tensor_map_encoder) when it loads the kernel";
+  }
+  cuuint64_t const dims[3] = {64, cuuint64_t(m), cuuint64_t(k / 64)};
+  cuuint64_t const strides[2] = {cuuint64_t(ldx) * 2, 128};
+  cuuint32_t const box[3] = {64, cuuint32_t(rows), cuuint32_t(atoms)};
+  cuuint32_t const elem_strides[3] = {1, 1, 1};
+  CUresult const r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(x), dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled refused x (its address and row stride must be 16-byte aligned)";
+}
+
 template <class Cfg, Activation A = Activation::kNone>
 struct Host {
   using Act = typename Cfg::Act;
@@ -229,7 +250,8 @@ struct Host {
     Plan pl;
     if (char const* why = check(a, pl)) return fail(why);
     if (dst == nullptr || out == nullptr) return fail("null output buffer");
-    if (capacity < sizeof(Args<Act>)) return fail("params buffer too small");
+    using KernelArgs = ArgsOf<Cfg>;
+    if (capacity < sizeof(KernelArgs)) return fail("params buffer too small");
     std::memset(out, 0, sizeof(*out));
     out->workspace_bytes = workspace_bytes(*a, pl);
     out->workspace_zero_bytes = uint32_t(counters_bytes(pl));
@@ -240,10 +262,10 @@ struct Host {
     out->cluster[1] = global_reduce(pl) ? 1u : uint32_t(pl.splits);
     out->cluster[2] = 1;
     out->smem_bytes = uint32_t(pl.smem_bytes);
-    out->params_bytes = uint32_t(sizeof(Args<Act>));
+    out->params_bytes = uint32_t(sizeof(KernelArgs));
     // (the launch's geometry is filled first: without the driver's encoder, as on a build
     // machine, the descriptors cannot be encoded and the call fails here, its plan still readable)
-    Args<Act> args;
+    KernelArgs args;
     std::memset(&args, 0, sizeof(args));   // (the padding too: the params bytes are compared and cached)
     args.p = params(*a, pl);
     int const gshift = args.p.group_shift;
@@ -255,6 +277,11 @@ struct Host {
     if (char const* why = encode_group_rows(&args.zeros_map, Cfg::kHasZero ? args.p.zeros : nullptr, a->n, groups,
                                             Cfg::kRowsPerCta, bg)) {
       return fail(why);
+    }
+    if constexpr (Cfg::kXRing) {
+      if (char const* why = encode_x_chunks(&args.x_map, args.p.x, a->m, a->k, a->ldx, Cfg::kTokens, Cfg::kXAtoms)) {
+        return fail(why);
+      }
     }
     std::memcpy(dst, &args, sizeof(args));
     return 0;

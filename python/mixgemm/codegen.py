@@ -84,6 +84,8 @@ class DecodeConfig:
     stages: int = 4
     #: k-slices (warps per weight stripe) for 8-bit codes; the narrower codes use one warp per stripe
     int8_kslices: int = 1
+    #: x ring slots (:attr:`mixgemm.specs.DecodeSpec.x_stages`; 0: x resident) for codes without k-slices
+    x_stages: int = 0
 
     @property
     def max_tokens(self) -> int:
@@ -92,13 +94,15 @@ class DecodeConfig:
     def spec(self, act: ActType, weight: WeightType, activation: Activation = Activation.NONE) -> DecodeSpec:
         stage_bytes = max(self.stage_bytes, 128 * weight.bits)
         kslices = self.int8_kslices if weight.bits == 8 else 1
-        return DecodeSpec(act, weight, self.tokens, self.warps, stage_bytes, self.stages, activation, kslices)
+        x_stages = self.x_stages if kslices == 1 else 0
+        return DecodeSpec(act, weight, self.tokens, self.warps, stage_bytes, self.stages, activation, kslices, x_stages)
 
 
 #: The kernel configs the heuristic (mixgemm.ops.select_tile) chooses from, by token count M:
 #:   M <= 8   : "dec8"    decode kernel, 8-token tile (8-bit codes: 8 k-slices, one stripe per CTA:
 #:                        measured 2-13% faster at M = 1 on 5 of 6 layers, NOTES 9b)
-#:   M <= 16  : "dec16"   decode kernel, 16-token tile
+#:   M <= 16  : "dec16"   decode kernel, 16-token tile, x streamed through 4 slots (an x ring: the
+#:                        resident 16-row x tile bounds the CTAs per SM; NOTES 23b)
 #:   M <= 32  : "dec32"   decode kernel, 32-token tile, on layers of at most 2**25 weights
 #:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K, on small layers (M <= 64: at most 2**26
 #:                        weights; M <= 128: at most 2**25)
@@ -113,7 +117,7 @@ class DecodeConfig:
 #: kernel with the gated epilogue for swiglu; the decode kernels fix their activation.
 TILE_CONFIGS = (
     DecodeConfig("dec8", 8, int8_kslices=8),
-    DecodeConfig("dec16", 16),
+    DecodeConfig("dec16", 16, x_stages=4),
     DecodeConfig("dec32", 32),
     TileConfig("mid", 128, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
     TileConfig("tall", 256, 64, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
@@ -349,7 +353,7 @@ def render(spec: KernelSpec) -> str:
         ntiles = spec.tokens // 8
         return (head + '#include "mixgemm/decode_kernel.hpp"\n\n'
                 f"using {spec.name}_config = mixgemm::decode::Config<{code}, {act}, {ntiles}, {spec.warps}, "
-                f"{spec.stage_bytes}, {spec.stages}, {spec.kslices}>;\n"
+                f"{spec.stage_bytes}, {spec.stages}, {spec.kslices}, {spec.x_stages}>;\n"
                 f"MIXGEMM_DECODE_ENTRY({spec.name}, {spec.name}_config, mixgemm::Activation::{spec.activation.cpp})\n")
     if isinstance(spec, GroupedDecodeSpec):
         L, _ = _cutlass_library()

@@ -185,7 +185,9 @@ class DecodeSpec:
     of ``stages`` shared-memory stages of ``stage_bytes`` filled by bulk copies. ``kslices``
     warps share each 16-row weight stripe, each streaming a slice of the CTA's k-range (their
     sums are added in shared memory), so a CTA holds ``warps / kslices`` stripes; split-K across
-    CTAs is chosen at launch.
+    CTAs is chosen at launch. ``x_stages`` > 0: x streams through that many shared-memory slots
+    (TMA boxes of a few atoms, refilled as the warps go) instead of the CTA's whole x[:, k-range]
+    resident, which at 16 tokens bounds the CTAs per SM (benchmarks/NOTES.md section 23b).
     """
 
     act: ActType
@@ -196,6 +198,7 @@ class DecodeSpec:
     stages: int = 4
     activation: Activation = Activation.NONE
     kslices: int = 1
+    x_stages: int = 0
 
     kind = KernelKind.DECODE
     programmatic_launch = True   # decode_kernel.hpp: wait_previous_grid() precedes every global access
@@ -215,6 +218,8 @@ class DecodeSpec:
             raise ValueError("the weight rings (warps x stages x stage_bytes) exceed 160 KiB of shared memory")
         if self.kslices not in (1, 2, 4, 8, 16) or self.warps % self.kslices:
             raise ValueError(f"kslices must be 1, 2, 4, 8 or 16 and divide warps={self.warps}, got {self.kslices}")
+        if self.x_stages and not (2 <= self.x_stages <= 8 and self.kslices == 1):
+            raise ValueError(f"x_stages must be 0, or 2-8 with kslices=1, got {self.x_stages} (kslices={self.kslices})")
 
     @property
     def fixed_activation(self) -> Activation:
@@ -223,8 +228,9 @@ class DecodeSpec:
 
     @property
     def name(self) -> str:
+        xring = f"_x{self.x_stages}" if self.x_stages else ""
         return (f"mixgemm_decode_{self.act.value}_{self.weight.value}_m{self.tokens}_w{self.warps}_"
-                f"b{self.stage_bytes}_s{self.stages}_k{self.kslices}_{self.activation.value}")
+                f"b{self.stage_bytes}_s{self.stages}_k{self.kslices}{xring}_{self.activation.value}")
 
     @property
     def max_tokens(self) -> int:
@@ -427,8 +433,11 @@ _GEMM_NAME = re.compile(
     r"(?P<schedule>\w+?)_(?P<scheduler>persistent|streamk)_(?P<epilogue>\w+)_s(?P<stages>\d+)$")
 _DECODE_NAME = re.compile(
     r"^mixgemm_decode_(?P<act>bf16|fp16)_(?P<weight>[su][248])_m(?P<tokens>\d+)_w(?P<warps>\d+)_"
+    r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_k(?P<kslices>\d+)(?:_x(?P<x_stages>\d+))?_"
+    r"(?P<activation>none|silu|gelu|swiglu)$")
+_GROUPED_DECODE_NAME = re.compile(
+    r"^mixgemm_gdecode_(?P<act>bf16|fp16)_(?P<weight>[su][248])_m(?P<tokens>\d+)_w(?P<warps>\d+)_"
     r"b(?P<stage_bytes>\d+)_s(?P<stages>\d+)_k(?P<kslices>\d+)_(?P<activation>none|silu|gelu|swiglu)$")
-_GROUPED_DECODE_NAME = re.compile("^mixgemm_gdecode_" + _DECODE_NAME.pattern[len("^mixgemm_decode_"):])
 _GROUPED_GEMM_NAME = re.compile(
     r"^mixgemm_ggemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)_"
     r"(?P<epilogue>biasact|swiglu)_s(?P<stages>\d+)$")
@@ -449,7 +458,8 @@ def parse_name(name: str) -> KernelSpec:
     m = _DECODE_NAME.match(name)
     if m:
         return DecodeSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["tokens"]), int(m["warps"]),
-                          int(m["stage_bytes"]), int(m["stages"]), Activation(m["activation"]), int(m["kslices"]))
+                          int(m["stage_bytes"]), int(m["stages"]), Activation(m["activation"]), int(m["kslices"]),
+                          int(m["x_stages"] or 0))
     m = _GROUPED_DECODE_NAME.match(name)
     if m:
         return GroupedDecodeSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["tokens"]), int(m["warps"]),
