@@ -72,6 +72,9 @@ def test_grouped_decode_tile_by_rows_per_expert(rows, experts, tokens):
     assert moe.decode_spec_for(rows, ActType.BF16, WeightType.U4, None, experts).tokens == tokens
     plan = moe.plan_fused_moe(rows, ActType.BF16, WeightType.U4, experts, 256, 128)
     assert plan.gate_up.tokens == tokens and plan.down.tokens == tokens
+    # 8-bit codes: the 8-row tile (8 k-slices, a stripe per CTA) only for 8 rows in all
+    s8 = moe.decode_spec_for(rows, ActType.BF16, WeightType.S8, None, experts)
+    assert s8.tokens == (8 if rows <= 8 else 16)
 
 
 # ---------------------------------------------------------------------------------------------- routing

@@ -49,7 +49,9 @@ TILES_FROM_ROWS = 32
 #: 4-16 tokens (1-2 an expert), uniform routing: fused_moe 15-22% faster than with the 16-row
 #: tile, whose second token tile only doubles the MMAs and the x tile (benchmarks/NOTES.md
 #: section 23a); under Zipf routing, where one expert takes more than 8 rows and streams its
-#: weights twice, from 5% faster to 5% slower.
+#: weights twice, from 5% faster to 5% slower. Not for 8-bit codes, whose 8-row tile is the k-sliced
+#: kernel of one stripe per CTA: qwen3-30b-a3b at 16 tokens took 258 us with it against 155 with the
+#: 16-row tile (section 23c).
 DEC8_ROWS_PER_EXPERT = 4
 TILES_FROM_ROWS_LONG_K = 16
 LONG_K = 4096
@@ -100,14 +102,17 @@ def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: O
 def decode_spec_for(rows: int, act_type, weight_type: WeightType, activation: Optional[str] = None,
                     num_experts: int = 1):
     """The grouped decode kernel for ``rows`` rows over ``num_experts`` experts: the 8-row tile
-    (8-bit codes with 8 k-slices, as the dense "dec8") when ``rows <= 8`` or at most
-    :data:`DEC8_ROWS_PER_EXPERT` rows per expert with rows (``rows / min(E, rows)``), else the
-    16-row tile. (An expert with more rows than the tile streams its weights once per tile.)"""
+    (8-bit codes with 8 k-slices, as the dense "dec8") when ``rows <= 8`` or, for 4- and 2-bit
+    codes, at most :data:`DEC8_ROWS_PER_EXPERT` rows per expert with rows (``rows / min(E, rows)``),
+    else the 16-row tile. (An expert with more rows than the tile streams its weights once per
+    tile.)"""
     from .codegen import TILE_CONFIGS
     from .specs import Activation, GroupedDecodeSpec
 
     per_expert = rows / max(1, min(num_experts, rows))
-    label = "dec8" if rows <= 8 or per_expert <= DEC8_ROWS_PER_EXPERT else "dec16"
+    # (8-bit codes: the 8-row tile is the k-sliced one, a stripe per CTA; by rows in all only)
+    by_expert = weight_type.bits < 8 and per_expert <= DEC8_ROWS_PER_EXPERT
+    label = "dec8" if rows <= 8 or by_expert else "dec16"
     tc = next(t for t in TILE_CONFIGS if t.label == label)
     d = tc.spec(act_type, weight_type, Activation(activation or "none"))
     return GroupedDecodeSpec(d.act, d.weight, d.tokens, d.warps, d.stage_bytes, d.stages, d.activation, d.kslices)

@@ -17,8 +17,8 @@ import mixgemm.moe_grouped as grouped
 orig = grouped.decode_spec_for
 
 
-def forced8(rows, act_type, weight_type, activation=None):
-    return orig(min(rows, 8), act_type, weight_type, activation)
+def forced8(rows, act_type, weight_type, activation=None, num_experts=1):
+    return orig(min(rows, 8), act_type, weight_type, activation, num_experts)
 
 
 def main():
