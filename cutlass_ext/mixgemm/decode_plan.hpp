@@ -138,58 +138,71 @@ struct Host {
     return Cfg::carve(a.m < Cfg::kTokens ? a.m : Cfg::kTokens, aps, groups, segments).total;
   }
 
-  // Split-K factor, from a cost model in units of one atom's step on a warp's chain / 8 (about
-  // 90 cycles on an H100, measured: benchmarks/NOTES.md section 9). Each warp's chain is serial
-  // and latency-bound (ncu: ~100 instructions per atom at ~7.5 cycles each), so a launch takes
-  // about the waves of resident CTAs an SM runs times one warp's chain: 8 per atom of its slice,
-  // plus a start-up of 16, plus the split reductions (the k-slices' in shared memory, M/8 for
-  // the float32 partials of a cluster's splits, 16 more beyond a cluster's 8 splits for the
-  // global reduction's fence and counter). It is at least the time to move the SM's share of
-  // the bytes (~1.1 KB per unit and SM on an H100) and to issue its share of the instructions
-  // (~0.4 units per warp-atom at the ~2.8 instructions per cycle an SM sustains here). Within
-  // the shared-memory budget; ties go to fewer splits. An explicit a.splits >= 1 wins.
+  // Split-K factor, from a cost model in nanoseconds fitted to the measured split sweeps of the
+  // preset layers (H100: 16 shapes x u4 / u2 / s8, at M = 1 with the 8-token kernels and at M = 16
+  // with the 16-token x-ring kernels, every factor of the sweep; benchmarks/NOTES.md section 24):
+  //   waves x (start + atom x the atoms on a warp's chain)     a warp's chain is serial and
+  //                                                             latency-bound; the busiest SM runs
+  //                                                             its CTAs in waves of the resident
+  //   + (split K) reduce x tokens / 8 + split x splits          the cluster's wait and partials
+  //   + cta x the CTAs on the busiest SM                        each CTA's copies and set-up
+  //   (+ weight, scale and zero bytes / 3.49 TB/s               the stream: the same for every
+  //                                                             factor, so left out)
+  // with atom 147 ns for one 8-token tile and 50% more per further tile. The factors tried are the
+  // sweep's (1-16; coarser ones only while nothing fits shared memory), the ones measured: the
+  // picks in between (5, 7, 14) split K unevenly and were never timed. Ties go to fewer splits; an
+  // explicit a.splits >= 1 wins. On the sweeps it was fitted to, its picks are 3.3% slower than the
+  // best factor (geometric mean; at most 1.30x), 3.4% when each shape's own points are left out
+  // of the fit, and 4.1% on the H200's 16-token sweep (at most 1.20x); the model it replaces (in
+  // units of a warp's atom step, a max of chain, bytes and issue) picked 11% (H100, at most 1.91x
+  // on 3584x3584 at M = 16) and 15% (H200) slower factors.
   static char const* plan(abi::GemmArgs const& a, Plan& out) {
     constexpr int KS = Cfg::kKSlices;
-    constexpr long kMaxResident = 3;                  // 256-thread CTAs at <= 80 registers
-    constexpr long kBytesPerUnit = 1100;              // per SM
-    // issue cost per warp-atom: ~60 instructions of loop, loads and MMAs plus ~10 per bit of
-    // code width (the decode), more MMAs for more token tiles
-    constexpr long kIssueMilliUnits = 4L * (60 + 10 * Cfg::kBits) * (Cfg::kNTiles + 3) / 4;
+    // 256-thread CTAs: three at <= 80 registers (the 8- and 16-token kernels), two for the 32-token ones
+    constexpr long kMaxResident = Cfg::kNTiles >= 4 ? 2 : 3;
+    constexpr long kStartNs = 1050;                                    // per wave
+    constexpr long kAtomNs = 147 * (2 + (Cfg::kNTiles - 1)) / 2;      // per atom of a warp's chain
+    constexpr long kReduceNsPer8Tokens = 950;
+    constexpr long kSplitNs = 620;
+    constexpr long kCtaNs = 350;                                       // per CTA of the busiest SM
+    constexpr int kFactors[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128};
     int const k_atoms = a.k / 64;
     int const gshift = group_shift_of(a.group_size, a.k);
     int const row_blocks = (a.n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;
     long const sms = a.sm_count > 0 ? a.sm_count : 132;
     int const tokens = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
-    long const total_bytes = long(a.n / 16) * k_atoms * Cfg::kAtomBytes;
     long best_cost = -1;
-    bool const forced = a.splits >= 1;
-    int const lo = forced ? a.splits : 1;
-    int const hi = forced ? a.splits : 64;
-    for (int s = lo; s <= hi && s <= k_atoms; ++s) {
+    int const forced = a.splits >= 1 ? a.splits : 0;
+    int const n_factors = forced ? 1 : int(sizeof(kFactors) / sizeof(kFactors[0]));
+    int prev_se = 0;
+    for (int i = 0; i < n_factors; ++i) {
+      int const s = forced ? forced : kFactors[i];
+      if (s > k_atoms) break;
+      // past 16 only while nothing has fit (long K with a full token tile: the x tile caps a CTA's k-range)
+      if (!forced && s > 16 && best_cost >= 0) break;
       int const aps = (k_atoms + s - 1) / s;
       int const se = (k_atoms + aps - 1) / aps;
-      if (!forced && se != s) continue;                // the same plan as a smaller s
+      bool const same = se == prev_se;                 // the same plan as the previous factor
+      prev_se = se;
+      if (!forced && same) continue;
       int const groups = max_groups(k_atoms, aps, gshift);
       // (only the folded zero point keeps x-sums per segment; the walk over every split's slices
       // is not free, and plan() runs on every launch of a shape without a tuned split factor)
       int const segments = !Cfg::kFold ? 0 : KS == 1 ? groups : max_segments(k_atoms, aps, gshift);
       int const smem = smem_for(a, aps, groups, segments);
-      if (smem > Cfg::kMaxSmem) continue;
-      long const fit = (228L * 1024) / (smem + 1024);
-      long const resident = fit < kMaxResident ? fit : kMaxResident;
-      int const apw = (aps + KS - 1) / KS;              // atoms on one warp's chain
-      long const reduce = (KS > 1 ? 2 : 0) + (se == 1 ? 0 : se <= Cfg::kMaxClusterSplits ? tokens : tokens + 16);
-      long const ctas = long(row_blocks) * se;
-      long const per_sm = (ctas + sms - 1) / sms;       // CTAs of the busiest SM
-      long const waves = (per_sm + resident - 1) / resident;
-      long const chain = waves * (8L * apw + 16 + reduce);
-      long const dram = (total_bytes / sms) / kBytesPerUnit;
-      long const issue = per_sm * Cfg::kWarps * apw * kIssueMilliUnits / 1000;
-      long cost = chain > dram ? chain : dram;
-      cost = cost > issue ? cost : issue;
-      if (best_cost < 0 || cost < best_cost) {
-        best_cost = cost;
-        out = Plan{se, aps, groups, segments, smem, row_blocks};
+      if (smem <= Cfg::kMaxSmem) {
+        long const fit = (228L * 1024) / (smem + 1024);
+        long const resident = fit < kMaxResident ? fit : kMaxResident;
+        long const apw = (aps + KS - 1) / KS;            // atoms on one warp's chain
+        long const ctas = long(row_blocks) * se;
+        long const per_sm = (ctas + sms - 1) / sms;      // CTAs of the busiest SM
+        long const waves = (per_sm + resident - 1) / resident;
+        long const reduce = se == 1 ? 0 : kReduceNsPer8Tokens * tokens / 8 + kSplitNs * se;
+        long const cost = waves * (kStartNs + kAtomNs * apw) + reduce + kCtaNs * per_sm;
+        if (best_cost < 0 || cost < best_cost) {
+          best_cost = cost;
+          out = Plan{se, aps, groups, segments, smem, row_blocks};
+        }
       }
     }
     if (best_cost < 0) return "no split of K fits this decode kernel's shared memory (too many tokens x K)";

@@ -1,13 +1,15 @@
 """Measured launch choices: the decode kernels' split-K factor, per GPU and layer shape.
 
 The decode kernels' host helper plans a split-K factor from a cost model
-(``cutlass_ext/mixgemm/decode_plan.hpp`` ``Host::plan``). For the layer shapes that were
-measured on a GPU, the measured best factor is used instead: ``tools/sweep_decode.py`` times
-every factor in {1, 2, 3, 4, 6, 8, 12, 16} next to the planner's own pick, and ``--table`` writes the
-winners to ``python/mixgemm/tuning/<gpu>.json``, committed with the sweep's JSON
-(``benchmarks/results/<gpu>/sweep-decode*.json``; H100 and H200 so far). The measured pick was
-up to 27% (H100, 12% on average over its 40 entries) and 20% (H200) faster than the model's
-(``benchmarks/NOTES.md`` sections 3 and 4).
+(``cutlass_ext/mixgemm/decode_plan.hpp`` ``Host::plan``, fitted to the H100 sweeps: its picks are
+~5% slower than the best measured factor on layer shapes it was not fitted to, at most 1.5x;
+``benchmarks/NOTES.md`` section 24). For the layer shapes that were measured on a GPU, the
+measured best factor is used instead: ``tools/sweep_decode.py`` times every factor in {1, 2, 3, 4,
+6, 8, 12, 16} next to the planner's own pick, and ``--table`` writes the winners to
+``python/mixgemm/tuning/<gpu>.json``, committed with the sweep's JSON
+(``benchmarks/results/<gpu>/sweep-decode*.json``; H100 and H200 so far). Entries marked
+``"source": "planner-s19"`` keep the previous planner's pick for the preset layers where it had
+matched the best measured factor (``benchmarks/experiments/session20/freeze_tables.py``).
 
 A table entry is keyed by everything that decides the plan: the GPU's name, the layer's N and K,
 the kernel's token tile (8, 16 or 32) and the code width in bits; the activation dtype, group size and
