@@ -135,6 +135,13 @@ def test_grouped_gemm_argument_errors(call, err, msg):
         call(_experts())
 
 
+@pytest.mark.parametrize("splits", (-1, 9, 2.0, True))
+def test_grouped_gemm_refuses_a_bad_split_factor(splits):
+    with pytest.raises(ValueError, match="splits must be an int from 0"):
+        moe.grouped_gemm_with_spec(torch.zeros(4, 128, dtype=torch.bfloat16), _experts(),
+                                   torch.zeros(4, dtype=torch.int32), None, splits=splits)
+
+
 def test_grouped_gemm_needs_a_gpu():
     with pytest.raises(ValueError, match="CUDA tensors"):
         moe.grouped_gemm(torch.zeros(4, 128, dtype=torch.bfloat16), _experts(), torch.zeros(4, dtype=torch.int32))

@@ -82,6 +82,10 @@ inline char const* encode_x_chunks(cute::TmaDescriptor* map, void const* x, int 
   return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled refused x (its address and row stride must be 16-byte aligned)";
 }
 
+// The split-K factors the planners try (Host::plan; the grouped kernel's up to a cluster's 8): the
+// split sweep's (tools/sweep_decode.py, 1-16), then coarser ones for when nothing fits shared memory.
+inline constexpr int kSplitFactors[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128};
+
 template <class Cfg, Activation A = Activation::kNone>
 struct Host {
   using Act = typename Cfg::Act;
@@ -156,8 +160,10 @@ struct Host {
   // of the fit, and 4.1% on the H200's 16-token sweep (at most 1.20x); the model it replaces (in
   // units of a warp's atom step, a max of chain, bytes and issue) picked 11% (H100, at most 1.91x
   // on 3584x3584 at M = 16) and 15% (H200) slower factors.
-  static char const* plan(abi::GemmArgs const& a, Plan& out) {
-    constexpr int KS = Cfg::kKSlices;
+  //
+  // plan_cost() is the model, also used by the grouped decode kernel's plan (its row blocks are
+  // the dense ones times the experts that may have rows).
+  static long plan_cost(long row_blocks, int splits, int atoms_per_split, int smem, int tokens, long sms) {
     // 256-thread CTAs: three at <= 80 registers (the 8- and 16-token kernels), two for the 32-token ones
     constexpr long kMaxResident = Cfg::kNTiles >= 4 ? 2 : 3;
     constexpr long kStartNs = 1050;                                    // per wave
@@ -165,7 +171,17 @@ struct Host {
     constexpr long kReduceNsPer8Tokens = 950;
     constexpr long kSplitNs = 620;
     constexpr long kCtaNs = 350;                                       // per CTA of the busiest SM
-    constexpr int kFactors[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128};
+    long const fit = (228L * 1024) / (smem + 1024);
+    long const resident = fit < kMaxResident ? fit : kMaxResident;
+    long const apw = (atoms_per_split + Cfg::kKSlices - 1) / Cfg::kKSlices;   // atoms on one warp's chain
+    long const per_sm = (row_blocks * splits + sms - 1) / sms;                // CTAs of the busiest SM
+    long const waves = (per_sm + resident - 1) / resident;
+    long const reduce = splits == 1 ? 0 : kReduceNsPer8Tokens * tokens / 8 + kSplitNs * splits;
+    return waves * (kStartNs + kAtomNs * apw) + reduce + kCtaNs * per_sm;
+  }
+
+  static char const* plan(abi::GemmArgs const& a, Plan& out) {
+    constexpr int KS = Cfg::kKSlices;
     int const k_atoms = a.k / 64;
     int const gshift = group_shift_of(a.group_size, a.k);
     int const row_blocks = (a.n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;
@@ -173,10 +189,10 @@ struct Host {
     int const tokens = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
     long best_cost = -1;
     int const forced = a.splits >= 1 ? a.splits : 0;
-    int const n_factors = forced ? 1 : int(sizeof(kFactors) / sizeof(kFactors[0]));
+    int const n_factors = forced ? 1 : int(sizeof(kSplitFactors) / sizeof(kSplitFactors[0]));
     int prev_se = 0;
     for (int i = 0; i < n_factors; ++i) {
-      int const s = forced ? forced : kFactors[i];
+      int const s = forced ? forced : kSplitFactors[i];
       if (s > k_atoms) break;
       // past 16 only while nothing has fit (long K with a full token tile: the x tile caps a CTA's k-range)
       if (!forced && s > 16 && best_cost >= 0) break;
@@ -191,14 +207,7 @@ struct Host {
       int const segments = !Cfg::kFold ? 0 : KS == 1 ? groups : max_segments(k_atoms, aps, gshift);
       int const smem = smem_for(a, aps, groups, segments);
       if (smem <= Cfg::kMaxSmem) {
-        long const fit = (228L * 1024) / (smem + 1024);
-        long const resident = fit < kMaxResident ? fit : kMaxResident;
-        long const apw = (aps + KS - 1) / KS;            // atoms on one warp's chain
-        long const ctas = long(row_blocks) * se;
-        long const per_sm = (ctas + sms - 1) / sms;      // CTAs of the busiest SM
-        long const waves = (per_sm + resident - 1) / resident;
-        long const reduce = se == 1 ? 0 : kReduceNsPer8Tokens * tokens / 8 + kSplitNs * se;
-        long const cost = waves * (kStartNs + kAtomNs * apw) + reduce + kCtaNs * per_sm;
+        long const cost = plan_cost(row_blocks, se, aps, smem, tokens, sms);
         if (best_cost < 0 || cost < best_cost) {
           best_cost = cost;
           out = Plan{se, aps, groups, segments, smem, row_blocks};

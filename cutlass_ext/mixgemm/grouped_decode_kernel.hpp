@@ -190,34 +190,54 @@ struct Host {
     return Dense::why_not(tile);
   }
 
-  // Split-K: enough CTAs for every SM when the experts that can have rows (at most min(E, T))
-  // are spread over the row blocks, up to one cluster (8), within shared memory. An explicit
-  // a.splits >= 1 wins.
+  // Split-K, up to the 8 splits one cluster holds, within shared memory; an explicit a.splits >= 1
+  // wins. The dense kernel's cost model (decode_plan.hpp Host::plan_cost) over the row blocks of
+  // the experts that can have rows (at most min(E, T)), among the dense planner's factors; for the
+  // 16-row tile of 8-bit codes, the fewest splits that put a CTA on every SM. (That rule was the
+  // only one before: for mixtral-8x7b's two experts at one token it split gate/up 1 way and down 3
+  // where 2 and 2 took 13-30% less time; the model splits the 16-row 8-bit launches too finely,
+  // qwen3-30b-a3b gate/up at 16 tokens 2 ways, 116 us, against 95 for 1. benchmarks/NOTES.md
+  // section 25.)
   static char const* plan(abi::GemmArgs const& a, int32_t experts, decode::Plan& out) {
     constexpr int KS = Cfg::kKSlices;
+    constexpr bool kModel = !(Cfg::kBits == 8 && Cfg::kNTiles >= 2);
     int const k_atoms = a.k / 64;
     int const gshift = decode::group_shift_of(a.group_size, a.k);
     int const row_blocks = (a.n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;
     long const sms = a.sm_count > 0 ? a.sm_count : 132;
     long const active = experts < a.m ? experts : a.m;
-    long const base = long(row_blocks) * active;
-    int want = a.splits >= 1 ? a.splits : int((sms + base - 1) / base);
-    want = want < 1 ? 1 : want > Cfg::kMaxClusterSplits ? Cfg::kMaxClusterSplits : want;
+    long const blocks = long(row_blocks) * active;
+    int const tokens = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
     abi::GemmArgs tile = a;
     tile.m = Cfg::kTokens;   // shared memory for a whole tile of rows
-    for (int s = want; s <= Cfg::kMaxClusterSplits; ++s) {
+    int const forced = a.splits >= 1 ? a.splits : 0;
+    long const wave = (sms + blocks - 1) / blocks;   // (at most 8, and at most one atom per split)
+    long const cap = k_atoms < Cfg::kMaxClusterSplits ? k_atoms : Cfg::kMaxClusterSplits;
+    int const one_wave = int(wave < cap ? wave : cap);
+    long best = -1;
+    int prev_se = 0;
+    for (int s = forced ? forced : 1; s <= Cfg::kMaxClusterSplits && s <= k_atoms; ++s) {
+      if (!forced && (kModel ? s == 5 || s == 7 : s < one_wave)) continue;   // (the dense planner's factors)
       int const aps = (k_atoms + s - 1) / s;
       int const se = (k_atoms + aps - 1) / aps;
+      if (!forced && kModel && se == prev_se) continue;                      // the same plan as before
+      prev_se = se;
       int const groups = Dense::max_groups(k_atoms, aps, gshift);
       int const segments = !Cfg::kFold ? 0 : KS == 1 ? groups : Dense::max_segments(k_atoms, aps, gshift);
       int const smem = Dense::smem_for(tile, aps, groups, segments);
       if (smem <= kMaxDynamicSmem) {
-        out = decode::Plan{se, aps, groups, segments, smem, row_blocks};
-        return nullptr;
+        long const cost = kModel ? Dense::plan_cost(blocks, se, aps, smem, tokens, sms) : s;
+        if (best < 0 || cost < best) {
+          best = cost;
+          out = decode::Plan{se, aps, groups, segments, smem, row_blocks};
+        }
+        if (!kModel) break;   // the first that fits
       }
-      if (a.splits >= 1) break;
+      if (forced) break;
     }
-    return "no split of K (at most 8) fits this grouped decode kernel's shared memory";
+    if (best >= 0) return nullptr;
+    return forced ? "this split of K does not fit this grouped decode kernel's shared memory"
+                  : "no split of K (at most 8) fits this grouped decode kernel's shared memory";
   }
 
   static char const* check(abi::GemmArgs const* a, uint64_t offsets, int32_t experts, decode::Plan& pl) {

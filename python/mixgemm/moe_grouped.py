@@ -190,12 +190,16 @@ def grouped_gemm(x: torch.Tensor, experts: PackedExperts, expert_offsets: torch.
 
 
 def grouped_gemm_with_spec(x: torch.Tensor, experts: PackedExperts, expert_offsets: torch.Tensor, spec,
-                           out: Optional[torch.Tensor] = None, activation: Optional[str] = None) -> torch.Tensor:
+                           out: Optional[torch.Tensor] = None, activation: Optional[str] = None, *,
+                           splits: int = 0) -> torch.Tensor:
     """:func:`grouped_gemm` on the grouped kernel ``spec`` (a :class:`mixgemm.specs.GroupedDecodeSpec`
     or :class:`mixgemm.specs.GroupedGemmSpec`; None: :func:`select_grouped_spec`'s), e.g. to
-    test or time every kernel."""
+    test or time every kernel. ``splits``: 0 lets the grouped decode kernel choose its split-K
+    factor; 1-8 forces it (the splits of a row block are one cluster); the grouped GEMM takes 0 only."""
     from .specs import Activation
 
+    if not isinstance(splits, int) or isinstance(splits, bool) or not 0 <= splits <= 8:
+        raise ValueError(f"splits must be an int from 0 (the kernel's choice) to 8, got {splits!r}")
     n_out = _check(x, experts, expert_offsets, out, activation)
     if spec is None:
         spec = select_grouped_spec(x.shape[0], experts, activation)
@@ -213,6 +217,8 @@ def grouped_gemm_with_spec(x: torch.Tensor, experts: PackedExperts, expert_offse
     if x.shape[0] == 0:
         return y
     if spec.kind is KernelKind.GROUPED_GEMM:
+        if splits:
+            raise ValueError(f"{spec.name}: the grouped GEMM has no split-K factor to force (splits={splits})")
         # the grouped sm90 GEMM: x's rows into token tiles of one expert each, and back
         tiles = token_tiles(expert_offsets, x.shape[0], spec.tile_n)
         xp = x.new_empty((tiles.capacity + 1, x.shape[1]))
@@ -222,7 +228,7 @@ def grouped_gemm_with_spec(x: torch.Tensor, experts: PackedExperts, expert_offse
         y.copy_(torch.where(kept, yp.index_select(0, tiles.positions), y))
         return y
     return _launch(x, experts.qdata, experts.scales, experts.zeros, expert_offsets, y, experts.weight_type,
-                   experts.group_size, experts.n, experts.k, activation, spec)
+                   experts.group_size, experts.n, experts.k, activation, spec, splits)
 
 
 def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, activation: Optional[str],
@@ -297,7 +303,7 @@ def _prepare_fn(lib_handle):
 
 
 def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_size: int, n: int, k: int,
-            activation: Optional[str], spec) -> torch.Tensor:
+            activation: Optional[str], spec, splits: int = 0) -> torch.Tensor:
     """One grouped launch (checked arguments): the helper's params, then cuLaunchKernelEx on the
     current stream. Nothing is read back from the GPU."""
     from . import ops, runtime
@@ -311,6 +317,7 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     a.abi_version = runtime.ABI_VERSION
     a.m, a.n, a.k, a.group_size = x.shape[0], n, k, group_size
     a.sm_count = ops._sm_count(x.device.index)
+    a.splits = splits
     a.activation = Activation(activation or "none").abi
     a.weight, a.scales = qdata.data_ptr(), scales.data_ptr()
     a.zeros = 0 if zeros is None else zeros.data_ptr()
