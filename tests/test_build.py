@@ -384,9 +384,10 @@ def test_decode_planner_picks_against_the_measured_sweeps(tmp_path, monkeypatch,
     """The decode helper's split-K planner (decode_plan.hpp, no table) on the layer shapes an H100
     sweep timed at every factor: the 16 preset layers at M = 16 (the x-ring kernel, session 19) and
     18 other models' layers at M = 1 and 16 (session 20), u4. Its pick, timed in the sweep, is
-    within 6% of the best timed factor on the geometric mean and 55% on the worst layer (the
-    session-19 model: 18% and 2.0x on the same points; benchmarks/NOTES.md section 24), and it
-    is one of the sweep's factors (a factor in between splits K unevenly and is not measured)."""
+    within 6% of the best timed factor on the geometric mean and 25% on the worst layer (the
+    session-19 model: 18% and 2.0x on the same points; without the cluster waves 4-6% and 1.33x;
+    benchmarks/NOTES.md sections 24 and 26), and it is one of the sweep's factors (a factor in
+    between splits K unevenly and is not measured)."""
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
@@ -419,7 +420,7 @@ def test_decode_planner_picks_against_the_measured_sweeps(tmp_path, monkeypatch,
         assert timed, f"{n}x{k}: factor {factors} not in the sweep"
         regrets.append(min(timed) / min(by_factor.values()))
     geomean = 2 ** (sum(math.log2(r) for r in regrets) / len(regrets))
-    assert geomean <= 1.06 and max(regrets) <= 1.55, (geomean, max(regrets))
+    assert geomean <= 1.06 and max(regrets) <= 1.25, (geomean, max(regrets))
 
 
 @pytest.mark.nvcc

@@ -82,6 +82,14 @@ inline char const* encode_x_chunks(cute::TmaDescriptor* map, void const* x, int 
   return r == CUDA_SUCCESS ? nullptr : "cuTensorMapEncodeTiled refused x (its address and row stride must be 16-byte aligned)";
 }
 
+// The CTAs an H100 SXM (132 SMs) runs at once by CTAs per SM (1-4, shared memory and registers) and
+// cluster size (1-8): cuOccupancyMaxActiveClusters times the size, measured for the 8-token decode
+// kernel (benchmarks/experiments/session20/clusters.py, s20-clusters.json). Other SM counts scale it.
+inline constexpr short kClusterCtas[4][8] = {{132, 132, 117, 120, 110, 102, 105, 120},
+                                             {264, 264, 237, 248, 235, 234, 224, 240},
+                                             {396, 396, 372, 368, 345, 372, 329, 360},
+                                             {528, 528, 489, 496, 470, 474, 483, 496}};
+
 // The split-K factors the planners try (Host::plan; the grouped kernel's up to a cluster's 8): the
 // split sweep's (tools/sweep_decode.py, 1-16), then coarser ones for when nothing fits shared memory.
 inline constexpr int kSplitFactors[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128};
@@ -146,20 +154,23 @@ struct Host {
   // preset layers (H100: 16 shapes x u4 / u2 / s8, at M = 1 with the 8-token kernels and at M = 16
   // with the 16-token x-ring kernels, every factor of the sweep; benchmarks/NOTES.md section 24):
   //   waves x (start + atom x the atoms on a warp's chain)     a warp's chain is serial and
-  //                                                             latency-bound; the busiest SM runs
-  //                                                             its CTAs in waves of the resident
+  //                                                             latency-bound; the launch's CTAs
+  //                                                             run in waves of the resident ones
   //   + (split K) reduce x tokens / 8 + split x splits          the cluster's wait and partials
   //   + cta x the CTAs on the busiest SM                        each CTA's copies and set-up
   //   (+ weight, scale and zero bytes / 3.49 TB/s               the stream: the same for every
   //                                                             factor, so left out)
-  // with atom 147 ns for one 8-token tile and 50% more per further tile. The factors tried are the
+  // with atom 147 ns for one 8-token tile and 50% more per further tile, and waves of the CTAs the
+  // GPU holds at once, clusters of `splits` CTAs counted as the hardware places them (kClusterCtas:
+  // on an H100 a cluster of 4 CTAs at 2 per SM holds 248 of 264). The factors tried are the
   // sweep's (1-16; coarser ones only while nothing fits shared memory), the ones measured: the
   // picks in between (5, 7, 14) split K unevenly and were never timed. Ties go to fewer splits; an
-  // explicit a.splits >= 1 wins. On the sweeps it was fitted to, its picks are 3.3% slower than the
-  // best factor (geometric mean; at most 1.30x), 3.4% when each shape's own points are left out
-  // of the fit, and 4.1% on the H200's 16-token sweep (at most 1.20x); the model it replaces (in
-  // units of a warp's atom step, a max of chain, bytes and issue) picked 11% (H100, at most 1.91x
-  // on 3584x3584 at M = 16) and 15% (H200) slower factors.
+  // explicit a.splits >= 1 wins. On the sweeps it was fitted to, its picks are 2.1% slower than the
+  // best factor (geometric mean; at most 1.17x; the constants were fitted before the cluster
+  // waves, which took it from 3.3%), 2.4% on 18 layer shapes of other models (at most 1.20x) and
+  // 2.9% on the H200's 16-token sweep (at most 1.14x); the model it replaces (in units of a warp's
+  // atom step, a max of chain, bytes and issue) picked 11% (H100, at most 1.91x on 3584x3584 at
+  // M = 16), 19% and 15% (H200) slower factors.
   //
   // plan_cost() is the model, also used by the grouped decode kernel's plan (its row blocks are
   // the dense ones times the experts that may have rows).
@@ -172,10 +183,15 @@ struct Host {
     constexpr long kSplitNs = 620;
     constexpr long kCtaNs = 350;                                       // per CTA of the busiest SM
     long const fit = (228L * 1024) / (smem + 1024);
-    long const resident = fit < kMaxResident ? fit : kMaxResident;
+    long const resident = fit < 1 ? 1 : fit < kMaxResident ? fit : kMaxResident;
     long const apw = (atoms_per_split + Cfg::kKSlices - 1) / Cfg::kKSlices;   // atoms on one warp's chain
-    long const per_sm = (row_blocks * splits + sms - 1) / sms;                // CTAs of the busiest SM
-    long const waves = (per_sm + resident - 1) / resident;
+    long const ctas = row_blocks * splits;
+    long const per_sm = (ctas + sms - 1) / sms;                               // CTAs of the busiest SM
+    // the CTAs resident at once: a cluster's CTAs (the splits, up to 8) share a GPC, whose SMs do
+    // not divide evenly into clusters of 3 or more
+    long const at_once = splits <= Cfg::kMaxClusterSplits ? long(kClusterCtas[resident - 1][splits - 1]) * sms / 132
+                                                          : resident * sms;
+    long const waves = (ctas + at_once - 1) / at_once;
     long const reduce = splits == 1 ? 0 : kReduceNsPer8Tokens * tokens / 8 + kSplitNs * splits;
     return waves * (kStartNs + kAtomNs * apw) + reduce + kCtaNs * per_sm;
   }

@@ -2,8 +2,8 @@
 
 The decode kernels' host helper plans a split-K factor from a cost model
 (``cutlass_ext/mixgemm/decode_plan.hpp`` ``Host::plan``, fitted to the H100 sweeps: its picks are
-~5% slower than the best measured factor on layer shapes it was not fitted to, at most 1.5x;
-``benchmarks/NOTES.md`` section 24). For the layer shapes that were measured on a GPU, the
+~3% slower than the best measured factor on layer shapes it was not fitted to, at most 1.2x;
+``benchmarks/NOTES.md`` sections 24 and 26). For the layer shapes that were measured on a GPU, the
 measured best factor is used instead: ``tools/sweep_decode.py`` times every factor in {1, 2, 3, 4,
 6, 8, 12, 16} next to the planner's own pick, and ``--table`` writes the winners to
 ``python/mixgemm/tuning/<gpu>.json``, committed with the sweep's JSON

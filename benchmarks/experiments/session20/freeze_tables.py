@@ -5,7 +5,7 @@
    2% of the best measured factor (or better: it may pick factors the sweep does not try). Those
    keys get the old planner's factor as an entry (`"source": "planner-s19"`), so that the preset
    layers, which #17's figures measure, run exactly the factors they ran before.
-2. The H100 sweep of 18 layer shapes of other models (sweep-decode-held-s20.json, run with the new
+2. The H100 sweep of 18 layer shapes of other models (sweep-decode-held-s20b.json, run with the new
    planner as splits=0) adds its entries as `tools/sweep_decode.py --table --merge-into` would:
    a factor enters where it beats the new planner's pick by more than 2%.
 
@@ -34,12 +34,12 @@ def main():
         entries = doc["decode_splits"]
         source = doc["source"]
         if gpu == "nvidia-h100-80gb-hbm3":
-            rows = json.load(open(os.path.join(ROOT, "benchmarks", "results", gpu, "sweep-decode-held-s20.json")))
+            rows = json.load(open(os.path.join(ROOT, "benchmarks", "results", gpu, "sweep-decode-held-s20b.json")))
             new = tuning.table_from_sweep(rows, stage_bytes=None)
             entries = tuning.merge_entries(entries, new, tuning.swept_keys(rows, stage_bytes=None))
             source = ("benchmarks/experiments/session20/freeze_tables.py: the entries of 18 layer shapes of other "
-                      "models from tools/sweep_decode.py sweep-decode-held-s20.json --m 1,16 --weights u4,u2,s8 "
-                      "--splits 0,1,2,3,4,5,6,7,8,9,12,13,14,16,19,22 (the session-20 planner as splits=0); "
+                      "models from tools/sweep_decode.py sweep-decode-held-s20b.json --m 1,16 --weights u4,u2,s8 "
+                      "--splits 0,1,2,3,4,6,8,12,16 (the session-20 planner, with cluster waves, as splits=0); "
                       "entries marked planner-s19: the session-19 planner's pick for a preset layer without a "
                       "measured entry; the rest: " + source)
         else:

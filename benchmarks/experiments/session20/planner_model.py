@@ -6,9 +6,10 @@ ported to Python, and the fit of its new cost model to the measured split sweeps
   pick was among the swept factors.
 * `new_cost` is the model that replaced it (NOTES 24): waves x (start + atom x the atoms on a
   warp's chain) + the split reduction + a cost per CTA on the busiest SM; its constants come from
-  `fit` (least squares on log time over every swept factor, Nelder-Mead), and `regret` scores a
-  model by the measured time of its pick over the best measured factor (ties go to fewer splits,
-  as in the C++).
+  `fit` (least squares on log time over every swept factor, Nelder-Mead, with waves of the busiest
+  SM's resident CTAs), and `regret` scores a model by the measured time of its pick over the best
+  measured factor (ties go to fewer splits, as in the C++). The committed model counts waves of the
+  CTAs the GPU holds at once by cluster size (`CLUSTER_CTAS`, NOTES 26) with the same constants.
 
     python planner_model.py fit       # fit on the H100 sweeps, leave-one-shape-out, H200 transfer
     python planner_model.py check     # the committed constants' regret on every sweep
@@ -128,11 +129,20 @@ def old_plan(m, w, n, k):
     return best[1]
 
 
-def features(c, m, n, k, cd):
+#: CTAs an H100 runs at once by CTAs per SM (1-4) and cluster size (1-8): cuOccupancyMaxActiveClusters
+#: x the size (clusters.py, experiments/nvidia-h100-80gb-hbm3/s20-clusters.json; decode_plan.hpp kClusterCtas)
+CLUSTER_CTAS = ((132, 132, 117, 120, 110, 102, 105, 120), (264, 264, 237, 248, 235, 234, 224, 240),
+                (396, 396, 372, 368, 345, 372, 329, 360), (528, 528, 489, 496, 470, 474, 483, 496))
+
+
+def features(c, m, n, k, cd, clusters=True):
     res = min((228 * 1024) // (cd["smem"] + 1024), 3)
     se = cd["se"]
-    per_sm = math.ceil(cd["rb"] * se / SMS)
-    return dict(waves=math.ceil(per_sm / res), apw=math.ceil(cd["aps"] / c.ks), per_sm=per_sm, se=se,
+    ctas = cd["rb"] * se
+    per_sm = math.ceil(ctas / SMS)
+    at_once = CLUSTER_CTAS[res - 1][se - 1] if se <= 8 else res * SMS
+    waves = math.ceil(ctas / at_once) if clusters else math.ceil(per_sm / res)
+    return dict(waves=waves, apw=math.ceil(cd["aps"] / c.ks), per_sm=per_sm, se=se,
                 tok=min(m, c.tokens), nt=c.ntiles,
                 bytes=(n // 16) * cd["ka"] * c.atom + (2 if c.haszero else 1) * (k // 128) * n * 2)
 
@@ -155,14 +165,14 @@ def load(*names):
     return g
 
 
-def points(g):
+def points(g, clusters=True):
     out = []
     for key, v in sorted(g.items()):
         m, w, n, k = key
         c = Cfg(m, w)
         for cd in candidates(c, m, n, k, FACTORS):
             if cd["s"] in v:
-                out.append((features(c, m, n, k, cd), v[cd["s"]], key, cd["s"]))
+                out.append((features(c, m, n, k, cd, clusters), v[cd["s"]], key, cd["s"]))
     return out
 
 
@@ -202,7 +212,7 @@ def main():
     sets = {"H100 presets": load(*H100), "H100 held-out shapes": load(*HELD), "H200 presets (M=16)": load(*H200)}
     if what == "fit":
         g = sets["H100 presets"]
-        pts = points(g)
+        pts = points(g, clusters=False)   # (as the constants were fitted)
         p = fit(pts)
         print("fitted", np.round(p, 3).tolist())
         cv = []
