@@ -268,6 +268,21 @@ def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
         runtime.HostHelper(str(art.helper_path), "some_other_kernel")
 
 
+def _grouped_launch(helper, args, experts: int):
+    """The grouped decode helper's launch plan for ``args`` over ``experts`` experts (an offsets
+    pointer that is never read), as :func:`_decode_launch`."""
+    from mixgemm import runtime
+    from mixgemm.moe_grouped import _prepare_fn
+
+    launch = runtime.Launch()
+    buf = ctypes.create_string_buffer(helper.params_size)
+    err = ctypes.create_string_buffer(512)
+    rc = _prepare_fn(helper.lib)(ctypes.byref(args), 7 << 20, experts, buf, helper.params_size, ctypes.byref(launch),
+                                 err, len(err))
+    assert rc == 0 or b"no tensor-map encoder" in err.value, err.value
+    return launch
+
+
 def _decode_launch(helper, args):
     """The decode helper's launch plan for ``args``. The helper fills it before it encodes the
     scale rows' TMA descriptors, which needs the driver's encoder (handed over when the runtime
@@ -434,7 +449,7 @@ def test_grouped_decode_planner_picks_against_the_measured_splits(tmp_path, monk
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
     from mixgemm import runtime
-    from mixgemm.moe_grouped import _prepare_fn, decode_spec_for
+    from mixgemm.moe_grouped import decode_spec_for
 
     data = json.loads((SWEEPS.parents[1] / "experiments" / "nvidia-h100-80gb-hbm3" /
                        "s20-moe-splits-model.json").read_text())
@@ -453,12 +468,7 @@ def test_grouped_decode_planner_picks_against_the_measured_splits(tmp_path, monk
                                     activation=Activation(activation or "none").abi, weight=1 << 20,
                                     scales=2 << 20, zeros=5 << 20, x=3 << 20, bias=0, y=4 << 20, workspace=0,
                                     ldx=k, ldy=n // 2 if activation else n)
-            launch = runtime.Launch()
-            buf = ctypes.create_string_buffer(helper.params_size)
-            err = ctypes.create_string_buffer(512)
-            rc = _prepare_fn(helper.lib)(ctypes.byref(args), 7 << 20, experts, buf, helper.params_size,
-                                         ctypes.byref(launch), err, len(err))
-            assert rc == 0 or b"no tensor-map encoder" in err.value, err.value
+            launch = _grouped_launch(helper, args, experts)
             times = {int(s): v["us"] for s, v in row[part].items() if int(s) >= 1 and "us" in v}
             picked = launch.grid[1]
             assert picked in times, (row["preset"], row["tokens"], part, picked)
@@ -478,7 +488,7 @@ def test_grouped_decode_planner_on_a_short_k(tmp_path, monkeypatch, wt):
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
     from mixgemm import runtime
-    from mixgemm.moe_grouped import _prepare_fn, decode_spec_for
+    from mixgemm.moe_grouped import decode_spec_for
 
     spec = decode_spec_for(32, ActType.BF16, wt, "swiglu", 2)
     assert spec.tokens == 16
@@ -487,12 +497,7 @@ def test_grouped_decode_planner_on_a_short_k(tmp_path, monkeypatch, wt):
                             splits=0, raster=0, activation=Activation.SWIGLU.abi, weight=1 << 20, scales=2 << 20,
                             zeros=0 if wt.signed else 5 << 20, x=3 << 20, bias=0, y=4 << 20, workspace=0, ldx=256,
                             ldy=128)
-    launch = runtime.Launch()
-    buf = ctypes.create_string_buffer(helper.params_size)
-    err = ctypes.create_string_buffer(512)
-    rc = _prepare_fn(helper.lib)(ctypes.byref(args), 7 << 20, 2, buf, helper.params_size, ctypes.byref(launch), err,
-                                 len(err))
-    assert rc == 0 or b"no tensor-map encoder" in err.value, err.value
+    launch = _grouped_launch(helper, args, 2)
     assert 1 <= launch.grid[1] <= 4 and launch.grid[2] == 2
 
 

@@ -196,11 +196,24 @@ struct Host {
     return waves * (kStartNs + kAtomNs * apw) + reduce + kCtaNs * per_sm;
   }
 
-  static char const* plan(abi::GemmArgs const& a, Plan& out) {
+  // The plan of split factor s for `a` (its shared memory for min(a.m, tokens) rows of x): the
+  // atoms per split, the splits that gives (se <= s: K split evenly), the groups and x-sum
+  // segments a split touches. Both planners (this one and the grouped kernel's) build on it.
+  static Plan split_plan(abi::GemmArgs const& a, int s) {
     constexpr int KS = Cfg::kKSlices;
     int const k_atoms = a.k / 64;
     int const gshift = group_shift_of(a.group_size, a.k);
+    int const aps = (k_atoms + s - 1) / s;
+    int const groups = max_groups(k_atoms, aps, gshift);
+    // (only the folded zero point keeps x-sums per segment; the walk over every split's slices
+    // is not free, and plan() runs on every launch of a shape without a tuned split factor)
+    int const segments = !Cfg::kFold ? 0 : KS == 1 ? groups : max_segments(k_atoms, aps, gshift);
     int const row_blocks = (a.n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;
+    return Plan{(k_atoms + aps - 1) / aps, aps, groups, segments, smem_for(a, aps, groups, segments), row_blocks};
+  }
+
+  static char const* plan(abi::GemmArgs const& a, Plan& out) {
+    int const k_atoms = a.k / 64;
     long const sms = a.sm_count > 0 ? a.sm_count : 132;
     int const tokens = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
     long best_cost = -1;
@@ -217,16 +230,12 @@ struct Host {
       bool const same = se == prev_se;                 // the same plan as the previous factor
       prev_se = se;
       if (!forced && same) continue;
-      int const groups = max_groups(k_atoms, aps, gshift);
-      // (only the folded zero point keeps x-sums per segment; the walk over every split's slices
-      // is not free, and plan() runs on every launch of a shape without a tuned split factor)
-      int const segments = !Cfg::kFold ? 0 : KS == 1 ? groups : max_segments(k_atoms, aps, gshift);
-      int const smem = smem_for(a, aps, groups, segments);
-      if (smem <= Cfg::kMaxSmem) {
-        long const cost = plan_cost(row_blocks, se, aps, smem, tokens, sms);
+      Plan const p = split_plan(a, s);
+      if (p.smem_bytes <= Cfg::kMaxSmem) {
+        long const cost = plan_cost(p.row_blocks, p.splits, p.atoms_per_split, p.smem_bytes, tokens, sms);
         if (best_cost < 0 || cost < best_cost) {
           best_cost = cost;
-          out = Plan{se, aps, groups, segments, smem, row_blocks};
+          out = p;
         }
       }
     }

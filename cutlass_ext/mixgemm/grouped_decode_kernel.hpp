@@ -199,10 +199,8 @@ struct Host {
   // qwen3-30b-a3b gate/up at 16 tokens 2 ways, 116 us, against 95 for 1. benchmarks/NOTES.md
   // section 25.)
   static char const* plan(abi::GemmArgs const& a, int32_t experts, decode::Plan& out) {
-    constexpr int KS = Cfg::kKSlices;
     constexpr bool kModel = !(Cfg::kBits == 8 && Cfg::kNTiles >= 2);
     int const k_atoms = a.k / 64;
-    int const gshift = decode::group_shift_of(a.group_size, a.k);
     int const row_blocks = (a.n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;
     long const sms = a.sm_count > 0 ? a.sm_count : 132;
     long const active = experts < a.m ? experts : a.m;
@@ -210,34 +208,38 @@ struct Host {
     int const tokens = a.m < Cfg::kTokens ? a.m : Cfg::kTokens;
     abi::GemmArgs tile = a;
     tile.m = Cfg::kTokens;   // shared memory for a whole tile of rows
-    int const forced = a.splits >= 1 ? a.splits : 0;
-    long const wave = (sms + blocks - 1) / blocks;   // (at most 8, and at most one atom per split)
-    long const cap = k_atoms < Cfg::kMaxClusterSplits ? k_atoms : Cfg::kMaxClusterSplits;
-    int const one_wave = int(wave < cap ? wave : cap);
-    long best = -1;
-    int prev_se = 0;
-    for (int s = forced ? forced : 1; s <= Cfg::kMaxClusterSplits && s <= k_atoms; ++s) {
-      if (!forced && (kModel ? s == 5 || s == 7 : s < one_wave)) continue;   // (the dense planner's factors)
-      int const aps = (k_atoms + s - 1) / s;
-      int const se = (k_atoms + aps - 1) / aps;
-      if (!forced && kModel && se == prev_se) continue;                      // the same plan as before
-      prev_se = se;
-      int const groups = Dense::max_groups(k_atoms, aps, gshift);
-      int const segments = !Cfg::kFold ? 0 : KS == 1 ? groups : Dense::max_segments(k_atoms, aps, gshift);
-      int const smem = Dense::smem_for(tile, aps, groups, segments);
-      if (smem <= kMaxDynamicSmem) {
-        long const cost = kModel ? Dense::plan_cost(blocks, se, aps, smem, tokens, sms) : s;
+    int const max_splits = k_atoms < Cfg::kMaxClusterSplits ? k_atoms : Cfg::kMaxClusterSplits;
+    if (a.splits >= 1) {
+      if (a.splits <= max_splits) {
+        out = Dense::split_plan(tile, a.splits);
+        if (out.smem_bytes <= kMaxDynamicSmem) return nullptr;
+      }
+      return "this split of K does not fit this grouped decode kernel's shared memory";
+    }
+    if (!kModel) {   // the first factor from one wave of CTAs on that fits
+      long const wave = (sms + blocks - 1) / blocks;
+      for (int s = int(wave < max_splits ? wave : max_splits); s <= max_splits; ++s) {
+        out = Dense::split_plan(tile, s);
+        if (out.smem_bytes <= kMaxDynamicSmem) return nullptr;
+      }
+    } else {
+      long best = -1;
+      int prev_se = 0;
+      for (int s : decode::kSplitFactors) {
+        if (s > max_splits) break;
+        decode::Plan const p = Dense::split_plan(tile, s);
+        bool const same = p.splits == prev_se;   // the same plan as the previous factor
+        prev_se = p.splits;
+        if (same || p.smem_bytes > kMaxDynamicSmem) continue;
+        long const cost = Dense::plan_cost(blocks, p.splits, p.atoms_per_split, p.smem_bytes, tokens, sms);
         if (best < 0 || cost < best) {
           best = cost;
-          out = decode::Plan{se, aps, groups, segments, smem, row_blocks};
+          out = p;
         }
-        if (!kModel) break;   // the first that fits
       }
-      if (forced) break;
+      if (best >= 0) return nullptr;
     }
-    if (best >= 0) return nullptr;
-    return forced ? "this split of K does not fit this grouped decode kernel's shared memory"
-                  : "no split of K (at most 8) fits this grouped decode kernel's shared memory";
+    return "no split of K (at most 8) fits this grouped decode kernel's shared memory";
   }
 
   static char const* check(abi::GemmArgs const* a, uint64_t offsets, int32_t experts, decode::Plan& pl) {
