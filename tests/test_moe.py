@@ -165,8 +165,9 @@ pytest_fake = pytest.mark.skipif(fake_driver.compiler() is None or fake_driver.r
                                  reason="needs a C compiler for the fake CUDA driver, and no real one")
 
 #: grouped_decode::Params: decode::Params (8 pointers, 8 int32, ldx, ldy) then offsets, the three
-#: strides, experts
-_PARAMS = struct.Struct("=8Q8i2qQ3qi4x")
+#: strides, experts, and the routed mode's ids pointer, ids_bytes, assignments, topk, x_by_token,
+#: y_by_assignment
+_PARAMS = struct.Struct("=8Q8i2qQ3qi4xQ5i4x")
 
 
 @pytest_fake
@@ -208,6 +209,117 @@ def test_grouped_launch_through_the_real_helper(tmp_path, monkeypatch, bits, sym
     assert aps * splits >= k // 64
     assert offs == offsets.data_ptr() and experts == e
     assert wstride == ex.qdata[0].numel() and gstride == ex.scales[0].numel() and bstride == 0
+    assert f[23:] == (0, 0, 0, 0, 0, 0)   # not routed
+
+
+@pytest_fake
+@pytest.mark.nvcc
+@pytest.mark.parametrize("ids_dtype", (torch.int32, torch.int64))
+@pytest.mark.parametrize("x_by_token,y_by_assignment", [(True, False), (False, True)])
+def test_routed_launch_through_the_real_helper(tmp_path, monkeypatch, ids_dtype, x_by_token, y_by_assignment):
+    """The routed grouped decode launch: no offsets, the ids and how x and y are laid out in the
+    params, the grid over min(E, T * topk) ranks."""
+    if paths.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    e, n, k, t, topk = 5, 64, 256, 3, 2
+    ex = PackedExperts.quantize(torch.randn(e, n, k), 4, 64, symmetric=False)
+    x = torch.randn(t if x_by_token else t * topk, k).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [3, 4], [1, 7]], dtype=ids_dtype)   # 7: out of range, dropped
+    with FakeGpu(tmp_path / "fake") as gpu:
+        spec = moe.decode_spec_for(t * topk, ActType.BF16, WeightType.U4, None, e)
+        helper_size = runtime.HostHelper(str(__import__("fake_gpu").build_helper(spec, gpu.kernels.helper_dir)),
+                                         spec.name).params_size
+        assert helper_size == _PARAMS.size
+        gpu.driver.reset(params_size=helper_size)
+        y = moe.grouped_gemm_routed(x, ex, ids, spec, x_by_token=x_by_token, y_by_assignment=y_by_assignment)
+        launches = gpu.launches()
+    assert y.shape == (t * topk, n) and len(launches) == 1
+    L = launches[0]
+    assert L["function"] == function_handle(spec) and L["pdl"]
+    assert L["grid"][2] == min(e, t * topk)
+    f = _PARAMS.unpack(L["params"])
+    assert f[3] == x.data_ptr() and f[5] == y.data_ptr() and f[8] == spec.tokens   # (m: a tile's rows)
+    assert f[18] == 0 and f[22] == e                                  # no offsets
+    assert f[23:] == (ids.data_ptr(), ids.element_size(), t * topk, topk, int(x_by_token), int(y_by_assignment))
+
+
+@pytest_fake
+@pytest.mark.nvcc
+def test_routed_helper_refuses_what_the_kernel_cannot_rank(tmp_path):
+    if paths.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    from fake_gpu import build_helper
+
+    spec = GroupedDecodeSpec(ActType.BF16, WeightType.U4, 16)
+    helper = runtime.HostHelper(str(build_helper(spec, tmp_path)), spec.name)
+    prepare = moe_grouped._routed_prepare_fn(helper.lib)
+
+    def refusal(experts=4, ids=64, ids_bytes=8, topk=2, **fields):
+        a = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=40, n=64, k=256, group_size=64, sm_count=132,
+                             weight=256, scales=256, zeros=256, x=256, y=256, ldx=256, ldy=64)
+        for key, value in fields.items():
+            setattr(a, key, value)
+        routed = moe_grouped._Routed(ids, ids_bytes, topk, 1, 0)
+        buf = ctypes.create_string_buffer(helper.params_size)
+        err = ctypes.create_string_buffer(256)
+        rc = prepare(ctypes.byref(a), ctypes.byref(routed), experts, buf, helper.params_size,
+                     ctypes.byref(runtime.Launch()), err, 256)
+        return err.value.decode() if rc else None
+
+    assert refusal() is None
+    assert refusal(m=256, topk=8) is None                       # the most assignments: one per thread
+    assert "at most its threads" in refusal(m=264, topk=8)
+    assert "at most 512 experts" in refusal(experts=513)
+    assert "int32 or int64" in refusal(ids=0)
+    assert "int32 or int64" in refusal(ids_bytes=2)
+    assert "int32 or int64" in refusal(ids=68)                  # not 8-byte aligned for int64
+    assert refusal(ids=68, ids_bytes=4) is None
+    assert "multiple of topk" in refusal(m=41)
+    assert "K must be" in refusal(k=100)                        # and the decode kernel's own checks
+
+
+def test_grouped_gemm_routed_argument_errors():
+    ex = _experts()
+    x = torch.zeros(3, 128, dtype=torch.bfloat16)
+    ids = torch.zeros(3, 2, dtype=torch.long)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        moe.grouped_gemm_routed(x, ex, ids.float(), x_by_token=True)
+    with pytest.raises(ValueError, match=r"x must be \[T \* topk = 6, K\]"):
+        moe.grouped_gemm_routed(x, ex, ids)
+    with pytest.raises(ValueError, match=r"x must be \[T=3, K\]"):
+        moe.grouped_gemm_routed(torch.zeros(6, 128, dtype=torch.bfloat16), ex, ids, x_by_token=True)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        moe.grouped_gemm_routed(x, ex, ids, x_by_token=True)
+    with pytest.raises(ValueError, match="splits must be"):
+        moe.grouped_gemm_routed(x, ex, ids, x_by_token=True, splits=9)
+
+
+def test_routed_supports_gives_the_reason():
+    from mixgemm.moe_grouped import routed_supports
+
+    spec = moe.decode_spec_for(16, ActType.BF16, WeightType.U4, None, 8)
+    assert routed_supports(16, 8, spec) is None
+    assert "at most 256" in routed_supports(257, 8, spec)
+    assert "at most 512" in routed_supports(16, 513, spec)
+    tiles = moe.grouped_spec_for(4096, ActType.BF16, WeightType.U4, None, 8, 256, 256)
+    assert "not a grouped decode kernel" in routed_supports(16, 8, tiles)
+
+
+def test_combine_by_assignment_on_the_cpu_drops_ids_out_of_range():
+    t, topk, h, e = 3, 2, 16, 4
+    y = torch.randn(t * topk, h)
+    y[3] = float("nan")                        # the row of a dropped slot: never read
+    ids = torch.tensor([[0, 1], [2, 9], [3, 0]])
+    w = torch.rand(t, topk)
+    got = moe.combine_by_assignment(y, ids, w, e)
+    keep = (ids < e).float().unsqueeze(-1)
+    want = (y.view(t, topk, h).nan_to_num() * keep * w.unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match=r"y must be \[T \* topk = 6, H\]"):
+        moe.combine_by_assignment(y[:5], ids, w, e)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        moe.combine_by_assignment(y, ids.float(), w, e)
 
 
 @pytest_fake

@@ -171,8 +171,12 @@ CUTLASS_DEVICE void centered_kblock(uint32_t const* chunk, uint32_t const (&bias
 // tile, and the x tile goes first (it is what the first MMA waits for).
 // Maps: the scale / zero rows come as TMA boxes through `maps` (the dense kernel's Args);
 // otherwise (the grouped kernel, whose tensors move with the expert) one bulk copy per group row.
+// x_rows / y_rows (grouped kernel only, Waited; null: row r): the row of x that token column r
+// reads, and the row of y it writes (the routed grouped kernel gathers x by token and scatters y
+// by top-k assignment: grouped_decode_kernel.hpp).
 template <class Cfg, Activation Act_, bool Group32, bool Waited = false, bool Maps = false>
-CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typename Cfg::Act> const* maps = nullptr) {
+CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typename Cfg::Act> const* maps = nullptr,
+                        uint16_t const* x_rows = nullptr, uint16_t const* y_rows = nullptr) {
   using Act = typename Cfg::Act;
   using D = typename Cfg::Dequant;
   using Raw = typename Cfg::Raw;
@@ -319,7 +323,11 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
     }
     __syncwarp();
     for (int r = lane; r < m_rows; r += 32) {
-      cute::SM90_BULK_COPY_G2S::copy(p.x + r * p.ldx + int64_t(ka0) * 64, xbar, xs + r * x_pitch, x_bytes);
+      int64_t src = r;
+      if constexpr (Waited) {
+        if (x_rows) src = x_rows[r];
+      }
+      cute::SM90_BULK_COPY_G2S::copy(p.x + src * p.ldx + int64_t(ka0) * 64, xbar, xs + r * x_pitch, x_bytes);
     }
   };
   // Constant operands first: the scale rows and the weight ring do not come from the previous
@@ -632,7 +640,11 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
       for (int e = 0; e < 2; ++e) {
         int const tok = token(i, e);
         if (tok < p.m) {
-          put(i, e, int64_t(tok) * p.ldy);
+          int64_t dst = tok;
+          if constexpr (Waited) {
+            if (y_rows) dst = y_rows[tok];
+          }
+          put(i, e, dst * p.ldy);
         }
       }
     }

@@ -22,6 +22,17 @@
 // many-tokens regime wants the sm90 grouped GEMM instead). Between tiles the CTA's mbarriers are
 // invalidated and run() initialises them again. The global split-K reduction (more than 8
 // splits) is not used here: its counters would race between tiles.
+//
+// Routed mode (Params::ids set; at decode sizes, at most kThreads top-k assignments): no offsets
+// and no sorted copy of x. Every CTA ranks the top-k ids itself (routed_expert: one id per
+// thread, a bitmask of the experts with rows, two ballots), which takes the routing kernel's
+// launch out of a fused MoE layer (benchmarks/NOTES.md section 27). The expert of rank z, its
+// first sorted row (the assignments with a smaller id) and its assignments in flat order
+// (token * topk + slot, the stable order of the routing kernel) come out of it; x's rows are
+// read either sorted (x + first) or by token (x[flat / topk]: gate/up reads the layer's input),
+// and y's rows written either sorted (y + first: gate/up's output, down's input) or by flat
+// index (down's output, which the combine kernel reads by assignment). An id outside [0, E) is
+// dropped: no CTA reads or writes its rows.
 #pragma once
 
 #include "mixgemm/decode_kernel.hpp"
@@ -38,6 +49,28 @@ struct Params {
   int64_t group_stride;       // elements of one expert's scales (and zeros)
   int64_t bias_stride;        // elements of one expert's bias (N), 0 without a bias
   int32_t experts;
+  // routed mode (ids non-null; offsets unused): the top-k ids, and where x and y rows live
+  void const* ids;            // [assignments] int32 or int64 expert ids, flat index token * topk + slot
+  int32_t ids_bytes;          // 4 or 8
+  int32_t assignments;        // T * topk (<= the kernel's threads)
+  int32_t topk;
+  int32_t x_by_token;         // 1: x is [T, K], an assignment reads x[flat / topk]; 0: x's rows sorted
+  int32_t y_by_assignment;    // 1: an assignment's output row is its flat index; 0: y's rows sorted
+};
+
+// The most experts the routed mode ranks (a bitmask of 16 words).
+constexpr int kRoutedMaxExperts = 512;
+
+// Shared memory of the routed mode: the experts with rows, per-warp counts, and the CTA's expert's
+// assignments (flat index, and its token for the gather of x).
+template <int Threads>
+struct RoutedSmem {
+  uint32_t present[kRoutedMaxExperts / 32];
+  int32_t below[Threads / 32];   // per warp: its ids below the CTA's expert
+  int32_t equal[Threads / 32];   // per warp: its ids equal to it
+  int32_t expert;
+  uint16_t token[Threads];
+  uint16_t flat[Threads];
 };
 
 #if defined(__CUDACC__) && !defined(MIXGEMM_HOST_HELPER)
@@ -95,17 +128,93 @@ CUTLASS_DEVICE int3 expert_of_rank(int32_t const* offsets, int experts, int rank
                    __shfl_sync(0xffffffffu, rows, src));
 }
 
+// Routed mode: the CTA's expert, {e, first sorted row, rows}, or {-1, 0, 0}; its assignments' flat
+// indices and tokens in s.flat / s.token (flat order). With a grid of E along z (by_rank false)
+// the expert is blockIdx.z; else it is the one of rank `rank` among those the ids name, found from
+// a bitmask of them (s.present, zeroed before a barrier). Called by every thread of the CTA
+// (barriers: two, four by rank), after the grid wait.
+template <int Threads, class Act>
+CUTLASS_DEVICE int3 routed_expert(Params<Act> const& gp, int rank, bool by_rank, RoutedSmem<Threads>& s) {
+  int const tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  int id = -1;
+  if (tid < gp.assignments) {
+    int64_t const v = gp.ids_bytes == 8 ? static_cast<int64_t const*>(gp.ids)[tid]
+                                        : int64_t(static_cast<int32_t const*>(gp.ids)[tid]);
+    if (v >= 0 && v < gp.experts) id = int(v);
+  }
+  int e = rank;
+  if (by_rank) {
+    // the mask (one shared atomic per id: measured 1-2 us faster per fused_moe call at 1-4 tokens
+    // on qwen3-30b-a3b than one atomic per warp and word with every warp scanning the mask), then
+    // the rank-th set bit of it in expert order, by the first warp
+    if (id >= 0) atomicOr(&s.present[id >> 5], 1u << (id & 31));
+    __syncthreads();
+    if (warp == 0) {
+      uint32_t mask = lane < kRoutedMaxExperts / 32 ? s.present[lane] : 0u;
+      int const c = __popc(mask);
+      int incl = c;
+      CUTLASS_PRAGMA_UNROLL
+      for (int d = 1; d < 32; d *= 2) {
+        int const u = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += u;
+      }
+      bool const here = rank >= incl - c && rank < incl;
+      if (here) {
+        for (int j = rank - (incl - c); j > 0; --j) mask &= mask - 1;   // clear the lower set bits
+        s.expert = lane * 32 + __ffs(mask) - 1;
+      }
+      if (__ballot_sync(0xffffffffu, here) == 0 && lane == 0) s.expert = -1;
+    }
+    __syncthreads();
+    e = s.expert;
+    if (e < 0) return make_int3(-1, 0, 0);   // (uniform)
+  }
+  unsigned const below = __ballot_sync(0xffffffffu, id >= 0 && id < e);
+  unsigned const equal = __ballot_sync(0xffffffffu, id == e);
+  if (lane == 0) {
+    s.below[warp] = __popc(below);
+    s.equal[warp] = __popc(equal);
+  }
+  __syncthreads();
+  int first = 0, count = 0, before = 0;
+  CUTLASS_PRAGMA_UNROLL
+  for (int w = 0; w < Threads / 32; ++w) {
+    first += s.below[w];
+    count += s.equal[w];
+    before += w < warp ? s.equal[w] : 0;
+  }
+  if (id == e) {
+    int const pos = before + __popc(equal & ((1u << lane) - 1u));
+    s.flat[pos] = uint16_t(tid);
+    s.token[pos] = uint16_t(tid / gp.topk);
+  }
+  __syncthreads();
+  return make_int3(e, first, count);
+}
+
 template <class Cfg, Activation A>
 CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
   using Act = typename Cfg::Act;
   extern __shared__ __align__(128) char smem[];
-  decode::wait_previous_grid();   // the offsets may come from the kernel before this one
+  __shared__ RoutedSmem<Cfg::kThreads> routed;
+  bool const is_routed = gp.ids != nullptr;
+  bool const by_rank = gridDim.z != unsigned(gp.experts);
+  if (is_routed && by_rank) {
+    if (threadIdx.x < kRoutedMaxExperts / 32) routed.present[threadIdx.x] = 0u;
+    __syncthreads();   // (before the wait: off the critical path)
+  }
+  decode::wait_previous_grid();   // the offsets (or the ids) may come from the kernel before this one
   // With a grid of E along z, blockIdx.z is the expert. With fewer (min(E, rows) < E: no CTA is
   // launched for most empty experts), blockIdx.z is the rank of the CTA's expert among the
   // experts that have rows, found by the first warp from the offsets; a rank past the last such
-  // expert has nothing to do.
+  // expert has nothing to do. Routed: the rank among the experts the ids name, from the ids.
   int e, first, count;
-  if (gridDim.z == unsigned(gp.experts)) {
+  if (is_routed) {
+    int3 const efr = routed_expert<Cfg::kThreads>(gp, int(blockIdx.z), by_rank, routed);
+    e = efr.x;
+    first = efr.y;
+    count = efr.z;
+  } else if (!by_rank) {
     e = int(blockIdx.z);
     first = gp.offsets[e];
     count = gp.offsets[e + 1] - first;
@@ -131,16 +240,19 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
       tile.scales += int64_t(e) * gp.group_stride;
       if (tile.zeros) tile.zeros += int64_t(e) * gp.group_stride;
       if (tile.bias) tile.bias += int64_t(e) * gp.bias_stride;
-      tile.x += int64_t(first) * tile.ldx;
-      tile.y += int64_t(first) * tile.ldy;
+      if (!(is_routed && gp.x_by_token)) tile.x += int64_t(first) * tile.ldx;
+      if (!(is_routed && gp.y_by_assignment)) tile.y += int64_t(first) * tile.ldy;
       tile.m = min(Cfg::kTokens, count);
     }
     __syncthreads();
+    // routed: the tile's rows of x by token, of y by assignment (advanced by a tile per pass)
+    uint16_t const* x_rows = is_routed && gp.x_by_token ? routed.token : nullptr;
+    uint16_t const* y_rows = is_routed && gp.y_by_assignment ? routed.flat : nullptr;
     for (int t0 = 0; t0 < count; t0 += Cfg::kTokens) {
       if (gp.base.group_shift == 5) {
-        decode::run<Cfg, A, true, true>(tile, smem);
+        decode::run<Cfg, A, true, true>(tile, smem, nullptr, x_rows, y_rows);
       } else {
-        decode::run<Cfg, A, false, true>(tile, smem);
+        decode::run<Cfg, A, false, true>(tile, smem, nullptr, x_rows, y_rows);
       }
       if (t0 + Cfg::kTokens < count) {
         // another tile: every thread is done with this one's barriers and shared memory
@@ -153,10 +265,12 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
           for (int i = 0; i < Cfg::kBarriers; ++i) {
             decode::Barrier::invalidate(&bars[i]);
           }
-          tile.x += int64_t(Cfg::kTokens) * tile.ldx;
-          tile.y += int64_t(Cfg::kTokens) * tile.ldy;
+          if (!x_rows) tile.x += int64_t(Cfg::kTokens) * tile.ldx;
+          if (!y_rows) tile.y += int64_t(Cfg::kTokens) * tile.ldy;
           tile.m = min(Cfg::kTokens, count - (t0 + Cfg::kTokens));
         }
+        if (x_rows) x_rows += Cfg::kTokens;
+        if (y_rows) y_rows += Cfg::kTokens;
         __syncthreads();
       }
     }
@@ -170,19 +284,30 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
 // Host side: checks and the launch plan. a.m is the total row count T of x (all experts): the
 // host knows it without a sync, and at most min(E, T) experts have rows.
 // ---------------------------------------------------------------------------------------------
+// The routed mode's arguments (mixgemm_grouped_routed_prepare).
+struct Routed {
+  uint64_t ids;              // device pointer to the top-k ids [T * topk]
+  int32_t ids_bytes;         // 4 (int32) or 8 (int64)
+  int32_t topk;
+  int32_t x_by_token;        // x is [T, K]: an assignment reads its token's row
+  int32_t y_by_assignment;   // an assignment's output row is its flat index token * topk + slot
+};
+
 template <class Cfg, Activation A = Activation::kNone>
 struct Host {
   using Act = typename Cfg::Act;
   using Dense = decode::Host<Cfg, A>;
   // dynamic shared memory: the kernel's static expert tile parameters come off the budget
-  static constexpr int kMaxDynamicSmem = Cfg::kMaxSmem - int(sizeof(decode::Params<Act>)) - 128;
+  static constexpr int kMaxDynamicSmem =
+      Cfg::kMaxSmem - int(sizeof(decode::Params<Act>)) - int(sizeof(RoutedSmem<Cfg::kThreads>)) - 128;
 
   // The dense checks on one tile of the problem (at most the token tile), plus the grouped ones.
-  static char const* why_not(abi::GemmArgs const& a, uint64_t offsets, int32_t experts) {
+  static char const* why_not(abi::GemmArgs const& a, uint64_t offsets, int32_t experts, bool routed = false) {
     if (a.m < 1) return "M (the rows of x, all experts together) must be >= 1";
     if (experts < 1) return "the number of experts must be >= 1";
     if (experts > 65535) return "at most 65535 experts";
-    if (offsets == 0 || offsets % 4) return "expert_offsets must be a non-null, 4-byte aligned int32 pointer";
+    if (!routed && (offsets == 0 || offsets % 4))
+      return "expert_offsets must be a non-null, 4-byte aligned int32 pointer";
     if (a.splits > Cfg::kMaxClusterSplits)
       return "a grouped decode kernel splits K at most 8 ways (one cluster)";
     abi::GemmArgs tile = a;
@@ -242,20 +367,35 @@ struct Host {
     return "no split of K (at most 8) fits this grouped decode kernel's shared memory";
   }
 
-  static char const* check(abi::GemmArgs const* a, uint64_t offsets, int32_t experts, decode::Plan& pl) {
+  static char const* check(abi::GemmArgs const* a, uint64_t offsets, int32_t experts, decode::Plan& pl,
+                           bool routed = false) {
     if (a == nullptr) return "null argument";
-    if (char const* why = why_not(*a, offsets, experts)) return why;
+    if (char const* why = why_not(*a, offsets, experts, routed)) return why;
     return plan(*a, experts, pl);
   }
 
+  // The routed mode's checks (a.m: the assignments T * topk; x [T, K] when x_by_token, else
+  // [a.m, K] sorted; y [a.m, N]).
+  static char const* why_not_routed(abi::GemmArgs const& a, Routed const& r, int32_t experts) {
+    if (r.ids == 0 || (r.ids_bytes != 4 && r.ids_bytes != 8) || r.ids % uint64_t(r.ids_bytes == 8 ? 8 : 4))
+      return "the routed grouped kernel takes a non-null, aligned int32 or int64 pointer to the top-k ids";
+    if (r.topk < 1 || a.m % r.topk) return "the rows (T * topk) must be a multiple of topk >= 1";
+    if (a.m > Cfg::kThreads) return "the routed grouped kernel ranks at most its threads' number of assignments";
+    if (experts > kRoutedMaxExperts) return "the routed grouped kernel takes at most 512 experts";
+    return nullptr;
+  }
+
   static int prepare(abi::GemmArgs const* a, uint64_t offsets, int32_t experts, void* dst, uint32_t capacity,
-                     abi::Launch* out, char* err, int errlen) {
+                     abi::Launch* out, char* err, int errlen, Routed const* routed = nullptr) {
     auto fail = [&](char const* msg) {
       if (err && errlen > 0) std::snprintf(err, size_t(errlen), "%s", msg);
       return 1;
     };
     decode::Plan pl;
-    if (char const* why = check(a, offsets, experts, pl)) return fail(why);
+    if (routed && a) {
+      if (char const* why = why_not_routed(*a, *routed, experts)) return fail(why);
+    }
+    if (char const* why = check(a, offsets, experts, pl, routed != nullptr)) return fail(why);
     if (dst == nullptr || out == nullptr) return fail("null output buffer");
     if (capacity < sizeof(Params<Act>)) return fail("params buffer too small");
     std::memset(out, 0, sizeof(*out));
@@ -267,6 +407,15 @@ struct Host {
     gp.group_stride = int64_t(a->k / a->group_size) * a->n;
     gp.bias_stride = a->bias ? a->n : 0;
     gp.experts = experts;
+    if (routed) {
+      gp.offsets = nullptr;
+      gp.ids = reinterpret_cast<void const*>(routed->ids);
+      gp.ids_bytes = routed->ids_bytes;
+      gp.assignments = a->m;
+      gp.topk = routed->topk;
+      gp.x_by_token = routed->x_by_token ? 1 : 0;
+      gp.y_by_assignment = routed->y_by_assignment ? 1 : 0;
+    }
     std::memcpy(dst, &gp, sizeof(gp));
     out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = uint32_t(experts < a->m ? experts : a->m);   // at most min(E, rows) experts have rows
     out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;
@@ -309,6 +458,16 @@ struct Host {
                                          void* dst, uint32_t cap, mixgemm::abi::Launch* out, char* err, \
                                          int errlen) {                                              \
     return NAME##_host::prepare(a, offsets, experts, dst, cap, out, err, errlen);                   \
+  }                                                                                                 \
+  extern "C" int mixgemm_grouped_routed_prepare(mixgemm::abi::GemmArgs const* a,                    \
+                                                mixgemm::grouped_decode::Routed const* routed,      \
+                                                int32_t experts, void* dst, uint32_t cap,           \
+                                                mixgemm::abi::Launch* out, char* err, int errlen) { \
+    if (routed == nullptr) {                                                                        \
+      if (err && errlen > 0) std::snprintf(err, size_t(errlen), "%s", "null routed arguments");     \
+      return 1;                                                                                     \
+    }                                                                                               \
+    return NAME##_host::prepare(a, 0, experts, dst, cap, out, err, errlen, routed);                 \
   }
 #else
 #define MIXGEMM_GROUPED_DECODE_ENTRY(NAME, CFG, ACTIVATION)                                        \

@@ -27,7 +27,9 @@
 // * combine (MIXGEMM_MOE_COMBINE_ENTRY): out[t, :] = sum_s w[t, s] * y[inv[t * topk + s], :]:
 //   each product rounded to float32, then added in slot order starting from 0 (the float32
 //   operations of torch's y.float() * w.float() followed by a sequential sum), one rounding to the
-//   output type. Slots with inv < 0 (dropped assignments) add nothing. Grid (ceil(H / 8 / 128), T),
+//   output type. Slots with inv < 0 (dropped assignments) add nothing. Without inv (null), y's rows
+//   are by assignment (the routed grouped kernel's output: row t * topk + s) and a slot adds
+//   nothing when its id (ids, int32 or int64) is outside [0, E). Grid (ceil(H / 8 / 128), T),
 //   128 threads, one 16-byte vector of 8 outputs per thread.
 //
 // Both wait for the previous grid before their first global access (programmatic dependent
@@ -224,7 +226,8 @@ CUTLASS_DEVICE void route(Index const* __restrict__ ids, uint4 const* __restrict
 
 template <class Act, class Weight>
 CUTLASS_DEVICE void combine(uint4 const* __restrict__ y, Weight const* __restrict__ weights,
-                            int32_t const* __restrict__ inv, uint4* __restrict__ out, int topk, int row_vecs) {
+                            int32_t const* __restrict__ inv, void const* __restrict__ ids, int ids_bytes, int experts,
+                            uint4* __restrict__ out, int topk, int row_vecs) {
   using Vec = cutlass::Array<Act, 8>;
   static_assert(sizeof(Vec) == sizeof(uint4), "8 outputs per 16-byte vector");
   int const t = blockIdx.y;
@@ -247,7 +250,14 @@ CUTLASS_DEVICE void combine(uint4 const* __restrict__ y, Weight const* __restric
         v[b] = make_uint4(0, 0, 0, 0);
         if (slot < topk) {
           int64_t const flat = int64_t(t) * topk + slot;
-          int const row = inv[flat];
+          int row;
+          if (inv) {
+            row = inv[flat];
+          } else {   // rows by assignment: the slot's own row, if its id is in range
+            int64_t const id = ids_bytes == 8 ? static_cast<int64_t const*>(ids)[flat]
+                                              : int64_t(static_cast<int32_t const*>(ids)[flat]);
+            row = id >= 0 && id < experts ? int(flat) : -1;
+          }
           if (row >= 0) {
             use[b] = true;
             w[b] = float(weights[flat]);
@@ -287,10 +297,12 @@ CUTLASS_DEVICE void combine(uint4 const* __restrict__ y, Weight const* __restric
     mixgemm::moe::route<INDEX>(ids, x, offsets, order, tokens, inv, xs, n, topk, experts, row_vecs);  \
   }
 
-// extern "C" NAME(y, weights, inv, out, topk, row_vecs): grid (ceil(row_vecs / 128), T),
-// block kCombineThreads. ACT: the type of y and out; WEIGHT: of the top-k weights.
+// extern "C" NAME(y, weights, inv, ids, ids_bytes, experts, out, topk, row_vecs): grid
+// (ceil(row_vecs / 128), T), block kCombineThreads. ACT: the type of y and out; WEIGHT: of the
+// top-k weights. inv null: y by assignment, ids (ids_bytes 4 or 8) say which slots count.
 #define MIXGEMM_MOE_COMBINE_ENTRY(NAME, ACT, WEIGHT)                                                  \
   extern "C" __global__ void __launch_bounds__(mixgemm::moe::kCombineThreads)                        \
-  NAME(uint4 const* y, WEIGHT const* weights, int32_t const* inv, uint4* out, int topk, int row_vecs) { \
-    mixgemm::moe::combine<ACT, WEIGHT>(y, weights, inv, out, topk, row_vecs);                         \
+  NAME(uint4 const* y, WEIGHT const* weights, int32_t const* inv, void const* ids, int ids_bytes, int experts, \
+       uint4* out, int topk, int row_vecs) {                                                          \
+    mixgemm::moe::combine<ACT, WEIGHT>(y, weights, inv, ids, ids_bytes, experts, out, topk, row_vecs); \
   }

@@ -13,19 +13,23 @@ The public face of four modules, each holding one concern:
   top-k outputs; on an sm_90 GPU one launch each of mixgemm's own kernels, no host sync.
 * :func:`fused_moe` (:mod:`mixgemm.moe_layer`): vLLM's ``fused_experts`` calling convention:
   routing and gather, gate/up with the swiglu epilogue, down, and the weighted sum of the top-k;
-  four launches at decode sizes, the plan (:func:`plan_fused_moe`) by rows per expert.
+  three launches at decode sizes (:func:`grouped_gemm_routed`: the grouped decode kernel ranks the
+  top-k ids itself, so there is no routing launch), the plan (:func:`plan_fused_moe`) by rows per
+  expert.
 """
 from __future__ import annotations
 
 from .experts import PackedExperts
 from .moe_grouped import (DEC8_ROWS_PER_EXPERT, LONG_K, TILE128_FROM_ROWS, TILE256_FROM_ROWS, TILES_FROM_ROWS, TILES_FROM_ROWS_LONG_K,
-                          TILES_RASTER, decode_spec_for, grouped_gemm, grouped_gemm_op, grouped_gemm_with_spec,
-                          grouped_spec_for, launch_tiles, select_grouped_spec)
-from .moe_layer import MoePlan, fused_moe, fused_moe_reference, plan_fused_moe
-from .moe_routing import ROUTE_MAX_ASSIGNMENTS, Routing, combine, route, route_and_gather
+                          TILES_RASTER, decode_spec_for, grouped_gemm, grouped_gemm_op, grouped_gemm_routed,
+                          grouped_gemm_with_spec, grouped_spec_for, launch_tiles, select_grouped_spec)
+from .moe_layer import MoePlan, fused_moe, fused_moe_op, fused_moe_reference, plan_fused_moe
+from .moe_routing import (ROUTE_MAX_ASSIGNMENTS, Routing, combine, combine_by_assignment, route,
+                          route_and_gather)
 
-__all__ = ["PackedExperts", "grouped_gemm", "grouped_gemm_with_spec", "grouped_gemm_op", "launch_tiles", "fused_moe",
-           "fused_moe_reference", "plan_fused_moe", "MoePlan", "route", "route_and_gather", "combine", "Routing",
+__all__ = ["PackedExperts", "grouped_gemm", "grouped_gemm_with_spec", "grouped_gemm_op", "grouped_gemm_routed",
+           "launch_tiles", "fused_moe", "fused_moe_op", "fused_moe_reference", "plan_fused_moe", "MoePlan", "route",
+           "route_and_gather", "combine", "combine_by_assignment", "Routing",
            "select_grouped_spec", "grouped_spec_for", "decode_spec_for", "ROUTE_MAX_ASSIGNMENTS", "TILES_FROM_ROWS",
            "TILES_FROM_ROWS_LONG_K", "LONG_K", "TILE128_FROM_ROWS", "TILE256_FROM_ROWS", "TILES_RASTER",
            "DEC8_ROWS_PER_EXPERT"]

@@ -32,8 +32,8 @@ from .moe_tiles import TokenTiles, token_tiles
 from .specs import KernelKind, Raster
 from .types import WeightType
 
-__all__ = ["grouped_gemm", "grouped_gemm_with_spec", "grouped_gemm_op", "launch_tiles", "select_grouped_spec",
-           "grouped_spec_for", "decode_spec_for"]
+__all__ = ["grouped_gemm", "grouped_gemm_with_spec", "grouped_gemm_op", "grouped_gemm_routed", "launch_tiles",
+           "select_grouped_spec", "grouped_spec_for", "decode_spec_for", "routed_supports", "decode_ctas"]
 
 #: grouped_gemm's ``activation`` values
 ACTIVATIONS = ("silu", "gelu", "swiglu")
@@ -118,15 +118,16 @@ def decode_spec_for(rows: int, act_type, weight_type: WeightType, activation: Op
     return GroupedDecodeSpec(d.act, d.weight, d.tokens, d.warps, d.stage_bytes, d.stages, d.activation, d.kslices)
 
 
-def _check(x, experts, expert_offsets, out, activation) -> int:
-    """Every check of a grouped_gemm call; returns the output width."""
+def _check(x, experts, expert_offsets, out, activation, rows: Optional[int] = None) -> int:
+    """Every check of a grouped_gemm call; returns the output width. ``expert_offsets`` None: the
+    routed mode (no offsets), whose output has ``rows`` rows (x's rows otherwise)."""
     from . import ops
 
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
     if not isinstance(experts, PackedExperts):
         raise TypeError(f"experts must be a mixgemm.moe.PackedExperts, got {type(experts).__name__}")
-    if not isinstance(x, torch.Tensor) or not isinstance(expert_offsets, torch.Tensor):
+    if not isinstance(x, torch.Tensor) or not isinstance(expert_offsets, (torch.Tensor, type(None))):
         raise TypeError("x and expert_offsets must be torch.Tensors")
     if x.dtype != experts.dtype:
         raise TypeError(f"x is {x.dtype} but the experts were packed for {experts.dtype}")
@@ -135,7 +136,8 @@ def _check(x, experts, expert_offsets, out, activation) -> int:
     if x.shape[0] >= 2 ** 31:
         raise ValueError(f"T={x.shape[0]} rows is too many for one call")
     e = experts.num_experts
-    if expert_offsets.dtype != torch.int32 or tuple(expert_offsets.shape) != (e + 1,):
+    rows = x.shape[0] if rows is None else rows
+    if expert_offsets is not None and (expert_offsets.dtype != torch.int32 or tuple(expert_offsets.shape) != (e + 1,)):
         raise ValueError(f"expert_offsets must be int32 of shape [E + 1] = [{e + 1}], got "
                          f"{expert_offsets.dtype} {list(expert_offsets.shape)}")
     if activation == "swiglu" and experts.n % 16:
@@ -144,17 +146,17 @@ def _check(x, experts, expert_offsets, out, activation) -> int:
     if why:
         raise ValueError(why)
     for name, t in (("x", x), ("expert_offsets", expert_offsets)):
-        if t.device != experts.device:
+        if t is not None and t.device != experts.device:
             raise ValueError(f"{name} is on {t.device} but the experts are on {experts.device}")
-    if not expert_offsets.is_contiguous():
+    if expert_offsets is not None and not expert_offsets.is_contiguous():
         raise ValueError("expert_offsets must be contiguous")
     for name, t in (("qdata", experts.qdata), ("scales", experts.scales), ("zeros", experts.zeros)):
         if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
             raise ValueError(f"experts.{name} must be contiguous and 16-byte aligned")
     n_out = experts.n // 2 if activation == "swiglu" else experts.n
     if out is not None:
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (x.shape[0], n_out) or out.dtype != x.dtype:
-            raise ValueError(f"out must be a {x.dtype} tensor of shape [{x.shape[0]}, {n_out}]")
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows, n_out) or out.dtype != x.dtype:
+            raise ValueError(f"out must be a {x.dtype} tensor of shape [{rows}, {n_out}]")
         if out.device != x.device or not out.is_contiguous() or out.data_ptr() % 16:
             raise ValueError("out must be on x's device, contiguous and 16-byte aligned")
     return n_out
@@ -302,10 +304,25 @@ def _prepare_fn(lib_handle):
     return _prepare_symbol(lib_handle, "mixgemm_grouped_prepare")
 
 
+@functools.lru_cache(maxsize=None)
+def _routed_prepare_fn(lib_handle):
+    """The grouped decode kernels' routed prepare function: ``(GemmArgs*, Routed*, int32 experts,
+    params, capacity, Launch*, err, errlen) -> int``."""
+    from .runtime import GemmArgs, Launch
+
+    f = lib_handle.mixgemm_grouped_routed_prepare
+    f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.POINTER(_Routed), ctypes.c_int32, ctypes.c_void_p,
+                  ctypes.c_uint32, ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
 def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_size: int, n: int, k: int,
-            activation: Optional[str], spec, splits: int = 0) -> torch.Tensor:
+            activation: Optional[str], spec, splits: int = 0, routed: Optional[_Routed] = None,
+            rows: int = 0) -> torch.Tensor:
     """One grouped launch (checked arguments): the helper's params, then cuLaunchKernelEx on the
-    current stream. Nothing is read back from the GPU."""
+    current stream. Nothing is read back from the GPU. ``routed``: the routed mode (no offsets;
+    ``rows`` assignments)."""
     from . import ops, runtime
     from .errors import KernelError
     from .specs import Activation
@@ -315,7 +332,7 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     helper = kernel.helper
     a = runtime.GemmArgs()
     a.abi_version = runtime.ABI_VERSION
-    a.m, a.n, a.k, a.group_size = x.shape[0], n, k, group_size
+    a.m, a.n, a.k, a.group_size = (rows if routed is not None else x.shape[0]), n, k, group_size
     a.sm_count = ops._sm_count(x.device.index)
     a.splits = splits
     a.activation = Activation(activation or "none").abi
@@ -326,12 +343,119 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     params = ctypes.create_string_buffer(helper.params_size)
     launch = runtime.Launch()
     err = ctypes.create_string_buffer(512)
-    rc = _prepare_fn(helper.lib)(ctypes.byref(a), offsets.data_ptr(), qdata.shape[0], params, helper.params_size,
-                                 ctypes.byref(launch), err, len(err))
+    if routed is not None:
+        rc = _routed_prepare_fn(helper.lib)(ctypes.byref(a), ctypes.byref(routed), qdata.shape[0], params,
+                                            helper.params_size, ctypes.byref(launch), err, len(err))
+    else:
+        rc = _prepare_fn(helper.lib)(ctypes.byref(a), offsets.data_ptr(), qdata.shape[0], params, helper.params_size,
+                                     ctypes.byref(launch), err, len(err))
     if rc != 0:
         raise KernelError(f"{spec.name}: {err.value.decode()}")
     runtime.launch_prepared(kernel, params, launch)
     return y
+
+
+# ---------------------------------------------------------------------------------------------
+# The routed mode of the grouped decode kernel
+# ---------------------------------------------------------------------------------------------
+#: The most top-k assignments (``T * topk``) the routed grouped decode kernel ranks (its threads:
+#: one id each; ``grouped_decode_kernel.hpp``), and the most experts.
+ROUTED_MAX_ASSIGNMENTS = 256
+ROUTED_MAX_EXPERTS = 512
+
+
+class _Routed(ctypes.Structure):
+    """``mixgemm::grouped_decode::Routed``."""
+    _fields_ = [("ids", ctypes.c_uint64), ("ids_bytes", ctypes.c_int32), ("topk", ctypes.c_int32),
+                ("x_by_token", ctypes.c_int32), ("y_by_assignment", ctypes.c_int32)]
+
+
+def routed_supports(rows: int, num_experts: int, spec) -> Optional[str]:
+    """None if the routed grouped decode kernel ``spec`` takes ``rows = T * topk`` assignments over
+    ``num_experts`` experts, else the reason."""
+    if spec.kind is not KernelKind.GROUPED_DECODE:
+        return f"{spec.name} is not a grouped decode kernel"
+    if rows > ROUTED_MAX_ASSIGNMENTS:
+        return f"{rows} assignments: the routed kernel ranks at most {ROUTED_MAX_ASSIGNMENTS}"
+    if num_experts > ROUTED_MAX_EXPERTS:
+        return f"{num_experts} experts: the routed kernel takes at most {ROUTED_MAX_EXPERTS}"
+    return None
+
+
+def decode_ctas(spec, n: int, rows: int, num_experts: int) -> int:
+    """The CTAs of one launch of the grouped decode kernel ``spec`` over experts of ``n`` weight rows
+    for ``rows`` rows of x, split-K aside: its row blocks times the ``min(E, rows)`` ranks."""
+    per_cta = 16 * (spec.warps // spec.kslices)
+    return -(-n // per_cta) * min(num_experts, rows)
+
+
+def grouped_gemm_routed(x: torch.Tensor, experts: PackedExperts, topk_ids: torch.Tensor, spec=None,
+                        out: Optional[torch.Tensor] = None, activation: Optional[str] = None, *,
+                        x_by_token: bool = False, y_by_assignment: bool = False, splits: int = 0) -> torch.Tensor:
+    """:func:`grouped_gemm` on the grouped decode kernel in its routed mode: no expert offsets and no
+    sorted copy of x; every CTA ranks the top-k ids itself (at most :data:`ROUTED_MAX_ASSIGNMENTS`),
+    so a MoE layer needs no routing launch (:func:`mixgemm.moe.fused_moe` at decode).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        With ``x_by_token``: ``[T, K]``, the layer's input, an assignment ``(t, s)`` reads row ``t``.
+        Without: ``[T * topk, K]``, rows sorted by expert (stable: an expert's assignments in flat
+        order ``t * topk + s``), as :func:`mixgemm.moe.route` orders them.
+    experts : PackedExperts
+        E experts ``[N, K]`` on x's device, ``E <=`` :data:`ROUTED_MAX_EXPERTS`.
+    topk_ids : torch.Tensor
+        ``[T, topk]`` int32 / int64 expert ids on x's device, contiguous. An id outside ``[0, E)``
+        is dropped: its output row is not written.
+    spec : GroupedDecodeSpec, optional
+        The kernel (None: :func:`decode_spec_for`'s for ``T * topk`` rows).
+    out : torch.Tensor, optional
+        ``[T * topk, N]`` (``N/2`` for swiglu), x's dtype, contiguous, 16-byte aligned.
+    activation : {None, "silu", "gelu", "swiglu"}, optional
+        As in :func:`grouped_gemm`.
+    x_by_token, y_by_assignment : bool
+        Where x's rows come from (above) and where y's go: by assignment, row ``t * topk + s``
+        (what :func:`mixgemm.moe.combine_by_assignment` reads), or sorted by expert.
+    splits : int
+        As in :func:`grouped_gemm_with_spec`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[T * topk, N]`` (``N/2`` for swiglu), x's dtype.
+    """
+    from .specs import Activation
+
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError("topk_ids must be a [T, topk] tensor")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    t, topk = topk_ids.shape
+    rows = t * topk
+    if not isinstance(splits, int) or isinstance(splits, bool) or not 0 <= splits <= 8:
+        raise ValueError(f"splits must be an int from 0 (the kernel's choice) to 8, got {splits!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != (t if x_by_token else rows):
+        want = f"[T={t}, K]" if x_by_token else f"[T * topk = {rows}, K]"
+        raise ValueError(f"x must be {want}, got {list(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
+    n_out = _check(x, experts, None, out, activation, rows)
+    if topk_ids.device != x.device or not topk_ids.is_contiguous():
+        raise ValueError(f"topk_ids must be contiguous on {x.device}")
+    if spec is None:
+        spec = decode_spec_for(rows, experts.act_type, experts.weight_type, activation, experts.num_experts)
+    why = routed_supports(rows, experts.num_experts, spec)
+    if why:
+        raise ValueError(why)
+    if (spec.act, spec.weight) != (experts.act_type, experts.weight_type):
+        raise ValueError(f"{spec.name} is for {spec.act.value} x {spec.weight.value}, the experts are "
+                         f"{experts.act_type.value} x {experts.weight_type.value}")
+    if spec.fixed_activation is not Activation(activation or "none"):
+        raise ValueError(f"{spec.name} computes {spec.fixed_activation.value}, the call asks for {activation or 'none'}")
+    y = out if out is not None else torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    routed = _Routed(topk_ids.data_ptr(), topk_ids.element_size(), topk, int(x_by_token), int(y_by_assignment))
+    return _launch(x, experts.qdata, experts.scales, experts.zeros, None, y, experts.weight_type,
+                   experts.group_size, experts.n, experts.k, activation, spec, splits, routed=routed, rows=rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,13 +24,14 @@ import torch
 
 from . import moe_grouped as grouped
 from .experts import PackedExperts
-from .moe_routing import combine, route_and_gather
+from .moe_routing import combine, combine_by_assignment, route_and_gather
 from .moe_tiles import split_layout, token_tiles
 from .codegen import GROUPED_GEMM_TILES
 from .specs import Epilogue, GroupedGemmSpec, KernelKind
 from .types import WeightType
 
-__all__ = ["MoePlan", "plan_fused_moe", "fused_moe", "fused_moe_reference"]
+__all__ = ["MoePlan", "plan_fused_moe", "routed_plan", "fused_moe", "fused_moe_op", "fused_moe_reference",
+           "ROUTED_MAX_CTAS_PER_SM"]
 
 #: Rows per expert with rows (mean) from which :func:`plan_fused_moe` splits the experts between the
 #: grouped decode kernel and the grouped GEMM, below the grouped GEMM's own threshold
@@ -115,10 +116,13 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
     Returns
     -------
     torch.Tensor
-        ``[T, H]`` in x's dtype. Routing runs on the GPU, no host sync: at decode sizes
-        (``T * topk <=`` :data:`mixgemm.moe.ROUTE_MAX_ASSIGNMENTS`) four launches: routing and
-        gather (:func:`mixgemm.moe.route_and_gather`), the two grouped GEMMs,
-        :func:`mixgemm.moe.combine`. With more rows per expert (:func:`plan_fused_moe`) the GEMMs
+        ``[T, H]`` in x's dtype. Routing runs on the GPU, no host sync. At decode sizes
+        (:func:`routed_plan`: both GEMMs on the grouped decode kernel, ``T * topk <=``
+        :data:`mixgemm.moe_grouped.ROUTED_MAX_ASSIGNMENTS`) three launches: the two routed grouped
+        GEMMs (:func:`mixgemm.moe.grouped_gemm_routed`: each CTA ranks the top-k ids itself; gate/up
+        reads x by token, down writes by assignment) and :func:`mixgemm.moe.combine_by_assignment`.
+        Otherwise routing and gather (:func:`mixgemm.moe.route_and_gather`) first, then the GEMMs
+        and :func:`mixgemm.moe.combine`. With more rows per expert (:func:`plan_fused_moe`) the GEMMs
         run on the grouped sm90 GEMM over x's rows in token tiles, for all experts or for those
         the routing gave many rows (one more launch, the layout kernel, lays the rows out on the GPU).
     """
@@ -132,9 +136,15 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_weights and topk_ids must both be [T={x.shape[0]}, topk], got "
                          f"{list(topk_weights.shape)} and {list(topk_ids.shape)}")
-    routing, xs = route_and_gather(x, topk_ids, w13.num_experts)
-    rows = xs.shape[0]
+    rows = topk_ids.numel()
     plan = plan_fused_moe(rows, w13.act_type, w13.weight_type, w13.num_experts, w2.n, w2.k)
+    if routed_plan(plan, w13, w2, x, topk_ids):
+        # three launches: gate/up reads x by token and ranks the ids itself, down writes by assignment
+        ids = topk_ids.contiguous()
+        h = grouped.grouped_gemm_routed(x, w13, ids, plan.gate_up, activation="swiglu", x_by_token=True)
+        y = grouped.grouped_gemm_routed(h, w2, ids, plan.down, y_by_assignment=True)
+        return combine_by_assignment(y, ids, topk_weights, w13.num_experts)
+    routing, xs = route_and_gather(x, topk_ids, w13.num_experts)
     if rows == 0 or plan.kind == "each":
         h = grouped.grouped_gemm_with_spec(xs, w13, routing.expert_offsets, plan.gate_up, activation="swiglu")
         y = grouped.grouped_gemm_with_spec(h, w2, routing.expert_offsets, plan.down)
@@ -159,6 +169,69 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
     grouped.grouped_gemm_with_spec(hb[:rows], w2, lay.cold_offsets, plan.down, out=yb[:rows])
     grouped.launch_tiles(hb[rows:], w2, lay.tiles, None, plan.hot_down, out=yb[rows:])
     return combine(yb, routing._replace(inv=lay.tiles.inv), topk_weights)
+
+
+#: The most CTAs per SM (the two grouped decode launches together, split-K aside) for which
+#: :func:`fused_moe` takes the routed path (benchmarks/NOTES.md section 27).
+ROUTED_MAX_CTAS_PER_SM = 8
+
+
+def routed_plan(plan: MoePlan, w13: PackedExperts, w2: PackedExperts, x: torch.Tensor,
+                topk_ids: torch.Tensor) -> bool:
+    """Whether :func:`fused_moe` runs ``plan`` on the routed grouped decode kernels (three launches:
+    gate/up ranks the top-k ids itself and reads x by token, down writes by assignment, then
+    :func:`mixgemm.moe.combine_by_assignment`) instead of routing first (four): both GEMMs on the
+    grouped decode kernel, at most :data:`mixgemm.moe_grouped.ROUTED_MAX_ASSIGNMENTS` assignments
+    and :data:`mixgemm.moe_grouped.ROUTED_MAX_EXPERTS` experts, int32 / int64 ids, on the GPU, and
+    at most :data:`ROUTED_MAX_CTAS_PER_SM` CTAs per SM in the two launches.
+
+    Every CTA of a routed launch ranks the ids before it streams its expert, which costs each CTA
+    a little more than reading the offsets. With a few CTAs per SM that is less than the routing
+    launch it saves (measured 2.3-4.2 us faster per call on qwen3-30b-a3b at 1 and 4 tokens and
+    mixtral-8x7b at one token, 4 and 2-bit codes); with many, more (mixtral-8x7b at 4 and 16
+    tokens, 1-2% slower; 8-bit codes at one token, whose k-sliced tile runs a CTA per 16 weight
+    rows, 5%; benchmarks/NOTES.md section 27)."""
+    rows = topk_ids.numel()
+    e = w13.num_experts
+    if not (plan.kind == "each" and rows > 0 and x.is_cuda and topk_ids.dtype in (torch.int32, torch.int64)
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and grouped.routed_supports(rows, e, plan.gate_up) is None
+            and grouped.routed_supports(rows, e, plan.down) is None):
+        return False
+    from .ops import _sm_count
+
+    ctas = grouped.decode_ctas(plan.gate_up, w13.n, rows, e) + grouped.decode_ctas(plan.down, w2.n, rows, e)
+    return ctas <= ROUTED_MAX_CTAS_PER_SM * _sm_count(x.device.index)
+
+
+@torch.library.custom_op("mixgemm::fused_moe", mutates_args=())
+def _fused_moe_op(x: torch.Tensor, w13_qdata: torch.Tensor, w13_scales: torch.Tensor, w13_zeros: Optional[torch.Tensor],
+                  w2_qdata: torch.Tensor, w2_scales: torch.Tensor, w2_zeros: Optional[torch.Tensor], weight_type: str,
+                  w13_group_size: int, w2_group_size: int, hidden: int, intermediate: int,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    wt = WeightType(weight_type)
+    w13 = PackedExperts(w13_qdata, w13_scales, w13_zeros, wt, w13_group_size, 2 * intermediate, hidden)
+    w2 = PackedExperts(w2_qdata, w2_scales, w2_zeros, wt, w2_group_size, hidden, intermediate)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_moe_op.register_fake
+def _fused_moe_fake(x, w13_qdata, w13_scales, w13_zeros, w2_qdata, w2_scales, w2_zeros, weight_type, w13_group_size,
+                    w2_group_size, hidden, intermediate, topk_weights, topk_ids):
+    return torch.empty_like(x)
+
+
+def fused_moe_op(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`fused_moe` through the registered custom op ``mixgemm::fused_moe`` (traceable by
+    torch.compile; :class:`mixgemm.nn_moe.QuantMoE`). w13 and w2 must share their weight type."""
+    if not isinstance(w13, PackedExperts) or not isinstance(w2, PackedExperts):
+        raise TypeError("w13 and w2 must be mixgemm.moe.PackedExperts")
+    if w13.weight_type != w2.weight_type:
+        raise ValueError(f"w13 is {w13.weight_type.value}, w2 is {w2.weight_type.value}: the op takes one weight type")
+    return torch.ops.mixgemm.fused_moe(x, w13.qdata, w13.scales, w13.zeros, w2.qdata, w2.scales, w2.zeros,
+                                       w13.weight_type.value, w13.group_size, w2.group_size, w2.n, w2.k,
+                                       topk_weights, topk_ids)
 
 
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

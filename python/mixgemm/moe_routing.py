@@ -11,12 +11,16 @@
   rounding; one launch of mixgemm's combine kernel (:class:`mixgemm.specs.MoeCombineSpec`)
   on an sm_90 GPU when the routing carries ``inv`` (:func:`route_and_gather`'s does) and
   ``T <=`` :data:`COMBINE_MAX_TOKENS`, else torch ops.
+* :func:`combine_by_assignment`: the same sum on expert outputs by assignment (row ``t * topk +
+  s``, as the routed grouped decode kernel writes them), ids out of range dropped; the same
+  combine kernel, given the ids instead of ``inv``.
 
 ``torch.ops.mixgemm.route_and_gather`` and ``torch.ops.mixgemm.combine`` are registered with fake
-implementations, so ``torch.compile(fullgraph=True)`` traces them (:class:`mixgemm.nn_moe.QuantMoE`).
+implementations, so ``torch.compile(fullgraph=True)`` traces them.
 Under CUDA-graph capture the kernels must be loaded already: any call of :func:`route_and_gather`
 on the GPU loads the routing kernel (even when it takes the torch path), and any call of
-:func:`combine` with ``inv`` its combine kernel, so one warm-up call of the layer suffices.
+:func:`combine` with ``inv`` (or of :func:`combine_by_assignment`) its combine kernel, so one
+warm-up call of the layer at the captured size suffices.
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ import torch
 
 from .runtime import aligned_contiguous
 
-__all__ = ["Routing", "route", "route_and_gather", "combine", "routing_specs", "ROUTE_MAX_ASSIGNMENTS",
-           "ROUTE_MAX_EXPERTS", "COMBINE_MAX_TOKENS"]
+__all__ = ["Routing", "route", "route_and_gather", "combine", "combine_by_assignment", "routing_specs",
+           "ROUTE_MAX_ASSIGNMENTS", "ROUTE_MAX_EXPERTS", "COMBINE_MAX_TOKENS"]
 
 #: The most assignments (``T * topk``) the routing kernel takes in one launch (mirrors
 #: ``kRouteMaxAssignments``); above it :func:`route_and_gather` takes the torch path.
@@ -204,7 +208,10 @@ def _combine_torch(y_sorted: torch.Tensor, routing: Routing, topk_weights: torch
     return acc.sum(1).to(y_sorted.dtype)
 
 
-def _launch_combine(y_sorted: torch.Tensor, inv: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+def _launch_combine(y_sorted: torch.Tensor, inv: Optional[torch.Tensor], topk_weights: torch.Tensor,
+                    topk_ids: Optional[torch.Tensor] = None, num_experts: int = 0) -> torch.Tensor:
+    """The combine kernel: through ``inv`` (y's rows sorted, or padded), or without it (None) on y's
+    rows by assignment, the slots whose ``topk_ids`` lie outside ``[0, num_experts)`` dropped."""
     from . import runtime
 
     spec = combine_spec(y_sorted, topk_weights)
@@ -212,7 +219,8 @@ def _launch_combine(y_sorted: torch.Tensor, inv: torch.Tensor, topk_weights: tor
     h = y_sorted.shape[1]
     y = aligned_contiguous(y_sorted)
     w = topk_weights.to(_WEIGHT_DTYPES[spec.weight.value]).contiguous()
-    inv = inv.contiguous()
+    inv = None if inv is None else inv.contiguous()
+    ids = None if topk_ids is None else topk_ids.contiguous()
     out = torch.empty((t, h), dtype=y.dtype, device=y.device)
     if t == 0:
         return out
@@ -220,9 +228,56 @@ def _launch_combine(y_sorted: torch.Tensor, inv: torch.Tensor, topk_weights: tor
     kernel = runtime.KERNELS.get(spec, y.device)
     p, i = ctypes.c_void_p, ctypes.c_int
     runtime.launch_kernel(kernel, (-(-row_vecs // _COMBINE_THREADS), t, 1), _COMBINE_THREADS,
-                          (p(y.data_ptr()), p(w.data_ptr()), p(inv.data_ptr()), p(out.data_ptr()), i(topk),
-                           i(row_vecs)))
+                          (p(y.data_ptr()), p(w.data_ptr()), p(0 if inv is None else inv.data_ptr()),
+                           p(0 if ids is None else ids.data_ptr()), i(0 if ids is None else ids.element_size()),
+                           i(num_experts), p(out.data_ptr()), i(topk), i(row_vecs)))
     return out
+
+
+def combine_by_assignment(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          num_experts: int) -> torch.Tensor:
+    """:func:`combine` on expert outputs by assignment: ``out[t] = sum_s w[t, s] * y[t * topk + s]``
+    over the slots whose id lies in ``[0, num_experts)`` (the others, dropped by the routing, add
+    nothing and their rows of y are not read).
+
+    Parameters
+    ----------
+    y : torch.Tensor
+        ``[T * topk, H]`` bf16 / fp16 (or any float dtype on the torch path): row ``t * topk + s``
+        is slot ``s`` of token ``t`` (the routed grouped kernel's output,
+        :func:`mixgemm.moe_grouped.grouped_gemm_routed` with ``y_by_assignment=True``).
+    topk_ids : torch.Tensor
+        ``[T, topk]`` int32 / int64 expert ids.
+    topk_weights : torch.Tensor
+        ``[T, topk]`` routing weights, any float dtype (applied in float32).
+    num_experts : int
+        E.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[T, H]`` in y's dtype, with :func:`combine`'s float32 arithmetic in slot order.
+    """
+    if topk_weights.dim() != 2 or topk_ids.shape != topk_weights.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [T, topk], got {list(topk_ids.shape)} and "
+                         f"{list(topk_weights.shape)}")
+    if y.dim() != 2 or y.shape[0] != topk_weights.numel():
+        raise ValueError(f"y must be [T * topk = {topk_weights.numel()}, H], got {list(y.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"topk_weights must be a float tensor, got {topk_weights.dtype}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != y.device:
+            raise ValueError(f"{name} is on {t.device} but y is on {y.device}")
+    if (_sm90(y.device) and y.dtype in (torch.bfloat16, torch.float16) and (y.shape[1] * 2) % 16 == 0
+            and topk_weights.shape[0] <= COMBINE_MAX_TOKENS):
+        return _launch_combine(y, None, topk_weights, topk_ids, num_experts)
+    t, topk = topk_weights.shape
+    keep = ((topk_ids >= 0) & (topk_ids < num_experts)).reshape(-1, 1)
+    yk = torch.where(keep, y, torch.zeros((), dtype=y.dtype, device=y.device))
+    acc = yk.view(t, topk, y.shape[1]).float() * topk_weights.float().unsqueeze(-1)
+    return acc.sum(1).to(y.dtype)
 
 
 _WEIGHT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}

@@ -2,9 +2,10 @@
 
 The routing (the router's softmax and top-k) stays with the model; :meth:`QuantMoE.forward`
 takes the hidden states and the top-k weights and ids, as vLLM's ``fused_experts`` does, and
-runs :func:`mixgemm.moe.fused_moe` through the ``mixgemm::route_and_gather``,
-``mixgemm::grouped_gemm`` and ``mixgemm::combine`` custom ops, so
-``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture it (after a warm-up call).
+runs :func:`mixgemm.moe.fused_moe` through the ``mixgemm::fused_moe`` custom op (gate/up and down
+of one weight type; else through the ``mixgemm::route_and_gather``, ``mixgemm::grouped_gemm`` and
+``mixgemm::combine`` ops), so ``torch.compile(fullgraph=True)`` traces it and CUDA graphs capture
+it (after a warm-up call with the same number of tokens).
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from torch import nn
 from . import moe, moe_routing
 from .experts import PackedExperts
 from .quantize import interleave_gate_up, quantize
-from .types import WeightType
 
 __all__ = ["QuantMoE"]
 
@@ -91,6 +91,9 @@ class QuantMoE(nn.Module):
         tokens of x) -> ``[..., H]``."""
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
+        w13, w2 = self.experts("w13"), self.experts("w2")
+        if w13.weight_type == w2.weight_type:   # the whole layer in one op: fused_moe's plan
+            return moe.fused_moe_op(x2, w13, w2, topk_weights, topk_ids).reshape(shape)
         routing, xs = moe_routing.route_and_gather_op(x2, topk_ids, self.num_experts)
         h = moe.grouped_gemm_op(xs, self.experts("w13"), routing.expert_offsets, activation="swiglu")
         y = moe.grouped_gemm_op(h, self.experts("w2"), routing.expert_offsets)
