@@ -349,6 +349,8 @@ def test_grouped_helper_refuses_what_the_kernel_cannot_run(tmp_path, monkeypatch
     assert "expert_offsets" in refusal(offsets=66)
     assert "number of experts" in refusal(experts=0)
     assert "at most 8 ways" in refusal(splits=9)
+    assert "more parts than K has atoms" in refusal(k=128, splits=3)   # 2 atoms of 64
+    assert refusal(k=128, splits=2) is None
     assert "zero points" in refusal(zeros=0)
     assert "K must be" in refusal(k=100)
     assert "must be >= 1" in refusal(m=0)

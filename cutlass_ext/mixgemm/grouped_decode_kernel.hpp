@@ -335,6 +335,7 @@ struct Host {
     tile.m = Cfg::kTokens;   // shared memory for a whole tile of rows
     int const max_splits = k_atoms < Cfg::kMaxClusterSplits ? k_atoms : Cfg::kMaxClusterSplits;
     if (a.splits >= 1) {
+      if (a.splits > k_atoms) return "a split of K takes at least one 64-column atom per part: more parts than K has atoms";
       if (a.splits <= max_splits) {
         out = Dense::split_plan(tile, a.splits);
         if (out.smem_bytes <= kMaxDynamicSmem) return nullptr;
