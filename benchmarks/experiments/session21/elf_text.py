@@ -1,3 +1,6 @@
+"""Compare the kernel sections (.text, .nv.info, shared, constant bank 0) of two cubins, byte for byte.
+usage: elf_text.py A.cubin B.cubin
+"""
 import struct, sys
 def sections(path):
     d = open(path, 'rb').read()
@@ -6,7 +9,12 @@ def sections(path):
     stro = hdrs[shstrndx][4]
     def name(o): e = d.index(b'\0', stro + o); return d[stro + o:e].decode()
     return {name(h[0]): d[h[4]:h[4] + h[5]] for h in hdrs}
-a, b = sections(sys.argv[1]), sections(sys.argv[2])
-for k in sorted(a):
-    if k.startswith('.text') or k.startswith('.nv.info') or k.startswith('.nv.shared') or k.startswith('.nv.constant0'):
-        print(k[:60], len(a[k]), len(b.get(k, b'')), 'SAME' if a[k] == b.get(k) else 'DIFF')
+def main():
+    a, b = sections(sys.argv[1]), sections(sys.argv[2])
+    for k in sorted(a):
+        if k.startswith(('.text', '.nv.info', '.nv.shared', '.nv.constant0')):
+            print(k[:60], len(a[k]), len(b.get(k, b'')), 'SAME' if a[k] == b.get(k) else 'DIFF')
+
+
+if __name__ == "__main__":
+    main()
