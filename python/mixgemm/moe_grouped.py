@@ -284,77 +284,6 @@ def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, ac
     return yp
 
 
-@functools.lru_cache(maxsize=None)
-def _prepare_symbol(lib_handle, symbol: str):
-    """A grouped kernel's prepare function in its helper library: ``mixgemm_grouped_prepare`` (the
-    grouped decode kernels: the device offsets) or ``mixgemm_grouped_gemm_prepare`` (the grouped
-    GEMM: the device token-tile table), both ``(GemmArgs*, uint64 device pointer, int32 experts,
-    params, capacity, Launch*, err, errlen) -> int``."""
-    from .runtime import GemmArgs, Launch
-
-    f = getattr(lib_handle, symbol)
-    f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_uint64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_uint32,
-                  ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
-    f.restype = ctypes.c_int
-    return f
-
-
-def _prepare_fn(lib_handle):
-    """The grouped decode kernels' prepare function."""
-    return _prepare_symbol(lib_handle, "mixgemm_grouped_prepare")
-
-
-@functools.lru_cache(maxsize=None)
-def _routed_prepare_fn(lib_handle):
-    """The grouped decode kernels' routed prepare function: ``(GemmArgs*, Routed*, int32 experts,
-    params, capacity, Launch*, err, errlen) -> int``."""
-    from .runtime import GemmArgs, Launch
-
-    f = lib_handle.mixgemm_grouped_routed_prepare
-    f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.POINTER(_Routed), ctypes.c_int32, ctypes.c_void_p,
-                  ctypes.c_uint32, ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
-    f.restype = ctypes.c_int
-    return f
-
-
-def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_size: int, n: int, k: int,
-            activation: Optional[str], spec, splits: int = 0, routed: Optional[_Routed] = None,
-            rows: int = 0) -> torch.Tensor:
-    """One grouped launch (checked arguments): the helper's params, then cuLaunchKernelEx on the
-    current stream. Nothing is read back from the GPU. ``routed``: the routed mode (no offsets;
-    ``rows`` assignments)."""
-    from . import ops, runtime
-    from .errors import KernelError
-    from .specs import Activation
-
-    x = aligned_contiguous(x)
-    kernel = runtime.KERNELS.get(spec, x.device)
-    helper = kernel.helper
-    a = runtime.GemmArgs()
-    a.abi_version = runtime.ABI_VERSION
-    a.m, a.n, a.k, a.group_size = (rows if routed is not None else x.shape[0]), n, k, group_size
-    a.sm_count = ops._sm_count(x.device.index)
-    a.splits = splits
-    a.activation = Activation(activation or "none").abi
-    a.weight, a.scales = qdata.data_ptr(), scales.data_ptr()
-    a.zeros = 0 if zeros is None else zeros.data_ptr()
-    a.x, a.y = x.data_ptr(), y.data_ptr()
-    a.ldx, a.ldy = k, y.shape[1]
-    params = ctypes.create_string_buffer(helper.params_size)
-    launch = runtime.Launch()
-    err = ctypes.create_string_buffer(512)
-    if routed is not None:
-        rc = _routed_prepare_fn(helper.lib)(ctypes.byref(a), ctypes.byref(routed), qdata.shape[0], params,
-                                            helper.params_size, ctypes.byref(launch), err, len(err))
-    else:
-        rc = _prepare_fn(helper.lib)(ctypes.byref(a), offsets.data_ptr(), qdata.shape[0], params, helper.params_size,
-                                     ctypes.byref(launch), err, len(err))
-    if rc != 0:
-        raise KernelError(f"{spec.name}: {err.value.decode()}")
-    runtime.launch_prepared(kernel, params, launch)
-    return y
-
-
 # ---------------------------------------------------------------------------------------------
 # The routed mode of the grouped decode kernel
 # ---------------------------------------------------------------------------------------------
@@ -456,6 +385,77 @@ def grouped_gemm_routed(x: torch.Tensor, experts: PackedExperts, topk_ids: torch
     routed = _Routed(topk_ids.data_ptr(), topk_ids.element_size(), topk, int(x_by_token), int(y_by_assignment))
     return _launch(x, experts.qdata, experts.scales, experts.zeros, None, y, experts.weight_type,
                    experts.group_size, experts.n, experts.k, activation, spec, splits, routed=routed, rows=rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare_symbol(lib_handle, symbol: str):
+    """A grouped kernel's prepare function in its helper library: ``mixgemm_grouped_prepare`` (the
+    grouped decode kernels: the device offsets) or ``mixgemm_grouped_gemm_prepare`` (the grouped
+    GEMM: the device token-tile table), both ``(GemmArgs*, uint64 device pointer, int32 experts,
+    params, capacity, Launch*, err, errlen) -> int``."""
+    from .runtime import GemmArgs, Launch
+
+    f = getattr(lib_handle, symbol)
+    f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_uint64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_uint32,
+                  ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+def _prepare_fn(lib_handle):
+    """The grouped decode kernels' prepare function."""
+    return _prepare_symbol(lib_handle, "mixgemm_grouped_prepare")
+
+
+@functools.lru_cache(maxsize=None)
+def _routed_prepare_fn(lib_handle):
+    """The grouped decode kernels' routed prepare function: ``(GemmArgs*, Routed*, int32 experts,
+    params, capacity, Launch*, err, errlen) -> int``."""
+    from .runtime import GemmArgs, Launch
+
+    f = lib_handle.mixgemm_grouped_routed_prepare
+    f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.POINTER(_Routed), ctypes.c_int32, ctypes.c_void_p,
+                  ctypes.c_uint32, ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
+    f.restype = ctypes.c_int
+    return f
+
+
+def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_size: int, n: int, k: int,
+            activation: Optional[str], spec, splits: int = 0, routed: Optional[_Routed] = None,
+            rows: int = 0) -> torch.Tensor:
+    """One grouped launch (checked arguments): the helper's params, then cuLaunchKernelEx on the
+    current stream. Nothing is read back from the GPU. ``routed``: the routed mode (no offsets;
+    ``rows`` assignments)."""
+    from . import ops, runtime
+    from .errors import KernelError
+    from .specs import Activation
+
+    x = aligned_contiguous(x)
+    kernel = runtime.KERNELS.get(spec, x.device)
+    helper = kernel.helper
+    a = runtime.GemmArgs()
+    a.abi_version = runtime.ABI_VERSION
+    a.m, a.n, a.k, a.group_size = (rows if routed is not None else x.shape[0]), n, k, group_size
+    a.sm_count = ops._sm_count(x.device.index)
+    a.splits = splits
+    a.activation = Activation(activation or "none").abi
+    a.weight, a.scales = qdata.data_ptr(), scales.data_ptr()
+    a.zeros = 0 if zeros is None else zeros.data_ptr()
+    a.x, a.y = x.data_ptr(), y.data_ptr()
+    a.ldx, a.ldy = k, y.shape[1]
+    params = ctypes.create_string_buffer(helper.params_size)
+    launch = runtime.Launch()
+    err = ctypes.create_string_buffer(512)
+    if routed is not None:
+        rc = _routed_prepare_fn(helper.lib)(ctypes.byref(a), ctypes.byref(routed), qdata.shape[0], params,
+                                            helper.params_size, ctypes.byref(launch), err, len(err))
+    else:
+        rc = _prepare_fn(helper.lib)(ctypes.byref(a), offsets.data_ptr(), qdata.shape[0], params, helper.params_size,
+                                     ctypes.byref(launch), err, len(err))
+    if rc != 0:
+        raise KernelError(f"{spec.name}: {err.value.decode()}")
+    runtime.launch_prepared(kernel, params, launch)
+    return y
 
 
 # ---------------------------------------------------------------------------------------------

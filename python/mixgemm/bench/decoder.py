@@ -282,7 +282,6 @@ def decoder_layer_parts(x: torch.Tensor, delta: Optional[torch.Tensor], pos: int
     ``(x', delta')`` with the last residual add left to the caller: a stack adds it in the next
     layer's first RMSNorm (one launch for the add and the norm, as serving engines fuse them)."""
     b, t, hidden = x.shape
-    d = preset.head_dim
     if delta is None:
         h = rms_norm(x, state.attn_norm, preset.rms_eps)
     else:
