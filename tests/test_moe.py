@@ -306,6 +306,27 @@ def test_routed_supports_gives_the_reason():
     assert "not a grouped decode kernel" in routed_supports(16, 8, tiles)
 
 
+_QWEN3, _MIXTRAL, _WIDE = (2048, 768, 128, 8), (4096, 14336, 8, 2), (256, 128, 600, 1)
+
+
+@pytest.mark.parametrize("preset,tokens,wt,want", [
+    (_QWEN3, 1, WeightType.U4, True), (_QWEN3, 4, WeightType.U2, True), (_MIXTRAL, 1, WeightType.U4, True),
+    (_QWEN3, 16, WeightType.U4, False),     # 128 experts' row blocks: ~27 CTAs per SM
+    (_MIXTRAL, 4, WeightType.U4, False),    # 8 experts x (224 + 32) row blocks
+    (_MIXTRAL, 1, WeightType.S8, False),    # the k-sliced tile: a CTA per 16 weight rows
+    (_QWEN3, 64, WeightType.U4, False),     # 512 assignments: past the kernel's bound
+    (_WIDE, 1, WeightType.U4, False),       # 600 experts: more than the kernel ranks
+    (_MIXTRAL, 256, WeightType.U4, False),  # not a decode plan
+])
+def test_routed_fits(preset, tokens, wt, want):
+    """fused_moe's choice of the routed path (three launches) on a 132-SM GPU."""
+    from mixgemm.moe_layer import routed_fits
+
+    h, inter, e, topk = preset
+    plan = moe.plan_fused_moe(tokens * topk, ActType.BF16, wt, e, h, inter)
+    assert routed_fits(plan, tokens * topk, e, 2 * inter, h, 132) is want
+
+
 def test_combine_by_assignment_on_the_cpu_drops_ids_out_of_range():
     t, topk, h, e = 3, 2, 16, 4
     y = torch.randn(t * topk, h)

@@ -31,7 +31,7 @@ from .codegen import GROUPED_GEMM_TILES
 from .specs import Epilogue, GroupedGemmSpec, KernelKind
 from .types import WeightType
 
-__all__ = ["MoePlan", "plan_fused_moe", "routed_plan", "fused_moe", "fused_moe_op", "fused_moe_reference",
+__all__ = ["MoePlan", "plan_fused_moe", "routed_plan", "routed_fits", "fused_moe", "fused_moe_op", "fused_moe_reference",
            "ROUTED_MAX_CTAS_PER_SM"]
 
 #: Rows per expert with rows (mean) from which :func:`plan_fused_moe` splits the experts between the
@@ -196,17 +196,25 @@ def routed_plan(plan: MoePlan, w13: PackedExperts, w2: PackedExperts, x: torch.T
     mixtral-8x7b at one token, 4 and 2-bit codes); with many, more (mixtral-8x7b at 4 and 16
     tokens, 1-2% slower; 8-bit codes at one token, whose k-sliced tile runs a CTA per 16 weight
     rows, 5%; benchmarks/NOTES.md section 27)."""
-    rows = topk_ids.numel()
-    e = w13.num_experts
-    if not (plan.kind == "each" and rows > 0 and x.is_cuda and topk_ids.dtype in (torch.int32, torch.int64)
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and grouped.routed_supports(rows, e, plan.gate_up) is None
-            and grouped.routed_supports(rows, e, plan.down) is None):
+    if not (x.is_cuda and topk_ids.dtype in (torch.int32, torch.int64) and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     from .ops import _sm_count
 
-    ctas = grouped.decode_ctas(plan.gate_up, w13.n, rows, e) + grouped.decode_ctas(plan.down, w2.n, rows, e)
-    return ctas <= ROUTED_MAX_CTAS_PER_SM * _sm_count(x.device.index)
+    return routed_fits(plan, topk_ids.numel(), w13.num_experts, w13.n, w2.n, _sm_count(x.device.index))
+
+
+def routed_fits(plan: MoePlan, rows: int, num_experts: int, n_gate_up: int, n_down: int, sm_count: int) -> bool:
+    """:func:`routed_plan`'s rule on the plan and the shapes alone: ``plan`` runs both GEMMs on the
+    grouped decode kernel, the routed kernel takes ``rows`` assignments over ``num_experts``
+    experts, and the two launches (gate/up of ``n_gate_up`` weight rows per expert, down of
+    ``n_down``) have at most :data:`ROUTED_MAX_CTAS_PER_SM` CTAs per SM of ``sm_count``, split-K aside."""
+    if not (plan.kind == "each" and rows > 0
+            and grouped.routed_supports(rows, num_experts, plan.gate_up) is None
+            and grouped.routed_supports(rows, num_experts, plan.down) is None):
+        return False
+    ctas = (grouped.decode_ctas(plan.gate_up, n_gate_up, rows, num_experts)
+            + grouped.decode_ctas(plan.down, n_down, rows, num_experts))
+    return ctas <= ROUTED_MAX_CTAS_PER_SM * sm_count
 
 
 @torch.library.custom_op("mixgemm::fused_moe", mutates_args=())
