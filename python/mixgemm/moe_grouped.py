@@ -304,8 +304,9 @@ def routed_supports(rows: int, num_experts: int, spec) -> Optional[str]:
     ``num_experts`` experts, else the reason."""
     if spec.kind is not KernelKind.GROUPED_DECODE:
         return f"{spec.name} is not a grouped decode kernel"
-    if rows > ROUTED_MAX_ASSIGNMENTS:
-        return f"{rows} assignments: the routed kernel ranks at most {ROUTED_MAX_ASSIGNMENTS}"
+    most = min(ROUTED_MAX_ASSIGNMENTS, 32 * spec.warps)   # one id per thread
+    if rows > most:
+        return f"{rows} assignments: the routed kernel ranks at most {most}"
     if num_experts > ROUTED_MAX_EXPERTS:
         return f"{num_experts} experts: the routed kernel takes at most {ROUTED_MAX_EXPERTS}"
     return None
