@@ -410,6 +410,33 @@ def test_quant_moe_from_mlps_packs_the_experts():
         QuantMoE(w2, w13)
 
 
+def test_quant_moe_forward_is_one_fused_moe_op(monkeypatch):
+    """QuantMoE.forward hands its buffers to the mixgemm::fused_moe op, which calls fused_moe on
+    PackedExperts built from them (recorded here on the CPU, fused_moe itself replaced)."""
+    from mixgemm import moe_layer
+    from mixgemm.nn_moe import QuantMoE
+
+    w13 = PackedExperts.quantize(torch.randn(3, 128, 128), 2, 32, symmetric=True, dtype=torch.bfloat16)
+    w2 = PackedExperts.quantize(torch.randn(3, 128, 64), 2, 64, symmetric=True, dtype=torch.bfloat16)
+    layer = QuantMoE(w13, w2)
+    seen = []
+
+    def fake(x, a, b, tw, ids):
+        seen.append((x, a, b, tw, ids))
+        return torch.full_like(x, 2.0)
+
+    monkeypatch.setattr(moe_layer, "fused_moe", fake)
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    tw, ids = torch.rand(6, 2), torch.randint(0, 3, (6, 2))
+    out = layer(x, tw, ids)
+    assert out.shape == x.shape and torch.equal(out, torch.full_like(x, 2.0))
+    (x2, a, b, tw2, ids2), = seen
+    assert x2.shape == (6, 128) and tw2 is tw and ids2 is ids
+    for got, want in ((a, w13), (b, w2)):
+        assert (got.weight_type, got.group_size, got.n, got.k) == (want.weight_type, want.group_size, want.n, want.k)
+        assert torch.equal(got.qdata, want.qdata) and torch.equal(got.scales, want.scales) and got.zeros is None
+
+
 def test_grouped_specs_cover_what_grouped_gemm_picks():
     specs = set(codegen.grouped_specs())
     assert len(specs) == 2 * 6 * 2 * 2
