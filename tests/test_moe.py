@@ -435,6 +435,10 @@ def test_quant_moe_forward_is_one_fused_moe_op(monkeypatch):
     for got, want in ((a, w13), (b, w2)):
         assert (got.weight_type, got.group_size, got.n, got.k) == (want.weight_type, want.group_size, want.n, want.k)
         assert torch.equal(got.qdata, want.qdata) and torch.equal(got.scales, want.scales) and got.zeros is None
+    # and dynamo traces it whole (the op's fake implementation; the eager backend: no GPU needed)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, tw, ids), torch.full_like(x, 2.0)) and len(seen) == 2
 
 
 def test_grouped_specs_cover_what_grouped_gemm_picks():
