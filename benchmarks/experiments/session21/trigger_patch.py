@@ -1,4 +1,6 @@
-"""Experiment patch: routed grouped launches let the next launch start right after their grid wait."""
+"""Experiment patch (NOTES 27d): routed grouped launches let the next launch start right after their grid wait.
+usage: trigger_patch.py ROOT (a copy of the tree; ab_trees.sh makes one)
+"""
 import sys
 p = sys.argv[1] + "/cutlass_ext/mixgemm/grouped_decode_kernel.hpp"
 s = open(p).read()
