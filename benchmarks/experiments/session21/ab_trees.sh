@@ -6,7 +6,9 @@
 # and rerun in the same call).
 #   usage (through the device tool, carrying .whl):
 #   bash benchmarks/experiments/session21/ab_trees.sh PATCH.py KERNEL_REGEX BENCH.py
-#   e.g. ... trigger_patch.py "gdecode_bf16_u[42]_m8|moe_route_i64|moe_combine_bf16_wf32" moe_routed_ab.py
+#   e.g. (from the repository root; paths relative to it)
+#   bash benchmarks/experiments/session21/ab_trees.sh benchmarks/experiments/session21/trigger_patch.py \
+#     "gdecode_bf16_u[42]_m8|moe_route_i64|moe_combine_bf16_wf32" benchmarks/experiments/session21/moe_routed_ab.py
 # PATCH.py takes the copy's root as its argument; BENCH.py takes an output JSON path ($OUT/...).
 set -euo pipefail
 patch=$1 kernels=$2 bench=$3
