@@ -162,6 +162,17 @@ def _check(x, experts, expert_offsets, out, activation, rows: Optional[int] = No
     return n_out
 
 
+def _check_splits(splits) -> None:
+    if not isinstance(splits, int) or isinstance(splits, bool) or not 0 <= splits <= 8:
+        raise ValueError(f"splits must be an int from 0 (the kernel's choice) to 8, got {splits!r}")
+
+
+def _check_spec_types(spec, experts: PackedExperts) -> None:
+    if (spec.act, spec.weight) != (experts.act_type, experts.weight_type):
+        raise ValueError(f"{spec.name} is for {spec.act.value} x {spec.weight.value}, the experts are "
+                         f"{experts.act_type.value} x {experts.weight_type.value}")
+
+
 def grouped_gemm(x: torch.Tensor, experts: PackedExperts, expert_offsets: torch.Tensor,
                  out: Optional[torch.Tensor] = None, activation: Optional[str] = None) -> torch.Tensor:
     """``y[r] = act(x[r] @ dequant(W_e).T)`` for the rows ``r`` of each expert ``e``.
@@ -200,16 +211,14 @@ def grouped_gemm_with_spec(x: torch.Tensor, experts: PackedExperts, expert_offse
     factor; 1-8 forces it (the splits of a row block are one cluster); the grouped GEMM takes 0 only."""
     from .specs import Activation
 
-    if not isinstance(splits, int) or isinstance(splits, bool) or not 0 <= splits <= 8:
-        raise ValueError(f"splits must be an int from 0 (the kernel's choice) to 8, got {splits!r}")
+    _check_splits(splits)
     n_out = _check(x, experts, expert_offsets, out, activation)
     if spec is None:
         spec = select_grouped_spec(x.shape[0], experts, activation)
     elif spec.kind not in (KernelKind.GROUPED_DECODE, KernelKind.GROUPED_GEMM):
         raise TypeError(f"not a grouped kernel: {spec.name}")
-    elif (spec.act, spec.weight) != (experts.act_type, experts.weight_type):
-        raise ValueError(f"{spec.name} is for {spec.act.value} x {spec.weight.value}, the experts are "
-                         f"{experts.act_type.value} x {experts.weight_type.value}")
+    else:
+        _check_spec_types(spec, experts)
     fixed = spec.fixed_activation
     if (fixed is Activation.SWIGLU) != (activation == "swiglu") or (
             spec.kind is KernelKind.GROUPED_DECODE and fixed is not Activation(activation or "none")):
@@ -362,8 +371,7 @@ def grouped_gemm_routed(x: torch.Tensor, experts: PackedExperts, topk_ids: torch
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     t, topk = topk_ids.shape
     rows = t * topk
-    if not isinstance(splits, int) or isinstance(splits, bool) or not 0 <= splits <= 8:
-        raise ValueError(f"splits must be an int from 0 (the kernel's choice) to 8, got {splits!r}")
+    _check_splits(splits)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != (t if x_by_token else rows):
         want = f"[T={t}, K]" if x_by_token else f"[T * topk = {rows}, K]"
         raise ValueError(f"x must be {want}, got {list(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
@@ -375,9 +383,7 @@ def grouped_gemm_routed(x: torch.Tensor, experts: PackedExperts, topk_ids: torch
     why = routed_supports(rows, experts.num_experts, spec)
     if why:
         raise ValueError(why)
-    if (spec.act, spec.weight) != (experts.act_type, experts.weight_type):
-        raise ValueError(f"{spec.name} is for {spec.act.value} x {spec.weight.value}, the experts are "
-                         f"{experts.act_type.value} x {experts.weight_type.value}")
+    _check_spec_types(spec, experts)
     if spec.fixed_activation is not Activation(activation or "none"):
         raise ValueError(f"{spec.name} computes {spec.fixed_activation.value}, the call asks for {activation or 'none'}")
     y = out if out is not None else torch.empty((rows, n_out), dtype=x.dtype, device=x.device)
