@@ -128,7 +128,7 @@ struct Trace {
   unsigned long long* rec = nullptr;
   template <class P>
   CUTLASS_DEVICE void begin(P const& p) {
-    unsigned const cta = blockIdx.x + gridDim.x * blockIdx.y;
+    unsigned const cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);   // (z: the grouped kernel)
     if (threadIdx.x != 0 || cta >= unsigned(kTraceCtas)) return;
     unsigned const slot = atomicAdd(&mixgemm_decode_trace_seq[cta], 1u) % kTraceSlots;
     rec = mixgemm_decode_trace[slot][cta];
@@ -136,7 +136,7 @@ struct Trace {
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
     rec[0] = (unsigned long long)(unsigned(p.n)) | ((unsigned long long)(unsigned(p.m)) << 32);
     rec[1] = reinterpret_cast<unsigned long long>(p.y);
-    rec[2] = smid | ((unsigned long long)(gridDim.x * gridDim.y) << 32);
+    rec[2] = smid | ((unsigned long long)(gridDim.x * gridDim.y * gridDim.z) << 32);
   }
   CUTLASS_DEVICE void mark(TracePhase e) {
     if (rec == nullptr) return;
@@ -146,7 +146,23 @@ struct Trace {
     rec[3 + kPhases + e] = clock64();
   }
 };
+// The grouped kernel's marks before run() (its entry and its grid wait; run()'s entry comes after
+// the expert's ranking): %globaltimer by CTA index, [slot][CTA][mark], the slot as run()'s.
+extern "C" {
+__device__ unsigned long long mixgemm_grouped_trace[kTraceSlots][kTraceCtas][2];
+__device__ unsigned int mixgemm_grouped_trace_seq[kTraceCtas];
+}
+CUTLASS_DEVICE void grouped_mark(int which) {
+  unsigned const cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (threadIdx.x != 0 || cta >= unsigned(kTraceCtas)) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  unsigned const slot = (which == 0 ? atomicAdd(&mixgemm_grouped_trace_seq[cta], 1u)
+                                    : mixgemm_grouped_trace_seq[cta] - 1u) % kTraceSlots;
+  mixgemm_grouped_trace[slot][cta][which] = t;
+}
 #else
+CUTLASS_DEVICE void grouped_mark(int) {}
 struct Trace {
   template <class P>
   CUTLASS_DEVICE void begin(P const&) {}

@@ -199,11 +199,13 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
   __shared__ RoutedSmem<Cfg::kThreads> routed;
   bool const is_routed = gp.ids != nullptr;
   bool const by_rank = gridDim.z != unsigned(gp.experts);
+  decode::grouped_mark(0);   // (trace builds only)
   if (is_routed && by_rank) {
     if (threadIdx.x < kRoutedMaxExperts / 32) routed.present[threadIdx.x] = 0u;
     __syncthreads();   // (before the wait: off the critical path)
   }
   decode::wait_previous_grid();   // the offsets (or the ids) may come from the kernel before this one
+  decode::grouped_mark(1);
   // With a grid of E along z, blockIdx.z is the expert. With fewer (min(E, rows) < E: no CTA is
   // launched for most empty experts), blockIdx.z is the rank of the CTA's expert among the
   // experts that have rows, found by the first warp from the offsets; a rank past the last such
@@ -299,7 +301,11 @@ struct Host {
   using Dense = decode::Host<Cfg, A>;
   // dynamic shared memory: the kernel's static expert tile parameters come off the budget
   static constexpr int kMaxDynamicSmem =
-      Cfg::kMaxSmem - int(sizeof(decode::Params<Act>)) - int(sizeof(RoutedSmem<Cfg::kThreads>)) - 128;
+      Cfg::kMaxSmem - int(sizeof(decode::Params<Act>)) - int(sizeof(RoutedSmem<Cfg::kThreads>)) - 128
+#if defined(MIXGEMM_DECODE_TRACE)
+      - 256   // (the trace build's kernels hold a little more static shared memory)
+#endif
+      ;
 
   // The dense checks on one tile of the problem (at most the token tile), plus the grouped ones.
   static char const* why_not(abi::GemmArgs const& a, uint64_t offsets, int32_t experts, bool routed = false) {
