@@ -26,8 +26,8 @@ _DECODE_SPECS = [s for s in grouped_specs() if s.kind is KernelKind.GROUPED_DECO
 
 #: (T, topk, E): fewer rows than experts (the CTAs find their expert by rank; past the first 256
 #: experts with 300), one token, odd T, a token tile's row loop (48 x 2 over 4 experts: 24 rows
-#: each), and the most assignments (32 x 8 = 256)
-_ROUTINGS = [(1, 8, 64), (3, 2, 16), (7, 4, 16), (48, 2, 4), (32, 8, 128), (4, 8, 300)]
+#: each; 16 x 2 over 2: 16 rows each, a grid of E), and the most assignments (32 x 8 = 256)
+_ROUTINGS = [(1, 8, 64), (3, 2, 16), (7, 4, 16), (48, 2, 4), (16, 2, 2), (32, 8, 128), (4, 8, 300)]
 
 
 def _ids(t: int, topk: int, e: int, dtype, seed: int) -> torch.Tensor:

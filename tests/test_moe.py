@@ -164,10 +164,18 @@ def test_fused_moe_shape_errors():
 pytest_fake = pytest.mark.skipif(fake_driver.compiler() is None or fake_driver.real_driver_present(),
                                  reason="needs a C compiler for the fake CUDA driver, and no real one")
 
-#: grouped_decode::Params: decode::Params (8 pointers, 8 int32, ldx, ldy) then offsets, the three
-#: strides, experts, and the routed mode's ids pointer, ids_bytes, assignments, topk, x_by_token,
-#: y_by_assignment
-_PARAMS = struct.Struct("=8Q8i2qQ3qi4xQ5i4x")
+#: grouped_decode::Params: decode::Args (decode::Params: 8 pointers, 8 int32, ldx, ldy; padding to
+#: the descriptors' 64-byte alignment; the scale and zero rows' TMA descriptors), then offsets, the
+#: three strides, experts, the group rows of one expert, and the routed mode's ids pointer,
+#: ids_bytes, assignments, topk, x_by_token, y_by_assignment (the struct padded to 64 bytes)
+_PARAMS = struct.Struct("=8Q8i2q16x128s128sQ3qiiQ5i60x")
+
+
+def _descriptor(raw: bytes) -> tuple:
+    """The fake driver's descriptor (tests/cpp/fake_libcuda.c): address, dims[0], dims[1],
+    strides[0], box (inner, outer), as encoded; all zero when none was encoded."""
+    w = struct.unpack("=16Q", raw)
+    return w[0], w[1], w[2], w[3], (w[4] & 0xFFFFFFFF, w[4] >> 32)
 
 
 @pytest_fake
@@ -202,14 +210,23 @@ def test_grouped_launch_through_the_real_helper(tmp_path, monkeypatch, bits, sym
     f = _PARAMS.unpack(L["params"])
     weight, scales, zeros, xp, bias, yp, partials, counters = f[:8]
     m, pn, pk, gshift, aps, psplits = f[8:14]
-    ldx, ldy, offs, wstride, gstride, bstride, experts = f[16:23]
+    ldx, ldy, scales_map, zeros_map, offs, wstride, gstride, bstride, experts, expert_groups = f[16:26]
     assert (weight, scales, xp, yp) == (ex.qdata.data_ptr(), ex.scales.data_ptr(), x.data_ptr(), y.data_ptr())
     assert zeros == (0 if symmetric else ex.zeros.data_ptr()) and bias == partials == counters == 0
     assert (pn, pk, gshift, psplits, ldx, ldy) == (n, k, 6, splits, k, n_out)
     assert aps * splits >= k // 64
-    assert offs == offsets.data_ptr() and experts == e
+    assert offs == offsets.data_ptr() and experts == e and expert_groups == k // 64
     assert wstride == ex.qdata[0].numel() and gstride == ex.scales[0].numel() and bstride == 0
-    assert f[23:] == (0, 0, 0, 0, 0, 0)   # not routed
+    # every expert's scale (and zero) rows in one descriptor: [E * G][N], boxes of the CTA's rows
+    rows_per_cta = 16 * (spec.warps // spec.kslices)
+    addr, dim0, dim1, stride0, box = _descriptor(scales_map)
+    assert (addr, dim0, dim1, stride0, box[0]) == (ex.scales.data_ptr(), n, e * (k // 64), n * 2, rows_per_cta)
+    assert box[1] >= 1
+    if symmetric:
+        assert zeros_map == bytes(128)
+    else:
+        assert _descriptor(zeros_map) == (ex.zeros.data_ptr(), n, e * (k // 64), n * 2, box)
+    assert f[26:] == (0, 0, 0, 0, 0, 0)   # not routed
 
 
 @pytest_fake
@@ -240,8 +257,9 @@ def test_routed_launch_through_the_real_helper(tmp_path, monkeypatch, ids_dtype,
     assert L["grid"][2] == min(e, t * topk)
     f = _PARAMS.unpack(L["params"])
     assert f[3] == x.data_ptr() and f[5] == y.data_ptr() and f[8] == spec.tokens   # (m: a tile's rows)
-    assert f[18] == 0 and f[22] == e                                  # no offsets
-    assert f[23:] == (ids.data_ptr(), ids.element_size(), t * topk, topk, int(x_by_token), int(y_by_assignment))
+    assert f[20] == 0 and f[24] == e                                  # no offsets
+    assert _descriptor(f[18])[:3] == (ex.scales.data_ptr(), n, e * (k // 64))
+    assert f[26:] == (ids.data_ptr(), ids.element_size(), t * topk, topk, int(x_by_token), int(y_by_assignment))
 
 
 @pytest_fake

@@ -185,14 +185,15 @@ CUTLASS_DEVICE void centered_kblock(uint32_t const* chunk, uint32_t const (&bias
 // Waited: the caller has already waited for the previous grid (the grouped decode kernel reads
 // its expert offsets first); then nothing is gained by requesting the constants before the x
 // tile, and the x tile goes first (it is what the first MMA waits for).
-// Maps: the scale / zero rows come as TMA boxes through `maps` (the dense kernel's Args);
-// otherwise (the grouped kernel, whose tensors move with the expert) one bulk copy per group row.
+// Maps: the scale / zero rows come as TMA boxes through `maps` (Args), their group rows from
+// map_group0 on (the grouped kernel's descriptors cover every expert's rows, stacked: expert e's
+// start at e * G); otherwise one bulk copy per group row.
 // x_rows / y_rows (grouped kernel only, Waited; null: row r): the row of x that token column r
 // reads, and the row of y it writes (the routed grouped kernel gathers x by token and scatters y
 // by top-k assignment: grouped_decode_kernel.hpp).
 template <class Cfg, Activation Act_, bool Group32, bool Waited = false, bool Maps = false>
 CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typename Cfg::Act> const* maps = nullptr,
-                        uint16_t const* x_rows = nullptr, uint16_t const* y_rows = nullptr) {
+                        uint16_t const* x_rows = nullptr, uint16_t const* y_rows = nullptr, int map_group0 = 0) {
   using Act = typename Cfg::Act;
   using D = typename Cfg::Dequant;
   using Raw = typename Cfg::Raw;
@@ -296,9 +297,10 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
         Barrier::arrive_and_expect_tx(sbar, uint32_t(copies * box_bytes * (Cfg::kHasZero ? 2 : 1)));
         uint64_t const hint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
         for (int c = 0; c < copies; ++c) {
-          cute::SM90_TMA_LOAD_2D::copy(&maps->scales_map, sbar, hint, ss + c * bg * Cfg::kRowsPerCta, row0, grp0 + c * bg);
+          int const g = map_group0 + grp0 + c * bg;
+          cute::SM90_TMA_LOAD_2D::copy(&maps->scales_map, sbar, hint, ss + c * bg * Cfg::kRowsPerCta, row0, g);
           if constexpr (Cfg::kHasZero) {
-            cute::SM90_TMA_LOAD_2D::copy(&maps->zeros_map, sbar, hint, zs + c * bg * Cfg::kRowsPerCta, row0, grp0 + c * bg);
+            cute::SM90_TMA_LOAD_2D::copy(&maps->zeros_map, sbar, hint, zs + c * bg * Cfg::kRowsPerCta, row0, g);
           }
         }
       }

@@ -17,7 +17,9 @@
 // expert and row count, so they exit (and loop) together.
 //
 // The body is the dense decode kernel's run() (decode_kernel.hpp), unchanged, called on the
-// expert's pointers: once per tile of at most 8 * NTiles rows. An expert with more rows than the
+// expert's pointers: once per tile of at most 8 * NTiles rows. Its scale / zero rows come as the
+// dense kernel's TMA boxes, from descriptors of every expert's rows stacked ([E * G][N]: one copy
+// per tensor where one bulk copy per group row took ~40 ns each, NOTES 28). An expert with more rows than the
 // tile streams its weights once per tile (the row loop: correct at any token count, but the
 // many-tokens regime wants the sm90 grouped GEMM instead). Between tiles the CTA's mbarriers are
 // invalidated and run() initialises them again. The global split-K reduction (more than 8
@@ -43,12 +45,17 @@ using mixgemm::Activation;
 
 template <class Act>
 struct Params {
-  decode::Params<Act> base;   // expert 0's weight, scales, zeros, bias; x and y of row 0; m unused
+  // base.p: expert 0's weight, scales, zeros, bias; x and y of row 0; m unused. base.scales_map /
+  // zeros_map: every expert's scale / zero rows as one 2-D tensor [E * G][N] (the experts' [G][N]
+  // stacked), read in the dense kernel's boxes from row e * G (a box running past an expert's
+  // last group reads the next expert's rows or zeros, which no MMA uses)
+  decode::Args<Act> base;
   int32_t const* offsets;     // [experts + 1] int32 on the device: expert e owns rows [offsets[e], offsets[e+1])
   int64_t weight_stride;      // bytes of one expert's prepacked codes
   int64_t group_stride;       // elements of one expert's scales (and zeros)
   int64_t bias_stride;        // elements of one expert's bias (N), 0 without a bias
   int32_t experts;
+  int32_t expert_groups;      // G: the group rows of one expert
   // routed mode (ids non-null; offsets unused): the top-k ids, and where x and y rows live
   void const* ids;            // [assignments] int32 or int64 expert ids, flat index token * topk + slot
   int32_t ids_bytes;          // 4 or 8
@@ -237,7 +244,7 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
     // +30 registers and spills under the 128-register bound of two CTAs per SM).
     __shared__ decode::Params<Act> tile;
     if (threadIdx.x == 0) {
-      tile = gp.base;
+      tile = gp.base.p;
       tile.weight += int64_t(e) * gp.weight_stride;
       tile.scales += int64_t(e) * gp.group_stride;
       if (tile.zeros) tile.zeros += int64_t(e) * gp.group_stride;
@@ -251,10 +258,10 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
     uint16_t const* x_rows = is_routed && gp.x_by_token ? routed.token : nullptr;
     uint16_t const* y_rows = is_routed && gp.y_by_assignment ? routed.flat : nullptr;
     for (int t0 = 0; t0 < count; t0 += Cfg::kTokens) {
-      if (gp.base.group_shift == 5) {
-        decode::run<Cfg, A, true, true>(tile, smem, nullptr, x_rows, y_rows);
+      if (gp.base.p.group_shift == 5) {
+        decode::run<Cfg, A, true, true, true>(tile, smem, &gp.base, x_rows, y_rows, e * gp.expert_groups);
       } else {
-        decode::run<Cfg, A, false, true>(tile, smem, nullptr, x_rows, y_rows);
+        decode::run<Cfg, A, false, true, true>(tile, smem, &gp.base, x_rows, y_rows, e * gp.expert_groups);
       }
       if (t0 + Cfg::kTokens < count) {
         // another tile: every thread is done with this one's barriers and shared memory
@@ -286,6 +293,13 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
 // Host side: checks and the launch plan. a.m is the total row count T of x (all experts): the
 // host knows it without a sync, and at most min(E, T) experts have rows.
 // ---------------------------------------------------------------------------------------------
+// The CTAs per SM a kernel is compiled for (__launch_bounds__): three for the 8-token tile, whose
+// waves the planner counts at three resident CTAs (at most 80 registers: decode_plan.hpp); two
+// otherwise. (Bounded by two, ptxas gave the 2-bit swiglu kernel 82 registers once its scale rows
+// came as TMA boxes, and two CTAs per SM: NOTES 28.)
+template <class Cfg>
+constexpr int kMinCtasPerSm = Cfg::kTokens == 8 ? 3 : 2;
+
 // The routed mode's arguments (mixgemm_grouped_routed_prepare).
 struct Routed {
   uint64_t ids;              // device pointer to the top-k ids [T * topk]
@@ -406,14 +420,32 @@ struct Host {
     if (dst == nullptr || out == nullptr) return fail("null output buffer");
     if (capacity < sizeof(Params<Act>)) return fail("params buffer too small");
     std::memset(out, 0, sizeof(*out));
-    Params<Act> gp{};
-    gp.base = Dense::params(*a, pl);   // (at most a cluster's splits: no workspace)
-    gp.base.m = Cfg::kTokens;          // a tile's rows; each CTA sets its expert's count
+    out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = uint32_t(experts < a->m ? experts : a->m);   // at most min(E, rows) experts have rows
+    out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;
+    out->cluster[0] = 1; out->cluster[1] = uint32_t(pl.splits); out->cluster[2] = 1;
+    out->smem_bytes = uint32_t(pl.smem_bytes);
+    out->params_bytes = uint32_t(sizeof(Params<Act>));
+    // (the launch's geometry is filled first: without the driver's encoder, as on a build machine,
+    // the descriptors cannot be encoded and the call fails below, its plan still readable)
+    Params<Act> gp;
+    std::memset(&gp, 0, sizeof(gp));   // (the padding too: the params bytes are compared and cached)
+    gp.base.p = Dense::params(*a, pl);   // (at most a cluster's splits: no workspace)
+    gp.base.p.m = Cfg::kTokens;          // a tile's rows; each CTA sets its expert's count
     gp.offsets = reinterpret_cast<int32_t const*>(offsets);
     gp.weight_stride = int64_t(a->n / 16) * (a->k / 64) * Cfg::kAtomBytes;
-    gp.group_stride = int64_t(a->k / a->group_size) * a->n;
+    gp.expert_groups = a->k / a->group_size;
+    gp.group_stride = int64_t(gp.expert_groups) * a->n;
     gp.bias_stride = a->bias ? a->n : 0;
     gp.experts = experts;
+    int const rows = experts * gp.expert_groups, bg = Cfg::box_groups(pl.groups_per_split);
+    if (char const* why = decode::encode_group_rows(&gp.base.scales_map, gp.base.p.scales, a->n, rows,
+                                                    Cfg::kRowsPerCta, bg)) {
+      return fail(why);
+    }
+    if (char const* why = decode::encode_group_rows(&gp.base.zeros_map, Cfg::kHasZero ? gp.base.p.zeros : nullptr,
+                                                    a->n, rows, Cfg::kRowsPerCta, bg)) {
+      return fail(why);
+    }
     if (routed) {
       gp.offsets = nullptr;
       gp.ids = reinterpret_cast<void const*>(routed->ids);
@@ -424,11 +456,6 @@ struct Host {
       gp.y_by_assignment = routed->y_by_assignment ? 1 : 0;
     }
     std::memcpy(dst, &gp, sizeof(gp));
-    out->grid[0] = uint32_t(pl.row_blocks); out->grid[1] = uint32_t(pl.splits); out->grid[2] = uint32_t(experts < a->m ? experts : a->m);   // at most min(E, rows) experts have rows
-    out->block[0] = Cfg::kThreads; out->block[1] = 1; out->block[2] = 1;
-    out->cluster[0] = 1; out->cluster[1] = uint32_t(pl.splits); out->cluster[2] = 1;
-    out->smem_bytes = uint32_t(pl.smem_bytes);
-    out->params_bytes = uint32_t(sizeof(Params<Act>));
     return 0;
   }
 };
@@ -448,6 +475,9 @@ struct Host {
     return uint32_t(sizeof(mixgemm::grouped_decode::Params<CFG::Act>));                             \
   }                                                                                                 \
   extern "C" uint32_t mixgemm_smem_size() { return uint32_t(NAME##_host::kMaxDynamicSmem); }       \
+  extern "C" void mixgemm_set_tensor_map_encoder(void* fn) {                                         \
+    mixgemm::decode::tensor_map_encoder() = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn); \
+  }                                                                                                 \
   extern "C" int mixgemm_gemm_check(mixgemm::abi::GemmArgs const* a, char* err, int errlen) {       \
     mixgemm::decode::Plan pl;                                                                       \
     char const* why = NAME##_host::check(a, 16, 1, pl);                                             \
@@ -478,7 +508,7 @@ struct Host {
   }
 #else
 #define MIXGEMM_GROUPED_DECODE_ENTRY(NAME, CFG, ACTIVATION)                                        \
-  extern "C" __global__ void __launch_bounds__(CFG::kThreads, 2)                                    \
+  extern "C" __global__ void __launch_bounds__(CFG::kThreads, mixgemm::grouped_decode::kMinCtasPerSm<CFG>) \
   NAME(CUTLASS_GRID_CONSTANT mixgemm::grouped_decode::Params<CFG::Act> const params) {              \
     mixgemm::grouped_decode::kernel_body<CFG, ACTIVATION>(params);                                  \
   }
