@@ -116,6 +116,34 @@ def test_grouped_decode_forced_splits(requires_gpu, wt, splits):
         assert err <= _tolerance(k, x.dtype), f"{spec.name} splits {splits} counts {counts}: {err:.3e}"
 
 
+@pytest.mark.parametrize("wt", ALL_WEIGHTS, ids=lambda w: w.value)
+@pytest.mark.parametrize("label", ("dec8", "dec16"))
+def test_row_loop_on_a_compacted_grid(requires_gpu, wt, label):
+    """Fewer rows than experts (z ranks the experts with rows), some experts with more rows than
+    the token tile (each CTA runs its expert's tiles one after another), past the first pass of
+    256 experts' offsets, with 1 and 2 splits on both token tiles."""
+    from mixgemm.codegen import TILE_CONFIGS
+    from mixgemm.specs import Activation, GroupedDecodeSpec
+    from mixgemm.types import ActType
+
+    act = ActType.BF16
+    e, n, k = 300, 128, 384
+    ex, deq = _experts(act, wt, e, n, k, 64, gated=True)
+    counts = [0] * e
+    counts[3], counts[17], counts[255], counts[256], counts[299] = 37, 9, 1, 17, 2   # 66 rows <= E
+    torch.manual_seed(3)
+    x = torch.randn(sum(counts), k, device="cuda", dtype=act.torch_dtype)
+    d = next(t for t in TILE_CONFIGS if t.label == label).spec(act, wt, Activation.SWIGLU)
+    spec = GroupedDecodeSpec(d.act, d.weight, d.tokens, d.warps, d.stage_bytes, d.stages, d.activation, d.kslices)
+    ref = _reference(x, deq, counts, "swiglu")
+    for splits in (1, 2):
+        y = torch.full((x.shape[0], n // 2), float("nan"), device="cuda", dtype=x.dtype)
+        moe.grouped_gemm_with_spec(x, ex, _offsets(counts), spec, out=y, activation="swiglu", splits=splits)
+        assert not torch.isnan(y).any(), f"{spec.name} splits {splits}: unwritten rows"
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err <= _tolerance(k, x.dtype), f"{spec.name} splits {splits}: relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("e", (1, 256))
 def test_one_and_many_experts(requires_gpu, e):
     from mixgemm.types import ActType, WeightType
