@@ -169,7 +169,8 @@ def test_bar_unavailable_and_errors():
 
 
 def report(**kw):
-    ms = [meas("bf16", 100.0, impl="torch._grouped_mm"), meas("mixgemm-u4", 25.0, impl="mixgemm.moe.fused_moe"),
+    ms = [meas("bf16", 100.0, impl="torch._grouped_mm", eager_timing=stats(412.5)),
+          meas("mixgemm-u4", 25.0, impl="mixgemm.moe.fused_moe"),
           meas("torch-int4", None, error="no tinygemm", unavailable=True),
           meas("mixgemm-u4", 30.0, routing="zipf", tokens=1, err=0.9)]
     pts = B.analyze_moe(ms, 2000.0, presets=PRESETS_T)
@@ -184,6 +185,8 @@ def test_table():
     assert "bf16: torch._grouped_mm" in text and "mixgemm-u4: mixgemm.moe.fused_moe" in text
     assert "4.00x" in text and "torch-int4: n/a: no tinygemm" in text
     assert "mixgemm-u4 zipf T=1: FAIL" in text
+    assert "eager us" in text and " 412.5 " in text    # the eager column (empty where not measured)
+    assert point(rep.points, "bf16").eager_us == 412.5 and point(rep.points, "mixgemm-u4").eager_us is None
     rows = [line for line in text.splitlines() if line.startswith(("uniform", "zipf"))]
     assert [r.split()[0] for r in rows] == ["uniform"] * 3 + ["zipf"]     # routing, tokens, variant order
     quick = B.format_moe_table(rep.points, rep.machine, B.MoeConfig(quick=True).to_json(), presets=PRESETS_T)
@@ -197,6 +200,8 @@ def test_json_round_trip_and_save(tmp_path):
     assert doc["schema"] == B.MOE_SCHEMA and doc["config"]["host_counts"].startswith("per-expert loops")
     back = B.moe_report_from_dict(doc)
     assert back.points == rep.points and back.machine == rep.machine
+    # eager_us is written where measured, left out where not (older results lack it)
+    assert [("eager_us" in p, p.get("eager_us")) for p in doc["points"]][:2] == [(True, 412.5), (False, None)]
     with pytest.raises(ValueError, match="not a"):
         B.moe_report_from_dict({"schema": "x"})
     cfg = B.MoeConfig(presets=("small",), save=True, results_root=str(tmp_path / "res"),
@@ -378,7 +383,7 @@ def test_the_run_on_the_cpu():
         if p.variant == "torch-int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             continue
         assert p.status == bench.OK, (p.variant, p.routing, p.tokens, p.note)
-        assert p.iters == 3 and p.time_us > 0 and p.speedup_vs_bf16 is not None
+        assert p.iters == 3 and p.time_us > 0 and p.eager_us > 0 and p.speedup_vs_bf16 is not None
         assert p.expert_bytes == B.expert_weight_bytes(SMALL, V.parse_variant(p.variant), 128)
         assert p.weight_bytes == p.experts_touched * p.expert_bytes
         assert p.err is not None and p.err < cfg.max_error and p.replay_err == 0.0

@@ -18,7 +18,9 @@ before the capture for that point's routing (each point's graph is captured for 
 
 Each point reports:
 
-* ``time_us``: the layer's median time;
+* ``time_us``: the layer's median time (graph replays); ``eager_us``: the same layer called from
+  Python on an idle GPU (median; the host's time for the launches included: what an eager loop
+  sees);
 * ``weight_bytes`` (:func:`moe_traffic`): the bytes of the experts the routing touches (at least
   one token), as the variant holds them (codes + scales + zeros, or bf16 weights);
 * ``act_bytes``: the activations (see :func:`moe_traffic`);
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -199,7 +201,8 @@ class MoeConfig:
                 "group_size": self.group_size, "iters": self.iters, "warmup": self.warmup, "quick": self.quick,
                 "max_error": self.max_error, "point_budget_s": self.point_budget_s, "seed": self.seed,
                 "dtype": "bf16", "weights": "randn * 0.02 (bf16), quantized on the GPU",
-                "timing": "the whole layer (routing included) in one CUDA graph, replayed",
+                "timing": "the whole layer (routing included) in one CUDA graph, replayed; eager_us: the layer "
+                          "called from Python on an idle GPU (L2 flushed, then a synchronization)",
                 "host_counts": "per-expert loops (bf16 fallback, torch-int4): expert row counts computed on the "
                                "host before the capture, for that point's routing",
                 "flush": "2x L2 written before every replay"}
@@ -244,6 +247,7 @@ class MoeMeasurement:
     impl: str = ""
     expert_bytes: Optional[int] = None       # one expert as the variant holds it
     timing: Optional[TimingStats] = None
+    eager_timing: Optional[TimingStats] = None
     err: Optional[float] = None
     replay_err: Optional[float] = None
     output_finite: bool = True
@@ -268,6 +272,7 @@ class MoePoint:
     min_us: Optional[float] = None
     p90_us: Optional[float] = None
     iters: Optional[int] = None
+    eager_us: Optional[float] = None
     expert_bytes: Optional[int] = None
     weight_bytes: Optional[int] = None
     act_bytes: Optional[int] = None
@@ -277,6 +282,9 @@ class MoePoint:
     speedup_vs_bf16: Optional[float] = None
     err: Optional[float] = None
     replay_err: Optional[float] = None
+
+    #: left out of the JSON when None (results written before the field existed lack it)
+    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ("eager_us",)
 
     @property
     def key(self) -> tuple:
@@ -342,6 +350,8 @@ def analyze_moe(measurements: Iterable[MoeMeasurement], read_bw_gbps: Optional[f
         if m.timing is not None and m.timing.median_us > 0:
             t = m.timing.median_us
             row.update(time_us=t, min_us=m.timing.min_us, p90_us=m.timing.p90_us, iters=m.timing.iters)
+            if m.eager_timing is not None:
+                row["eager_us"] = m.eager_timing.median_us
             if read_bw_gbps:
                 row["frac_of_floor"] = row["floor_us"] / t
             ref = base.get((m.preset, m.routing, m.tokens))
@@ -388,10 +398,12 @@ MOE_TABLE = PresetTable(
     columns=(Column("routing", lambda p: p.routing, right=False), Column("tokens", lambda p: str(p.tokens)),
              Column("experts", lambda p: "" if p.experts_touched is None else
                     f"{p.experts_touched} (<={p.max_expert_rows})"), VARIANT,
-             Column("us", lambda p: fmt(p.time_us, ".1f")), Column("floor us", lambda p: fmt(p.floor_us, ".1f")),
+             Column("us", lambda p: fmt(p.time_us, ".1f")), Column("eager us", lambda p: fmt(p.eager_us, ".1f")),
+             Column("floor us", lambda p: fmt(p.floor_us, ".1f")),
              PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, Column("MB", lambda p: megabytes(p.total_bytes)), ERR, ITERS, STATUS),
     how=lambda config: (f"the whole layer in a CUDA graph, median of up to {config.get('iters')} replays (L2 "
-                        f"flushed before each); floor = bytes of the experts touched + activations / read bandwidth"),
+                        f"flushed before each); eager: called from Python on an idle GPU; floor = bytes of the "
+                        f"experts touched + activations / read bandwidth"),
     heading=lambda name, preset, points: (f"{name}: hidden {preset.hidden}, expert intermediate "
                                           f"{preset.intermediate}, {preset.experts} experts, top-{preset.topk}"),
     order=_moe_order, note_key=lambda p: f"{p.variant} {p.routing} T={p.tokens}", footer=_moe_footer)

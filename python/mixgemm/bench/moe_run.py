@@ -13,7 +13,10 @@ For each point:
    them (so that no dense copy of every expert is held);
 2. the whole layer (routing, w13 + swiglu, w2, combine) captured in a CUDA graph (after a warm-up
    run on a side stream, which also loads the kernels) and replayed, :func:`.timing.time_cuda`
-   with the L2 flushed before each replay; the replayed output is compared with the eager one.
+   with the L2 flushed before each replay; the replayed output is compared with the eager one;
+3. the layer called from Python on an idle GPU (the L2 flushed, then a synchronization; CUDA
+   events around the call, :func:`.timing.eager_clock`): what a user's eager loop sees, the
+   host's time for the call's launches included.
 
 The per-expert loops (the bf16 fallback and torch-int4) slice the sorted rows with expert row
 counts computed on the host before the capture, for that point's routing; mixgemm's
@@ -34,7 +37,7 @@ from .grid import relative_error
 from .moe import MOE_PRESETS, MoeConfig, MoeMeasurement, MoePreset, expert_counts, make_routing
 from .peer_formats import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
 from .run_support import Log, cuda_capture, describe, free, prebuild_variants, recover, sync, variant_available
-from .timing import Clock, CudaEventClock, budgeted_iters, device_flush_size, time_cuda
+from .timing import Clock, CudaEventClock, budgeted_iters, device_flush_size, eager_clock, time_cuda
 from .variants import Variant, VariantKind
 
 #: ``capture(fn) -> (graph, out)``: ``graph.replay()`` reruns ``fn`` into ``out`` (tests pass a
@@ -280,8 +283,10 @@ class PointInputs:
 
 
 def measure_point(layer: MoeLayer, variant: Variant, preset: MoePreset, pt: PointInputs, cfg: MoeConfig,
-                  clock: Clock, flush: int, capture: Capture, device: torch.device, log: Log) -> MoeMeasurement:
-    """Check, capture and time one point; exceptions are recorded, never raised."""
+                  clock: Clock, flush: int, capture: Capture, device: torch.device, log: Log,
+                  eager: Optional[Clock] = None) -> MoeMeasurement:
+    """Check, capture and time one point (graph replays on ``clock``, eager calls on ``eager``);
+    exceptions are recorded, never raised."""
     base = dict(preset=preset.name, routing=pt.routing, tokens=pt.tokens, variant=variant.name,
                 experts_touched=pt.experts_touched, max_expert_rows=pt.max_rows, impl=layer.impl,
                 expert_bytes=layer.expert_bytes)
@@ -307,19 +312,24 @@ def measure_point(layer: MoeLayer, variant: Variant, preset: MoePreset, pt: Poin
             replay_err = relative_error(y_graph, y)
             finite = finite and bool(torch.isfinite(y_graph).all())
             del graph, y_graph
+            eager_stats = time_cuda(call, iters, warmup, flush, clock=eager or clock)
     except Exception as e:        # a kernel fault may leave the context unusable: record it, go on
         recover()
         return MoeMeasurement(**base, error=describe(e))
     log(f"  {preset.name} {pt.routing} T={pt.tokens} ({pt.experts_touched} experts) {variant.name}: "
-        f"{stats.median_us:.1f} us, err {err:.1e}")
-    return MoeMeasurement(**base, timing=stats, err=err, replay_err=replay_err, output_finite=finite)
+        f"{stats.median_us:.1f} us (eager {eager_stats.median_us:.1f}), err {err:.1e}")
+    return MoeMeasurement(**base, timing=stats, eager_timing=eager_stats, err=err, replay_err=replay_err,
+                          output_finite=finite)
 
 
 def run_preset(preset: MoePreset, cfg: MoeConfig, device: torch.device, build_failures: dict[str, str], log: Log,
                clock: Optional[Clock] = None, capture: Optional[Capture] = None) -> list[MoeMeasurement]:
-    """Every (routing, tokens, variant) point of one preset; exceptions are recorded, never raised."""
+    """Every (routing, tokens, variant) point of one preset; exceptions are recorded, never raised.
+    ``clock`` times both the replays and the eager calls (tests); default: CUDA events, the host
+    queueing ahead for the replays and an idle GPU for the eager calls."""
     capture = capture or cuda_capture
     flush = device_flush_size(device) if device.type == "cuda" else 0
+    eager = clock or eager_clock(flush, device)
     clock = clock or CudaEventClock(flush, device)
     points = [PointInputs(preset, r, t, cfg.seed, device) for r in cfg.routings for t in cfg.tokens]
     t0 = time.perf_counter()
@@ -354,7 +364,7 @@ def run_preset(preset: MoePreset, cfg: MoeConfig, device: torch.device, build_fa
             continue
         log(f"{preset.name} {variant.name}: experts built in {time.perf_counter() - t0:.1f} s ({layer.impl})")
         for pt in points:
-            out.append(measure_point(layer, variant, preset, pt, cfg, clock, flush, capture, device, log))
+            out.append(measure_point(layer, variant, preset, pt, cfg, clock, flush, capture, device, log, eager))
         del layer
         free()
     del w13, w2
