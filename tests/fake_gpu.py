@@ -161,7 +161,6 @@ class FakeGpu(contextlib.ExitStack):
         patch(mock.patch.object(ops, "_sm_count", lambda index: SM_COUNT))
         patch(mock.patch.object(ops, "_gpu_name", lambda index: GPU_NAME))
         patch(mock.patch.object(runtime, "KERNELS", self.kernels))
-        patch(mock.patch.object(runtime, "_stream_handle", self._stream_object))
         patch(mock.patch.object(plans, "current_stream", lambda index: self.stream))
         patch(mock.patch.object(plans, "capturing", lambda: self.capturing))
         patch(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: self.capturing))
@@ -172,10 +171,6 @@ class FakeGpu(contextlib.ExitStack):
         launcher.reset()
         self.callback(launcher.reset)
         return self
-
-    def _stream_object(self, device):
-        from cuda.bindings import driver as drv
-        return drv.CUstream(self.stream)
 
     def launches(self, since: int = 0) -> list[dict]:
         return [c for c in self.driver.calls(since) if c["kind"] == "launch"]

@@ -146,11 +146,22 @@ def _tuned_splits(spec, w: PackedWeight, device: torch.device) -> int:
 def _device_ok(device: torch.device) -> Optional[str]:
     if device.type != "cuda":
         return f"mixgemm kernels run on CUDA tensors, got a tensor on {device}"
+    if device.index is None:
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _cuda_device_problem(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_problem(index: int) -> Optional[str]:
+    """:func:`_device_ok` of CUDA device ``index``, once per process (torch's capability query
+    took ~20 us of every eager launch's host time on the GPU machine, NOTES 28e)."""
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    cap = torch.cuda.get_device_capability(device)
+    cap = torch.cuda.get_device_capability(index)
     if cap != (9, 0):
-        return f"mixgemm's kernels need an sm_90 (Hopper) GPU; {device} is sm_{cap[0]}{cap[1]}"
+        return f"mixgemm's kernels need an sm_90 (Hopper) GPU; cuda:{index} is sm_{cap[0]}{cap[1]}"
     return None
 
 

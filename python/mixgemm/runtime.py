@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import plans as _plans
 from .build import Artifacts, load_artifacts
 from .errors import BuildError, CudaError, KernelError
 from .specs import HELPER_KINDS, KernelSpec
@@ -247,9 +248,19 @@ class KernelCache:
 KERNELS = KernelCache()
 
 
+def current_stream_ptr(device: torch.device) -> int:
+    """torch's current stream on ``device`` as an integer handle (:data:`mixgemm.plans.current_stream`:
+    one C call where the installed torch has it; ``torch.cuda.current_stream`` builds a Stream
+    object, a few us of an eager launch's host time on the GPU machine, NOTES 28e)."""
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if device.type == "cuda" else 0
+    return int(_plans.current_stream(index))
+
+
 def _stream_handle(device: torch.device):
     drv = _driver()
-    return drv.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    return drv.CUstream(current_stream_ptr(device))
 
 
 def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
@@ -266,54 +277,40 @@ def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=kernel.device)
         args.workspace = workspace.data_ptr()
     params, launch = helper.prepare(args)
-    stream = _stream_handle(kernel.device)
+    stream = current_stream_ptr(kernel.device)
     if workspace is not None:
         zero = ws_bytes if launch.workspace_zero_bytes == 0xFFFFFFFF else min(ws_bytes, launch.workspace_zero_bytes)
         if zero:   # a memset on the stream (a memset node under graph capture), not a fill kernel
-            check(drv.cuMemsetD8Async(drv.CUdeviceptr(workspace.data_ptr()), 0, zero, stream),
+            check(drv.cuMemsetD8Async(drv.CUdeviceptr(workspace.data_ptr()), 0, zero, drv.CUstream(stream)),
                   "cuMemsetD8Async(workspace)")
     launch_prepared(kernel, params, launch, stream)
     # `workspace` may be freed now: torch's allocator reuses it only in stream order.
     del workspace
 
 
-def _launch_ex(kernel: LoadedKernel, grid, block, smem_bytes: int, stream, argv: ctypes.Array,
-               cluster=None) -> None:
-    """cuLaunchKernelEx of ``kernel`` with a ``void**`` to its arguments, a cluster shape if
-    given, and programmatic stream serialization where the kernel allows it: the kernel may
-    start (and set up) while the previous kernel in the stream finishes; it waits for it before
-    touching global memory."""
-    drv = _driver()
-    config = drv.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = (int(v) for v in grid)
-    config.blockDimX, config.blockDimY, config.blockDimZ = (int(v) for v in block)
-    config.sharedMemBytes = int(smem_bytes)
-    config.hStream = stream
-    attrs = []
-    if cluster is not None:
-        attr = drv.CUlaunchAttribute()
-        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = (int(v) for v in cluster)
-        attrs.append(attr)
-    if kernel.spec.programmatic_launch:
-        pdl = drv.CUlaunchAttribute()
-        pdl.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        pdl.value.programmaticStreamSerializationAllowed = 1
-        attrs.append(pdl)
-    config.attrs = attrs
-    config.numAttrs = len(attrs)
-    check(drv.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(argv), 0),
-          f"cuLaunchKernelEx({kernel.spec.name})")
-
-
-def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, stream=None) -> None:
-    """Launch ``kernel`` with params and a launch shape its helper prepared, on ``stream``
-    (default: torch's current stream), with its cluster shape and, where the kernel allows it,
-    programmatic stream serialization."""
+def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, stream: Optional[int] = None) -> None:
+    """Launch ``kernel`` with params and a launch shape its helper prepared, on ``stream`` (an
+    integer handle; default: torch's current stream), with its cluster shape and, where the
+    kernel allows it, programmatic stream serialization. The driver's ``cuLaunchKernelEx`` is
+    called through ctypes with a ``CUlaunchConfig`` built here (cuda-python's config and
+    attribute objects took ~100 us of host time per launch on the GPU machine, NOTES 28e)."""
     if stream is None:
-        stream = _stream_handle(kernel.device)
+        stream = current_stream_ptr(kernel.device)
+    launch_ex, pdl_id = _plain_launch_entry()
+    attrs = (_LaunchAttribute * 2)()
+    attrs[0].id = _cluster_attribute_id()   # (the helper's cluster shape, (1, 1, 1) included)
+    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = launch.cluster
+    n = 1
+    if kernel.spec.programmatic_launch:
+        attrs[1].id = pdl_id
+        attrs[1].value[0] = 1              # programmaticStreamSerializationAllowed
+        n = 2
+    config = _LaunchConfig((ctypes.c_uint32 * 3)(*launch.grid), (ctypes.c_uint32 * 3)(*launch.block),
+                           int(launch.smem_bytes), int(stream), ctypes.addressof(attrs), n)
     argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    _launch_ex(kernel, launch.grid, launch.block, launch.smem_bytes, stream, argv, cluster=launch.cluster)
+    rc = launch_ex(ctypes.addressof(config), int(kernel.function), ctypes.addressof(argv), None)
+    if rc:
+        check(_driver().CUresult(rc), f"cuLaunchKernelEx({kernel.spec.name})")
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -340,6 +337,11 @@ def _plain_launch_entry() -> tuple[Callable[..., int], int]:
     return proto(entry_points().launch_kernel_ex), pdl
 
 
+@functools.lru_cache(maxsize=None)
+def _cluster_attribute_id() -> int:
+    return int(_driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+
+
 def _plain_config(kernel: LoadedKernel, grid, block: int, stream: int) -> tuple[_LaunchConfig, _LaunchAttribute]:
     """A ``CUlaunchConfig`` for ``kernel`` with its PDL attribute (used where the kernel allows
     it): keep both alive, the config points at the attribute."""
@@ -360,7 +362,7 @@ def launch_kernel(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, 
     :class:`PlainLaunch` instead (:meth:`KernelCache.plain_launch`)."""
     launch_ex, _ = _plain_launch_entry()
     argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    config, _attr = _plain_config(kernel, grid, block, int(_stream_handle(kernel.device)))
+    config, _attr = _plain_config(kernel, grid, block, current_stream_ptr(kernel.device))
     rc = launch_ex(ctypes.addressof(config), int(kernel.function), ctypes.addressof(argv), None)
     if rc:
         check(_driver().CUresult(rc), f"cuLaunchKernelEx({kernel.spec.name})")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import re
 from typing import Union
 
@@ -168,7 +169,7 @@ class GemmSpec:
         epilogue; None when the call chooses (none / silu / gelu)."""
         return Activation.SWIGLU if self.epilogue is Epilogue.SWIGLU else None
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return (f"mixgemm_gemm_{self.act.value}_{self.weight.value}_"
                 f"t{self.tile_m}x{self.tile_n}x{self.tile_k}_{self.schedule.value}_"
@@ -226,7 +227,7 @@ class DecodeSpec:
         """The activation the kernel computes whatever the call asks (fixed at compile time)."""
         return self.activation
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         xring = f"_x{self.x_stages}" if self.x_stages else ""
         return (f"mixgemm_decode_{self.act.value}_{self.weight.value}_m{self.tokens}_w{self.warps}_"
@@ -270,7 +271,7 @@ class GroupedDecodeSpec:
     def fixed_activation(self) -> Activation:
         return self.activation
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return "mixgemm_gdecode_" + self.dense.name[len("mixgemm_decode_"):]
 
@@ -316,7 +317,7 @@ class GroupedGemmSpec:
     def fixed_activation(self) -> "Activation | None":
         return self.dense.fixed_activation
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return (f"mixgemm_ggemm_{self.act.value}_{self.weight.value}_t{self.tile_m}x{self.tile_n}x{self.tile_k}_"
                 f"{self.epilogue.value}_s{self.stages}")
@@ -334,7 +335,7 @@ class DequantSpec:
 
     kind = KernelKind.DEQUANT
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"mixgemm_dequant_{self.act.value}_{self.weight.value}"
 
@@ -351,7 +352,7 @@ class MoeRouteSpec:
     kind = KernelKind.MOE_ROUTE
     programmatic_launch = True   # griddepcontrol.wait precedes every global access
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"mixgemm_moe_route_{self.index.value}"
 
@@ -368,7 +369,7 @@ class MoeCombineSpec:
     kind = KernelKind.MOE_COMBINE
     programmatic_launch = True   # griddepcontrol.wait precedes every global access
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"mixgemm_moe_combine_{self.act.value}_w{self.weight.value}"
 
@@ -383,7 +384,7 @@ class MoeLayoutSpec:
     kind = KernelKind.MOE_LAYOUT
     programmatic_launch = False
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return "mixgemm_moe_layout"
 
@@ -400,7 +401,7 @@ class NormSpec:
     kind = KernelKind.NORM
     programmatic_launch = True   # griddepcontrol.wait precedes every global access
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"mixgemm_{'add_' if self.residual else ''}rmsnorm_{self.act.value}"
 
@@ -416,7 +417,7 @@ class RopeSpec:
     kind = KernelKind.ROPE
     programmatic_launch = True   # griddepcontrol.wait precedes every global access
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         return f"mixgemm_rope_kv_{self.act.value}"
 
