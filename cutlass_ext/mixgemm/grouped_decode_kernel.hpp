@@ -19,11 +19,11 @@
 // The body is the dense decode kernel's run() (decode_kernel.hpp), unchanged, called on the
 // expert's pointers: once per tile of at most 8 * NTiles rows. Its scale / zero rows come as the
 // dense kernel's TMA boxes, from descriptors of every expert's rows stacked ([E * G][N]: one copy
-// per tensor where one bulk copy per group row took ~40 ns each, NOTES 28). An expert with more rows than the
-// tile streams its weights once per tile (the row loop: correct at any token count, but the
-// many-tokens regime wants the sm90 grouped GEMM instead). Between tiles the CTA's mbarriers are
-// invalidated and run() initialises them again. The global split-K reduction (more than 8
-// splits) is not used here: its counters would race between tiles.
+// per tensor where one bulk copy per group row took ~40 ns each, NOTES 28). An expert with more
+// rows than the tile streams its weights once per tile (the row loop: correct at any token count,
+// but the many-tokens regime wants the sm90 grouped GEMM instead). Between tiles the CTA's
+// mbarriers are invalidated and run() initialises them again. The global split-K reduction (more
+// than 8 splits) is not used here: its counters would race between tiles.
 //
 // Routed mode (Params::ids set; at decode sizes, at most kThreads top-k assignments): no offsets
 // and no sorted copy of x. Every CTA ranks the top-k ids itself (routed_expert: one id per
