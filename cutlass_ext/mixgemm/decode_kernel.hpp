@@ -297,10 +297,19 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
         Barrier::arrive_and_expect_tx(sbar, uint32_t(copies * box_bytes * (Cfg::kHasZero ? 2 : 1)));
         uint64_t const hint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
         for (int c = 0; c < copies; ++c) {
-          int const g = map_group0 + grp0 + c * bg;
-          cute::SM90_TMA_LOAD_2D::copy(&maps->scales_map, sbar, hint, ss + c * bg * Cfg::kRowsPerCta, row0, g);
-          if constexpr (Cfg::kHasZero) {
-            cute::SM90_TMA_LOAD_2D::copy(&maps->zeros_map, sbar, hint, zs + c * bg * Cfg::kRowsPerCta, row0, g);
+          if constexpr (Waited) {   // (the grouped kernel: its expert's rows of the stacked descriptors)
+            int const g = map_group0 + grp0 + c * bg;
+            cute::SM90_TMA_LOAD_2D::copy(&maps->scales_map, sbar, hint, ss + c * bg * Cfg::kRowsPerCta, row0, g);
+            if constexpr (Cfg::kHasZero) {
+              cute::SM90_TMA_LOAD_2D::copy(&maps->zeros_map, sbar, hint, zs + c * bg * Cfg::kRowsPerCta, row0, g);
+            }
+          } else {   // (spelled out as before map_group0: the dense kernels' machine code unchanged)
+            cute::SM90_TMA_LOAD_2D::copy(&maps->scales_map, sbar, hint, ss + c * bg * Cfg::kRowsPerCta, row0,
+                                         grp0 + c * bg);
+            if constexpr (Cfg::kHasZero) {
+              cute::SM90_TMA_LOAD_2D::copy(&maps->zeros_map, sbar, hint, zs + c * bg * Cfg::kRowsPerCta, row0,
+                                           grp0 + c * bg);
+            }
           }
         }
       }
