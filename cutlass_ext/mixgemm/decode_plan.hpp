@@ -174,9 +174,12 @@ struct Host {
   //
   // plan_cost() is the model, also used by the grouped decode kernel's plan (its row blocks are
   // the dense ones times the experts that may have rows).
-  static long plan_cost(long row_blocks, int splits, int atoms_per_split, int smem, int tokens, long sms) {
+  // max_resident > 0: the CTAs per SM the kernel's registers allow, where the caller knows better
+  // (the grouped 16-token kernels: two, NOTES 28h).
+  static long plan_cost(long row_blocks, int splits, int atoms_per_split, int smem, int tokens, long sms,
+                        long max_resident = 0) {
     // 256-thread CTAs: three at <= 80 registers (the 8- and 16-token kernels), two for the 32-token ones
-    constexpr long kMaxResident = Cfg::kNTiles >= 4 ? 2 : 3;
+    long const kMaxResident = max_resident > 0 ? max_resident : Cfg::kNTiles >= 4 ? 2 : 3;
     constexpr long kStartNs = 1050;                                    // per wave
     constexpr long kAtomNs = 147 * (2 + (Cfg::kNTiles - 1)) / 2;      // per atom of a warp's chain
     constexpr long kReduceNsPer8Tokens = 950;

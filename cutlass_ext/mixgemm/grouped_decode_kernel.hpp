@@ -337,14 +337,14 @@ struct Host {
 
   // Split-K, up to the 8 splits one cluster holds, within shared memory; an explicit a.splits >= 1
   // wins. The dense kernel's cost model (decode_plan.hpp Host::plan_cost) over the row blocks of
-  // the experts that can have rows (at most min(E, T)), among the dense planner's factors; for the
-  // 16-row tile of 8-bit codes, the fewest splits that put a CTA on every SM. (That rule was the
-  // only one before: for mixtral-8x7b's two experts at one token it split gate/up 1 way and down 3
-  // where 2 and 2 took 13-30% less time; the model splits the 16-row 8-bit launches too finely,
-  // qwen3-30b-a3b gate/up at 16 tokens 2 ways, 116 us, against 95 for 1. benchmarks/NOTES.md
-  // section 25.)
+  // the experts that can have rows (at most min(E, T)), among the dense planner's factors, with
+  // the kernel's own resident CTAs per SM (kMinCtasPerSm: the 16-token grouped kernels hold 85-106
+  // registers, two CTAs, where the model's default counts three). (The rule before the model, the
+  // fewest splits that put a CTA on every SM, split mixtral-8x7b's two experts at one token 1 way
+  // for gate/up and 3 for down where 2 and 2 took 13-30% less time, NOTES 25; with three resident
+  // CTAs the model split the 16-token launches too finely, and 8-bit codes kept that rule until
+  // the residency was counted: mixtral at 24 tokens 18-23% faster, 8-bit codes 3-7%, NOTES 28h.)
   static char const* plan(abi::GemmArgs const& a, int32_t experts, decode::Plan& out) {
-    constexpr bool kModel = !(Cfg::kBits == 8 && Cfg::kNTiles >= 2);
     int const k_atoms = a.k / 64;
     int const row_blocks = (a.n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;
     long const sms = a.sm_count > 0 ? a.sm_count : 132;
@@ -362,29 +362,22 @@ struct Host {
       }
       return "this split of K does not fit this grouped decode kernel's shared memory";
     }
-    if (!kModel) {   // the first factor from one wave of CTAs on that fits
-      long const wave = (sms + blocks - 1) / blocks;
-      for (int s = int(wave < max_splits ? wave : max_splits); s <= max_splits; ++s) {
-        out = Dense::split_plan(tile, s);
-        if (out.smem_bytes <= kMaxDynamicSmem) return nullptr;
+    long best = -1;
+    int prev_se = 0;
+    for (int s : decode::kSplitFactors) {
+      if (s > max_splits) break;
+      decode::Plan const p = Dense::split_plan(tile, s);
+      bool const same = p.splits == prev_se;   // the same plan as the previous factor
+      prev_se = p.splits;
+      if (same || p.smem_bytes > kMaxDynamicSmem) continue;
+      long const cost = Dense::plan_cost(blocks, p.splits, p.atoms_per_split, p.smem_bytes, tokens, sms,
+                                         kMinCtasPerSm<Cfg>);
+      if (best < 0 || cost < best) {
+        best = cost;
+        out = p;
       }
-    } else {
-      long best = -1;
-      int prev_se = 0;
-      for (int s : decode::kSplitFactors) {
-        if (s > max_splits) break;
-        decode::Plan const p = Dense::split_plan(tile, s);
-        bool const same = p.splits == prev_se;   // the same plan as the previous factor
-        prev_se = p.splits;
-        if (same || p.smem_bytes > kMaxDynamicSmem) continue;
-        long const cost = Dense::plan_cost(blocks, p.splits, p.atoms_per_split, p.smem_bytes, tokens, sms);
-        if (best < 0 || cost < best) {
-          best = cost;
-          out = p;
-        }
-      }
-      if (best >= 0) return nullptr;
     }
+    if (best >= 0) return nullptr;
     return "no split of K (at most 8) fits this grouped decode kernel's shared memory";
   }
 
