@@ -296,21 +296,10 @@ def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, 
     attribute objects took ~100 us of host time per launch on the GPU machine, NOTES 28e)."""
     if stream is None:
         stream = current_stream_ptr(kernel.device)
-    launch_ex, pdl_id = _plain_launch_entry()
-    attrs = (_LaunchAttribute * 2)()
-    attrs[0].id = _cluster_attribute_id()   # (the helper's cluster shape, (1, 1, 1) included)
-    attrs[0].value[0], attrs[0].value[1], attrs[0].value[2] = launch.cluster
-    n = 1
-    if kernel.spec.programmatic_launch:
-        attrs[1].id = pdl_id
-        attrs[1].value[0] = 1              # programmaticStreamSerializationAllowed
-        n = 2
-    config = _LaunchConfig((ctypes.c_uint32 * 3)(*launch.grid), (ctypes.c_uint32 * 3)(*launch.block),
-                           int(launch.smem_bytes), int(stream), ctypes.addressof(attrs), n)
-    argv = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    rc = launch_ex(ctypes.addressof(config), int(kernel.function), ctypes.addressof(argv), None)
-    if rc:
-        check(_driver().CUresult(rc), f"cuLaunchKernelEx({kernel.spec.name})")
+    # (the helper's cluster shape, (1, 1, 1) included)
+    config, _attrs = _launch_config(kernel, launch.grid, launch.block, int(stream), int(launch.smem_bytes),
+                                    launch.cluster)
+    _launch_with(kernel, config, (ctypes.c_void_p * 1)(ctypes.addressof(params)))
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -342,15 +331,33 @@ def _cluster_attribute_id() -> int:
     return int(_driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
 
 
-def _plain_config(kernel: LoadedKernel, grid, block: int, stream: int) -> tuple[_LaunchConfig, _LaunchAttribute]:
-    """A ``CUlaunchConfig`` for ``kernel`` with its PDL attribute (used where the kernel allows
-    it): keep both alive, the config points at the attribute."""
+def _launch_config(kernel: LoadedKernel, grid, block, stream: int, smem: int = 0,
+                   cluster=None) -> tuple[_LaunchConfig, ctypes.Array]:
+    """A ``CUlaunchConfig`` for ``kernel`` (``grid`` and ``block``: three sizes each) with its
+    attributes: the cluster shape if given, then programmatic stream serialization where the
+    kernel allows it. Keep both alive: the config points at the attributes."""
     _, pdl_id = _plain_launch_entry()
-    attr = _LaunchAttribute(pdl_id, 0)
-    attr.value[0] = 1                      # programmaticStreamSerializationAllowed
-    config = _LaunchConfig((ctypes.c_uint32 * 3)(*grid), (ctypes.c_uint32 * 3)(block, 1, 1), 0, stream,
-                           ctypes.addressof(attr), 1 if kernel.spec.programmatic_launch else 0)
-    return config, attr
+    attrs = (_LaunchAttribute * 2)()
+    n = 0
+    if cluster is not None:
+        attrs[n].id = _cluster_attribute_id()
+        attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = cluster
+        n += 1
+    if kernel.spec.programmatic_launch:
+        attrs[n].id = pdl_id
+        attrs[n].value[0] = 1              # programmaticStreamSerializationAllowed
+        n += 1
+    config = _LaunchConfig((ctypes.c_uint32 * 3)(*grid), (ctypes.c_uint32 * 3)(*block), smem, stream,
+                           ctypes.addressof(attrs), n)
+    return config, attrs
+
+
+def _launch_with(kernel: LoadedKernel, config: _LaunchConfig, argv: ctypes.Array) -> None:
+    """The driver's ``cuLaunchKernelEx`` of ``kernel`` with ``config`` and a ``void**`` to its arguments."""
+    launch_ex, _ = _plain_launch_entry()
+    rc = launch_ex(ctypes.addressof(config), int(kernel.function), ctypes.addressof(argv), None)
+    if rc:
+        check(_driver().CUresult(rc), f"cuLaunchKernelEx({kernel.spec.name})")
 
 
 def launch_kernel(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, args: tuple) -> None:
@@ -360,12 +367,9 @@ def launch_kernel(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, 
     ``cuLaunchKernelEx`` is called through ctypes with a ``CUlaunchConfig`` built here, not
     cuda-python's config objects. A kernel launched on every call of an eager hot path keeps a
     :class:`PlainLaunch` instead (:meth:`KernelCache.plain_launch`)."""
-    launch_ex, _ = _plain_launch_entry()
     argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-    config, _attr = _plain_config(kernel, grid, block, current_stream_ptr(kernel.device))
-    rc = launch_ex(ctypes.addressof(config), int(kernel.function), ctypes.addressof(argv), None)
-    if rc:
-        check(_driver().CUresult(rc), f"cuLaunchKernelEx({kernel.spec.name})")
+    config, _attrs = _launch_config(kernel, grid, (block, 1, 1), current_stream_ptr(kernel.device))
+    _launch_with(kernel, config, argv)
 
 
 class PlainLaunch:
@@ -379,7 +383,7 @@ class PlainLaunch:
         self._launch_ex, self._function = _plain_launch_entry()[0], int(kernel.function)
         self._slots = tuple(t() for t in slot_types)
         self._argv = (ctypes.c_void_p * len(self._slots))(*(ctypes.addressof(a) for a in self._slots))
-        self._config, self._attr = _plain_config(kernel, (1, 1, 1), block, 0)
+        self._config, self._attrs = _launch_config(kernel, (1, 1, 1), (block, 1, 1), 0)
         self._addrs = (ctypes.addressof(self._config), ctypes.addressof(self._argv))
         self._lock = threading.Lock()
 
