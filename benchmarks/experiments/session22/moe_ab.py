@@ -14,9 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "session12"))
 from harness import DEV as dev, time_graph  # noqa: E402
 
 from mixgemm import moe, moe_layer  # noqa: E402
-from mixgemm.bench.moe import MOE_PRESETS, make_routing  # noqa: E402
-from mixgemm.bench.moe_run import MixgemmLayer, base_weights  # noqa: E402
-from mixgemm.bench.variants import parse_variant  # noqa: E402
+from moe_point import point_inputs, preset_weights, quantized  # noqa: E402
 
 DEFAULT = "qwen3-30b-a3b:1,4,16;mixtral-8x7b:1,4,16"
 
@@ -27,15 +25,12 @@ def main():
     weights = (sys.argv[3] if len(sys.argv) > 3 else "u4,u2").split(",")
     out = {"rows": []}
     for pname, tokens in points:
-        p = MOE_PRESETS[pname]
-        w13b, w2b = base_weights(p, 0, dev)
+        p, w13b, w2b = preset_weights(pname, dev)
         for wname in weights:
-            layer = MixgemmLayer(w13b, w2b, parse_variant(wname), 128)
+            layer = quantized(w13b, w2b, wname)
             for t in tokens:
                 for routing in ("uniform", "zipf"):
-                    ids, tw = make_routing(p.experts, p.topk, t, routing, 0)
-                    ids, tw = ids.to(dev), tw.to(dev)
-                    x = (torch.randn(t, p.hidden, device=dev) * 0.5).to(torch.bfloat16)
+                    x, tw, ids = point_inputs(p, t, routing, dev)
 
                     def full(x=x, tw=tw, ids=ids):
                         return moe.fused_moe(x, layer.w13, layer.w2, tw, ids)

@@ -10,11 +10,9 @@ import sys
 import time
 
 import torch
+from moe_point import point_inputs, preset_weights, quantized
 
 from mixgemm import moe
-from mixgemm.bench.moe import MOE_PRESETS, make_routing
-from mixgemm.bench.moe_run import MixgemmLayer, base_weights
-from mixgemm.bench.variants import parse_variant
 
 
 def main():
@@ -23,12 +21,9 @@ def main():
     t = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     wname = sys.argv[4] if len(sys.argv) > 4 else "u4"
     dev = torch.device("cuda", 0)
-    p = MOE_PRESETS[pname]
-    w13b, w2b = base_weights(p, 0, dev)
-    layer = MixgemmLayer(w13b, w2b, parse_variant(wname), 128)
-    ids, tw = make_routing(p.experts, p.topk, t, "uniform", 0)
-    ids, tw = ids.to(dev), tw.to(dev)
-    x = (torch.randn(t, p.hidden, device=dev) * 0.5).to(torch.bfloat16)
+    p, w13b, w2b = preset_weights(pname, dev)
+    layer = quantized(w13b, w2b, wname)
+    x, tw, ids = point_inputs(p, t, "uniform", dev)
 
     def call():
         return moe.fused_moe(x, layer.w13, layer.w2, tw, ids)

@@ -32,9 +32,7 @@ _spec.loader.exec_module(s17)
 NP, PHASES, TRACED, read, reset, trace_buffers = s17.NP, s17.PHASES, s17.TRACED, s17.read, s17.reset, s17.trace_buffers
 
 from mixgemm import moe, runtime  # noqa: E402
-from mixgemm.bench.moe import MOE_PRESETS, make_routing  # noqa: E402
-from mixgemm.bench.moe_run import MixgemmLayer, base_weights  # noqa: E402
-from mixgemm.bench.variants import parse_variant  # noqa: E402
+from moe_point import point_inputs, preset_weights, quantized  # noqa: E402
 
 SLOTS, CTAS = 32, 2048
 
@@ -144,15 +142,12 @@ def main():
     presets = (sys.argv[4] if len(sys.argv) > 4 else "qwen3-30b-a3b,mixtral-8x7b").split(",")
     out = dict(traced=TRACED, read_gbps=read_gbps(), device=torch.cuda.get_device_name(), cases=[])
     for pname in presets:
-        p = MOE_PRESETS[pname]
-        w13b, w2b = base_weights(p, 0, dev)
+        p, w13b, w2b = preset_weights(pname, dev)
         for wname in weights:
-            layer = MixgemmLayer(w13b, w2b, parse_variant(wname), 128)
+            layer = quantized(w13b, w2b, wname)
             w13, w2 = layer.w13, layer.w2
             for t in tokens:
-                ids, tw = make_routing(p.experts, p.topk, t, "uniform", 0)
-                ids, tw = ids.to(dev), tw.to(dev)
-                x = (torch.randn(t, p.hidden, device=dev) * 0.5).to(torch.bfloat16)
+                x, tw, ids = point_inputs(p, t, "uniform", dev)
 
                 def fn():
                     return moe.fused_moe(x, w13, w2, tw, ids)
