@@ -420,15 +420,15 @@ struct CollectiveMmaPrepacked {
     int const gpt = params.group_rows_per_tile;
 
     PipelineState smem_pipe_release = smem_pipe_read;
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(accum);
 
-    // One k-tile: wait for its stage, convert A into `frag` one k16 block ahead of the tensor core.
-    auto mma_tile = [&](auto& frag, int t) {
+    // Wait for the next k-tile's stage and convert all of its A fragments into `frag`; returns
+    // the stage (its B tile is read by the wgmmas issued later).
+    auto convert_tile = [&](auto& frag) {
       Tensor tCrA_u32 = recast<uint32_t>(frag);                              // (4,MMA_M,MMA_K)
       auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
       pipeline.consumer_wait(smem_pipe_read, barrier_token);
       int const stage = smem_pipe_read.index();
+      ++smem_pipe_read;
 
       // The lane's chunks of this stage's atoms: kBits 32-bit words per (row block, k atom).
       uint32_t chunk[MMA_M][kAtomsK][kBits];
@@ -469,15 +469,8 @@ struct CollectiveMmaPrepacked {
         }
       }
 
-      warpgroup_fence_operand(accum);
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < kKBlocks; ++kb) {
-        // The wgmma that last read this k-block's registers (previous tile) must be done.
-        warpgroup_wait<kKBlocks - 1>();
-        if (kb == kKBlocks - 1 && t > 0) {
-          pipeline.consumer_release(smem_pipe_release);   // all of the previous tile's wgmmas are done
-          ++smem_pipe_release;
-        }
         // Group row of this k16 block: kb * 16 / group_size, i.e. kb * gpt / kKBlocks.
         int const grow = (kb * gpt) / kKBlocks;
         CUTLASS_PRAGMA_UNROLL
@@ -504,28 +497,60 @@ struct CollectiveMmaPrepacked {
             tCrA_u32(i, mm, kb) = out[i];
           }
         }
-        // Fence only this k-block's registers: the others may be inputs of wgmmas still in flight.
-        {
-          auto frag_kb = tCrA_u32(_, _, kb);
-          warpgroup_fence_operand(frag_kb);
-        }
-        warpgroup_arrive();
-        cute::gemm(tiled_mma, frag(_, _, kb), tCrB(_, _, kb, stage), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        warpgroup_commit_batch();
       }
-      warpgroup_fence_operand(accum);
-      ++smem_pipe_read;
+      warpgroup_fence_operand(frag);
+      return stage;
     };
 
+    // Issue one k-tile's wgmmas (A from `frag`, B from `stage`) as one commit group.
+    auto issue_tile = [&](auto& frag, int stage) {
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < kKBlocks; ++kb) {
+        cute::gemm(tiled_mma, frag(_, _, kb), tCrB(_, _, kb, stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(accum);
+    };
+
+    // A whole k-tile ahead: tile t + 1 is converted while tile t's wgmmas run, so the tensor
+    // core always has a tile's wgmmas queued. (Converting one k16 block ahead, each block's
+    // conversion waited on the wgmma four blocks back: a chain of wait -> convert -> arrive ->
+    // issue per block, ~200 cycles a block whatever the tile's width: benchmarks/NOTES.md 29.)
+    // The two register sets alternate inside one loop iteration: ptxas does not follow
+    // wgmma.wait_group counts across a loop's back edge, and with one set it would serialize
+    // every wgmma of the kernel (C7513); here each conversion writes a set whose last readers
+    // (the tile two back) a wait<1> in the same iteration has retired.
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(accum);
+    int stage = convert_tile(tCrA0);
     CUTLASS_PRAGMA_NO_UNROLL
     for (int t = 0; k_tile_count > 0; t += 2) {
-      mma_tile(tCrA0, t);
+      issue_tile(tCrA0, stage);
+      if (--k_tile_count == 0) {
+        if (t > 0) {   // release tile t - 1 (mma_tail releases tile t)
+          warpgroup_wait<1>();
+          pipeline.consumer_release(smem_pipe_release);
+          ++smem_pipe_release;
+        }
+        break;
+      }
+      warpgroup_wait<1>();                 // tile t - 1 done: its stage and register set are free
+      if (t > 0) {
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+      }
+      stage = convert_tile(tCrA1);
+      issue_tile(tCrA1, stage);
+      warpgroup_wait<1>();                 // tile t done
+      pipeline.consumer_release(smem_pipe_release);
+      ++smem_pipe_release;
       if (--k_tile_count == 0) {
         break;
       }
-      mma_tile(tCrA1, t + 1);
-      --k_tile_count;
+      stage = convert_tile(tCrA0);
     }
     warpgroup_fence_operand(accum);
   }
