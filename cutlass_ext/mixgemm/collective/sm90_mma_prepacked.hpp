@@ -370,7 +370,7 @@ struct CollectiveMmaPrepacked {
   }
 
   //
-  // Consumer: dequantize A into the wgmma fragment, one k16 block ahead of the tensor core.
+  // Consumer: dequantize A into the wgmma fragments a whole k-tile ahead of the tensor core.
   //
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
@@ -516,9 +516,9 @@ struct CollectiveMmaPrepacked {
     };
 
     // A whole k-tile ahead: tile t + 1 is converted while tile t's wgmmas run, so the tensor
-    // core always has a tile's wgmmas queued. (Converting one k16 block ahead, each block's
-    // conversion waited on the wgmma four blocks back: a chain of wait -> convert -> arrive ->
-    // issue per block, ~200 cycles a block whatever the tile's width: benchmarks/NOTES.md 29.)
+    // core has a tile's wgmmas queued during each conversion. (Converting one k16 block ahead,
+    // each block's conversion first waited for the wgmma four blocks back; the whole-tile
+    // schedule measured 5-9% faster at M = 64-256: benchmarks/NOTES.md 29.)
     // The two register sets alternate inside one loop iteration: ptxas does not follow
     // wgmma.wait_group counts across a loop's back edge, and with one set it would serialize
     // every wgmma of the kernel (C7513); here each conversion writes a set whose last readers
