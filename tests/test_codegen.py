@@ -46,6 +46,7 @@ def test_name_distinguishes_fields():
         GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, Schedule.PINGPONG),
         GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, scheduler=Scheduler.STREAMK),
         GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, stages=4),
+        GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, cluster_m=2),
     ]
     assert len({base.name, *(v.name for v in variants)}) == len(variants) + 1
 
@@ -56,6 +57,7 @@ def test_name_distinguishes_fields():
     (dict(tile_n=12), "tile_n"),
     (dict(tile_k=32), "tile_k"),
     (dict(stages=1), "stages"),
+    (dict(cluster_m=3), "cluster_m"),
 ])
 def test_invalid_specs_rejected(kw, match):
     args = dict(act=ActType.BF16, weight=WeightType.U4, tile_m=128, tile_n=64, tile_k=64)
@@ -142,6 +144,19 @@ def test_render_pingpong_uses_pingpong_epilogue():
     assert "cutlass::epilogue::TmaWarpSpecialized," in src
 
 
+def test_render_cluster_shape():
+    """cluster_m reaches the kernel's cluster shape (the mainloop multicasts the activation tile
+    along it); without it the cluster is 1x1x1 and the name carries no cluster field."""
+    one = GemmSpec(ActType.BF16, WeightType.U4, 128, 256, 64, scheduler=Scheduler.PERSISTENT)
+    two = dataclasses.replace(one, cluster_m=2)
+    assert "_c2_" in two.name and "_c" not in one.name.split("_t128x256x64")[1].split("_coop")[0]
+    assert "cute::Shape<cute::_2, cute::_1, cute::_1>" in render(two)
+    assert "cute::Shape<cute::_2, cute::_1, cute::_1>" not in render(one)
+    assert "cute::Shape<cute::_1, cute::_1, cute::_1>" in render(one)
+    # the grouped GEMM's scheduler runs without clusters: its kernels never take one
+    assert all(s.dense.cluster_m == 1 for s in codegen.grouped_gemm_specs())
+
+
 def test_render_dequant():
     src = render(DequantSpec(ActType.FP16, WeightType.U2))
     assert "MIXGEMM_DEQUANT_ENTRY(mixgemm_dequant_fp16_u2, cutlass::uint2b_t, cutlass::half_t, true)" in src
@@ -201,7 +216,8 @@ def test_gemm_specs_fuse_the_runtime_activation():
 def test_heuristic_by_tokens_and_output_tiles():
     """select_tile: decode kernels up to 16 tokens (32 on small layers); up to 128 tokens the
     128x64 stream-K GEMM on small layers and the 256-row stream-K GEMMs on large ones; then the
-    128x256 stream-K GEMM (whatever its tile count: stream-K fills the SMs)."""
+    128x256 stream-K GEMM (whatever its tile count: stream-K fills the SMs) up to 512 tokens, and
+    above that the same tile persistent in 2x1 clusters."""
     from mixgemm.ops import select_tile
 
     assert [select_tile(m, 4096, 4096).label for m in (1, 8, 9, 16, 17, 32, 33, 128)] == \
@@ -220,12 +236,16 @@ def test_heuristic_by_tokens_and_output_tiles():
     assert [select_tile(m, 7168, 5120).label for m in (129, 256, 257)] == ["large", "large", "xl"]
     assert select_tile(256, 3584, 3584).label == "large" and select_tile(256, 4096, 14336).label == "xl"
     assert select_tile(512, 4096, 14336).label == "xl"
-    assert select_tile(16384, 6144, 4096).label == "xl"
+    assert [select_tile(m, 4096, 14336).label for m in (513, 4096, 16384)] == ["xlp"] * 3
+    assert select_tile(16384, 6144, 4096).label == "xlp"
     tall, tall128 = select_tile(64, 57344, 8192), select_tile(128, 57344, 8192)
     assert (tall.tile_m, tall.tile_n, tall.scheduler) == (256, 64, Scheduler.STREAMK)
     assert (tall128.tile_m, tall128.tile_n, tall128.scheduler) == (256, 128, Scheduler.STREAMK)
-    xl = select_tile(4096, 6144, 4096)
+    xl = select_tile(512, 6144, 4096)
     assert xl.scheduler is Scheduler.STREAMK and (xl.raster, xl.swizzle) == (Raster.WEIGHT_ROWS, 2)
+    xlp = select_tile(4096, 6144, 4096)
+    assert (xlp.tile_m, xlp.tile_n, xlp.scheduler, xlp.cluster_m) == (128, 256, Scheduler.PERSISTENT, 2)
+    assert xlp.spec(ActType.BF16, WeightType.U4).name == "mixgemm_gemm_bf16_u4_t128x256x64_c2_coop_persistent_biasact_s0"
 
 
 def test_launch_order_follows_the_tile_config():

@@ -23,8 +23,9 @@ from mixgemm.prebuild import specs_for  # noqa: E402
 from test_build import _calls, fake_env  # noqa: E402,F401  (the fake nvcc and a private cache)
 
 #: (batch, sequence length): a token count M = batch x length in every bucket of the heuristic
-#: (1, 9, 17, 33, 65, 129, 257 and up), and some within them
-SHAPES = [(1, 1), (2, 1), (1, 8), (1, 9), (2, 8), (1, 17), (1, 33), (1, 65), (1, 129), (2, 129), (2, 150)]
+#: (1, 9, 17, 33, 65, 129, 257, 513 and up), and some within them
+SHAPES = [(1, 1), (2, 1), (1, 8), (1, 9), (2, 8), (1, 17), (1, 33), (1, 65), (1, 129), (2, 129), (2, 150),
+          (4, 130)]
 
 
 def built_kernels(cache: Path) -> set:

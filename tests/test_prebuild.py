@@ -42,7 +42,7 @@ class Tiny(nn.Module):
         self.offsets.register_buffer("zero_offsets", torch.zeros(8, 512))
 
 
-def brute_force(model: nn.Module, ms=range(1, 401)) -> set:
+def brute_force(model: nn.Module, ms=range(1, 601)) -> set:
     """select_spec for every M, every QuantLinear (with gemm's rule: zero offsets take the
     kernel without activation)."""
     names = set()
@@ -104,8 +104,9 @@ def test_weight_use_checks_its_shape():
 @pytest.mark.skipif(fake_driver.compiler() is None or fake_driver.real_driver_present(),
                     reason="needs a C compiler for the fake CUDA driver, and no real one")
 def test_the_runtime_asks_for_exactly_these_kernels(tmp_path, monkeypatch):
-    """QuantLinear.forward at every M up to 300 (the fake GPU: the real call path, fake
-    kernels) requests from the kernel cache exactly specs_for's kernels."""
+    """QuantLinear.forward at every M up to 300, and at 513 and 600 (the bucket above 512), on the
+    fake GPU (the real call path, fake kernels) requests from the kernel cache exactly
+    specs_for's kernels."""
     from fake_gpu import FakeGpu
 
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
@@ -121,12 +122,12 @@ def test_the_runtime_asks_for_exactly_these_kernels(tmp_path, monkeypatch):
 
         monkeypatch.setattr(gpu.kernels, "get", recording_get)
         with torch.no_grad():
-            for m in range(1, 301):
+            for m in [*range(1, 301), 513, 600]:
                 for layer in model.modules():
                     if isinstance(layer, QuantLinear):
                         layer(torch.zeros(m, layer.in_features, dtype=torch.bfloat16))
-    assert asked == {s.name for s in specs_for(model, max_tokens=300)}
-    assert asked == {s.name for s in specs_for(model)}, "every bucket is reached by M <= 300"
+    assert asked == {s.name for s in specs_for(model, max_tokens=600)}
+    assert asked == {s.name for s in specs_for(model)}, "every bucket is reached"
 
 
 def test_build_for_builds_the_kernels_and_the_launcher(fake_env, monkeypatch):  # noqa: F811

@@ -41,7 +41,8 @@ from .types import ActType, WeightType
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     """A tile/schedule choice shared by all type configs; the heuristic picks among these.
-    ``raster`` and ``swizzle`` are the launch's tile order (not part of the kernel)."""
+    ``raster`` and ``swizzle`` are the launch's tile order (not part of the kernel); ``cluster_m``
+    is :attr:`mixgemm.specs.GemmSpec.cluster_m` (part of the kernel)."""
 
     label: str
     tile_m: int
@@ -51,6 +52,7 @@ class TileConfig:
     scheduler: Scheduler
     raster: Raster = Raster.HEURISTIC
     swizzle: int = 1
+    cluster_m: int = 1
 
     def __post_init__(self):
         if self.swizzle not in SWIZZLES:
@@ -58,8 +60,9 @@ class TileConfig:
 
     def runs(self, spec: "KernelSpec") -> bool:
         """True if ``spec`` is one of this config's kernels."""
-        return isinstance(spec, GemmSpec) and (spec.tile_m, spec.tile_n, spec.tile_k, spec.schedule, spec.scheduler) \
-            == (self.tile_m, self.tile_n, self.tile_k, self.schedule, self.scheduler)
+        return isinstance(spec, GemmSpec) and \
+            (spec.tile_m, spec.tile_n, spec.tile_k, spec.schedule, spec.scheduler, spec.cluster_m) \
+            == (self.tile_m, self.tile_n, self.tile_k, self.schedule, self.scheduler, self.cluster_m)
 
     #: any number of tokens
     max_tokens = None
@@ -69,7 +72,7 @@ class TileConfig:
         takes none / silu / gelu per call."""
         epilogue = Epilogue.SWIGLU if activation is Activation.SWIGLU else Epilogue.BIAS_ACT
         return GemmSpec(act, weight, self.tile_m, self.tile_n, self.tile_k, self.schedule, self.scheduler,
-                        epilogue)
+                        epilogue, cluster_m=self.cluster_m)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +114,11 @@ class DecodeConfig:
 #:              "tall128" sm90 GEMM 256x128x64, stream-K, on layers of 60M weights or more (M <= 128)
 #:   M <= 256 : "large"   sm90 GEMM 128x128x64, persistent, on layers of at most 48M weights (NOTES 9g;
 #:                        slower than "mid" at M = 128 and than "xl" on larger layers, NOTES 7b)
-#:   M >  128 : "xl"      sm90 GEMM 128x256x64, stream-K, tiles walked along the weight rows in
+#:   M <= 512 : "xl"      sm90 GEMM 128x256x64, stream-K, tiles walked along the weight rows in
 #:                        swizzled pairs (L2 reuse of the token blocks at large M), on the other layers
+#:   M >  512 : "xlp"     sm90 GEMM 128x256x64, persistent, in clusters of two weight tiles that share
+#:                        each activation tile (TMA multicast): 3-12% faster than "xl" at every M from
+#:                        640 to 2048 on 3584x3584 .. 4096x14336, 2-5% at M = 4096 (NOTES 30c)
 #: The GEMM kernels fuse bias + none / silu / gelu (chosen per call), and each config has a second
 #: kernel with the gated epilogue for swiglu; the decode kernels fix their activation.
 TILE_CONFIGS = (
@@ -124,6 +130,7 @@ TILE_CONFIGS = (
     TileConfig("tall128", 256, 128, 64, Schedule.COOPERATIVE, Scheduler.STREAMK),
     TileConfig("large", 128, 128, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT),
     TileConfig("xl", 128, 256, 64, Schedule.COOPERATIVE, Scheduler.STREAMK, Raster.WEIGHT_ROWS, 2),
+    TileConfig("xlp", 128, 256, 64, Schedule.COOPERATIVE, Scheduler.PERSISTENT, cluster_m=2),
 )
 
 
@@ -309,7 +316,7 @@ def _gemm_operation(spec: GemmSpec, grouped: bool = False, name: Optional[str] =
     math = L.MathInstruction([64, spec.tile_n, 16], act, act, L.DataType.f32,
                              L.OpcodeClass.TensorOp, L.MathOperation.multiply_add)
     tile = L.TileDescription([spec.tile_m, spec.tile_n, spec.tile_k], spec.stages, [4, 1, 1], math, 90, 90,
-                             [1, 1, 1])
+                             [spec.cluster_m, 1, 1])
     if spec.schedule is Schedule.COOPERATIVE:
         kernel_schedule = _MixgemmKernelSchedule.PrepackedCooperative
         epilogue_schedule = L.EpilogueScheduleType.TmaWarpSpecializedCooperative

@@ -50,12 +50,18 @@ _TALL_M128_MAX_WEIGHTS = 60_000_000   # between 4096x14336 (58.7M) and 8192x8192
 #: 4608x3584 33.9 against 40.8 us, 6144x4096 37.5 against 42.8; H100, NOTES 9g,
 #: s9-tiles-small.json), and slower from 4096x14336 (58.7M weights: 107.9 against 67.8) up.
 _LARGE_M256_MAX_WEIGHTS = 48_000_000   # between 7168x5120 (36.7M) and 4096x14336 (58.7M)
+#: Above M = 512 the same 128x256 tile, persistent, in 2x1 clusters that multicast the activation
+#: tile ("xlp"): measured on H100 (NOTES 30c, s24-xlp-boundary-*.json, s24-xl-*.json) 3-12% faster
+#: than "xl" at every M from 640 to 2048 on 3584x3584, 4096x4096, 6144x4096 and 4096x14336, 2-5%
+#: at M = 4096 (also 28672x4096, u4 and s8); at M = 384-512 it lost on 4096x4096 (+5%) and
+#: 4096x14336 (+32-43%: 64 tiles of 224 k-tiles, half the SMs idle), where stream-K spreads the
+#: k-tiles. Above M = 512 a layer of N >= 3584 rows has at least 84 tiles of 128x256.
 #: Kernel config labels, first match wins: (upper bound of M, upper bound of N x K or None, label);
 #: see select_tile.
 _HEURISTIC = ((8, None, "dec8"), (16, None, "dec16"), (32, _DEC32_MAX_WEIGHTS, "dec32"),
               (64, _MID_M64_MAX_WEIGHTS, "mid"), (64, None, "tall"),
               (128, _MID_M128_MAX_WEIGHTS, "mid"), (128, _TALL_M128_MAX_WEIGHTS, "tall"), (128, None, "tall128"),
-              (256, _LARGE_M256_MAX_WEIGHTS, "large"), (None, None, "xl"))
+              (256, _LARGE_M256_MAX_WEIGHTS, "large"), (512, None, "xl"), (None, None, "xlp"))
 
 
 def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
@@ -72,8 +78,10 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
     * ``m <= 128``       -> "mid" on layers of at most 2**25 weights, "tall" below 60M weights,
       "tall128" (256x128x64, stream-K) above;
     * ``m <= 256``       -> "large" (128x128x64, persistent) on layers of at most 48M weights;
-    * else               -> "xl": sm90 GEMM, 128x256x64 tiles, stream-K, walked along the weight
-      rows with swizzle 2.
+    * ``m <= 512``       -> "xl": sm90 GEMM, 128x256x64 tiles, stream-K, walked along the weight
+      rows with swizzle 2;
+    * else               -> "xlp": the same tile, persistent, in clusters of two weight tiles
+      that share (multicast) each activation tile.
 
     ``k`` matters only through the layer's size ``n * k``.
     """

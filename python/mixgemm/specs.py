@@ -132,6 +132,8 @@ class GemmSpec:
 
     ``tile_m`` tiles the weight rows N (the MMA's M mode), ``tile_n`` the tokens M (the MMA's
     N mode), ``tile_k`` the reduction. ``stages = 0`` lets the builder fill shared memory.
+    ``cluster_m`` > 1: thread-block clusters of that many neighbouring weight tiles of one token
+    tile, which load the activation tile once per cluster (TMA multicast) instead of once per CTA.
     """
 
     act: ActType
@@ -143,6 +145,7 @@ class GemmSpec:
     scheduler: Scheduler = Scheduler.PERSISTENT
     epilogue: Epilogue = Epilogue.BIAS_ACT
     stages: int = 0
+    cluster_m: int = 1
 
     kind = KernelKind.GEMM
     #: Whether the kernel waits for the previous grid before its first global access
@@ -162,6 +165,8 @@ class GemmSpec:
             raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
         if self.stages < 0 or self.stages == 1:
             raise ValueError("stages must be 0 (auto) or >= 2")
+        if self.cluster_m not in (1, 2, 4):
+            raise ValueError(f"cluster_m must be 1, 2 or 4, got {self.cluster_m}")
 
     @property
     def fixed_activation(self) -> "Activation | None":
@@ -171,8 +176,9 @@ class GemmSpec:
 
     @functools.cached_property
     def name(self) -> str:
+        cluster = f"_c{self.cluster_m}" if self.cluster_m > 1 else ""
         return (f"mixgemm_gemm_{self.act.value}_{self.weight.value}_"
-                f"t{self.tile_m}x{self.tile_n}x{self.tile_k}_{self.schedule.value}_"
+                f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{cluster}_{self.schedule.value}_"
                 f"{self.scheduler.value}_{self.epilogue.value}_s{self.stages}")
 
     #: any number of tokens
@@ -430,7 +436,7 @@ GEMM_KINDS = (GemmSpec, DecodeSpec)
 HELPER_KINDS = (GemmSpec, DecodeSpec, GroupedDecodeSpec, GroupedGemmSpec)
 
 _GEMM_NAME = re.compile(
-    r"^mixgemm_gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)_"
+    r"^mixgemm_gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)(?:_c(?P<cluster>\d+))?_"
     r"(?P<schedule>\w+?)_(?P<scheduler>persistent|streamk)_(?P<epilogue>\w+)_s(?P<stages>\d+)$")
 _DECODE_NAME = re.compile(
     r"^mixgemm_decode_(?P<act>bf16|fp16)_(?P<weight>[su][248])_m(?P<tokens>\d+)_w(?P<warps>\d+)_"
@@ -455,7 +461,7 @@ def parse_name(name: str) -> KernelSpec:
     if m:
         return GemmSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["m"]), int(m["n"]), int(m["k"]),
                         Schedule(m["schedule"]), Scheduler(m["scheduler"]), Epilogue(m["epilogue"]),
-                        int(m["stages"]))
+                        int(m["stages"]), int(m["cluster"] or 1))
     m = _DECODE_NAME.match(name)
     if m:
         return DecodeSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["tokens"]), int(m["warps"]),

@@ -90,7 +90,14 @@ struct CollectiveMmaPrepacked {
   static constexpr int Stages = Stages_;
   static_assert(BLK_K % kAtomCols == 0, "the k-tile must hold whole 64-wide atoms");
   static_assert(BLK_M % 64 == 0, "the weight tile must hold whole 64-row wgmma blocks");
-  static_assert(size(ClusterShape{}) == 1, "mixgemm's prepacked mainloop runs without clusters");
+  // Clusters run along the weight rows only: the CTAs of a cluster hold neighbouring weight tiles
+  // of the same token tile, so each loads 1/kClusterM of the activation tile and multicasts it to
+  // all of them (the activations are read from L2 once per cluster instead of once per CTA).
+  static constexpr int kClusterM = size<0>(ClusterShape{});
+  static_assert(size<1>(ClusterShape{}) == 1 && size<2>(ClusterShape{}) == 1,
+                "mixgemm's prepacked mainloop clusters along the weight rows (the MMA's M mode) only");
+  static_assert(kClusterM == 1 || kClusterM == 2 || kClusterM == 4, "a cluster of 1, 2 or 4 weight tiles");
+  using GmemTiledCopyB = cute::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
   static_assert(Stages >= 2, "at least two pipeline stages");
 
   static constexpr int kAtomsK = BLK_K / kAtomCols;           // atoms per tile along K
@@ -167,7 +174,7 @@ struct CollectiveMmaPrepacked {
     using TMA_A = decltype(make_tma_copy(SM90_TMA_LOAD{},
         make_tensor(make_gmem_ptr(static_cast<uint64_t const*>(nullptr)), GmemLayoutA{}),
         SmemLayoutA{}));
-    using TMA_B = decltype(make_tma_copy_B_sm90(SM90_TMA_LOAD{},
+    using TMA_B = decltype(make_tma_copy_B_sm90(GmemTiledCopyB{},
         make_tensor(make_gmem_ptr(static_cast<ElementAct const*>(nullptr)), GmemLayoutB{}),
         SmemLayoutB{}(_, _, Int<0>{}), TileShape{}, ClusterShape{}));
     using TMA_S = decltype(make_tma_copy(SM90_TMA_LOAD{},
@@ -216,7 +223,7 @@ struct CollectiveMmaPrepacked {
     uint32_t tx = kStageBytesA + kStageBytesB + uint32_t(gpt) * kBytesPerScaleRow * (HasZero ? 2u : 1u);
     return {
       make_tma_copy(SM90_TMA_LOAD{}, gA, SmemLayoutA{}),
-      make_tma_copy_B_sm90(SM90_TMA_LOAD{}, gB, SmemLayoutB{}(_, _, Int<0>{}), TileShape{}, ClusterShape{}),
+      make_tma_copy_B_sm90(GmemTiledCopyB{}, gB, SmemLayoutB{}(_, _, Int<0>{}), TileShape{}, ClusterShape{}),
       make_tma_copy(SM90_TMA_LOAD{}, gS, SmemLayoutScaleRow{}),
       make_tma_copy(SM90_TMA_LOAD{}, gZ, SmemLayoutScaleRow{}),
       tx, int32_t(args.group_size), int32_t(gpt), k_atoms, m_atoms, groups, args.tile_expert, experts};
@@ -295,7 +302,6 @@ struct CollectiveMmaPrepacked {
                            KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
                            uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
     (void)thread_idx;
-    (void)block_rank_in_cluster;
     if (!cute::elect_one_sync()) {
       return;
     }
@@ -315,11 +321,13 @@ struct CollectiveMmaPrepacked {
     Tensor tAgA = tma_a.partition_S(gA);
     Tensor tAsA = tma_a.partition_D(sA);
 
-    // B: the activation tile of this CTA's tokens.
+    // B: the activation tile of this CTA's tokens. In a cluster this CTA loads its 1/kClusterM
+    // slice of it and multicasts the slice to every CTA of the cluster (all hold the same tokens).
     Tensor gB_nkl = get<1>(load_inputs);
     Tensor gB = gB_nkl(_, _, n_coord, _, l_coord);                                           // (BLK_N,BLK_K,k)
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});    // (BLK_N,BLK_K,PIPE)
-    auto tma_b = params.tma_load_b.get_slice(0);
+    auto tma_b = params.tma_load_b.get_slice(block_rank_in_cluster % kClusterM);
+    uint16_t const mcast_mask_b = uint16_t((1u << kClusterM) - 1u);   // ignored without a cluster
     Tensor tBgB = tma_b.partition_S(gB);
     Tensor tBsB = tma_b.partition_D(sB);
 
@@ -350,7 +358,7 @@ struct CollectiveMmaPrepacked {
       int k_tile = *k_tile_iter;
 
       copy(params.tma_load_a.with(*tma_barrier), tAgA(_, _, _, _, k_tile), tAsA(_, _, _, _, stage));
-      copy(params.tma_load_b.with(*tma_barrier), tBgB(_, _, _, k_tile), tBsB(_, _, _, stage));
+      copy(params.tma_load_b.with(*tma_barrier, mcast_mask_b), tBgB(_, _, _, k_tile), tBsB(_, _, _, stage));
       int row0 = group0 + (k_tile * BLK_K) / params.group_size;
       for (int r = 0; r < gpt; ++r) {
         copy(params.tma_load_scale.with(*tma_barrier), tSgS(_, _, _, row0 + r), tSsS(_, _, _, stage * kGroupRowsMax + r));
