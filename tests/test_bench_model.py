@@ -560,8 +560,12 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
     assert bench.main(["--model", "llama3-70b", "--batch", "256", "--prefill", "2048", "--variants", "int2",
                        "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
+    # batch 256: the 128x256 stream-K kernels (every llama3-70b layer is above 48M weights);
+    # the 2048-token prefill: the clustered persistent 128x256 kernels (above 512 tokens)
     assert names == sorted(["mixgemm_gemm_bf16_u2_t128x256x64_coop_streamk_biasact_s0",
-                            "mixgemm_gemm_bf16_u2_t128x256x64_coop_streamk_swiglu_s0"] + layer_kernels)
+                            "mixgemm_gemm_bf16_u2_t128x256x64_coop_streamk_swiglu_s0",
+                            "mixgemm_gemm_bf16_u2_t128x256x64_c2_coop_persistent_biasact_s0",
+                            "mixgemm_gemm_bf16_u2_t128x256x64_c2_coop_persistent_swiglu_s0"] + layer_kernels)
     assert bench.main(["--host", "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
     from mixgemm.ops import select_spec
