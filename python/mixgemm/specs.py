@@ -165,8 +165,8 @@ class GemmSpec:
             raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
         if self.stages < 0 or self.stages == 1:
             raise ValueError("stages must be 0 (auto) or >= 2")
-        if self.cluster_m not in (1, 2, 4):
-            raise ValueError(f"cluster_m must be 1, 2 or 4, got {self.cluster_m}")
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
 
     @property
     def fixed_activation(self) -> "Activation | None":
