@@ -216,8 +216,9 @@ def test_gemm_specs_fuse_the_runtime_activation():
 def test_heuristic_by_tokens_and_output_tiles():
     """select_tile: decode kernels up to 16 tokens (32 on small layers); up to 128 tokens the
     128x64 stream-K GEMM on small layers and the 256-row stream-K GEMMs on large ones; then the
-    128x256 stream-K GEMM (whatever its tile count: stream-K fills the SMs) up to 512 tokens, and
-    above that the same tile persistent in 2x1 clusters."""
+    128x256 stream-K GEMM (whatever its tile count: stream-K fills the SMs) up to 512 tokens
+    (256 on layers of 16384 rows or more), and above that the same tile persistent in 2x1
+    clusters."""
     from mixgemm.ops import select_tile
 
     assert [select_tile(m, 4096, 4096).label for m in (1, 8, 9, 16, 17, 32, 33, 128)] == \
@@ -236,6 +237,10 @@ def test_heuristic_by_tokens_and_output_tiles():
     assert [select_tile(m, 7168, 5120).label for m in (129, 256, 257)] == ["large", "large", "xl"]
     assert select_tile(256, 3584, 3584).label == "large" and select_tile(256, 4096, 14336).label == "xl"
     assert select_tile(512, 4096, 14336).label == "xl"
+    # 257-512 tokens: the clustered persistent tile on layers of at least 16384 rows
+    assert [select_tile(m, 28672, 4096).label for m in (256, 257, 512, 513)] == ["xl", "xlp", "xlp", "xlp"]
+    assert [select_tile(m, 16384, 4096).label for m in (257, 512)] == ["xlp", "xlp"]
+    assert [select_tile(m, 16368, 8192).label for m in (257, 512, 513)] == ["xl", "xl", "xlp"]
     assert [select_tile(m, 4096, 14336).label for m in (513, 4096, 16384)] == ["xlp"] * 3
     assert select_tile(16384, 6144, 4096).label == "xlp"
     tall, tall128 = select_tile(64, 57344, 8192), select_tile(128, 57344, 8192)

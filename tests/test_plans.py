@@ -71,15 +71,18 @@ def _last_args(gpu: FakeGpu, since: int = 0) -> runtime.GemmArgs:
 # Token buckets
 # ---------------------------------------------------------------------------------------------
 def test_token_buckets_follow_the_heuristic():
-    """Every M of a bucket gets the same kernel config on every layer size that matters (the
-    sizes at and next to each bound of the table): a plan made for one M serves its bucket."""
-    sizes = {1} | {b + d for _, b, _ in ops._HEURISTIC if b is not None for d in (0, 1)}
+    """Every M of a bucket gets the same kernel config on every layer that matters (the sizes
+    and row counts at and next to each bound of the table): a plan made for one M serves its
+    bucket."""
+    sizes = {1} | {b + d for _, b, _, _ in ops._HEURISTIC if b is not None for d in (0, 1)}
+    rows = {r + d for _, _, _, r in ops._HEURISTIC if r is not None for d in (-1, 0)}
+    layers = sorted({(s, 1) for s in sizes} | {(r, max(1, s // r)) for r in rows for s in sizes})
     first: dict = {}
-    for m in range(1, 400):
+    for m in range(1, 700):
         bucket = ops.token_bucket(m)
-        labels = tuple(ops.select_tile(m, size, 1).label for size in sorted(sizes))
+        labels = tuple(ops.select_tile(m, n, k).label for n, k in layers)
         assert first.setdefault(bucket, labels) == labels, (m, bucket)
-    bounds = sorted({m_max for m_max, _, _ in ops._HEURISTIC if m_max is not None})
+    bounds = sorted({m_max for m_max, _, _, _ in ops._HEURISTIC if m_max is not None})
     for i, b in enumerate(bounds):     # a bound ends its bucket; one more token starts the next
         assert ops.token_bucket(b) == i and ops.token_bucket(b + 1) == i + 1
     assert ops.token_bucket(10 ** 7) == len(bounds)

@@ -118,7 +118,8 @@ class DecodeConfig:
 #:                        swizzled pairs (L2 reuse of the token blocks at large M), on the other layers
 #:   M >  512 : "xlp"     sm90 GEMM 128x256x64, persistent, in clusters of two weight tiles that share
 #:                        each activation tile (TMA multicast): 3-12% faster than "xl" at every M from
-#:                        640 to 2048 on 3584x3584 .. 4096x14336, 2-5% at M = 4096 (NOTES 30c)
+#:                        640 to 2048 on 3584x3584 .. 4096x14336, 2-5% at M = 4096 (NOTES 30c); from
+#:                        M = 257 on layers of 16384 rows or more (NOTES 30f)
 #: The GEMM kernels fuse bias + none / silu / gelu (chosen per call), and each config has a second
 #: kernel with the gated epilogue for swiglu; the decode kernels fix their activation.
 TILE_CONFIGS = (

@@ -56,12 +56,20 @@ _LARGE_M256_MAX_WEIGHTS = 48_000_000   # between 7168x5120 (36.7M) and 4096x1433
 #: at M = 4096 (also 28672x4096, u4 and s8); at M = 384-512 it lost on 4096x4096 (+5%) and
 #: 4096x14336 (+32-43%: 64 tiles of 224 k-tiles, half the SMs idle), where stream-K spreads the
 #: k-tiles. Above M = 512 a layer of N >= 3584 rows has at least 84 tiles of 128x256.
-#: Kernel config labels, first match wins: (upper bound of M, upper bound of N x K or None, label);
-#: see select_tile.
-_HEURISTIC = ((8, None, "dec8"), (16, None, "dec16"), (32, _DEC32_MAX_WEIGHTS, "dec32"),
-              (64, _MID_M64_MAX_WEIGHTS, "mid"), (64, None, "tall"),
-              (128, _MID_M128_MAX_WEIGHTS, "mid"), (128, _TALL_M128_MAX_WEIGHTS, "tall"), (128, None, "tall128"),
-              (256, _LARGE_M256_MAX_WEIGHTS, "large"), (512, None, "xl"), (None, None, "xlp"))
+#: Also from M = 257 on layers of at least 16384 rows (>= 256 tiles): 2-26% faster than "xl" at
+#: M = 384 and 512 on 28672x4096, 37888x3584, 55296x5120 and 57344x8192 (s24-xlp-large-n-*.json;
+#: at M = 384 "xl" runs 2 token tiles, the second half empty, 21-26% slower on the first two);
+#: on 10240x8192 (160 tiles) it lost 12-26%, on 8192x28672 it won 2%. At M = 192-256 the same
+#: layers were mixed (28672x4096 -7%, 57344x8192 +5%), so "xl" stays there.
+_XLP_M512_MIN_ROWS = 16384
+#: Kernel config labels, first match wins: (upper bound of M, upper bound of N x K or None, label,
+#: lower bound of N or None); see select_tile.
+_HEURISTIC = ((8, None, "dec8", None), (16, None, "dec16", None), (32, _DEC32_MAX_WEIGHTS, "dec32", None),
+              (64, _MID_M64_MAX_WEIGHTS, "mid", None), (64, None, "tall", None),
+              (128, _MID_M128_MAX_WEIGHTS, "mid", None), (128, _TALL_M128_MAX_WEIGHTS, "tall", None),
+              (128, None, "tall128", None),
+              (256, _LARGE_M256_MAX_WEIGHTS, "large", None), (256, None, "xl", None),
+              (512, None, "xlp", _XLP_M512_MIN_ROWS), (512, None, "xl", None), (None, None, "xlp", None))
 
 
 def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
@@ -77,34 +85,38 @@ def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
       2**26 weights; "tall" (256x64x64, stream-K) on larger ones;
     * ``m <= 128``       -> "mid" on layers of at most 2**25 weights, "tall" below 60M weights,
       "tall128" (256x128x64, stream-K) above;
-    * ``m <= 256``       -> "large" (128x128x64, persistent) on layers of at most 48M weights;
-    * ``m <= 512``       -> "xl": sm90 GEMM, 128x256x64 tiles, stream-K, walked along the weight
-      rows with swizzle 2;
-    * else               -> "xlp": the same tile, persistent, in clusters of two weight tiles
-      that share (multicast) each activation tile.
+    * ``m <= 256``       -> "large" (128x128x64, persistent) on layers of at most 48M weights,
+      else "xl": sm90 GEMM, 128x256x64 tiles, stream-K, walked along the weight rows with
+      swizzle 2;
+    * ``m <= 512``       -> "xlp" on layers of at least 16384 rows: the same tile, persistent,
+      in clusters of two weight tiles that share (multicast) each activation tile; else "xl";
+    * else               -> "xlp".
 
-    ``k`` matters only through the layer's size ``n * k``.
+    ``k`` matters only through the layer's size ``n * k``, ``n`` also through its own bound.
     """
     from .codegen import TILE_CONFIGS
 
-    label = next(lab for m_max, size_max, lab in _HEURISTIC
-                 if (m_max is None or m <= m_max) and (size_max is None or n * k <= size_max))
+    label = next(lab for m_max, size_max, lab, rows_min in _HEURISTIC
+                 if (m_max is None or m <= m_max) and (size_max is None or n * k <= size_max)
+                 and (rows_min is None or n >= rows_min))
     return next(tc for tc in TILE_CONFIGS if tc.label == label)
 
 
 def tile_labels(m: int) -> set:
     """Every config label :func:`select_tile` may choose for ``m`` tokens on some layer: the
-    choice depends on the layer only through its size ``n * k``, so the sizes at and just above
-    each bound of the table cover every case."""
-    sizes = {1} | {b + d for _, b, _ in _HEURISTIC if b is not None for d in (0, 1)}
-    return {select_tile(m, size, 1).label for size in sizes}
+    choice depends on the layer through its size ``n * k`` and its rows ``n``, so the layers at
+    and just past each bound of the table (as 1-column and as square-ish layers) cover every case."""
+    sizes = {1} | {b + d for _, b, _, _ in _HEURISTIC if b is not None for d in (0, 1)}
+    rows = {r + d for _, _, _, r in _HEURISTIC if r is not None for d in (-1, 0)}
+    layers = {(s, 1) for s in sizes} | {(r, 1) for r in rows} | {(r, max(1, s // r)) for r in rows for s in sizes}
+    return {select_tile(m, n, k).label for n, k in layers}
 
 
 def _token_buckets() -> tuple[int, ...]:
     """M -> the index of the heuristic's token-count bucket, for M up to one past its largest
     bound (the last entry stands for every larger M). Every M of a bucket gets the same kernel
     config from :func:`select_tile` on any layer: the table's rows match on ``m <= bound``."""
-    bounds = sorted({m_max for m_max, _, _ in _HEURISTIC if m_max is not None})
+    bounds = sorted({m_max for m_max, _, _, _ in _HEURISTIC if m_max is not None})
     return tuple(bisect.bisect_left(bounds, m) for m in range(bounds[-1] + 2))
 
 
