@@ -24,8 +24,9 @@ def sections(path: str) -> dict:
         parts = line.split("]", 1)[1].split()
         if len(parts) < 6:
             continue
-        name, typ, off, size = parts[0], parts[1], int(parts[3], 16), int(parts[4], 16)
+        name, typ = parts[0], parts[1]
         if name.startswith(PREFIXES):
+            off, size = int(parts[3], 16), int(parts[4], 16)
             blob = b"" if typ == "NOBITS" else data[off:off + size]
             res[name] = (size, hashlib.sha1(blob).hexdigest())
     return res
