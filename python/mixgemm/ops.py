@@ -108,7 +108,7 @@ def tile_labels(m: int) -> set:
     and just past each bound of the table (as 1-column and as square-ish layers) cover every case."""
     sizes = {1} | {b + d for _, b, _, _ in _HEURISTIC if b is not None for d in (0, 1)}
     rows = {r + d for _, _, _, r in _HEURISTIC if r is not None for d in (-1, 0)}
-    layers = {(s, 1) for s in sizes} | {(r, 1) for r in rows} | {(r, max(1, s // r)) for r in rows for s in sizes}
+    layers = {(s, 1) for s in sizes} | {(r, max(1, s // r)) for r in rows for s in sizes}
     return {select_tile(m, n, k).label for n, k in layers}
 
 

@@ -14,6 +14,7 @@ usage: step_kernels.py OUT.json [--preset llama3-8b] [--layers 4] [--batches 1,1
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -23,32 +24,9 @@ from mixgemm.bench.decoder import PRESETS, DecoderStack, Rotary, layer_state, ra
 from mixgemm.bench.run_support import cuda_capture, free
 from mixgemm.bench.variants import build_layer, parse_variant
 
-DEV = torch.device("cuda", 0)
-L2 = torch.cuda.get_device_properties(DEV).L2_cache_size
-_wbuf = torch.empty(2 * L2, dtype=torch.uint8, device=DEV)
-_rbuf = torch.ones(2 * L2 // 4, dtype=torch.float32, device=DEV)
-_sink = torch.empty((), dtype=torch.float32, device=DEV)
-
-
-def flush():
-    _wbuf.fill_(3)
-    _sink.copy_(_rbuf.sum())
-
-
-def time_replays(graph, iters=40):
-    for _ in range(3):
-        flush()
-        graph.replay()
-    ev = []
-    for _ in range(iters):
-        flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        ev.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+# the session-12 harness: the L2 flush, and a graph of a function timed after a flush per replay
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "session12"))
+from harness import DEV, flush, time_graph  # noqa: E402
 
 
 def family(name: str) -> str:
@@ -141,8 +119,8 @@ def main():
         for b in batches:
             x = random_tensor((b, 1, preset.hidden), tensor_seed(seed, 10_000 + b, 0), DEV).to(dtype)
             with torch.no_grad():
+                t = time_graph(lambda: stack(x, a.context)) / a.layers
                 graph, y = cuda_capture(lambda: stack(x, a.context))
-                t = time_replays(graph) / a.layers
                 segs = profile(graph, a.replays)
             rows, span, fam, gaps = summarize(segs, a.layers)
             per_layer = len(rows) // a.layers
