@@ -9,7 +9,8 @@ Inside ``with FakeGpu(dir):``
   or a :class:`FakeHelper` (no compiler needed) that reports back what it was given;
 * the CUDA driver is the fake one (tests/cpp/fake_libcuda.c): launches and memsets are recorded,
   nothing runs, and the outputs stay as torch.empty left them;
-* torch's current stream is :attr:`FakeGpu.stream` and the capture state :attr:`FakeGpu.capturing`.
+* torch's current stream is :attr:`FakeGpu.stream`, the capture state :attr:`FakeGpu.capturing` and
+  the capture's id :attr:`FakeGpu.capture_id`.
 
 So the whole path from ``QuantLinear.forward`` to ``cuLaunchKernelEx`` runs for real up to the
 driver, and what it launched can be compared byte for byte.
@@ -56,14 +57,15 @@ class FakeHelper:
     launcher calls it like a real one): the "params" it encodes are the GemmArgs bytes themselves,
     so a test reads back what a launch was given (:func:`launched_args`). The grid is (N/128,
     splits, 1), the cluster (1, splits, 1) up to 8 splits; ``workspace(args)`` bytes are asked
-    for, of which ``zero_bytes`` (0xFFFFFFFF: all) start zeroed; ``refuse(args)`` is a reason."""
+    for, of which ``zero_bytes`` (0xFFFFFFFF: all) start zeroed, and ``locks(args)`` bytes of
+    self-resetting locks apart; ``refuse(args)`` is a reason."""
 
     def __init__(self, spec, workspace: Callable = lambda a: 0, zero_bytes: int = 0xFFFFFFFF,
-                 refuse: Callable = lambda a: None):
+                 refuse: Callable = lambda a: None, locks: Callable = lambda a: 0):
         self.name = spec.name
         self.params_size = ctypes.sizeof(runtime.GemmArgs)
         self.smem_size = 1024
-        self.workspace, self.zero_bytes, self.refuse = workspace, zero_bytes, refuse
+        self.workspace, self.zero_bytes, self.refuse, self.locks = workspace, zero_bytes, refuse, locks
         self.calls = 0
         self.lib = types.SimpleNamespace(mixgemm_gemm_prepare=_PREPARE(self._prepare))
 
@@ -81,8 +83,11 @@ class FakeHelper:
         splits = max(1, a.splits)
         out.workspace_bytes = self.workspace(a)
         out.workspace_zero_bytes = self.zero_bytes
+        out.lock_bytes = self.locks(a)
         if out.workspace_bytes and not a.workspace:
             return fail("this launch needs a workspace")
+        if out.lock_bytes and not a.locks:
+            return fail("this launch needs its zeroed lock memory")
         out.grid[:] = ((a.n + 127) // 128, splits, 1)
         out.block[:] = (256, 1, 1)
         out.cluster[:] = (1, splits if splits <= 8 else 1, 1)
@@ -96,6 +101,9 @@ class FakeHelper:
 
     def workspace_size(self, args) -> int:
         return self.workspace(args)
+
+    def lock_bytes(self, args) -> int:
+        return self.locks(args)
 
     def prepare(self, args):   # runtime.HostHelper.prepare's contract (the reference path uses it)
         buf = ctypes.create_string_buffer(self.params_size)
@@ -149,6 +157,7 @@ class FakeGpu(contextlib.ExitStack):
         self.launcher_mode = launcher_mode
         self.stream = stream
         self.capturing = False
+        self.capture_id = 1
         self.kernels = FakeKernels(self.directory / "helpers", helpers)
         self.driver: Optional[fake_driver.FakeDriver] = None
 
@@ -166,6 +175,8 @@ class FakeGpu(contextlib.ExitStack):
         patch(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: self.capturing))
         patch(mock.patch.object(plans, "PLANS", plans.PlanCache()))
         patch(mock.patch.object(plans, "WORKSPACES", plans.WorkspacePool()))
+        patch(mock.patch.object(plans, "LOCKS", plans.LockArenas()))
+        patch(mock.patch.object(plans, "capture_id", lambda stream: self.capture_id))
         if self.launcher_mode is not None:
             patch(mock.patch.dict("os.environ", {launcher.LAUNCHER_ENV: self.launcher_mode}))
         launcher.reset()

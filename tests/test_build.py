@@ -247,6 +247,14 @@ def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
                             x=3 << 20, bias=0, y=4 << 20, workspace=0, ldx=4096, ldy=4096)
     assert helper.check(args) is None
     assert helper.workspace_size(args) > 0, "a stream-K kernel needs a workspace"
+    assert helper.lock_bytes(args) > 0, "... and locks apart from it"
+    # forced split-K: every one of the 32 x 1 tiles of 128 x 64 is split, so the workspace holds
+    # one float32 tile of partials per tile and nothing else, and the locks (one int32 per tile
+    # and consumer warp group, in 128-byte lines) are apart
+    split = runtime.GemmArgs.from_buffer_copy(args)
+    split.splits = 3
+    assert helper.workspace_size(split) == 32 * 128 * 64 * 4
+    assert helper.lock_bytes(split) == 32 * 2 * 4
     for field, value, msg in (("k", 4000, "multiple of 64"), ("n", 4104, "multiple of 16"),
                               ("group_size", 96, "group_size"), ("x", (3 << 20) + 2, "16-byte aligned"),
                               ("ldx", 4100, "row stride"), ("abi_version", 99, "ABI"),

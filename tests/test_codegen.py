@@ -122,7 +122,9 @@ def test_render_uses_mixgemm_mainloop_layout_and_converters(wt):
     assert "mixgemm::layout::PrepackedSm90" in src           # our layout tag for operand A
     assert "mixgemm::KernelPrepackedCooperative" in src      # routes the builder to our mainloop
     assert "mixgemm::epilogue::PerRowBias" in src
-    assert "cutlass::gemm::StreamKScheduler" in src
+    # stream-K with its locks apart and self-resetting (no memset per launch)
+    assert "mixgemm::StreamKSelfResetting" in src and "cutlass::gemm::StreamKScheduler" not in src
+    assert '#include "mixgemm/streamk_scheduler.hpp"' in src
     assert '#include "mixgemm/gemm_prelude.hpp"' in src        # our collective + converters
     assert f"static_assert(mixgemm::uses_prepacked_mainloop_v<{spec.name}_op>" in src
     assert f"MIXGEMM_GEMM_ENTRY({spec.name}, {spec.name}_op)" in src

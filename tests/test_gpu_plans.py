@@ -226,3 +226,73 @@ def test_one_workspace_per_stream(requires_gpu):
     assert {(0, s.cuda_stream) for s in streams} <= keys
     for g, y in zip(got, want):
         assert torch.equal(g, y) or (g.float() - y.float()).abs().max().item() < 1e-2
+
+
+def _stream_k_chain(dev):
+    """Stream-K launches of several shapes and decompositions, one after another on one stream:
+    (weight, x, spec, forced splits). M = 64 / 128 on 4096 x 4096 (128 x 64 tiles, stream-K
+    units), M = 300 on 4096 x 14336 (128 x 256 tiles), and forced split-K (3 splits: every tile
+    is split, so every lock is used)."""
+    cases = []
+    for i, (n, k, m, splits) in enumerate([(4096, 4096, 64, 0), (4096, 14336, 300, 0), (4096, 4096, 128, 3),
+                                            (6144, 4096, 64, 0)]):
+        w = _weight(dev, n, k, seed=i)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        spec = ops.select_spec(m, w)
+        assert spec.self_resetting_locks, spec.name
+        cases.append((w, x, spec, splits))
+    return cases
+
+
+def _graph_nodes(g) -> int:
+    from cuda.bindings import driver as drv
+
+    raw = g.raw_cuda_graph()
+    err, _, count = drv.cuGraphGetNodes(drv.CUgraph(raw), 0)
+    assert err == drv.CUresult.CUDA_SUCCESS
+    return int(count)
+
+
+def test_stream_k_locks_are_left_zeroed_and_shared(requires_gpu):
+    """Stream-K launches leave their locks zeroed (cutlass_ext/mixgemm/streamk_scheduler.hpp), so a
+    stream's launches share one lock region with no memset: a chain of stream-K GEMMs of several
+    shapes and decompositions, run eagerly three times, equals the reference launches (fresh zeroed
+    locks each) bit for bit (the reduction order is deterministic), and the region is all zeros
+    afterwards. Captured in a CUDA graph, the chain has one zeroing node besides its launches, and
+    its replays (with new inputs, beside a second graph captured on the same stream) equal eager
+    calls."""
+    dev = requires_gpu
+    plans.clear()
+    chain = _stream_k_chain(dev)
+
+    def run():
+        return [ops.gemm_with_spec(x, w, spec, splits=s) for w, x, spec, s in chain]
+
+    ref = [reference(x, w, spec, splits=s) for w, x, spec, s in chain]
+    for _ in range(3):
+        got = run()
+    torch.cuda.synchronize()
+    for y, r, (_, _, spec, s) in zip(got, ref, chain):
+        assert torch.equal(y, r), (spec.name, s)
+    regions = plans.LOCKS.regions()
+    assert len(regions) == 1 and not regions[0].any(), "one region for the stream, left zeroed"
+
+    graphs, outs = [], []
+    for _ in range(2):
+        g = torch.cuda.CUDAGraph(keep_graph=True)   # (its cudaGraph_t kept: its nodes are counted)
+        with torch.cuda.graph(g):
+            outs.append(run())
+        graphs.append(g)
+        assert _graph_nodes(g) == len(chain) + 1, "the launches and one zeroing node"
+    for _ in range(3):
+        for _, x, _, _ in chain:
+            x.copy_(torch.randn_like(x))
+        for g in (graphs[0], graphs[1], graphs[0]):
+            g.replay()
+        torch.cuda.synchronize()
+        want = run()
+        for out in outs:
+            for y, r in zip(out, want):
+                assert torch.equal(y, r)
+    torch.cuda.synchronize()
+    assert not any(r.any() for r in plans.LOCKS.regions())

@@ -296,6 +296,58 @@ def test_workspace_reused_per_stream_grown_and_captured(fake_gpu, backend, zero_
     assert {k: v[1] for k, v in plans.WORKSPACES._buffers.items()} == pools
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stream_k_locks_zeroed_once_per_stream_and_per_capture(fake_gpu, backend):
+    """A stream-K launch takes zeroed locks apart from its workspace and leaves them zeroed
+    (cutlass_ext/mixgemm/streamk_scheduler.hpp), so no launch zeroes anything: eager launches on a
+    stream share one region, zeroed when made and replaced by a larger one when a launch needs
+    more; another stream has its own; under graph capture each capture has one, made at its first
+    stream-K launch. A kernel without such locks is offered none."""
+    from mixgemm.specs import ActType, GemmSpec, Scheduler, WeightType
+
+    gpu = fake_gpu
+    gpu.kernels.helpers = lambda spec: FakeHelper(spec, workspace=lambda a: 1000 * a.m, zero_bytes=0,
+                                                  locks=lambda a: 256 * a.m)
+    w = _weight()
+    spec = GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, scheduler=Scheduler.STREAMK)
+    assert spec.self_resetting_locks
+
+    def call(m, use=spec):
+        n0 = gpu.driver.count()
+        ops.gemm_with_spec(torch.randn(m, 512, dtype=torch.bfloat16), w, use)
+        calls = gpu.driver.calls(n0)
+        assert [c["kind"] for c in calls] == ["launch"], "one launch and no memset"
+        return launched_args(calls[0]).locks
+
+    def region(stream=None):
+        return plans.LOCKS._eager[(-1, gpu.stream if stream is None else stream)]
+
+    first = call(3)
+    t, ptr, size = region()
+    assert first == ptr != 0 and size == plans.LockArenas.MIN_BYTES and not t.any()
+    assert call(5) == first and region()[0] is t, "reused, not zeroed again"
+    big = call(1000)                           # 256000 bytes: a new region of the next power of two
+    assert big == region()[1] != first and region()[2] == 1 << 18 and not region()[0].any()
+    assert call(3) == big
+    gpu.stream = 0x6000                        # another stream: its own region
+    assert call(3) == region(0x6000)[1] != region(0x5000)[1]
+    eager = {k: v[1] for k, v in plans.LOCKS._eager.items()}
+    gpu.capturing, gpu.capture_id = True, 7    # a capture: its own region, made once
+    captured = call(3)
+    assert captured not in eager.values() and call(4) == captured
+    assert plans.LOCKS._captured[(-1, 0x6000)][0] == 7
+    gpu.capture_id = 8                         # the next capture on the stream: a new one
+    assert call(3) not in (captured, *eager.values())
+    assert {k: v[1] for k, v in plans.LOCKS._eager.items()} == eager
+    gpu.capturing = False
+    assert not any(r.any() for r in plans.LOCKS.regions())
+    # a kernel whose helper asks for no locks (a persistent tile) is offered none
+    persistent = GemmSpec(ActType.BF16, WeightType.U4, 128, 128, 64, scheduler=Scheduler.PERSISTENT)
+    assert not persistent.self_resetting_locks
+    gpu.kernels.helpers = lambda s: FakeHelper(s)
+    assert call(3, persistent) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors of the helper and the driver
 # ---------------------------------------------------------------------------------------------

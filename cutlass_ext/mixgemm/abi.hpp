@@ -8,7 +8,7 @@
 
 namespace mixgemm::abi {
 
-constexpr int32_t kAbiVersion = 4;
+constexpr int32_t kAbiVersion = 5;
 
 // y[m, n] = x[m, k] @ dequant(W)[n, k]^T (+ bias[n])
 struct GemmArgs {
@@ -28,9 +28,10 @@ struct GemmArgs {
   uint64_t x;             // act [m, k], row stride ldx
   uint64_t bias;          // act [n] or 0
   uint64_t y;             // act [m, n], row stride ldy
-  uint64_t workspace;     // workspace_bytes of zeroed device memory, or 0 if none is needed
+  uint64_t workspace;     // workspace_bytes of device memory (its leading workspace_zero_bytes zeroed), or 0
   int64_t ldx;            // elements
   int64_t ldy;            // elements
+  uint64_t locks;         // lock_bytes of zeroed device memory, which the kernel leaves zeroed, or 0
 };
 
 struct Launch {
@@ -41,6 +42,9 @@ struct Launch {
   uint32_t params_bytes;      // sizeof(Params)
   uint32_t workspace_zero_bytes;  // leading workspace bytes that must be zero (UINT32_MAX: all of it)
   uint64_t workspace_bytes;
+  // Self-resetting locks (streamk_scheduler.hpp): zeroed memory at GemmArgs::locks that the launch
+  // needs and leaves zeroed, so that it can be zeroed once and reused in stream order (0: none).
+  uint64_t lock_bytes;
 };
 
 }  // namespace mixgemm::abi

@@ -34,6 +34,9 @@ template <class T> struct has_splits<T, std::void_t<decltype(std::declval<T&>().
 // The grouped scheduler (grouped_scheduler.hpp) reads the token tiles' table.
 template <class T, class = void> struct has_tiles : std::false_type {};
 template <class T> struct has_tiles<T, std::void_t<decltype(std::declval<T&>().tiles)>> : std::true_type {};
+// The stream-K scheduler with self-resetting locks (streamk_scheduler.hpp) takes them apart.
+template <class T, class = void> struct has_locks : std::false_type {};
+template <class T> struct has_locks<T, std::void_t<decltype(std::declval<T&>().locks)>> : std::true_type {};
 
 // The grouped (MoE) form's extra arguments: the device table of token tiles (grouped_scheduler.hpp:
 // [U, expert of tile 0, ...]) and the number of stacked experts. Dense launches pass none.
@@ -96,6 +99,9 @@ typename Kernel::Arguments make_arguments(abi::GemmArgs const& a, Grouping const
   if constexpr (has_tiles<SchedulerArgs>::value) {
     args.scheduler.tiles = g.tiles;
   }
+  if constexpr (has_locks<SchedulerArgs>::value) {
+    args.scheduler.locks = reinterpret_cast<decltype(args.scheduler.locks)>(a.locks);
+  }
   return args;
 }
 
@@ -140,6 +146,20 @@ uint64_t workspace_size(abi::GemmArgs const* a) {
   return a ? uint64_t(Kernel::get_workspace_size(make_arguments<Kernel>(*a))) : 0;
 }
 
+// The zeroed lock memory a launch needs apart from its workspace (streamk_scheduler.hpp; 0: none).
+template <class Kernel>
+uint64_t lock_bytes(abi::GemmArgs const* a) {
+  if constexpr (has_locks<typename Kernel::TileSchedulerArguments>::value) {
+    if (a == nullptr) return 0;
+    auto args = make_arguments<Kernel>(*a);
+    return uint64_t(Kernel::TileScheduler::template lock_bytes<typename Kernel::ProblemShape,
+                                                               typename Kernel::ElementAccumulator>(
+        args.scheduler, args.problem_shape, args.hw_info, Kernel::NumMmaWarpGroups));
+  } else {
+    return 0;
+  }
+}
+
 // Params bytes and launch geometry. Encodes the TMA descriptors (a driver call).
 template <class Kernel>
 int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* out, char* err, int errlen,
@@ -150,9 +170,20 @@ int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* o
   auto args = make_arguments<Kernel>(*a, g);
   std::memset(out, 0, sizeof(*out));
   out->workspace_bytes = Kernel::get_workspace_size(args);
-  out->workspace_zero_bytes = 0xffffffffu;  // CUTLASS's stream-K workspace starts zeroed, all of it
+  using Scheduler = typename Kernel::TileScheduler;
+  if constexpr (has_locks<typename Kernel::TileSchedulerArguments>::value) {
+    // Partials only; the locks are apart, zeroed once by the caller and left zeroed.
+    out->workspace_zero_bytes = 0;
+    out->lock_bytes = lock_bytes<Kernel>(a);
+  } else {
+    out->workspace_zero_bytes = 0xffffffffu;  // CUTLASS's stream-K workspace starts zeroed, all of it
+  }
   if (out->workspace_bytes && a->workspace == 0) return fail(err, errlen, "this launch needs a workspace");
+  if (out->lock_bytes && a->locks == 0) return fail(err, errlen, "this launch needs its zeroed lock memory");
   auto params = Kernel::to_underlying_arguments(args, reinterpret_cast<void*>(a->workspace));
+  if constexpr (has_locks<typename Kernel::TileSchedulerArguments>::value) {
+    if (char const* why = Scheduler::why_not(params.scheduler, out->lock_bytes)) return fail(err, errlen, why);
+  }
   std::memcpy(dst, &params, sizeof(params));
   dim3 grid = Kernel::get_grid_shape(params);
   dim3 block = Kernel::get_block_shape();
@@ -188,6 +219,9 @@ int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* o
   }                                                                                               \
   extern "C" uint64_t mixgemm_gemm_workspace_size(mixgemm::abi::GemmArgs const* a) {              \
     return mixgemm::host::workspace_size<KERNEL>(a);                                              \
+  }                                                                                               \
+  extern "C" uint64_t mixgemm_gemm_lock_bytes(mixgemm::abi::GemmArgs const* a) {                  \
+    return mixgemm::host::lock_bytes<KERNEL>(a);                                                  \
   }                                                                                               \
   extern "C" int mixgemm_gemm_prepare(mixgemm::abi::GemmArgs const* a, void* dst, uint32_t cap,    \
                                       mixgemm::abi::Launch* out, char* err, int errlen) {         \

@@ -264,6 +264,7 @@ class _MixgemmEpilogueSchedule(enum.Enum):
 
 class _MixgemmTileScheduler(enum.Enum):
     GroupedTokenTiles = enum.auto()
+    StreamKSelfResetting = enum.auto()
 
 
 _TAGS = {
@@ -276,8 +277,10 @@ _TAGS = {
                              _MixgemmEpilogueFunctor.PerRowBiasAct: "mixgemm::epilogue::PerRowBiasAct",
                              _MixgemmEpilogueFunctor.Swiglu: "mixgemm::epilogue::Swiglu"},
     "EpilogueScheduleTag": {_MixgemmEpilogueSchedule.GatedNoSmem: "mixgemm::EpilogueGatedNoSmem"},
-    "TileSchedulerTag": {_MixgemmTileScheduler.GroupedTokenTiles: "mixgemm::GroupedTokenTiles"},
-    "TileSchedulerSuffixes": {_MixgemmTileScheduler.GroupedTokenTiles: "_grouped_token_tiles"},
+    "TileSchedulerTag": {_MixgemmTileScheduler.GroupedTokenTiles: "mixgemm::GroupedTokenTiles",
+                         _MixgemmTileScheduler.StreamKSelfResetting: "mixgemm::StreamKSelfResetting"},
+    "TileSchedulerSuffixes": {_MixgemmTileScheduler.GroupedTokenTiles: "_grouped_token_tiles",
+                              _MixgemmTileScheduler.StreamKSelfResetting: "_stream_k_self_resetting"},
 }
 
 
@@ -326,8 +329,9 @@ def _gemm_operation(spec: GemmSpec, grouped: bool = False, name: Optional[str] =
         epilogue_schedule = L.EpilogueScheduleType.TmaWarpSpecialized
     if spec.epilogue is Epilogue.SWIGLU:
         epilogue_schedule = _MixgemmEpilogueSchedule.GatedNoSmem
+    # stream-K: CUTLASS's scheduler with its locks apart and self-resetting (streamk_scheduler.hpp)
     scheduler = {Scheduler.PERSISTENT: L.TileSchedulerType.Persistent,
-                 Scheduler.STREAMK: L.TileSchedulerType.StreamK}[spec.scheduler]
+                 Scheduler.STREAMK: _MixgemmTileScheduler.StreamKSelfResetting}[spec.scheduler]
     if grouped:
         scheduler = _MixgemmTileScheduler.GroupedTokenTiles
     mode = L.MixedInputMode.ScaleOnly if spec.weight.signed else L.MixedInputMode.ScaleWithZeroPoint
@@ -408,6 +412,8 @@ def render(spec: KernelSpec) -> str:
     include = '#include "mixgemm/gemm_prelude.hpp"\n'
     if grouped:
         include += '#include "mixgemm/grouped_scheduler.hpp"\n'
+    elif dense.scheduler is Scheduler.STREAMK:
+        include += '#include "mixgemm/streamk_scheduler.hpp"\n'
     if dense.epilogue is Epilogue.SWIGLU:
         include += '#include "mixgemm/epilogue_gated.hpp"\n'
     entry = "MIXGEMM_GROUPED_GEMM_ENTRY" if grouped else "MIXGEMM_GEMM_ENTRY"

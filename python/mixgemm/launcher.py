@@ -39,7 +39,7 @@ log = logging.getLogger("mixgemm")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "launcher.cpp"
 #: csrc/launcher.cpp's kLauncherVersion: the structures below mirror that version's
-LAUNCHER_VERSION = 1
+LAUNCHER_VERSION = 2
 LAUNCHER_ENV = "MIXGEMM_LAUNCHER"
 
 
@@ -50,6 +50,7 @@ class LaunchResult(enum.IntEnum):
     REFUSED = 1          # the helper refused the arguments (LaunchCall.message)
     NEED_WORKSPACE = 2   # the launch needs LaunchCall.workspace_bytes > the capacity on offer; nothing ran
     DRIVER_ERROR = 3     # a driver call failed (LaunchCall.cuda_error, failed_call)
+    NEED_LOCKS = 4       # the launch needs LaunchCall.lock_bytes > the zeroed locks on offer; nothing ran
 
 
 class LaunchPlanStruct(ctypes.Structure):
@@ -79,8 +80,11 @@ class LaunchCall(ctypes.Structure):
         ("bias", ctypes.c_uint64),
         ("workspace", ctypes.c_uint64),
         ("workspace_capacity", ctypes.c_uint64),
+        ("locks", ctypes.c_uint64),
+        ("locks_capacity", ctypes.c_uint64),
         ("stream", ctypes.c_uint64),
         ("workspace_bytes", ctypes.c_uint64),
+        ("lock_bytes", ctypes.c_uint64),
         ("cuda_error", ctypes.c_int32),
         ("failed_call", ctypes.c_int32),   # 1: cuMemsetD8Async, 2: cuLaunchKernelEx
         ("message", ctypes.c_char * 256),
@@ -88,7 +92,7 @@ class LaunchCall(ctypes.Structure):
 
 
 #: LaunchCall's inputs, written in one struct.pack_into (far cheaper than ten ctypes field stores)
-_CALL_INPUTS = struct.Struct("=iiQqQqQQQQ")
+_CALL_INPUTS = struct.Struct("=iiQqQqQQQQQQ")
 assert _CALL_INPUTS.size == LaunchCall.workspace_bytes.offset
 
 _tls = threading.local()
@@ -183,8 +187,8 @@ class CompiledLauncher:
         self.lib = lib
 
     def bind(self, kernel: LoadedKernel, args: GemmArgs, entry: DriverEntryPoints) -> Callable[..., int]:
-        """``launch(m, x, ldx, y, ldy, bias, workspace, workspace_capacity, stream) -> LaunchResult``
-        for ``kernel`` with ``args`` (every field but the call's)."""
+        """``launch(m, x, ldx, y, ldy, bias, workspace, workspace_capacity, locks, locks_capacity,
+        stream) -> LaunchResult`` for ``kernel`` with ``args`` (every field but the call's)."""
         helper = kernel.helper
         if helper.params_size > self.max_params:
             raise KernelError(f"{kernel.spec.name}: {helper.params_size} bytes of parameters, the launcher "
@@ -198,12 +202,13 @@ class CompiledLauncher:
         plan_addr = ctypes.addressof(plan)
         call_c, pack, tls = self.launch, _CALL_INPUTS.pack_into, _tls
 
-        def launch(m, x, ldx, y, ldy, bias, workspace, capacity, stream, _keep=(plan, helper)):
+        def launch(m, x, ldx, y, ldy, bias, workspace, capacity, locks, locks_capacity, stream,
+                   _keep=(plan, helper)):
             try:
                 call, call_addr = tls.call
             except AttributeError:
                 call, call_addr = _new_call()
-            pack(call, 0, m, 0, x, ldx, y, ldy, bias, workspace, capacity, stream)
+            pack(call, 0, m, 0, x, ldx, y, ldy, bias, workspace, capacity, locks, locks_capacity, stream)
             return call_c(plan_addr, call_addr)
 
         return launch
@@ -243,16 +248,21 @@ def python_launch(kernel: LoadedKernel, args: GemmArgs) -> Callable[..., int]:
     lock = threading.Lock()
     last = {"cluster": None, "stream": None}
 
-    def launch(m, x, ldx, y, ldy, bias, workspace, capacity, stream, _keep=argv):   # argv_addr points into argv
+    def launch(m, x, ldx, y, ldy, bias, workspace, capacity, locks, locks_capacity, stream,
+               _keep=argv):   # argv_addr points into argv
         call = current_call()
         with lock:
             a.m, a.x, a.ldx, a.y, a.ldy, a.bias = m, x, ldx, y, ldy, bias
             a.workspace = workspace if capacity else 0
+            a.locks = locks if locks_capacity else 0
             ctypes.memset(ctypes.addressof(out), 0, ctypes.sizeof(out))
             rc = prepare(ctypes.byref(a), params, len(params), ctypes.byref(out), err, len(err))
             call.workspace_bytes = out.workspace_bytes
+            call.lock_bytes = out.lock_bytes
             if out.workspace_bytes > capacity:
                 return LaunchResult.NEED_WORKSPACE
+            if out.lock_bytes > locks_capacity:
+                return LaunchResult.NEED_LOCKS
             if rc != 0:
                 call.message = err.value
                 return LaunchResult.REFUSED

@@ -20,6 +20,11 @@ Plans are cached in :data:`PLANS`, keyed by everything that decides the launch:
   from torch's allocator (the graph's pool owns it for the graph's life); an eager launch takes
   the stream's reusable workspace (:data:`WORKSPACES`), which may be freed and regrown later.
 
+A stream-K launch also takes zeroed locks, which the kernel leaves zeroed (cutlass_ext's
+``streamk_scheduler.hpp``), from :data:`LOCKS`: one region per stream, zeroed once, and one per
+CUDA graph capture, zeroed by one node at the capture's first stream-K launch. So no launch
+zeroes anything.
+
 :func:`run` is the hot path: a few attribute reads check a call against its plan, and anything
 unusual (a miss, another dtype or device, a non-contiguous bias, a subclass of Tensor) returns
 None, so that the caller takes the full path (:func:`mixgemm.ops.gemm`'s validation with its
@@ -74,7 +79,7 @@ class LaunchPlan:
     __slots__ = ("key", "spec", "kernel", "device", "device_index", "is_cuda", "dtype", "weight_type",
                  "group_size", "n", "k", "n_out", "activation", "splits", "raster", "swizzle", "capturing",
                  "bias_shape", "qdata_ref", "scales_ref", "zeros_ref", "offsets_ref", "qdata_ptr", "scales_ptr",
-                 "zeros_ptr", "signature", "args", "launch", "backend", "__weakref__")
+                 "zeros_ptr", "signature", "args", "launch", "backend", "uses_locks", "__weakref__")
 
     def made_for(self, w: PackedWeight, spec, splits: int) -> bool:
         """Whether this plan launches ``spec`` with ``splits`` on exactly ``w``'s tensors."""
@@ -126,6 +131,7 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
     a.weight, a.scales, a.zeros = p.qdata_ptr, p.scales_ptr, p.zeros_ptr
     p.args = a
     p.launch, p.backend = launcher.bind(kernel, a)
+    p.uses_locks = bool(getattr(spec, "self_resetting_locks", False))
     return p
 
 
@@ -234,10 +240,86 @@ class WorkspacePool:
 WORKSPACES = WorkspacePool()
 
 
+def capture_id(stream: int) -> int:
+    """The id of the CUDA graph capture in progress on ``stream`` (unique in the process)."""
+    from .runtime import _driver, check
+
+    drv = _driver()
+    status, cid = check(drv.cuStreamGetCaptureInfo(drv.CUstream(stream)), "cuStreamGetCaptureInfo")[:2]
+    if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+        raise RuntimeError("a captured launch on a stream that is not capturing")
+    return int(cid)
+
+
+class LockArenas:
+    """Zeroed lock memory for the stream-K GEMM kernels, which set every lock they use back to
+    zero before they end (cutlass_ext/mixgemm/streamk_scheduler.hpp), so that it is zeroed once
+    and then reused by every launch in stream order, with no memset:
+
+    * eager launches: one region per (device index, stream), zeroed on that stream when made,
+      replaced by a larger one when a launch needs more (the old one goes back to torch's
+      allocator, which reuses it only in the stream's order);
+    * launches under CUDA graph capture: one region per capture, made (and zeroed: the graph's
+      only zeroing node, unless a later launch needs more) at the capture's first stream-K launch
+      and held until the next capture on the same stream begins, so that nothing else in the
+      capture takes its memory. Each replay zeroes it again at that node. Afterwards it belongs to
+      the graph's memory pool, as any memory a capture frees.
+
+    Launches that share a region must not run concurrently, as with a per-stream workspace: two
+    graphs captured on one stream must not be replayed at the same time on two streams (nor may
+    graphs that share a memory pool)."""
+
+    MIN_BYTES = 1 << 16
+
+    def __init__(self):
+        self._eager: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
+        self._captured: dict[tuple[int, int], tuple[int, torch.Tensor, int, int]] = {}
+        self._lock = threading.Lock()
+
+    def offer(self, plan: LaunchPlan, stream: int) -> tuple[int, int]:
+        """(pointer, bytes) of the zeroed locks a launch of ``plan`` on ``stream`` may use now,
+        or (0, 0)."""
+        key = (plan.device_index, stream)
+        if not plan.capturing:
+            have = self._eager.get(key)
+            return (0, 0) if have is None else (have[1], have[2])
+        have = self._captured.get(key)
+        if have is None or have[0] != capture_id(stream):
+            return (0, 0)
+        return have[2], have[3]
+
+    def grow(self, plan: LaunchPlan, stream: int, nbytes: int) -> tuple[int, int]:
+        """A zeroed region of at least ``nbytes`` for launches of ``plan``'s kind (eager or
+        captured) on ``stream``, which is torch's current stream."""
+        size = max(self.MIN_BYTES, 1 << (int(nbytes) - 1).bit_length())
+        t = torch.zeros(size, dtype=torch.uint8, device=plan.device)
+        key = (plan.device_index, stream)
+        with self._lock:
+            if plan.capturing:
+                self._captured[key] = (capture_id(stream), t, t.data_ptr(), size)
+            else:
+                self._eager[key] = (t, t.data_ptr(), size)
+        return t.data_ptr(), size
+
+    def regions(self) -> list[torch.Tensor]:
+        """Every region held (a test's view: each must be all zeros whenever the GPU is idle)."""
+        return [e[0] for e in list(self._eager.values())] + [e[1] for e in list(self._captured.values())]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._eager.clear()
+            self._captured.clear()
+
+
+LOCKS = LockArenas()
+
+
 def clear() -> None:
-    """Drop every cached plan and reusable workspace (their memory goes back to torch)."""
+    """Drop every cached plan, reusable workspace and lock region (their memory goes back to
+    torch)."""
     PLANS.clear()
     WORKSPACES.clear()
+    LOCKS.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,36 +358,40 @@ def execute(plan: LaunchPlan, x: torch.Tensor, m: int, y_shape: tuple, bias: Opt
     index = plan.device_index
     stream = current_stream(index)
     ws = None if plan.capturing else WORKSPACES._buffers.get((index, stream))
-    if ws is None:
-        rc = plan.launch(m, x_ptr, k, y_ptr, n_out, bias_ptr, 0, 0, stream)
-    else:
-        rc = plan.launch(m, x_ptr, k, y_ptr, n_out, bias_ptr, ws[1], ws[2], stream)
+    ws_ptr, ws_size = (0, 0) if ws is None else (ws[1], ws[2])
+    lk_ptr, lk_size = LOCKS.offer(plan, stream) if plan.uses_locks else (0, 0)
+    rc = plan.launch(m, x_ptr, k, y_ptr, n_out, bias_ptr, ws_ptr, ws_size, lk_ptr, lk_size, stream)
     if rc:
-        _launch_with_workspace(plan, rc, m, x_ptr, y_ptr, bias_ptr, stream)
+        _launch_with_memory(plan, rc, m, x_ptr, y_ptr, bias_ptr, stream, ws_ptr, ws_size, lk_ptr, lk_size)
     if zero_offsets is not None:
         add_zero_offsets(x.reshape(m, k), zero_offsets, plan.group_size, y.view(m, n_out))
     return y
 
 
-def _launch_with_workspace(plan: LaunchPlan, rc: int, m: int, x_ptr: int, y_ptr: int, bias_ptr: int,
-                           stream: int) -> None:
-    """A launch that answered NEED_WORKSPACE, again with a workspace that is large enough: under
-    graph capture from torch's allocator (the graph's pool), else the stream's reusable one. Any
-    other answer raises its error."""
+def _launch_with_memory(plan: LaunchPlan, rc: int, m: int, x_ptr: int, y_ptr: int, bias_ptr: int, stream: int,
+                        ws_ptr: int, ws_size: int, lk_ptr: int, lk_size: int) -> None:
+    """A launch that answered NEED_WORKSPACE or NEED_LOCKS, again with what it asked for: a
+    workspace from torch's allocator under graph capture (the graph's pool), else the stream's
+    reusable one; zeroed locks from :data:`LOCKS`. Any other answer raises its error."""
     from . import launcher
 
-    if rc != launcher.LaunchResult.NEED_WORKSPACE:
-        launcher.raise_for(rc, plan.kernel)
-    need = launcher.current_call().workspace_bytes
-    if plan.capturing:
-        buf = torch.empty(need, dtype=torch.uint8, device=plan.device)
-        ptr, size = buf.data_ptr(), need
-    else:
-        buf, ptr, size = WORKSPACES.grow(plan.device, plan.device_index, stream, need)
-    rc = plan.launch(m, x_ptr, plan.k, y_ptr, plan.n_out, bias_ptr, ptr, size, stream)
-    if rc:
-        launcher.raise_for(rc, plan.kernel)
-    # `buf` may go now: the launch is queued, and torch reuses memory only in stream order
+    buf = None
+    for _ in range(3):   # at most one answer of each kind, then the launch
+        if rc == launcher.LaunchResult.NEED_WORKSPACE:
+            need = launcher.current_call().workspace_bytes
+            if plan.capturing:
+                buf = torch.empty(need, dtype=torch.uint8, device=plan.device)
+                ws_ptr, ws_size = buf.data_ptr(), need
+            else:
+                buf, ws_ptr, ws_size = WORKSPACES.grow(plan.device, plan.device_index, stream, need)
+        elif rc == launcher.LaunchResult.NEED_LOCKS:
+            lk_ptr, lk_size = LOCKS.grow(plan, stream, launcher.current_call().lock_bytes)
+        else:
+            launcher.raise_for(rc, plan.kernel)
+        rc = plan.launch(m, x_ptr, plan.k, y_ptr, plan.n_out, bias_ptr, ws_ptr, ws_size, lk_ptr, lk_size, stream)
+        if not rc:
+            return   # `buf` may go now: the launch is queued, and torch reuses memory only in stream order
+    launcher.raise_for(rc, plan.kernel)
 
 
 def run(x, qdata, scales, zeros, zero_offsets, bias, out, weight_type: WeightType, group_size: int, n: int,

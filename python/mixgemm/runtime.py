@@ -28,7 +28,7 @@ from .build import Artifacts, load_artifacts
 from .errors import BuildError, CudaError, KernelError
 from .specs import HELPER_KINDS, KernelSpec
 
-ABI_VERSION = 4  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
+ABI_VERSION = 5  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
 
 
 def _driver():
@@ -78,6 +78,7 @@ class GemmArgs(ctypes.Structure):
         ("workspace", ctypes.c_uint64),
         ("ldx", ctypes.c_int64),
         ("ldy", ctypes.c_int64),
+        ("locks", ctypes.c_uint64),      # zeroed lock memory the kernel leaves zeroed (stream-K), or 0
     ]
 
 
@@ -90,6 +91,7 @@ class Launch(ctypes.Structure):
         ("params_bytes", ctypes.c_uint32),
         ("workspace_zero_bytes", ctypes.c_uint32),  # UINT32_MAX: all
         ("workspace_bytes", ctypes.c_uint64),
+        ("lock_bytes", ctypes.c_uint64),   # zeroed locks the launch needs at GemmArgs.locks, left zeroed
     ]
 
 
@@ -123,6 +125,10 @@ class HostHelper:
         lib.mixgemm_gemm_prepare.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_void_p, ctypes.c_uint32,
                                              ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
         lib.mixgemm_gemm_prepare.restype = ctypes.c_int
+        self._lock_bytes = getattr(lib, "mixgemm_gemm_lock_bytes", None)   # GEMM helpers only
+        if self._lock_bytes is not None:
+            self._lock_bytes.argtypes = [ctypes.POINTER(GemmArgs)]
+            self._lock_bytes.restype = ctypes.c_uint64
         if lib.mixgemm_abi_version() != ABI_VERSION:
             raise KernelError(f"{path}: helper ABI {lib.mixgemm_abi_version()} != runtime ABI {ABI_VERSION}")
         name = lib.mixgemm_kernel_name().decode()
@@ -149,6 +155,12 @@ class HostHelper:
 
     def workspace_size(self, args: GemmArgs) -> int:
         return int(self.lib.mixgemm_gemm_workspace_size(ctypes.byref(args)))
+
+    def lock_bytes(self, args: GemmArgs) -> int:
+        """The zeroed lock memory a stream-K launch needs apart from its workspace (0: none; the
+        decode kernels' helpers have no such function)."""
+        fn = self._lock_bytes
+        return 0 if fn is None else int(fn(ctypes.byref(args)))
 
     def prepare(self, args: GemmArgs) -> tuple[ctypes.Array, Launch]:
         buf = ctypes.create_string_buffer(self.params_size)
@@ -264,18 +276,23 @@ def _stream_handle(device: torch.device):
 
 
 def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
-    """Prepare params through the helper and launch on torch's current stream. A stream-K
-    workspace is taken from torch's caching allocator; the part the helper says must start at zero
-    (all of it for CUTLASS's stream-K, only the split counters for the decode kernels) is zeroed on
-    the same stream by a driver memset, so a call is one kernel launch."""
+    """Prepare params through the helper and launch on torch's current stream. A workspace is
+    taken from torch's caching allocator; the part the helper says must start at zero (the split
+    counters of the decode kernels) is zeroed on the same stream by a driver memset. A stream-K
+    launch's locks are a fresh zeroed tensor (this reference path does not reuse them; the call
+    path of :mod:`mixgemm.plans` does, with no memset)."""
     drv = _driver()
     helper = kernel.helper
     assert helper is not None
-    workspace = None
+    workspace = locks = None
     ws_bytes = helper.workspace_size(args)
     if ws_bytes:
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=kernel.device)
         args.workspace = workspace.data_ptr()
+    lock_bytes = helper.lock_bytes(args)
+    if lock_bytes:
+        locks = torch.zeros(lock_bytes, dtype=torch.uint8, device=kernel.device)
+        args.locks = locks.data_ptr()
     params, launch = helper.prepare(args)
     stream = current_stream_ptr(kernel.device)
     if workspace is not None:
@@ -284,8 +301,8 @@ def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
             check(drv.cuMemsetD8Async(drv.CUdeviceptr(workspace.data_ptr()), 0, zero, drv.CUstream(stream)),
                   "cuMemsetD8Async(workspace)")
     launch_prepared(kernel, params, launch, stream)
-    # `workspace` may be freed now: torch's allocator reuses it only in stream order.
-    del workspace
+    # `workspace` and `locks` may be freed now: torch's allocator reuses them only in stream order.
+    del workspace, locks
 
 
 def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, stream: Optional[int] = None) -> None:

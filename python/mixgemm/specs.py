@@ -174,6 +174,13 @@ class GemmSpec:
         epilogue; None when the call chooses (none / silu / gelu)."""
         return Activation.SWIGLU if self.epilogue is Epilogue.SWIGLU else None
 
+    @property
+    def self_resetting_locks(self) -> bool:
+        """Whether a launch takes zeroed locks apart from its workspace and leaves them zeroed:
+        the stream-K kernels (cutlass_ext/mixgemm/streamk_scheduler.hpp), so that no launch needs
+        a memset."""
+        return self.scheduler is Scheduler.STREAMK
+
     @functools.cached_property
     def name(self) -> str:
         cluster = f"_c{self.cluster_m}" if self.cluster_m > 1 else ""

@@ -1,5 +1,7 @@
 // mixgemm's compiled launcher: one GEMM launch -- params from the kernel's host helper, the
 // workspace's zeroed prefix, cuLaunchKernelEx -- from one C call (python/mixgemm/launcher.py).
+// A stream-K launch's locks (streamk_scheduler.hpp) come from the caller, zeroed once and left
+// zeroed by the kernel: no memset.
 //
 // Host code only. The caller hands over every entry point it uses: the helper's
 // mixgemm_gemm_prepare (helper.so, unchanged) and the driver's cuLaunchKernelEx and
@@ -23,7 +25,7 @@
 namespace {
 
 // Bump on any change of the structures below (launcher.py mirrors them and checks).
-constexpr int32_t kLauncherVersion = 1;
+constexpr int32_t kLauncherVersion = 2;
 // The most bytes of kernel parameters a launch may take (the driver's by-value limit).
 constexpr uint32_t kMaxParamsBytes = 4096;
 
@@ -51,6 +53,7 @@ enum MixgemmLaunchResult : int32_t {
   kRefused = 1,         // the helper refused the arguments: `message`
   kNeedWorkspace = 2,   // the launch needs `workspace_bytes` > `workspace_capacity`; nothing ran
   kDriverError = 3,     // a driver call failed: `cuda_error` from `failed_call`
+  kNeedLocks = 4,       // the launch needs `lock_bytes` > `locks_capacity` of zeroed locks; nothing ran
 };
 
 struct MixgemmLaunchCall {
@@ -64,9 +67,12 @@ struct MixgemmLaunchCall {
   uint64_t bias;
   uint64_t workspace;             // device memory on offer (0: none) ...
   uint64_t workspace_capacity;    // ... of this many bytes
+  uint64_t locks;                 // zeroed lock memory on offer (0: none), left zeroed ...
+  uint64_t locks_capacity;        // ... of this many bytes
   uint64_t stream;                // CUstream
   // out
   uint64_t workspace_bytes;       // what the launch needs (0: none)
+  uint64_t lock_bytes;            // the zeroed lock memory the launch needs (0: none)
   int32_t cuda_error;             // CUresult of the failed driver call
   int32_t failed_call;            // 1: cuMemsetD8Async, 2: cuLaunchKernelEx
   char message[256];              // the helper's reason for refusing
@@ -87,7 +93,9 @@ int32_t mixgemm_launch(MixgemmLaunchPlan const* plan, MixgemmLaunchCall* call) {
   a.ldy = call->ldy;
   a.bias = call->bias;
   a.workspace = call->workspace_capacity ? call->workspace : 0;
+  a.locks = call->locks_capacity ? call->locks : 0;
   call->workspace_bytes = 0;
+  call->lock_bytes = 0;
   call->cuda_error = 0;
   call->failed_call = 0;
   call->message[0] = '\0';
@@ -100,7 +108,9 @@ int32_t mixgemm_launch(MixgemmLaunchPlan const* plan, MixgemmLaunchCall* call) {
   // The helpers set workspace_bytes only once the arguments passed their checks, so a launch
   // that asks for more workspace than is on offer is that, not a refusal.
   call->workspace_bytes = launch.workspace_bytes;
+  call->lock_bytes = launch.lock_bytes;
   if (launch.workspace_bytes > call->workspace_capacity) return kNeedWorkspace;
+  if (launch.lock_bytes > call->locks_capacity) return kNeedLocks;
   if (rc != 0) return kRefused;
 
   CUstream const stream = reinterpret_cast<CUstream>(call->stream);
