@@ -216,9 +216,10 @@ def test_gemm_activation_every_path(activation, m):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         mixgemm.gemm(x, packed, activation=activation, out=out)
         torch.cuda.synchronize()
-    # everything that ran on the GPU, but a workspace memset (stream-K): exactly one kernel
+    # everything that ran on the GPU: exactly one kernel (the stream-K kernels' locks are zeroed
+    # once per stream and left zeroed, so no launch has a memset)
     ran = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    launches = [name for name in ran if "memset" not in name.lower()]
+    launches = ran
     assert len(launches) == 1 and launches[0].startswith("mixgemm_"), ran
     assert (m <= 16) == launches[0].startswith("mixgemm_decode_"), launches
 

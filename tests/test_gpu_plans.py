@@ -93,8 +93,8 @@ def test_plans_are_reused(requires_gpu):
 
 
 # (M, activation, forced decode splits or None) over every kind of launch: decode kernels with a
-# cluster reduction, with the global workspace (12 splits), the stream-K GEMMs (workspace zeroed
-# by a memset), the gated epilogue
+# cluster reduction, with the global workspace (12 splits), the stream-K GEMMs (a workspace of
+# partials and the stream's zeroed locks), the gated epilogue
 _CASES = [(1, None, None), (3, "silu", None), (16, None, None), (25, None, None), (1, None, 12),
           (64, None, None), (100, "gelu", None), (300, None, None), (1, "swiglu", None), (64, "swiglu", None)]
 

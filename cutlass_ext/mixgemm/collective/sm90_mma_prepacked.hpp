@@ -107,6 +107,7 @@ struct CollectiveMmaPrepacked {
   static constexpr int kAtomWords = kAtomBytes / 8;           // TMA element: uint64
   static constexpr int kKBlocks = BLK_K / 16;                 // wgmma k16 blocks per tile
   static constexpr int kGroupRowsMax = BLK_K / kMinGroup;     // scale rows a k-tile may need
+  static_assert(kGroupRowsMax <= 4, "mma(): the group rows of a k-tile are dispatched up to 4");
 
   //
   // Shared memory
@@ -430,8 +431,11 @@ struct CollectiveMmaPrepacked {
     PipelineState smem_pipe_release = smem_pipe_read;
 
     // Wait for the next k-tile's stage and convert all of its A fragments into `frag`; returns
-    // the stage (its B tile is read by the wgmmas issued later).
-    auto convert_tile = [&](auto& frag) {
+    // the stage (its B tile is read by the wgmmas issued later). `rows_c`: the group rows a
+    // k-tile touches (gpt) as a compile-time constant, so that each k16 block's scale and bias
+    // registers are picked at compile time (a runtime row index cost a SEL per register).
+    auto convert_rows = [&](auto& frag, auto rows_c) {
+      constexpr int kRows = decltype(rows_c)::value;
       Tensor tCrA_u32 = recast<uint32_t>(frag);                              // (4,MMA_M,MMA_K)
       auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
       pipeline.consumer_wait(smem_pipe_read, barrier_token);
@@ -450,29 +454,21 @@ struct CollectiveMmaPrepacked {
         }
       }
 
-      // Scale and bias registers of the group rows this tile touches (gpt <= kGroupRowsMax).
-      uint32_t scale2[kGroupRowsMax][MMA_M][2];
-      uint32_t bias2[kGroupRowsMax][MMA_M][2];
+      // Scale and bias registers of the group rows this tile touches.
+      uint32_t scale2[kRows][MMA_M][2];
+      uint32_t bias2[kRows][MMA_M][2];
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kGroupRowsMax; ++r) {
-        if (r < gpt) {
-          ElementAct const* srow = smem_S + (stage * kGroupRowsMax + r) * BLK_M;
-          ElementAct const* zrow = smem_Z + (stage * kGroupRowsMax + r) * BLK_M;
+      for (int r = 0; r < kRows; ++r) {
+        ElementAct const* srow = smem_S + (stage * kGroupRowsMax + r) * BLK_M;
+        ElementAct const* zrow = smem_Z + (stage * kGroupRowsMax + r) * BLK_M;
+        CUTLASS_PRAGMA_UNROLL
+        for (int mm = 0; mm < MMA_M; ++mm) {
           CUTLASS_PRAGMA_UNROLL
-          for (int mm = 0; mm < MMA_M; ++mm) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int h = 0; h < 2; ++h) {
-              int row = tile_row[mm] + 8 * h;
-              scale2[r][mm][h] = arith::splat(reinterpret_cast<uint16_t const&>(srow[row]));
-              uint32_t z2 = HasZero ? arith::splat(reinterpret_cast<uint16_t const&>(zrow[row])) : 0u;
-              bias2[r][mm][h] = Dequant::bias(z2);
-            }
-          }
-        } else {
-          CUTLASS_PRAGMA_UNROLL
-          for (int mm = 0; mm < MMA_M; ++mm) {
-            scale2[r][mm][0] = scale2[r][mm][1] = 0u;
-            bias2[r][mm][0] = bias2[r][mm][1] = 0u;
+          for (int h = 0; h < 2; ++h) {
+            int row = tile_row[mm] + 8 * h;
+            scale2[r][mm][h] = arith::splat(reinterpret_cast<uint16_t const&>(srow[row]));
+            uint32_t z2 = HasZero ? arith::splat(reinterpret_cast<uint16_t const&>(zrow[row])) : 0u;
+            bias2[r][mm][h] = Dequant::bias(z2);
           }
         }
       }
@@ -480,18 +476,11 @@ struct CollectiveMmaPrepacked {
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < kKBlocks; ++kb) {
         // Group row of this k16 block: kb * 16 / group_size, i.e. kb * gpt / kKBlocks.
-        int const grow = (kb * gpt) / kKBlocks;
+        int const grow = (kb * kRows) / kKBlocks;   // a constant: kb is unrolled
         CUTLASS_PRAGMA_UNROLL
         for (int mm = 0; mm < MMA_M; ++mm) {
-          uint32_t s2[2] = {scale2[0][mm][0], scale2[0][mm][1]};
-          uint32_t b2[2] = {bias2[0][mm][0], bias2[0][mm][1]};
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 1; r < kGroupRowsMax; ++r) {
-            if (grow == r) {
-              s2[0] = scale2[r][mm][0]; s2[1] = scale2[r][mm][1];
-              b2[0] = bias2[r][mm][0]; b2[1] = bias2[r][mm][1];
-            }
-          }
+          uint32_t s2[2] = {scale2[grow][mm][0], scale2[grow][mm][1]};
+          uint32_t b2[2] = {bias2[grow][mm][0], bias2[grow][mm][1]};
           uint32_t out[4];
           uint32_t const* ch = chunk[mm][kb / 4];
           switch (kb % 4) {
@@ -508,6 +497,16 @@ struct CollectiveMmaPrepacked {
       }
       warpgroup_fence_operand(frag);
       return stage;
+    };
+    // (gpt is a power of two <= kGroupRowsMax, the same for every warp: a uniform branch)
+    auto convert_tile = [&](auto& frag) {
+      if constexpr (kGroupRowsMax >= 4) {
+        if (gpt == 4) return convert_rows(frag, Int<4>{});
+      }
+      if constexpr (kGroupRowsMax >= 2) {
+        if (gpt == 2) return convert_rows(frag, Int<2>{});
+      }
+      return convert_rows(frag, Int<1>{});
     };
 
     // Issue one k-tile's wgmmas (A from `frag`, B from `stage`) as one commit group.
