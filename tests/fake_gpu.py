@@ -28,7 +28,7 @@ from unittest import mock
 import fake_driver
 import torch
 
-from mixgemm import build, codegen, launcher, ops, plans, runtime
+from mixgemm import build, codegen, heuristic, launcher, ops, plans, runtime
 from mixgemm.specs import HELPER_KINDS
 
 GPU_NAME = "NVIDIA H100 80GB HBM3"
@@ -167,7 +167,7 @@ class FakeGpu(contextlib.ExitStack):
         self.driver.reset()
         patch = self.enter_context
         patch(mock.patch.object(ops, "_device_ok", lambda d: None if d.type == "cpu" else f"not the fake GPU: {d}"))
-        patch(mock.patch.object(ops, "_sm_count", lambda index: SM_COUNT))
+        patch(mock.patch.object(heuristic, "sm_count", lambda index: SM_COUNT))
         patch(mock.patch.object(ops, "_gpu_name", lambda index: GPU_NAME))
         patch(mock.patch.object(runtime, "KERNELS", self.kernels))
         patch(mock.patch.object(plans, "current_stream", lambda index: self.stream))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mixgemm
-from mixgemm import codegen, launcher, ops, plans, runtime
+from mixgemm import codegen, heuristic, launcher, ops, plans, runtime
 from mixgemm.nn import QuantLinear
 from mixgemm.quantize import interleave_gate_up
 from mixgemm.specs import Activation
@@ -41,7 +41,7 @@ def reference(x, w, spec, bias=None, activation=None, splits=0):
     args = runtime.GemmArgs()
     args.abi_version = runtime.ABI_VERSION
     args.m, args.n, args.k, args.group_size = m, w.n, w.k, w.group_size
-    args.sm_count = ops._sm_count(x.device.index)
+    args.sm_count = heuristic.sm_count(x.device.index)
     args.splits, args.raster, args.swizzle = splits, raster.abi, swizzle
     args.activation = Activation(activation or "none").abi
     args.weight, args.scales = w.qdata.data_ptr(), w.scales.data_ptr()
@@ -96,7 +96,8 @@ def test_plans_are_reused(requires_gpu):
 # cluster reduction, with the global workspace (12 splits), the stream-K GEMMs (a workspace of
 # partials and the stream's zeroed locks), the gated epilogue
 _CASES = [(1, None, None), (3, "silu", None), (16, None, None), (25, None, None), (1, None, 12),
-          (64, None, None), (100, "gelu", None), (300, None, None), (1, "swiglu", None), (64, "swiglu", None)]
+          (64, None, None), (100, "gelu", None), (300, None, None), (1, "swiglu", None), (64, "swiglu", None),
+          (1024, None, None), (1536, None, None)]
 
 
 @pytest.mark.parametrize("m,activation,splits", _CASES)
@@ -129,7 +130,33 @@ def test_planned_launch_equals_the_reference_bit_for_bit(requires_gpu, m, activa
             assert (y.float() - ref.float()).abs().max().item() <= 2 * tol + 1e-2, mode
 
 
-@pytest.mark.parametrize("m", (1, 64, 300))
+def test_large_m_plans_follow_the_device(requires_gpu):
+    """Above 512 tokens each call launches the config the full path picks on this GPU's SM count
+    (heuristic.large_bucket on the cached path): on 4096 x 4096 at 132 SMs, "xlp" at 1024 tokens
+    (128 tiles: one wave), "xl" at 1536 (192 tiles: stream-K evens out the tail). The outputs
+    stay within K-scaled tolerance of the float64 reference."""
+    dev = requires_gpu
+    w = _weight(dev)
+    deq = mixgemm.dequantize_reference(w).to(dev).double()
+    sms = heuristic.sm_count(dev.index)
+    plans.clear()
+    labels = set()
+    for m in (1024, 1536, 1000, 2048, 1536, 4000):
+        x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
+        for _ in range(2):   # the full path, then the cached one
+            y = mixgemm.gemm(x, w)
+        want = ops.select_spec(m, w, None, sms)
+        labels.add(ops.select_tile(m, w.n, w.k, sms).label)
+        plan = next(p for p in plans.PLANS.plans() if p.spec == want)
+        assert plan.made_for(w, want, 0)
+        ref = x.double() @ deq.T
+        assert ((y.double() - ref).norm() / ref.norm()).item() < 4e-3, m
+    if sms == 132:
+        assert labels == {"xl", "xlp"}
+    assert plans.PLANS.made == len({heuristic.token_bucket(m, w.n, w.k, sms) for m in (1024, 1536, 1000, 2048, 4000)})
+
+
+@pytest.mark.parametrize("m", (1, 64, 300, 1536))
 def test_graphs_capture_the_planned_path(requires_gpu, m):
     """Capture twice: the first capture makes the capture-state plan, the second reuses it;
     replays equal eager calls, also after the eager workspaces were dropped and their memory

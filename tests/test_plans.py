@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import fake_driver
-from fake_gpu import FakeGpu, FakeHelper, function_handle, launched_args
+from fake_gpu import SM_COUNT, FakeGpu, FakeHelper, function_handle, launched_args
 
 import mixgemm
-from mixgemm import build, launcher, ops, paths, plans, runtime
+from mixgemm import build, heuristic, launcher, ops, paths, plans, runtime
 from mixgemm.errors import BuildError, CudaError, KernelError
 from mixgemm.nn import QuantLinear
 from mixgemm.specs import Activation, Raster
@@ -72,20 +72,66 @@ def _last_args(gpu: FakeGpu, since: int = 0) -> runtime.GemmArgs:
 # ---------------------------------------------------------------------------------------------
 def test_token_buckets_follow_the_heuristic():
     """Every M of a bucket gets the same kernel config on every layer that matters (the sizes
-    and row counts at and next to each bound of the table): a plan made for one M serves its
-    bucket."""
-    sizes = {1} | {b + d for _, b, _, _ in ops._HEURISTIC if b is not None for d in (0, 1)}
-    rows = {r + d for _, _, _, r in ops._HEURISTIC if r is not None for d in (-1, 0)}
-    layers = sorted({(s, 1) for s in sizes} | {(r, max(1, s // r)) for r in rows for s in sizes})
-    first: dict = {}
-    for m in range(1, 700):
-        bucket = ops.token_bucket(m)
-        labels = tuple(ops.select_tile(m, n, k).label for n, k in layers)
-        assert first.setdefault(bucket, labels) == labels, (m, bucket)
-    bounds = sorted({m_max for m_max, _, _, _ in ops._HEURISTIC if m_max is not None})
+    and row counts at and next to each bound of the table, and the preset layers, on two SM
+    counts): a plan made for one M serves its bucket."""
+    table = heuristic._HEURISTIC
+    sizes = {1} | {b + d for _, b, _, _ in table if b is not None for d in (0, 1)}
+    rows = {r + d for _, _, _, r in table if r is not None for d in (-1, 0)}
+    layers = sorted({(s, 1) for s in sizes} | {(r, max(1, s // r)) for r in rows for s in sizes}
+                    | {(4608, 3584), (6144, 4096), (5120, 27648), (57344, 8192), (3584, 18944)})
+    for sms in (132, 114):
+        first: dict = {}
+        for m in [*range(1, 700), *range(700, 9000, 61)]:
+            for n, k in layers:
+                bucket = ops.token_bucket(m, n, k, sms)
+                label = ops.select_tile(m, n, k, sms).label
+                assert first.setdefault((bucket, n, k), label) == label, (m, n, k, sms, bucket)
+        # above 512 tokens both configs occur, each in its own bucket
+        assert {first[b, 4608, 3584] for b in heuristic.LARGE_M_BUCKETS} == {"xl", "xlp"}
+    bounds = sorted({m_max for m_max, _, _, _ in table if m_max is not None})
     for i, b in enumerate(bounds):     # a bound ends its bucket; one more token starts the next
         assert ops.token_bucket(b) == i and ops.token_bucket(b + 1) == i + 1
-    assert ops.token_bucket(10 ** 7) == len(bounds)
+    assert ops.token_bucket(10 ** 7) == len(bounds) == heuristic.LARGE_M_BUCKETS[0]
+
+
+def test_xl_where_stream_k_evens_out_the_waves():
+    """Above 512 tokens "xl" (stream-K) replaces "xlp" (persistent, whole waves) only where
+    CUTLASS's heuristic splits xl's tiles (its last wave less than half full, more than 8 k-tiles
+    per tile) and xl's waves, ~5% dearer each, undercut xlp's whole ones."""
+    xl = heuristic.xl_evens_waves
+    # 4608 x 3584 at 1024 tokens: 36 x 4 = 144 tiles, 1.09 waves of 132 SMs against xlp's 2
+    assert xl(1024, 4608, 3584, 132) and ops.select_tile(1024, 4608, 3584, 132).label == "xl"
+    # 6144 x 4096: 192 tiles, a tail of 60 on 132 SMs (split), of 78 on 114 (data-parallel)
+    assert xl(1024, 6144, 4096, 132) and not xl(1024, 6144, 4096, 114)
+    # a whole number of waves, or a tail of more than half a wave: data-parallel
+    assert not xl(1024, 4096, 4096, 128) and not xl(2048, 6144, 4096, 132)
+    # at most 8 k-tiles per tile: CUTLASS never splits
+    assert xl(1024, 4608, 3584, 132) and not xl(1024, 4608, 512, 132)
+    # an odd count of token tiles: xl computes an empty one (its swizzle rounds them to pairs)
+    assert not xl(640, 28672, 4096, 132)
+    # many waves: the tail is worth less than xl's overhead per tile
+    assert not xl(2048, 57344, 8192, 132) and xl(2048, 7168, 5120, 132)
+    for m in (1, 16, 64, 256, 512):     # the table's buckets do not change
+        assert ops.select_tile(m, 4608, 3584, 132).label == ops.select_tile(m, 4608, 3584, 114).label
+
+
+def test_large_m_plans_follow_the_waves(fake_gpu):
+    """Above 512 tokens the cached path takes the bucket of the layer's and the GPU's choice
+    (heuristic.large_bucket), so each call launches what the full path would pick: a 4352 x 576
+    layer on the fake GPU's 132 SMs makes 34 x 4 = 136 tiles at M = 1024 (a 4-tile tail: "xl"),
+    204 at M = 1536 (a 72-tile tail: "xlp"), 272 at M = 2048 ("xl" again, the same plan)."""
+    gpu = fake_gpu
+    w = _weight(n=4352, k=576, group=64)
+    made = plans.PLANS.made
+    for m, label, new_plan in ((1024, "xl", True), (1000, "xl", False), (1536, "xlp", True), (2048, "xl", False),
+                               (1500, "xlp", False), (1024, "xl", False)):
+        spec = ops.select_tile(m, 4352, 576, SM_COUNT).spec(w.act_type, w.weight_type)
+        assert ops.select_tile(m, 4352, 576).label == label
+        mixgemm.gemm(torch.randn(m, 576, dtype=torch.bfloat16), w)
+        made += new_plan
+        assert plans.PLANS.made == made, (m, label)
+        assert gpu.launches()[-1]["function"] == function_handle(spec), (m, label)
+        assert _last_args(gpu).m == m
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixgemm import build, ops, prebuild, runtime
+from mixgemm import build, heuristic, ops, prebuild, runtime
 from mixgemm.nn import QuantLinear
 from mixgemm.prebuild import WeightUse, specs_for, token_counts
 from mixgemm.specs import Activation
@@ -42,22 +42,28 @@ class Tiny(nn.Module):
         self.offsets.register_buffer("zero_offsets", torch.zeros(8, 512))
 
 
-def brute_force(model: nn.Module, ms=range(1, 601)) -> set:
-    """select_spec for every M, every QuantLinear (with gemm's rule: zero offsets take the
-    kernel without activation)."""
+#: every M up to 600 (each bucket of the table and the first Ms above it), then every 64th up to
+#: 5000, on GPUs of three SM counts: above 512 tokens the choice follows both (heuristic.xl_evens_waves)
+BRUTE_MS = (*range(1, 601), *range(601, 5000, 64))
+BRUTE_SMS = (132, 114, 78)
+
+
+def brute_force(model: nn.Module, ms=BRUTE_MS, sms=BRUTE_SMS) -> set:
+    """select_spec for every M in ``ms`` on every SM count in ``sms``, every QuantLinear (with
+    gemm's rule: zero offsets take the kernel without activation)."""
     names = set()
     for layer in model.modules():
         if isinstance(layer, QuantLinear):
             w = layer.packed
             act = None if layer.activation == "none" or w.zero_offsets is not None else layer.activation
-            names |= {ops.select_spec(m, w, act).name for m in ms}
+            names |= {ops.select_spec(m, w, act, s).name for m in ms for s in sms}
     return names
 
 
 def test_token_counts_cover_every_bucket():
     counts = token_counts()
     assert counts[0] == 1
-    assert [ops.token_bucket(m) for m in counts] == sorted(set(ops.TOKEN_BUCKETS[1:]))
+    assert [ops.token_bucket(m) for m in counts] == sorted(set(ops.TOKEN_BUCKETS[1:])) + [heuristic.LARGE_M_BUCKETS[0]]
     for m in counts[1:]:
         assert ops.token_bucket(m - 1) != ops.token_bucket(m), "each count is the first of its bucket"
     assert token_counts(16) == [m for m in counts if m <= 16] and token_counts(1) == [1]
@@ -104,9 +110,11 @@ def test_weight_use_checks_its_shape():
 @pytest.mark.skipif(fake_driver.compiler() is None or fake_driver.real_driver_present(),
                     reason="needs a C compiler for the fake CUDA driver, and no real one")
 def test_the_runtime_asks_for_exactly_these_kernels(tmp_path, monkeypatch):
-    """QuantLinear.forward at every M up to 300, and at 513 and 600 (the bucket above 512), on the
-    fake GPU (the real call path, fake kernels) requests from the kernel cache exactly
-    specs_for's kernels."""
+    """QuantLinear.forward at every M up to 300, and at 513, 600, 769 and 1025 (above 512 tokens),
+    on the fake GPU (the real call path, fake kernels, 132 SMs) requests from the kernel cache
+    exactly specs_for's kernels. (specs_for takes both 128x256 kernels above 512 tokens; the two
+    8192-row layers pick "xl" there only on other SM counts, but their types' "xl" kernels are
+    asked for at 257-512 tokens.)"""
     from fake_gpu import FakeGpu
 
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
@@ -122,12 +130,13 @@ def test_the_runtime_asks_for_exactly_these_kernels(tmp_path, monkeypatch):
 
         monkeypatch.setattr(gpu.kernels, "get", recording_get)
         with torch.no_grad():
-            for m in [*range(1, 301), 513, 600]:
+            for m in [*range(1, 301), 513, 600, 769, 1025]:
                 for layer in model.modules():
                     if isinstance(layer, QuantLinear):
                         layer(torch.zeros(m, layer.in_features, dtype=torch.bfloat16))
-    assert asked == {s.name for s in specs_for(model, max_tokens=600)}
-    assert asked == {s.name for s in specs_for(model)}, "every bucket is reached"
+    every = {s.name for s in specs_for(model)}
+    assert {s.name for s in specs_for(model, max_tokens=600)} == every
+    assert asked == every, "every bucket is reached"
 
 
 def test_build_for_builds_the_kernels_and_the_launcher(fake_env, monkeypatch):  # noqa: F811

@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from . import heuristic
 from .experts import PackedExperts
 from .runtime import aligned_contiguous
 from .moe_tiles import TokenTiles, token_tiles
@@ -250,7 +251,7 @@ def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, ac
     for swiglu), or writes ``out`` of that shape; its padding rows hold whatever the kernel
     computed from the padding rows of x, the spare row is not written. Nothing is read back
     from the GPU."""
-    from . import ops, runtime
+    from . import runtime
     from .errors import KernelError
     from .specs import Activation
 
@@ -271,7 +272,7 @@ def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, ac
     a = runtime.GemmArgs()
     a.abi_version = runtime.ABI_VERSION
     a.m, a.n, a.k, a.group_size = tiles.capacity, experts.n, experts.k, experts.group_size
-    a.sm_count = ops._sm_count(xp.device.index)
+    a.sm_count = heuristic.sm_count(xp.get_device())
     a.activation = Activation(activation or "none").abi
     a.swizzle = 1
     a.raster = TILES_RASTER.abi
@@ -433,7 +434,7 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     """One grouped launch (checked arguments): the helper's params, then cuLaunchKernelEx on the
     current stream. Nothing is read back from the GPU. ``routed``: the routed mode (no offsets;
     ``rows`` assignments)."""
-    from . import ops, runtime
+    from . import runtime
     from .errors import KernelError
     from .specs import Activation
 
@@ -443,7 +444,7 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     a = runtime.GemmArgs()
     a.abi_version = runtime.ABI_VERSION
     a.m, a.n, a.k, a.group_size = (rows if routed is not None else x.shape[0]), n, k, group_size
-    a.sm_count = ops._sm_count(x.device.index)
+    a.sm_count = heuristic.sm_count(x.get_device())
     a.splits = splits
     a.activation = Activation(activation or "none").abi
     a.weight, a.scales = qdata.data_ptr(), scales.data_ptr()

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from . import heuristic
 from . import moe_grouped as grouped
 from .experts import PackedExperts
 from .moe_routing import combine, combine_by_assignment, route_and_gather
@@ -198,9 +199,7 @@ def routed_plan(plan: MoePlan, w13: PackedExperts, w2: PackedExperts, x: torch.T
     rows, 5%; benchmarks/NOTES.md section 27)."""
     if not (x.is_cuda and topk_ids.dtype in (torch.int32, torch.int64) and x.dtype in (torch.bfloat16, torch.float16)):
         return False
-    from .ops import _sm_count
-
-    return routed_fits(plan, topk_ids.numel(), w13.num_experts, w13.n, w2.n, _sm_count(x.device.index))
+    return routed_fits(plan, topk_ids.numel(), w13.num_experts, w13.n, w2.n, heuristic.sm_count(x.get_device()))
 
 
 def routed_fits(plan: MoePlan, rows: int, num_experts: int, n_gate_up: int, n_down: int, sm_count: int) -> bool:

@@ -29,6 +29,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import heuristic
 from .runtime import aligned_contiguous
 
 __all__ = ["Routing", "route", "route_and_gather", "combine", "combine_by_assignment", "routing_specs",
@@ -121,7 +122,7 @@ def routing_specs(act_type, ids_dtype: torch.dtype = torch.int64, weights_dtype:
 
 
 def _launch_route(spec, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
-    from . import ops, runtime
+    from . import runtime
 
     t, topk = topk_ids.shape
     n, h = t * topk, x.shape[1]
@@ -133,7 +134,7 @@ def _launch_route(spec, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     inv = torch.empty(n, dtype=torch.int32, device=dev)
     xs = torch.empty((n, h), dtype=x.dtype, device=dev)
     row_vecs = h * x.element_size() // 16
-    ctas = max(1, min(ops._sm_count(dev.index), -(-n * h * x.element_size() // _GATHER_BYTES_PER_CTA)))
+    ctas = max(1, min(heuristic.sm_count(x.get_device()), -(-n * h * x.element_size() // _GATHER_BYTES_PER_CTA)))
     kernel = runtime.KERNELS.get(spec, dev)
     p, i = ctypes.c_void_p, ctypes.c_int
     runtime.launch_kernel(kernel, (ctas, 1, 1), _ROUTE_THREADS,

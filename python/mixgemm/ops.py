@@ -5,7 +5,6 @@ problem, never a CUDA fault or a silently wrong result.
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import math
@@ -14,139 +13,15 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 if TYPE_CHECKING:  # codegen and specs are imported lazily: `import mixgemm` stays cheap
-    from .codegen import DecodeConfig, TileConfig
     from .specs import DecodeSpec, GemmSpec, Raster
 
-from . import plans
+from . import heuristic, plans
+from .heuristic import TOKEN_BUCKETS, select_spec, select_tile, tile_labels, token_bucket  # noqa: F401 (the API)
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, WeightType
-
-#: 16 < M <= 32 on a layer of at most this many weights (N x K) goes to the 32-token decode
-#: kernel ("dec32") instead of "mid". Measured on H100 at M = 32 (sweep-decode-m32.json against
-#: bench-m32.json, benchmarks/NOTES.md section 6c): dec32 at its best split factor took 0.75-0.84x
-#: the time of "mid" on 4096x4096 and 6144x4096 (u4, u2, s8), but 1.03-1.25x on every layer of
-#: 58M weights or more (4096x14336 up), where the GEMM's wide tiles stream better.
-_DEC32_MAX_WEIGHTS = 1 << 25
-#: 32 < M <= 128 (and 16 < M <= 32 above the dec32 bound): the 256-row stream-K tiles ("tall",
-#: 256x64, and "tall128", 256x128) on large layers, "mid" (128x64) on small ones. Measured on H200
-#: (NOTES 8a, sweep-gemm256*.json, u4 and u2, 9 layers): a 256-row weight tile converts each weight
-#: once per 64 (128) tokens for twice the tensor-core work of a 128-row one.
-#:   M <= 64: "tall" 1.17-1.35x faster than "mid" on every layer above 2**26 weights (10240x8192,
-#:            28672x4096, 8192x28672, 57344x8192); "mid" up to 1.2x faster at or below it
-#:            (4096x4096, 6144x4096, 4096x14336, 8192x8192).
-#:   M <= 128: "tall128" 1.35-1.8x faster than "mid" on 8192x8192 and above; "tall" on 4096x14336
-#:            (58.7M weights: 52 us against 59 for "mid" and 64 for "tall128"); "mid" on 2**25
-#:            weights or fewer.
-_MID_M64_MAX_WEIGHTS = 1 << 26
-_MID_M128_MAX_WEIGHTS = 1 << 25
-_TALL_M128_MAX_WEIGHTS = 60_000_000   # between 4096x14336 (58.7M) and 8192x8192 (67.1M)
-#: Above M = 128 the 128x256 stream-K tile ("xl"): measured on H100 (NOTES 7b,
-#: exp-gemm-sched.json) 1.04-1.6x faster than the persistent 128x128 and 128x256 tiles at
-#: M = 256 on layers that make few 128x256 tiles (stream-K spreads them over every SM), within 4.5%
-#: of the best 128x256 variant (persistent or stream-K, any raster / swizzle) at every M from 128 to
-#: 16384, and 8% slower than 128x128 only on 6144x4096 at M = 256. The 256-row tiles lose there
-#: (NOTES 8a: up to 1.7x slower at M = 192-256).
-#: Except up to M = 256 on small layers: the persistent 128x128 tile ("large") was 3-18% faster than
-#: "xl" at M = 256 on the 6 preset layers of at most 36.7M weights (3584x3584 .. 7168x5120: e.g.
-#: 4608x3584 33.9 against 40.8 us, 6144x4096 37.5 against 42.8; H100, NOTES 9g,
-#: s9-tiles-small.json), and slower from 4096x14336 (58.7M weights: 107.9 against 67.8) up.
-_LARGE_M256_MAX_WEIGHTS = 48_000_000   # between 7168x5120 (36.7M) and 4096x14336 (58.7M)
-#: Above M = 512 the same 128x256 tile, persistent, in 2x1 clusters that multicast the activation
-#: tile ("xlp"): measured on H100 (NOTES 30c, s24-xlp-boundary-*.json, s24-xl-*.json) 3-12% faster
-#: than "xl" at every M from 640 to 2048 on 3584x3584, 4096x4096, 6144x4096 and 4096x14336, 2-5%
-#: at M = 4096 (also 28672x4096, u4 and s8); at M = 384-512 it lost on 4096x4096 (+5%) and
-#: 4096x14336 (+32-43%: 64 tiles of 224 k-tiles, half the SMs idle), where stream-K spreads the
-#: k-tiles. Above M = 512 a layer of N >= 3584 rows has at least 84 tiles of 128x256.
-#: Also from M = 257 on layers of at least 16384 rows (>= 256 tiles): 2-26% faster than "xl" at
-#: M = 384 and 512 on 28672x4096, 37888x3584, 55296x5120 and 57344x8192 (s24-xlp-large-n-*.json;
-#: at M = 384 "xl" runs 2 token tiles, the second half empty, 21-26% slower on the first two);
-#: on 10240x8192 (160 tiles) it lost 12-26%, on 8192x28672 it won 2%. At M = 192-256 the same
-#: layers were mixed (28672x4096 -7%, 57344x8192 +5%), so "xl" stays there.
-_XLP_M512_MIN_ROWS = 16384
-#: Kernel config labels, first match wins: (upper bound of M, upper bound of N x K or None, label,
-#: lower bound of N or None); see select_tile.
-_HEURISTIC = ((8, None, "dec8", None), (16, None, "dec16", None), (32, _DEC32_MAX_WEIGHTS, "dec32", None),
-              (64, _MID_M64_MAX_WEIGHTS, "mid", None), (64, None, "tall", None),
-              (128, _MID_M128_MAX_WEIGHTS, "mid", None), (128, _TALL_M128_MAX_WEIGHTS, "tall", None),
-              (128, None, "tall128", None),
-              (256, _LARGE_M256_MAX_WEIGHTS, "large", None), (256, None, "xl", None),
-              (512, None, "xlp", _XLP_M512_MIN_ROWS), (512, None, "xl", None), (None, None, "xlp", None))
-
-
-def select_tile(m: int, n: int, k: int) -> "TileConfig | DecodeConfig":
-    """The heuristic: which kernel config runs a problem of ``m`` tokens, ``n`` output features
-    and ``k`` input features.
-
-    * ``m <= 8, 16``     -> "dec8" / "dec16": the decode kernel with that token tile (one warp
-      per 16-row weight band, weights streamed by bulk copies, split-K from the measured table
-      of :mod:`mixgemm.tuning` or the kernel's planner, so that every SM streams weights);
-    * ``m <= 32`` and ``n * k <= 2**25`` -> "dec32": the decode kernel with a 32-token tile (on
-      small layers; measured slower than "mid" on larger ones);
-    * ``m <= 64``        -> "mid": sm90 GEMM, 128x64x64 tiles, stream-K, on layers of at most
-      2**26 weights; "tall" (256x64x64, stream-K) on larger ones;
-    * ``m <= 128``       -> "mid" on layers of at most 2**25 weights, "tall" below 60M weights,
-      "tall128" (256x128x64, stream-K) above;
-    * ``m <= 256``       -> "large" (128x128x64, persistent) on layers of at most 48M weights,
-      else "xl": sm90 GEMM, 128x256x64 tiles, stream-K, walked along the weight rows with
-      swizzle 2;
-    * ``m <= 512``       -> "xlp" on layers of at least 16384 rows: the same tile, persistent,
-      in clusters of two weight tiles that share (multicast) each activation tile; else "xl";
-    * else               -> "xlp".
-
-    ``k`` matters only through the layer's size ``n * k``, ``n`` also through its own bound.
-    """
-    from .codegen import TILE_CONFIGS
-
-    label = next(lab for m_max, size_max, lab, rows_min in _HEURISTIC
-                 if (m_max is None or m <= m_max) and (size_max is None or n * k <= size_max)
-                 and (rows_min is None or n >= rows_min))
-    return next(tc for tc in TILE_CONFIGS if tc.label == label)
-
-
-def tile_labels(m: int) -> set:
-    """Every config label :func:`select_tile` may choose for ``m`` tokens on some layer: the
-    choice depends on the layer through its size ``n * k`` and its rows ``n``, so the layers at
-    and just past each bound of the table (as 1-column and as square-ish layers) cover every case."""
-    sizes = {1} | {b + d for _, b, _, _ in _HEURISTIC if b is not None for d in (0, 1)}
-    rows = {r + d for _, _, _, r in _HEURISTIC if r is not None for d in (-1, 0)}
-    layers = {(s, 1) for s in sizes} | {(r, max(1, s // r)) for r in rows for s in sizes}
-    return {select_tile(m, n, k).label for n, k in layers}
-
-
-def _token_buckets() -> tuple[int, ...]:
-    """M -> the index of the heuristic's token-count bucket, for M up to one past its largest
-    bound (the last entry stands for every larger M). Every M of a bucket gets the same kernel
-    config from :func:`select_tile` on any layer: the table's rows match on ``m <= bound``."""
-    bounds = sorted({m_max for m_max, _, _, _ in _HEURISTIC if m_max is not None})
-    return tuple(bisect.bisect_left(bounds, m) for m in range(bounds[-1] + 2))
-
-
-#: see _token_buckets (the launch plans are cached per bucket)
-TOKEN_BUCKETS = _token_buckets()
-
-
-def token_bucket(m: int) -> int:
-    """The heuristic's token-count bucket of ``m`` (0 for M <= 8, 1 for M <= 16, ...): the plan
-    cache's M key (:mod:`mixgemm.plans`)."""
-    return TOKEN_BUCKETS[m] if m < len(TOKEN_BUCKETS) else TOKEN_BUCKETS[-1]
-
-
-def select_spec(m: int, w: PackedWeight, activation: Optional[str] = None) -> "GemmSpec | DecodeSpec":
-    """The kernel :func:`gemm` runs. The decode kernels fix their activation at compile time (so
-    the spec names it); the sm90 GEMM kernels take none / silu / gelu per call, and swiglu has
-    GEMM kernels of its own (the gated epilogue)."""
-    from .specs import Activation
-
-    tc = select_tile(m, w.n, w.k)
-    return tc.spec(w.act_type, w.weight_type, Activation(activation or "none"))
 
 
 #: gemm's ``activation`` values
 ACTIVATIONS = ("silu", "gelu", "swiglu")
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -356,7 +231,8 @@ def _gemm_planned(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optio
     m = math.prod(lead)
     # zero offsets (fractional zero points) are added after the kernel, so the activation too
     fused = w.zero_offsets is None
-    spec = select_spec(m, w, activation if fused else None)
+    sms = heuristic.sm_count(x.get_device())
+    spec = select_spec(m, w, activation if fused else None, sms)
     splits = _tuned_splits(spec, w, x.device)
     if activation is not None and not fused:
         return _gemm_then_activate(x, w, spec, bias, out, activation, splits)
@@ -367,13 +243,13 @@ def _gemm_planned(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optio
     from .codegen import launch_order
 
     capturing = plans.capturing()
-    key = plans.plan_key(w.qdata, token_bucket(m), activation, x.dtype, x.device)
+    key = plans.plan_key(w.qdata, token_bucket(m, w.n, w.k, sms), activation, x.dtype, x.device)
     plan = plans.PLANS.get(key, capturing)
     if plan is None or not plan.made_for(w, spec, splits):   # new, or the weight's tensors changed
         raster, swizzle = launch_order(spec)
         kernel = runtime.KERNELS.get(spec, x.device)   # the activation fused in the kernel
         plan = plans.make_plan(spec, kernel, w, dtype=x.dtype, device=x.device, activation=activation,
-                               splits=splits, raster=raster, swizzle=swizzle, sm_count=_sm_count(x.device.index),
+                               splits=splits, raster=raster, swizzle=swizzle, sm_count=sms,
                                capturing=capturing, key=key)
         plans.PLANS.put(plan)
     return plans.execute(plan, x, m, (*lead, plan.n_out), bias, out, w.zero_offsets)
@@ -468,7 +344,7 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     if plan is None or not plan.made_for(w, spec, splits):
         kernel = runtime.KERNELS.get(spec, x.device)
         plan = plans.make_plan(spec, kernel, w, dtype=x.dtype, device=x.device, activation=activation,
-                               splits=splits, raster=raster, swizzle=swizzle, sm_count=_sm_count(x.device.index),
+                               splits=splits, raster=raster, swizzle=swizzle, sm_count=heuristic.sm_count(x.get_device()),
                                capturing=capturing, key=key)
         plans.PLANS.put(plan)
     return plans.execute(plan, x, m, (*lead, n_out), bias, y, w.zero_offsets)

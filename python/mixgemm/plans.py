@@ -13,9 +13,9 @@ Plans are cached in :data:`PLANS`, keyed by everything that decides the launch:
   (baked into the kernel arguments), and every call checks them, with the weight type, group
   size, N and K: a buffer replaced or moved (``module.to(...)``, a new tensor, ``.data = ...``)
   misses, and a plan is dropped when its ``qdata`` is freed;
-* the token-count bucket (:func:`mixgemm.ops.token_bucket`: the heuristic's choice is the same
-  for every M of a bucket), the activation, x's dtype and device index (and the plan checks the
-  device type: CUDA);
+* the token-count bucket (:func:`mixgemm.heuristic.token_bucket`: the heuristic's choice is the
+  same for every M of a bucket on a given layer and GPU), the activation, x's dtype and device
+  index (and the plan checks the device type: CUDA);
 * whether the current stream is capturing a CUDA graph: a captured launch takes its workspace
   from torch's allocator (the graph's pool owns it for the graph's life); an eager launch takes
   the stream's reusable workspace (:data:`WORKSPACES`), which may be freed and regrown later.
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from . import heuristic
 from .types import PackedWeight, WeightType
 
 if TYPE_CHECKING:   # imported when the first plan is made: `import mixgemm` stays cheap
@@ -399,7 +400,8 @@ def run(x, qdata, scales, zeros, zero_offsets, bias, out, weight_type: WeightTyp
     """The cached-plan path of :func:`mixgemm.ops.gemm`: the call checked against its plan with a
     few attribute reads and launched, or None when anything is unusual or no plan exists (the
     caller then takes the full path, which validates, raises the errors, and makes the plan).
-    ``buckets`` is :data:`mixgemm.ops.TOKEN_BUCKETS` (M -> bucket; its last entry for larger M)."""
+    ``buckets`` is :data:`mixgemm.heuristic.TOKEN_BUCKETS` (M -> bucket up to 512 tokens; above,
+    :func:`mixgemm.heuristic.large_bucket` picks one of two by the layer and the GPU)."""
     if type(x) is not _Tensor or (activation is not None and type(activation) is not str):
         return None
     shape = x.shape
@@ -415,8 +417,8 @@ def run(x, qdata, scales, zeros, zero_offsets, bias, out, weight_type: WeightTyp
     if shape[-1] != k or m <= 0 or m >= 2 ** 31:
         return None
     index = x.get_device()
-    entry = PLANS._plans.get((id(qdata), buckets[m] if m < len(buckets) else buckets[-1], activation, x.dtype,
-                              index))
+    entry = PLANS._plans.get((id(qdata), buckets[m] if m < len(buckets) else heuristic.large_bucket(m, n, k, index),
+                              activation, x.dtype, index))
     if entry is None:
         return None
     plan = entry[capturing()]

@@ -1,11 +1,13 @@
 """Building ahead of time exactly the kernels a model can run, so that no call waits for nvcc.
 
-Which kernel a GEMM launches (:func:`mixgemm.ops.select_spec`) depends on the weight's shape
-``N x K``, its types (weight and activation), the activation the call fuses, and the token
-count M only through M's bucket (:data:`mixgemm.ops.TOKEN_BUCKETS`: the heuristic's choice is
-constant within a bucket, and every M past the last bound uses the last bucket's). So the
-kernels a weight can ever need are ``select_spec(m, w, activation)`` for one M per bucket, and
-a model's are the union over its weights: :func:`specs_for`. :func:`build_for` builds them in
+Which kernel a GEMM launches (:func:`mixgemm.heuristic.select_spec`) depends on the weight's
+shape ``N x K``, its types (weight and activation), the activation the call fuses, and the token
+count M only through M's bucket (:data:`mixgemm.heuristic.TOKEN_BUCKETS`: the heuristic's choice
+is constant within a bucket up to 512 tokens; above, it picks one of two configs by M and the
+GPU's SM count). So the kernels a weight can ever need are ``select_spec(m, w, activation)`` for
+one M per bucket, and both configs above 512 tokens
+(:func:`mixgemm.heuristic.select_specs_any_gpu`); a model's are the union over its weights:
+:func:`specs_for`. :func:`build_for` builds them in
 parallel (:func:`mixgemm.build.build_many`, with a progress bar) together with the compiled
 launcher that every planned call uses.
 
@@ -101,7 +103,7 @@ class WeightUse:
 def token_counts(max_tokens: Optional[int] = None) -> list[int]:
     """One token count per bucket of :data:`mixgemm.ops.TOKEN_BUCKETS` (its smallest M), up to
     ``max_tokens`` (every bucket when None): ``[1, 9, 17, 33, 65, 129, 257, 513]`` today."""
-    from .ops import TOKEN_BUCKETS
+    from .heuristic import TOKEN_BUCKETS
 
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < 1):
@@ -111,6 +113,7 @@ def token_counts(max_tokens: Optional[int] = None) -> list[int]:
         if TOKEN_BUCKETS[m] not in seen:
             seen.add(TOKEN_BUCKETS[m])
             firsts.append(m)
+    firsts.append(len(TOKEN_BUCKETS))   # the first M above the table (heuristic.token_bucket)
     return [m for m in firsts if max_tokens is None or m <= max_tokens]
 
 
@@ -181,9 +184,9 @@ def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
     -------
     list of KernelSpec
         Without repeats, sorted by name: ``{select_spec(m, w, activation)}`` for every weight
-        and one M per token bucket.
+        and one M per token bucket, on any GPU (:func:`mixgemm.heuristic.select_specs_any_gpu`).
     """
-    from .ops import select_spec
+    from .heuristic import select_specs_any_gpu
 
     ms = token_counts(max_tokens)
     specs: dict[str, KernelSpec] = {}
@@ -191,8 +194,8 @@ def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
         w = use.meta_weight()
         activation = use.kernel_activation
         for m in ms:
-            spec = select_spec(m, w, None if activation is Activation.NONE else activation.value)
-            specs[spec.name] = spec
+            specs.update((spec.name, spec) for spec in
+                         select_specs_any_gpu(m, w, None if activation is Activation.NONE else activation.value))
     for use in _experts_uses(items):
         specs.update((spec.name, spec) for spec in moe_specs_for(use, max_tokens))
     specs.update((spec.name, spec) for spec in _norm_specs(items))

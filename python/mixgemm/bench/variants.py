@@ -329,12 +329,12 @@ def build_layer(preset: ModelPreset, variant: Variant, layer: int, seed: int, de
 
 def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: ActType = ActType.BF16) -> list:
     """The mixgemm kernels a ``variant`` step of ``m`` tokens launches, for every ``m`` in ``ms``
-    (the heuristic's choice, :func:`mixgemm.ops.select_tile`, per linear; the gate/up linear with
-    the swiglu epilogue), and the RMSNorm and rotary / KV-cache kernels of the layer (every
+    (the heuristic's choices on any GPU, :func:`mixgemm.heuristic.configs_any_gpu`, per linear;
+    the gate/up linear with the swiglu epilogue), and the RMSNorm and rotary / KV-cache kernels of the layer (every
     variant's layer launches them on an sm_90 GPU; built with the mixgemm variants'). Empty for the
     other variants."""
     from ..codegen import layer_specs
-    from ..ops import select_tile
+    from ..heuristic import configs_any_gpu
     from ..specs import Activation
 
     if variant.kind is not VariantKind.MIXGEMM:
@@ -343,8 +343,8 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
     for name, (n, k) in preset.projection_shapes().items():
         activation = Activation.SWIGLU if name == "gate_up" else Activation.NONE
         for m in ms:
-            spec = select_tile(m, n, k).spec(act, variant.weight_type, activation)
-            specs[spec.name] = spec
+            specs.update((spec.name, spec) for spec in (tc.spec(act, variant.weight_type, activation)
+                                                        for tc in configs_any_gpu(m, n, k)))
     specs.update((s.name, s) for s in layer_specs([act]))
     return list(specs.values())
 
