@@ -258,14 +258,19 @@ def test_one_workspace_per_stream(requires_gpu):
 def _stream_k_chain(dev):
     """Stream-K launches of several shapes and decompositions, one after another on one stream:
     (weight, x, spec, forced splits). M = 64 / 128 on 4096 x 4096 (128 x 64 tiles, stream-K
-    units), M = 300 on 4096 x 14336 (128 x 256 tiles), and forced split-K (3 splits: every tile
-    is split, so every lock is used)."""
+    units), the 256 x 64 tile at M = 64 on 4096 x 4096 (16 tiles over every SM: ~8 splits per
+    tile, so many slots per tile), M = 300 on 4096 x 14336 (128 x 256 tiles), and forced split-K
+    (3 and 7 splits: every tile is split, so every lock is used)."""
+    from mixgemm.codegen import TILE_CONFIGS
+
     cases = []
-    for i, (n, k, m, splits) in enumerate([(4096, 4096, 64, 0), (4096, 14336, 300, 0), (4096, 4096, 128, 3),
-                                            (6144, 4096, 64, 0)]):
+    for i, (n, k, m, splits, label) in enumerate([(4096, 4096, 64, 0, None), (4096, 14336, 300, 0, None),
+                                                   (4096, 4096, 128, 3, None), (6144, 4096, 64, 0, None),
+                                                   (4096, 4096, 64, 0, "tall"), (4096, 14336, 64, 7, None)]):
         w = _weight(dev, n, k, seed=i)
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        spec = ops.select_spec(m, w)
+        spec = (ops.select_spec(m, w) if label is None else
+                next(tc for tc in TILE_CONFIGS if tc.label == label).spec(w.act_type, w.weight_type))
         assert spec.self_resetting_locks, spec.name
         cases.append((w, x, spec, splits))
     return cases
@@ -299,8 +304,10 @@ def test_stream_k_locks_are_left_zeroed_and_shared(requires_gpu):
     for _ in range(3):
         got = run()
     torch.cuda.synchronize()
-    for y, r, (_, _, spec, s) in zip(got, ref, chain):
+    for y, r, (w, x, spec, s) in zip(got, ref, chain):
         assert torch.equal(y, r), (spec.name, s)
+        want = x.double() @ mixgemm.dequantize_reference(w).to(dev).double().T
+        assert ((y.double() - want).norm() / want.norm()).item() < 4e-3, (spec.name, s)
     regions = plans.LOCKS.regions()
     assert len(regions) == 1 and not regions[0].any(), "one region for the stream, left zeroed"
 
