@@ -107,8 +107,8 @@ def select_tile(m: int, n: int, k: int, sm_count: int = DEFAULT_SM_COUNT) -> "Ti
     label = next(lab for m_max, size_max, lab, rows_min in _HEURISTIC
                  if (m_max is None or m <= m_max) and (size_max is None or n * k <= size_max)
                  and (rows_min is None or n >= rows_min))
-    if m > _LARGE_M and xl_evens_waves(m, n, k, sm_count):
-        label = "xl"
+    if m > _LARGE_M:
+        label = _LARGE_M_LABELS[xl_evens_waves(m, n, k, sm_count)]
     return next(tc for tc in TILE_CONFIGS if tc.label == label)
 
 
@@ -139,7 +139,7 @@ def tile_labels(m: int) -> set:
     and just past each bound of the table (as 1-column and as square-ish layers) cover every case;
     above 512 tokens both 128x256 configs (:func:`xl_evens_waves`)."""
     if m > _LARGE_M:
-        return {"xl", "xlp"}
+        return set(_LARGE_M_LABELS)
     sizes = {1} | {b + d for _, b, _, _ in _HEURISTIC if b is not None for d in (0, 1)}
     rows = {r + d for _, _, _, r in _HEURISTIC if r is not None for d in (-1, 0)}
     layers = {(s, 1) for s in sizes} | {(r, max(1, s // r)) for r in rows for s in sizes}
@@ -158,7 +158,8 @@ def _token_buckets() -> tuple[int, ...]:
 TOKEN_BUCKETS = _token_buckets()
 #: the largest M of the table's buckets; above it :func:`token_bucket` picks one of two buckets
 _LARGE_M = len(TOKEN_BUCKETS) - 1
-#: the buckets above 512 tokens: "xlp", and "xl" where :func:`xl_evens_waves`
+#: the configs above 512 tokens, and their buckets: "xlp", and "xl" where :func:`xl_evens_waves`
+_LARGE_M_LABELS = ("xlp", "xl")
 LARGE_M_BUCKETS = (TOKEN_BUCKETS[-1] + 1, TOKEN_BUCKETS[-1] + 2)
 
 
@@ -174,7 +175,7 @@ def token_bucket(m: int, n: int = 0, k: int = 0, sm_count: int = DEFAULT_SM_COUN
 
 def large_bucket(m: int, n: int, k: int, device_index: int) -> int:
     """:func:`token_bucket` of ``m`` > 512 tokens on CUDA device ``device_index``."""
-    return LARGE_M_BUCKETS[xl_evens_waves(m, n, k, sm_count(device_index))]
+    return token_bucket(m, n, k, sm_count(device_index))
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,7 +208,7 @@ def configs_any_gpu(m: int, n: int, k: int) -> list:
 
     if m < len(TOKEN_BUCKETS):
         return [select_tile(m, n, k)]
-    return [tc for tc in TILE_CONFIGS if tc.label in ("xlp", "xl")]
+    return [tc for tc in TILE_CONFIGS if tc.label in _LARGE_M_LABELS]
 
 
 def select_specs_any_gpu(m: int, w: "PackedWeight", activation: Optional[str] = None) -> list:
