@@ -205,3 +205,37 @@ def test_the_package_never_imports_its_command_line(tmp_path):
     assert {"mixgemm.doctor", "mixgemm.demo", "mixgemm.build", "mixgemm.ops", "mixgemm.io",
             "mixgemm.bench.model", "mixgemm.plans"} <= set(report["modules"])
     assert report["import_the_cli"] == []
+
+
+def test_public_subpackages_load_on_first_attribute_access(tmp_path):
+    """``import mixgemm`` alone does not load mixgemm.nn / moe / formats / hf, and the first
+    ``mixgemm.<name>`` loads it (PEP 562), as users write ``mixgemm.nn.QuantLinear`` without
+    importing the subpackage; a misspelt name is an AttributeError, and the CLI stays unloaded."""
+    code = """if True:
+        import json, sys
+        import mixgemm
+        lazy = sorted(mixgemm._LAZY_SUBMODULES)
+        before = {n: f"mixgemm.{n}" in sys.modules for n in ("nn", "moe", "formats", "hf")}
+        found = {n: getattr(mixgemm, n).__name__ for n in lazy}
+        names = [mixgemm.nn.QuantLinear.__name__, mixgemm.moe.fused_moe.__name__,
+                 mixgemm.formats.from_awq.__name__, mixgemm.nn.QuantMoE.__name__,
+                 mixgemm.nn.QuantMoE is sys.modules["mixgemm.nn_moe"].QuantMoE]
+        try:
+            mixgemm.no_such_module
+            missing = None
+        except AttributeError as e:
+            missing = str(e)
+        print(json.dumps({"before": before, "found": found, "names": names, "missing": missing,
+                          "cli": "mixgemm.cli" in sys.modules, "in_dir": sorted(set(lazy) & set(dir(mixgemm)))}))
+    """
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_with_checkout(),
+                         cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr
+    import json
+    report = json.loads(res.stdout.splitlines()[-1])
+    assert not any(report["before"].values()), report["before"]
+    assert report["found"] == {n: f"mixgemm.{n}" for n in report["found"]}
+    assert {"nn", "moe", "formats", "hf"} <= set(report["found"]) and report["in_dir"] == sorted(report["found"])
+    assert report["names"] == ["QuantLinear", "fused_moe", "from_awq", "QuantMoE", True]
+    assert report["missing"] == "module 'mixgemm' has no attribute 'no_such_module'"
+    assert report["cli"] is False

@@ -4,7 +4,12 @@ Offline: :func:`quantize` (or :mod:`mixgemm.formats` importers) -> :func:`prepac
 Online: :func:`load` -> :func:`gemm` (``y = x @ dequant(w).T``), :func:`dequantize`, :func:`supports`.
 Nothing is built or loaded at import time; kernels are compiled on first use or ahead of time
 (``mixgemm generate --build``).
+
+The subpackages a user reaches by attribute (``mixgemm.nn.QuantLinear``, ``mixgemm.moe.fused_moe``,
+``mixgemm.formats.from_awq``, ...) are imported on first access (PEP 562), so ``import mixgemm``
+stays light and ``mixgemm.nn`` works without its own import statement.
 """
+import importlib as _importlib
 from ._version import __version__
 from .types import ActType, PackedWeight, QuantizedWeight, WeightType, LAYOUT_VERSION
 from .layout import prepack, unpack
@@ -17,3 +22,20 @@ from .rotary import rotary_kv_cache
 __all__ = ["__version__", "ActType", "PackedWeight", "QuantizedWeight", "WeightType", "LAYOUT_VERSION",
            "prepack", "unpack", "quantize", "dequantize_reference", "save", "load", "gemm", "dequantize",
            "supports", "rms_norm", "rotary_kv_cache"]
+
+#: submodules imported on first attribute access (``mixgemm.nn``): the public ones that
+#: ``import mixgemm`` does not load itself
+_LAZY_SUBMODULES = frozenset({"bench", "build", "formats", "hf", "moe", "nn", "prebuild", "specs",
+                              "tensor_parallel"})
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        module = _importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | _LAZY_SUBMODULES)

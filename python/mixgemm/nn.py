@@ -422,8 +422,11 @@ def __getattr__(name: str):
     if name in _PARALLEL:
         from . import tensor_parallel
         return getattr(tensor_parallel, name)
+    if name == "QuantMoE":   # the MoE layer lives in its own module (mixgemm.nn_moe), which imports this one
+        from .nn_moe import QuantMoE
+        return QuantMoE
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["QuantLinear", "quantize_model", "QuantizeSummary", "gemm_op", "unsupported_reason", "RMSNorm",
-           *_PARALLEL]
+           "QuantMoE", *_PARALLEL]
