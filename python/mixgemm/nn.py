@@ -416,17 +416,18 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
 
 #: the tensor-parallel layers live in mixgemm.tensor_parallel (which imports this module)
 _PARALLEL = ("ColumnParallelQuantLinear", "RowParallelQuantLinear")
+_MOE = ("QuantMoE",)
 
 
 def __getattr__(name: str):
     if name in _PARALLEL:
         from . import tensor_parallel
         return getattr(tensor_parallel, name)
-    if name == "QuantMoE":   # the MoE layer lives in its own module (mixgemm.nn_moe), which imports this one
-        from .nn_moe import QuantMoE
-        return QuantMoE
+    if name in _MOE:   # the MoE layer lives in its own module (mixgemm.nn_moe), which imports this one
+        from . import nn_moe
+        return getattr(nn_moe, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["QuantLinear", "quantize_model", "QuantizeSummary", "gemm_op", "unsupported_reason", "RMSNorm",
-           "QuantMoE", *_PARALLEL]
+           *_MOE, *_PARALLEL]
