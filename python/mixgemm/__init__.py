@@ -30,10 +30,8 @@ _LAZY_SUBMODULES = frozenset({"bench", "build", "formats", "hf", "moe", "nn", "p
 
 
 def __getattr__(name: str):
-    if name in _LAZY_SUBMODULES:
-        module = _importlib.import_module(f"{__name__}.{name}")
-        globals()[name] = module
-        return module
+    if name in _LAZY_SUBMODULES:   # the import binds the submodule on the package: called once per name
+        return _importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

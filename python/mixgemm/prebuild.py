@@ -101,8 +101,9 @@ class WeightUse:
 
 
 def token_counts(max_tokens: Optional[int] = None) -> list[int]:
-    """One token count per bucket of :data:`mixgemm.ops.TOKEN_BUCKETS` (its smallest M), up to
-    ``max_tokens`` (every bucket when None): ``[1, 9, 17, 33, 65, 129, 257, 513]`` today."""
+    """One token count per bucket of :data:`mixgemm.heuristic.TOKEN_BUCKETS` (its smallest M) and
+    513, the first M above the table, up to ``max_tokens`` (every bucket when None):
+    ``[1, 9, 17, 33, 65, 129, 257, 513]`` today."""
     from .heuristic import TOKEN_BUCKETS
 
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
