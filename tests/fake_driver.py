@@ -46,6 +46,8 @@ class FakeDriver:
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         lib.fake_call_count.restype = ctypes.c_uint64
+        lib.fake_alloc_count.restype = ctypes.c_uint64
+        lib.fake_allocated_bytes.restype = ctypes.c_uint64
         lib.fake_get_call.argtypes = [ctypes.c_uint64, ctypes.POINTER(FakeCall)]
         lib.fake_set_params_size.argtypes = [ctypes.c_uint32]
         lib.fake_fail_next_launch.argtypes = [ctypes.c_int]
@@ -66,6 +68,14 @@ class FakeDriver:
             if self.lib.fake_get_call(seq, ctypes.byref(c)):
                 out.append(c.summary())
         return out
+
+    def allocations(self) -> int:
+        """cuMemAlloc calls since the driver was loaded."""
+        return int(self.lib.fake_alloc_count())
+
+    def allocated_bytes(self) -> int:
+        """Bytes of device memory held now (cuMemAlloc'd, not freed)."""
+        return int(self.lib.fake_allocated_bytes())
 
     def fail_next_launch(self, result: int) -> None:
         self.lib.fake_fail_next_launch(result)

@@ -157,7 +157,6 @@ class FakeGpu(contextlib.ExitStack):
         self.launcher_mode = launcher_mode
         self.stream = stream
         self.capturing = False
-        self.capture_id = 1
         self.kernels = FakeKernels(self.directory / "helpers", helpers)
         self.driver: Optional[fake_driver.FakeDriver] = None
 
@@ -174,9 +173,9 @@ class FakeGpu(contextlib.ExitStack):
         patch(mock.patch.object(plans, "capturing", lambda: self.capturing))
         patch(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: self.capturing))
         patch(mock.patch.object(plans, "PLANS", plans.PlanCache()))
-        patch(mock.patch.object(plans, "WORKSPACES", plans.WorkspacePool()))
-        patch(mock.patch.object(plans, "LOCKS", plans.LockArenas()))
-        patch(mock.patch.object(plans, "capture_id", lambda stream: self.capture_id))
+        patch(mock.patch.object(plans, "WORKSPACES", plans.StreamArenas()))
+        patch(mock.patch.object(plans, "LOCKS", plans.StreamArenas(zeroed=True)))
+        self.callback(lambda: (plans.WORKSPACES.clear(), plans.LOCKS.clear()))   # before the patches go
         if self.launcher_mode is not None:
             patch(mock.patch.dict("os.environ", {launcher.LAUNCHER_ENV: self.launcher_mode}))
         launcher.reset()

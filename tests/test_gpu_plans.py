@@ -287,12 +287,13 @@ def _graph_nodes(g) -> int:
 
 def test_stream_k_locks_are_left_zeroed_and_shared(requires_gpu):
     """Stream-K launches leave their locks zeroed (cutlass_ext/mixgemm/streamk_scheduler.hpp), so a
-    stream's launches share one lock region with no memset: a chain of stream-K GEMMs of several
-    shapes and decompositions, run eagerly three times, equals the reference launches (fresh zeroed
-    locks each) bit for bit (the reduction order is deterministic), and the region is all zeros
-    afterwards. Captured in a CUDA graph, the chain has one zeroing node besides its launches, and
-    its replays (with new inputs, beside a second graph captured on the same stream) equal eager
-    calls."""
+    stream's launches share one lock buffer with no memset: a chain of stream-K GEMMs of several
+    shapes and decompositions, run eagerly three times on a side stream, equals the reference
+    launches (fresh zeroed locks each) bit for bit (the reduction order is deterministic), and
+    the buffer is all zeros afterwards. Captured on that stream, the chain is its launches alone
+    (the stream's locks); captured on a stream that never ran it, each launch brings its own
+    zeroed locks (a memset node each), released with the capture. The replays (with new inputs,
+    the graphs one after another) equal eager calls."""
     dev = requires_gpu
     plans.clear()
     chain = _stream_k_chain(dev)
@@ -301,27 +302,32 @@ def test_stream_k_locks_are_left_zeroed_and_shared(requires_gpu):
         return [ops.gemm_with_spec(x, w, spec, splits=s) for w, x, spec, s in chain]
 
     ref = [reference(x, w, spec, splits=s) for w, x, spec, s in chain]
-    for _ in range(3):
-        got = run()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            got = run()
     torch.cuda.synchronize()
     for y, r, (w, x, spec, s) in zip(got, ref, chain):
         assert torch.equal(y, r), (spec.name, s)
         want = x.double() @ mixgemm.dequantize_reference(w).to(dev).double().T
         assert ((y.double() - want).norm() / want.norm()).item() < 4e-3, (spec.name, s)
-    regions = plans.LOCKS.regions()
-    assert len(regions) == 1 and not regions[0].any(), "one region for the stream, left zeroed"
+    lock_buffers = [b for b in plans.LOCKS.buffers() if plans.LOCKS.get(0, side.cuda_stream)[0] is b]
+    assert len(lock_buffers) == 1 and not any(lock_buffers[0].read()), "one buffer for the stream, left zeroed"
 
     graphs, outs = [], []
-    for _ in range(2):
+    for stream, nodes in ((side, len(chain)), (side, len(chain)), (None, 2 * len(chain))):
         g = torch.cuda.CUDAGraph(keep_graph=True)   # (its cudaGraph_t kept: its nodes are counted)
-        with torch.cuda.graph(g):
+        made = plans.LOCKS.nbytes()
+        with torch.cuda.graph(g, stream=stream):
             outs.append(run())
         graphs.append(g)
-        assert _graph_nodes(g) == len(chain) + 1, "the launches and one zeroing node"
+        assert _graph_nodes(g) == nodes, "the launches (and a zeroing node each without the stream's locks)"
+        assert plans.LOCKS.nbytes() == made, "no lock buffer made during a capture"
     for _ in range(3):
         for _, x, _, _ in chain:
             x.copy_(torch.randn_like(x))
-        for g in (graphs[0], graphs[1], graphs[0]):
+        for g in (graphs[0], graphs[1], graphs[2], graphs[0]):
             g.replay()
         torch.cuda.synchronize()
         want = run()
@@ -329,4 +335,4 @@ def test_stream_k_locks_are_left_zeroed_and_shared(requires_gpu):
             for y, r in zip(out, want):
                 assert torch.equal(y, r)
     torch.cuda.synchronize()
-    assert not any(r.any() for r in plans.LOCKS.regions())
+    assert not any(any(b.read()) for b in plans.LOCKS.buffers())

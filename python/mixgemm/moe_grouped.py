@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from . import heuristic
+from .library import custom_op
 from .experts import PackedExperts
 from .runtime import aligned_contiguous
 from .moe_tiles import TokenTiles, token_tiles
@@ -469,7 +470,7 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
 # ---------------------------------------------------------------------------------------------
 # The custom op
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("mixgemm::grouped_gemm", mutates_args=())
+@custom_op("mixgemm::grouped_gemm", mutates_args=())
 def _grouped_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                 expert_offsets: torch.Tensor, weight_type: str, group_size: int, n: int, k: int,
                 activation: str = "none") -> torch.Tensor:

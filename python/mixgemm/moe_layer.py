@@ -26,6 +26,7 @@ import torch
 from . import heuristic
 from . import moe_grouped as grouped
 from .experts import PackedExperts
+from .library import custom_op
 from .moe_routing import combine, combine_by_assignment, route_and_gather
 from .moe_tiles import split_layout, token_tiles
 from .codegen import GROUPED_GEMM_TILES
@@ -216,7 +217,7 @@ def routed_fits(plan: MoePlan, rows: int, num_experts: int, n_gate_up: int, n_do
     return ctas <= ROUTED_MAX_CTAS_PER_SM * sm_count
 
 
-@torch.library.custom_op("mixgemm::fused_moe", mutates_args=())
+@custom_op("mixgemm::fused_moe", mutates_args=())
 def _fused_moe_op(x: torch.Tensor, w13_qdata: torch.Tensor, w13_scales: torch.Tensor, w13_zeros: Optional[torch.Tensor],
                   w2_qdata: torch.Tensor, w2_scales: torch.Tensor, w2_zeros: Optional[torch.Tensor], weight_type: str,
                   w13_group_size: int, w2_group_size: int, hidden: int, intermediate: int,

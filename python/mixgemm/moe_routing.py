@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import heuristic
+from .library import custom_op
 from .runtime import aligned_contiguous
 
 __all__ = ["Routing", "route", "route_and_gather", "combine", "combine_by_assignment", "routing_specs",
@@ -327,7 +328,7 @@ def combine(y_sorted: torch.Tensor, routing: Routing, topk_weights: torch.Tensor
 # ---------------------------------------------------------------------------------------------
 # The custom ops
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("mixgemm::route_and_gather", mutates_args=())
+@custom_op("mixgemm::route_and_gather", mutates_args=())
 def _route_and_gather_op(x: torch.Tensor, topk_ids: torch.Tensor,
                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r, xs = route_and_gather(x, topk_ids, num_experts)
@@ -348,7 +349,7 @@ def route_and_gather_op(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     return Routing(order, tokens, offsets, inv), xs
 
 
-@torch.library.custom_op("mixgemm::combine", mutates_args=())
+@custom_op("mixgemm::combine", mutates_args=())
 def _combine_op(y_sorted: torch.Tensor, order: torch.Tensor, tokens: torch.Tensor, expert_offsets: torch.Tensor,
                 inv: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     return combine(y_sorted, Routing(order, tokens, expert_offsets, inv), topk_weights)

@@ -27,36 +27,9 @@ from . import plans
 from .errors import UnsupportedLayerError
 from .layout import ATOM_K, ATOM_N, prepack
 from .norm import RMSNorm
-from .ops import TOKEN_BUCKETS, gemm_tensors, gemm_tensors_full
+from .ops import TOKEN_BUCKETS, gemm_op, gemm_tensors_full
 from .quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
 from .types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
-
-
-# ---------------------------------------------------------------------------------------------
-# The custom op
-# ---------------------------------------------------------------------------------------------
-_WEIGHT_TYPES = {wt.value: wt for wt in WeightType}
-
-
-@torch.library.custom_op("mixgemm::gemm", mutates_args=())
-def _gemm_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-             zero_offsets: Optional[torch.Tensor], bias: Optional[torch.Tensor], weight_type: str,
-             group_size: int, n: int, k: int, activation: str = "none") -> torch.Tensor:
-    wt = _WEIGHT_TYPES.get(weight_type) or WeightType(weight_type)   # the enum's error for a bad name
-    return gemm_tensors(x, qdata, scales, zeros, zero_offsets, bias, wt, group_size, n, k,
-                        None if activation == "none" else activation)
-
-
-@_gemm_op.register_fake
-def _gemm_fake(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation="none"):
-    return x.new_empty((*x.shape[:-1], n // 2 if activation == "swiglu" else n))
-
-
-def gemm_op(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
-            activation: Optional[str] = None) -> torch.Tensor:
-    """:func:`mixgemm.gemm` through the registered custom op (traceable by torch.compile)."""
-    return torch.ops.mixgemm.gemm(x, w.qdata, w.scales, w.zeros, w.zero_offsets, bias, w.weight_type.value,
-                                  w.group_size, w.n, w.k, activation or "none")
 
 
 # ---------------------------------------------------------------------------------------------

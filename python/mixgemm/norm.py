@@ -19,6 +19,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from .library import custom_op
 from .types import ActType
 
 __all__ = ["rms_norm", "norm_spec", "RMSNorm", "replace_rms_norms", "LLAMA_STYLE_NORMS"]
@@ -144,7 +145,7 @@ def _rms_norm(x, weight, eps, residual):
     return _torch(x, weight, eps, residual)
 
 
-@torch.library.custom_op("mixgemm::rms_norm", mutates_args=())
+@custom_op("mixgemm::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm(x, weight, eps, None)
 
@@ -154,7 +155,7 @@ def _rms_norm_fake(x, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("mixgemm::add_rms_norm", mutates_args=())
+@custom_op("mixgemm::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _rms_norm(x, weight, eps, residual)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # codegen and specs are imported lazily: `import mixgemm` sta
     from .specs import DecodeSpec, GemmSpec, Raster
 
 from . import heuristic, plans
+from .library import custom_op
 from .heuristic import TOKEN_BUCKETS, select_spec, select_tile, tile_labels, token_bucket  # noqa: F401 (the API)
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, WeightType
 
@@ -195,6 +196,8 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     So write a packed weight's tensors in place (``copy_``) at load time, not in the last two
     launches before a call that reads them on the same stream.
     """
+    if torch.compiler.is_compiling():
+        return _gemm_compiling(x, w, bias, out, activation)
     if type(w) is PackedWeight:
         y = plans.run(x, w.qdata, w.scales, w.zeros, w.zero_offsets, bias, out, w.weight_type, w.group_size,
                       w.n, w.k, activation, TOKEN_BUCKETS)
@@ -221,6 +224,47 @@ def gemm_tensors_full(x, qdata, scales, zeros, zero_offsets, bias, weight_type, 
     """:func:`gemm_tensors` without trying the cached plan first (its caller did)."""
     w = PackedWeight(qdata, scales, zeros, weight_type, group_size, n, k, zero_offsets=zero_offsets)
     return _gemm_planned(x, w, bias, None, activation)
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom op: what torch.compile traces (mixgemm.library registers it lean)
+# ---------------------------------------------------------------------------------------------
+_WEIGHT_TYPES = {wt.value: wt for wt in WeightType}
+
+
+@custom_op("mixgemm::gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+             zero_offsets: Optional[torch.Tensor], bias: Optional[torch.Tensor], weight_type: str,
+             group_size: int, n: int, k: int, activation: str = "none") -> torch.Tensor:
+    wt = _WEIGHT_TYPES.get(weight_type) or WeightType(weight_type)   # the enum's error for a bad name
+    return gemm_tensors(x, qdata, scales, zeros, zero_offsets, bias, wt, group_size, n, k,
+                        None if activation == "none" else activation)
+
+
+@_gemm_op.register_fake
+def _gemm_fake(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation="none"):
+    return x.new_empty((*x.shape[:-1], n // 2 if activation == "swiglu" else n))
+
+
+def gemm_op(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
+            activation: Optional[str] = None) -> torch.Tensor:
+    """:func:`gemm` through the registered custom op ``torch.ops.mixgemm.gemm`` (what
+    torch.compile traces; :func:`gemm` itself takes it while compiling)."""
+    return torch.ops.mixgemm.gemm(x, w.qdata, w.scales, w.zeros, w.zero_offsets, bias, w.weight_type.value,
+                                  w.group_size, w.n, w.k, activation or "none")
+
+
+def _gemm_compiling(x, w, bias, out, activation) -> torch.Tensor:
+    """:func:`gemm` while torch.compile traces it: the op, and ``out`` written by a copy."""
+    if not isinstance(w, PackedWeight):
+        raise TypeError(f"w must be a mixgemm.PackedWeight (see mixgemm.prepack), got {type(w).__name__}")
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    y = gemm_op(x, w, bias, activation)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
 
 
 def _gemm_planned(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optional[str]) -> torch.Tensor:
@@ -384,4 +428,4 @@ def dequantize(w: PackedWeight, dtype: Optional[torch.dtype] = None) -> torch.Te
     return out
 
 
-__all__ = ["gemm", "gemm_with_spec", "dequantize", "supports", "select_tile", "select_spec"]
+__all__ = ["gemm", "gemm_op", "gemm_with_spec", "dequantize", "supports", "select_tile", "select_spec"]

@@ -16,14 +16,14 @@ Plans are cached in :data:`PLANS`, keyed by everything that decides the launch:
 * the token-count bucket (:func:`mixgemm.heuristic.token_bucket`: the heuristic's choice is the
   same for every M of a bucket on a given layer and GPU), the activation, x's dtype and device
   index (and the plan checks the device type: CUDA);
-* whether the current stream is capturing a CUDA graph: a captured launch takes its workspace
-  from torch's allocator (the graph's pool owns it for the graph's life); an eager launch takes
-  the stream's reusable workspace (:data:`WORKSPACES`), which may be freed and regrown later.
+* whether the current stream is capturing a CUDA graph (a captured launch may not grow memory).
 
-A stream-K launch also takes zeroed locks, which the kernel leaves zeroed (cutlass_ext's
-``streamk_scheduler.hpp``), from :data:`LOCKS`: one region per stream, zeroed once, and one per
-CUDA graph capture, zeroed by one node at the capture's first stream-K launch. So no launch
-zeroes anything.
+What a launch needs besides its plan -- a workspace, and for a stream-K kernel zeroed locks,
+which the kernel leaves zeroed (cutlass_ext's ``streamk_scheduler.hpp``) -- comes from
+:data:`WORKSPACES` and :data:`LOCKS`: one buffer per stream, of driver memory outside torch's
+allocator, made and grown outside captures (:class:`StreamArenas`). So no launch zeroes
+anything, and nothing a CUDA-graph capture allocates outlives it: torch.compile's CUDA-graph
+trees (``mode="reduce-overhead"``) accept the graphs.
 
 :func:`run` is the hot path: a few attribute reads check a call against its plan, and anything
 unusual (a miss, another dtype or device, a non-contiguous bias, a subclass of Tensor) returns
@@ -202,122 +202,143 @@ class PlanCache:
 PLANS = PlanCache()
 
 
-class WorkspacePool:
-    """One reusable workspace per (device index, stream) for eager launches, grown (to a power of
-    two) when a launch needs more. Reuse is safe in stream order: every launch that uses a
-    stream's workspace, and the memset that zeroes its prefix, are queued on that stream; a
-    buffer that is replaced goes back to torch's allocator, which hands it out again only in the
-    order of the stream it was allocated on (this one). Not used under graph capture."""
+class DeviceBuffer:
+    """``nbytes`` of device memory from the CUDA driver (``cuMemAlloc``), outside torch's caching
+    allocator: memory that belongs to no CUDA-graph memory pool, so a buffer made while
+    torch.compile's CUDA-graph trees warm a graph up (which routes the thread's torch allocations
+    to the graph's pool) is not mistaken for an allocation of the graph, and a graph captured
+    with its address may use it for the graph's whole life. Freed by :meth:`free` only."""
+
+    __slots__ = ("ptr", "nbytes", "device", "__weakref__")
+
+    def __init__(self, device: torch.device, nbytes: int):
+        from .runtime import _driver, check
+
+        drv = _driver()
+        self.device, self.nbytes = device, int(nbytes)
+        if device.type == "cuda":
+            with torch.cuda.device(device):   # the device's primary context, current
+                self.ptr = int(check(drv.cuMemAlloc(self.nbytes), "cuMemAlloc"))
+        else:   # the tests' fake driver
+            self.ptr = int(check(drv.cuMemAlloc(self.nbytes), "cuMemAlloc"))
+
+    def zero(self, stream: int) -> None:
+        """Queue ``memset(0)`` of the whole buffer on ``stream``."""
+        from .runtime import _driver, check
+
+        drv = _driver()
+        check(drv.cuMemsetD8Async(drv.CUdeviceptr(self.ptr), 0, self.nbytes, drv.CUstream(stream)),
+              "cuMemsetD8Async")
+
+    def read(self) -> bytes:
+        """The buffer's bytes (synchronizes the device: for tests)."""
+        from .runtime import _driver, check
+
+        drv = _driver()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        host = bytearray(self.nbytes)
+        check(drv.cuMemcpyDtoH(host, drv.CUdeviceptr(self.ptr), self.nbytes), "cuMemcpyDtoH")
+        return bytes(host)
+
+    def free(self) -> None:
+        """Give the memory back (the caller makes sure nothing still uses it)."""
+        from .runtime import _driver, check
+
+        if self.ptr:
+            ptr, self.ptr = self.ptr, 0
+            check(_driver().cuMemFree(_driver().CUdeviceptr(ptr)), "cuMemFree")
+
+
+class StreamArenas:
+    """One buffer per (device index, stream), of :class:`DeviceBuffer` memory, grown (to a power
+    of two) when a launch on the stream needs more: the workspaces (:data:`WORKSPACES`) and the
+    stream-K locks (:data:`LOCKS`) of the GEMM launches.
+
+    * **Eager launches** use their stream's buffer. Reuse is safe in stream order: every launch
+      that uses it, and a memset that zeroes it, are queued on that stream.
+    * **Launches under CUDA-graph capture** use the capturing stream's buffer when it is large
+      enough (torch.compile's CUDA-graph trees warm each graph up eagerly on the stream they then
+      capture on, which grows it), and otherwise memory from torch's allocator in the graph's
+      pool, released as soon as the launch is queued. A buffer is never made or grown during a
+      capture, and nothing a capture allocates outlives it.
+    * A buffer that is replaced by a larger one is kept, not freed, until :meth:`clear`: a graph
+      captured with its address may still replay it.
+
+    Launches that share a buffer must not run concurrently: a graph that used a stream's buffer
+    must be replayed in order with that stream's launches (as CUDA-graph trees do), not at the same
+    time on another stream.
+
+    ``zeroed``: the buffers of :data:`LOCKS` are zeroed when made (on the stream, before the
+    launch that asked), and every launch that uses them leaves them zeroed.
+    """
 
     MIN_BYTES = 1 << 16
 
-    def __init__(self):
-        self._buffers: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
+    def __init__(self, zeroed: bool = False):
+        self.zeroed = zeroed
+        self._buffers: dict[tuple[int, int], tuple[DeviceBuffer, int, int]] = {}
+        self._retired: list[DeviceBuffer] = []
         self._lock = threading.Lock()
 
-    def get(self, device_index: int, stream: int) -> Optional[tuple[torch.Tensor, int, int]]:
-        """(tensor, pointer, bytes) of the stream's workspace, or None."""
+    def get(self, device_index: int, stream: int) -> Optional[tuple[DeviceBuffer, int, int]]:
+        """(buffer, pointer, bytes) of the stream's buffer, or None."""
         return self._buffers.get((device_index, stream))
 
-    def grow(self, device: torch.device, device_index: int, stream: int, nbytes: int) -> tuple[torch.Tensor, int, int]:
+    def offer(self, device_index: int, stream: int) -> tuple[int, int]:
+        """(pointer, bytes) of the stream's buffer, or (0, 0)."""
+        have = self._buffers.get((device_index, stream))
+        return (0, 0) if have is None else (have[1], have[2])
+
+    def grow(self, device: torch.device, device_index: int, stream: int, nbytes: int) -> tuple[DeviceBuffer, int, int]:
+        """The stream's buffer, replaced by one of at least ``nbytes`` if it is smaller. Not
+        during a capture of the stream."""
         with self._lock:
             have = self._buffers.get((device_index, stream))
             if have is not None and have[2] >= nbytes:
                 return have
             size = max(self.MIN_BYTES, 1 << (int(nbytes) - 1).bit_length())
-            t = torch.empty(size, dtype=torch.uint8, device=device)   # on `stream`: it is current
-            entry = (t, t.data_ptr(), size)
+            buf = DeviceBuffer(device, size)
+            if self.zeroed:
+                buf.zero(stream)
+            if have is not None:
+                self._retired.append(have[0])
+            entry = (buf, buf.ptr, size)
             self._buffers[(device_index, stream)] = entry
             return entry
 
+    def buffers(self) -> list[DeviceBuffer]:
+        """Every buffer held, the replaced ones too (a test's view: a lock buffer must be all
+        zeros whenever the GPU is idle)."""
+        with self._lock:
+            return [e[0] for e in self._buffers.values()] + list(self._retired)
+
     def nbytes(self) -> int:
-        return sum(size for _, _, size in list(self._buffers.values()))
+        return sum(b.nbytes for b in self.buffers())
 
     def clear(self) -> None:
+        """Free every buffer, after the devices that use them are idle. Graphs captured before
+        must not be replayed afterwards."""
         with self._lock:
-            self._buffers.clear()
+            held = [e[0] for e in self._buffers.values()] + self._retired
+            self._buffers, self._retired = {}, []
+        for device in {b.device for b in held if b.device.type == "cuda"}:
+            torch.cuda.synchronize(device)
+        for b in held:
+            b.free()
 
 
-WORKSPACES = WorkspacePool()
-
-
-def capture_id(stream: int) -> int:
-    """The id of the CUDA graph capture in progress on ``stream`` (unique in the process)."""
-    from .runtime import _driver, check
-
-    drv = _driver()
-    status, cid = check(drv.cuStreamGetCaptureInfo(drv.CUstream(stream)), "cuStreamGetCaptureInfo")[:2]
-    if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
-        raise RuntimeError("a captured launch on a stream that is not capturing")
-    return int(cid)
-
-
-class LockArenas:
-    """Zeroed lock memory for the stream-K GEMM kernels, which set every lock they use back to
-    zero before they end (cutlass_ext/mixgemm/streamk_scheduler.hpp), so that it is zeroed once
-    and then reused by every launch in stream order, with no memset:
-
-    * eager launches: one region per (device index, stream), zeroed on that stream when made,
-      replaced by a larger one when a launch needs more (the old one goes back to torch's
-      allocator, which reuses it only in the stream's order);
-    * launches under CUDA graph capture: one region per capture, made (and zeroed: the graph's
-      only zeroing node, unless a later launch needs more) at the capture's first stream-K launch
-      and held until the next capture on the same stream begins, so that nothing else in the
-      capture takes its memory. Each replay zeroes it again at that node. Afterwards it belongs to
-      the graph's memory pool, as any memory a capture frees.
-
-    Launches that share a region must not run concurrently, as with a per-stream workspace: two
-    graphs captured on one stream must not be replayed at the same time on two streams (nor may
-    graphs that share a memory pool)."""
-
-    MIN_BYTES = 1 << 16
-
-    def __init__(self):
-        self._eager: dict[tuple[int, int], tuple[torch.Tensor, int, int]] = {}
-        self._captured: dict[tuple[int, int], tuple[int, torch.Tensor, int, int]] = {}
-        self._lock = threading.Lock()
-
-    def offer(self, plan: LaunchPlan, stream: int) -> tuple[int, int]:
-        """(pointer, bytes) of the zeroed locks a launch of ``plan`` on ``stream`` may use now,
-        or (0, 0)."""
-        key = (plan.device_index, stream)
-        if not plan.capturing:
-            have = self._eager.get(key)
-            return (0, 0) if have is None else (have[1], have[2])
-        have = self._captured.get(key)
-        if have is None or have[0] != capture_id(stream):
-            return (0, 0)
-        return have[2], have[3]
-
-    def grow(self, plan: LaunchPlan, stream: int, nbytes: int) -> tuple[int, int]:
-        """A zeroed region of at least ``nbytes`` for launches of ``plan``'s kind (eager or
-        captured) on ``stream``, which is torch's current stream."""
-        size = max(self.MIN_BYTES, 1 << (int(nbytes) - 1).bit_length())
-        t = torch.zeros(size, dtype=torch.uint8, device=plan.device)
-        key = (plan.device_index, stream)
-        with self._lock:
-            if plan.capturing:
-                self._captured[key] = (capture_id(stream), t, t.data_ptr(), size)
-            else:
-                self._eager[key] = (t, t.data_ptr(), size)
-        return t.data_ptr(), size
-
-    def regions(self) -> list[torch.Tensor]:
-        """Every region held (a test's view: each must be all zeros whenever the GPU is idle)."""
-        return [e[0] for e in list(self._eager.values())] + [e[1] for e in list(self._captured.values())]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._eager.clear()
-            self._captured.clear()
-
-
-LOCKS = LockArenas()
+#: the GEMM launches' workspaces (split-K and stream-K partials; the launcher zeroes the prefix
+#: a launch needs, in the launch's stream order)
+WORKSPACES = StreamArenas()
+#: the stream-K GEMM kernels' locks: zeroed when made, and each launch leaves them zeroed
+#: (cutlass_ext/mixgemm/streamk_scheduler.hpp), so no launch zeroes anything
+LOCKS = StreamArenas(zeroed=True)
 
 
 def clear() -> None:
-    """Drop every cached plan, reusable workspace and lock region (their memory goes back to
-    torch)."""
+    """Drop every cached plan, and free every workspace and lock buffer (after the devices are
+    idle): graphs captured before must not be replayed afterwards."""
     PLANS.clear()
     WORKSPACES.clear()
     LOCKS.clear()
@@ -358,9 +379,8 @@ def execute(plan: LaunchPlan, x: torch.Tensor, m: int, y_shape: tuple, bias: Opt
     bias_ptr = 0 if bias is None else bias.data_ptr()
     index = plan.device_index
     stream = current_stream(index)
-    ws = None if plan.capturing else WORKSPACES._buffers.get((index, stream))
-    ws_ptr, ws_size = (0, 0) if ws is None else (ws[1], ws[2])
-    lk_ptr, lk_size = LOCKS.offer(plan, stream) if plan.uses_locks else (0, 0)
+    ws_ptr, ws_size = WORKSPACES.offer(index, stream)
+    lk_ptr, lk_size = LOCKS.offer(index, stream) if plan.uses_locks else (0, 0)
     rc = plan.launch(m, x_ptr, k, y_ptr, n_out, bias_ptr, ws_ptr, ws_size, lk_ptr, lk_size, stream)
     if rc:
         _launch_with_memory(plan, rc, m, x_ptr, y_ptr, bias_ptr, stream, ws_ptr, ws_size, lk_ptr, lk_size)
@@ -371,27 +391,33 @@ def execute(plan: LaunchPlan, x: torch.Tensor, m: int, y_shape: tuple, bias: Opt
 
 def _launch_with_memory(plan: LaunchPlan, rc: int, m: int, x_ptr: int, y_ptr: int, bias_ptr: int, stream: int,
                         ws_ptr: int, ws_size: int, lk_ptr: int, lk_size: int) -> None:
-    """A launch that answered NEED_WORKSPACE or NEED_LOCKS, again with what it asked for: a
-    workspace from torch's allocator under graph capture (the graph's pool), else the stream's
-    reusable one; zeroed locks from :data:`LOCKS`. Any other answer raises its error."""
+    """A launch that answered NEED_WORKSPACE or NEED_LOCKS, again with what it asked for: the
+    stream's grown buffer (:class:`StreamArenas`), or under graph capture memory from torch's
+    allocator in the graph's pool (the locks zeroed by a memset queued before the launch), held
+    only until the launch is queued. Any other answer raises its error."""
     from . import launcher
 
-    buf = None
+    held = []
     for _ in range(3):   # at most one answer of each kind, then the launch
         if rc == launcher.LaunchResult.NEED_WORKSPACE:
             need = launcher.current_call().workspace_bytes
             if plan.capturing:
-                buf = torch.empty(need, dtype=torch.uint8, device=plan.device)
-                ws_ptr, ws_size = buf.data_ptr(), need
+                held.append(torch.empty(need, dtype=torch.uint8, device=plan.device))
+                ws_ptr, ws_size = held[-1].data_ptr(), need
             else:
-                buf, ws_ptr, ws_size = WORKSPACES.grow(plan.device, plan.device_index, stream, need)
+                ws_ptr, ws_size = WORKSPACES.grow(plan.device, plan.device_index, stream, need)[1:]
         elif rc == launcher.LaunchResult.NEED_LOCKS:
-            lk_ptr, lk_size = LOCKS.grow(plan, stream, launcher.current_call().lock_bytes)
+            need = launcher.current_call().lock_bytes
+            if plan.capturing:
+                held.append(torch.zeros(need, dtype=torch.uint8, device=plan.device))
+                lk_ptr, lk_size = held[-1].data_ptr(), need
+            else:
+                lk_ptr, lk_size = LOCKS.grow(plan.device, plan.device_index, stream, need)[1:]
         else:
             launcher.raise_for(rc, plan.kernel)
         rc = plan.launch(m, x_ptr, plan.k, y_ptr, plan.n_out, bias_ptr, ws_ptr, ws_size, lk_ptr, lk_size, stream)
         if not rc:
-            return   # `buf` may go now: the launch is queued, and torch reuses memory only in stream order
+            return   # `held` may go now: the launch is queued, and torch reuses memory only in stream order
     launcher.raise_for(rc, plan.kernel)
 
 

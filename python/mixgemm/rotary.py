@@ -18,6 +18,7 @@ from typing import Optional, Union
 
 import torch
 
+from .library import custom_op
 from .types import ActType
 
 __all__ = ["rotary_kv_cache", "rope_spec", "rotate"]
@@ -202,7 +203,7 @@ def _rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads
     return _torch(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d)
 
 
-@torch.library.custom_op("mixgemm::rotary_kv_cache", mutates_args=("k_cache", "v_cache"))
+@custom_op("mixgemm::rotary_kv_cache", mutates_args=("k_cache", "v_cache"))
 def _rotary_kv_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, positions: Optional[torch.Tensor], pos0: int, heads: int,
                         kv_heads: int) -> torch.Tensor:

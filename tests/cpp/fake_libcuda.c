@@ -6,7 +6,10 @@
  *
  *   cuLaunchKernelEx   grid, block, shared memory, stream, cluster / PDL attributes, function
  *                      and the first `params_size` bytes of the kernel's one by-value parameter
- *   cuMemsetD8Async    pointer, value, byte count, stream
+ *   cuMemsetD8Async    pointer, value, byte count, stream (and it sets the bytes of memory
+ *                      that cuMemAlloc gave)
+ *   cuMemAlloc / cuMemFree / cuMemcpyDtoH   host memory standing for device memory (filled with
+ *                      0xA5 when allocated, never zero)
  *   cuGetErrorName / cuGetErrorString   fixed strings
  *   cuTensorMapEncodeTiled   a made-up descriptor of its arguments
  *
@@ -14,6 +17,7 @@
  * CUlaunchAttribute) so that this file builds with a plain C compiler, without the toolkit.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define FAKE_RING 64
@@ -100,7 +104,53 @@ int cuLaunchKernelEx(const FakeLaunchConfig* config, void* f, void** params, voi
   return c->result;
 }
 
+/* Device memory: host memory here, remembered so that a memset or copy touches only what
+ * cuMemAlloc gave (a launch's workspace may be any address in these tests). Not thread-safe. */
+#define FAKE_ALLOCS 256
+static struct { uint64_t ptr; size_t size; } g_allocs[FAKE_ALLOCS];
+static uint64_t g_alloc_count = 0;   /* cuMemAlloc calls, ever */
+
+static int fake_allocated(uint64_t ptr, size_t count) {
+  for (int i = 0; i < FAKE_ALLOCS; ++i)
+    if (g_allocs[i].ptr && ptr >= g_allocs[i].ptr && ptr + count <= g_allocs[i].ptr + g_allocs[i].size) return 1;
+  return 0;
+}
+
+int cuMemAlloc(uint64_t* dptr, size_t size) {
+  for (int i = 0; i < FAKE_ALLOCS; ++i) {
+    if (!g_allocs[i].ptr) {
+      void* p = aligned_alloc(256, (size + 255) / 256 * 256);
+      if (!p) return 2;   /* CUDA_ERROR_OUT_OF_MEMORY */
+      memset(p, 0xA5, size);   /* never zeroed by the allocation */
+      g_allocs[i].ptr = (uint64_t)(uintptr_t)p;
+      g_allocs[i].size = size;
+      *dptr = g_allocs[i].ptr;
+      ++g_alloc_count;
+      return 0;
+    }
+  }
+  return 2;
+}
+
+int cuMemFree(uint64_t dptr) {
+  for (int i = 0; i < FAKE_ALLOCS; ++i) {
+    if (g_allocs[i].ptr == dptr && dptr) {
+      free((void*)(uintptr_t)dptr);
+      g_allocs[i].ptr = 0;
+      return 0;
+    }
+  }
+  return 1;   /* CUDA_ERROR_INVALID_VALUE */
+}
+
+int cuMemcpyDtoH(void* dst, uint64_t src, size_t count) {
+  if (!fake_allocated(src, count)) return 1;
+  memcpy(dst, (void*)(uintptr_t)src, count);
+  return 0;
+}
+
 int cuMemsetD8Async(uint64_t dptr, unsigned char value, size_t count, uint64_t stream) {
+  if (fake_allocated(dptr, count)) memset((void*)(uintptr_t)dptr, value, count);
   FakeCall* c = next_call(2);
   c->dptr = dptr;
   c->value = value;
@@ -146,6 +196,9 @@ int cuGetProcAddress_v2(const char* symbol, void** pfn, int version, uint64_t fl
     {"cuLaunchKernelEx", (void*)cuLaunchKernelEx}, {"cuMemsetD8Async", (void*)cuMemsetD8Async},
     {"cuGetErrorName", (void*)cuGetErrorName}, {"cuGetErrorString", (void*)cuGetErrorString},
     {"cuGetProcAddress", (void*)cuGetProcAddress_v2}, {"cuTensorMapEncodeTiled", (void*)cuTensorMapEncodeTiled},
+    {"cuMemAlloc", (void*)cuMemAlloc}, {"cuMemAlloc_v2", (void*)cuMemAlloc},
+    {"cuMemFree", (void*)cuMemFree}, {"cuMemFree_v2", (void*)cuMemFree},
+    {"cuMemcpyDtoH", (void*)cuMemcpyDtoH}, {"cuMemcpyDtoH_v2", (void*)cuMemcpyDtoH},
   };
   *pfn = (void*)fake_ok;
   for (size_t i = 0; i < sizeof(known) / sizeof(known[0]); ++i)
@@ -161,6 +214,13 @@ int cuGetProcAddress(const char* symbol, void** pfn, int version, uint64_t flags
 /* --- the test's side ---------------------------------------------------------------------- */
 void fake_reset(void) { g_seq = 0; g_fail_launch = g_fail_memset = 0; memset(g_calls, 0, sizeof(g_calls)); }
 uint64_t fake_call_count(void) { return g_seq; }
+uint64_t fake_alloc_count(void) { return g_alloc_count; }
+/* Bytes of device memory held now. */
+uint64_t fake_allocated_bytes(void) {
+  uint64_t n = 0;
+  for (int i = 0; i < FAKE_ALLOCS; ++i) if (g_allocs[i].ptr) n += g_allocs[i].size;
+  return n;
+}
 /* The i-th recorded call (from 1), if it is still in the ring; 0 when it is not. */
 int fake_get_call(uint64_t seq, FakeCall* out) {
   if (seq == 0 || seq > g_seq || g_seq - seq >= FAKE_RING) return 0;

@@ -46,9 +46,10 @@ def prebuild_variants(variants: Sequence[Variant], specs_of: Callable[[Variant],
 
 
 def cuda_capture(fn: Callable[[], torch.Tensor], capture_error_mode: str = "global") -> tuple:
-    """Warm ``fn`` up on a side stream (loads kernels, sets up cuBLAS workspaces), then capture
-    it: ``(graph, output)``. ``capture_error_mode`` as :class:`torch.cuda.graph`'s ("thread_local"
-    where another thread may touch CUDA meanwhile, e.g. NCCL's watchdog)."""
+    """Warm ``fn`` up on a side stream (loads kernels, sets up cuBLAS workspaces and the stream's
+    GEMM workspace and locks), then capture it on that stream: ``(graph, output)``.
+    ``capture_error_mode`` as :class:`torch.cuda.graph`'s ("thread_local" where another thread
+    may touch CUDA meanwhile, e.g. NCCL's watchdog)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -56,7 +57,7 @@ def cuda_capture(fn: Callable[[], torch.Tensor], capture_error_mode: str = "glob
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
+    with torch.cuda.graph(graph, stream=side, capture_error_mode=capture_error_mode):
         out = fn()
     return graph, out
 
