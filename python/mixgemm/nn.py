@@ -1,17 +1,17 @@
-"""PyTorch integration: the ``mixgemm::gemm`` custom op, :class:`QuantLinear` and
-:func:`quantize_model`.
+"""PyTorch integration: :class:`QuantLinear` and :func:`quantize_model`.
 
-``torch.ops.mixgemm.gemm`` is registered with ``torch.library`` together with a fake (meta)
-implementation, so ``torch.compile(model, fullgraph=True)`` traces a model that uses
-:class:`QuantLinear` without graph breaks, and CUDA graphs capture it (after a warm-up call has
-loaded the kernel: loading never happens during capture).
+Under ``torch.compile`` (``fullgraph=True`` included) a :class:`QuantLinear` calls the
+``torch.ops.mixgemm.gemm`` operator (:func:`mixgemm.ops.gemm_op`, registered by
+:mod:`mixgemm.library` with a fake implementation for tracing), so that the compiled graph
+launches the GEMM through one Python kernel; CUDA graphs, plain or torch.compile's
+``mode="reduce-overhead"``, capture it (after a warm-up call has loaded the kernel: loading never
+happens during capture).
 
 In eager mode :meth:`QuantLinear.forward` runs the GEMM's cached launch plan directly
-(:mod:`mixgemm.plans`) instead of going through the op, whose dispatch (autograd wrapper,
-torch.compile guard, aliasing checks, all Python) costs several times the launch itself: whenever
-nothing needs the op -- no tracing (``torch.compiler.is_compiling()``), no tensor subclass, meta
-tensor or dispatch mode (fake tensors, FlopCounterMode, ...), no autograd recording. Both run the
-same kernel with the same arguments.
+(:mod:`mixgemm.plans`) instead of going through the operator's dispatch, whenever nothing needs
+the operator -- no tracing (``torch.compiler.is_compiling()``), no tensor subclass, meta tensor or
+dispatch mode (fake tensors, FlopCounterMode, ...), no autograd recording. Both run the same
+kernel with the same arguments.
 """
 from __future__ import annotations
 
