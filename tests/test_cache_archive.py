@@ -7,6 +7,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -281,3 +284,33 @@ def test_a_failed_export_leaves_nothing(warm, fake_env, monkeypatch):
     with pytest.raises(OSError, match="disk gone"):
         cache_archive.export_cache(out)
     assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_export_refuses_a_target_that_is_not_a_regular_file(warm, fake_env, monkeypatch, capsys, force):
+    archive, a, b = warm
+    use_cache(monkeypatch, a)
+    fifo = fake_env / "out.tgz"
+    os.mkfifo(fifo)
+    listed = []
+    monkeypatch.setattr(cache_archive, "list_entries", lambda *x: listed.append(x) or [])
+    rc, out, err = run(capsys, "cache", "export", fifo, *(["--force"] if force else []))
+    assert rc == 1 and err == (f"mixgemm cache: error: cannot write {fifo}: it is a FIFO (named pipe); "
+                               f"mixgemm writes and replaces regular files only\n")
+    assert not listed, "refused before any work"
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    rc, out, err = run(capsys, "cache", "export", fake_env)
+    assert rc == 1 and err == f"mixgemm cache: error: cannot write {fake_env}: it is a directory\n"
+
+
+def test_export_removes_the_temporaries_of_a_dead_process(warm, fake_env, monkeypatch, capsys):
+    archive, a, b = warm
+    use_cache(monkeypatch, a)
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    target = fake_env / "new.tgz"
+    left = fake_env / f".new.tgz.{proc.pid}.abc.tmp"
+    left.write_bytes(b"partial")
+    rc, out, err = run(capsys, "cache", "export", target)
+    assert rc == 0, err
+    assert not left.exists() and not [n for n in os.listdir(fake_env) if n.startswith(".new.tgz")]

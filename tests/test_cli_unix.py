@@ -157,12 +157,17 @@ def test_a_bug_is_one_line_unless_debug(capsys, monkeypatch, pin_case):
     assert rc == 1 and "Traceback" in err and "1 / 0" in err
 
 
-def test_an_os_error_is_a_reported_error(capsys, tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    rc, _, err = run(capsys, "generate", "--out", blocker / "src", "--kernels", "dequant_bf16_u4$")
+def test_an_os_error_is_a_reported_error(capsys, tmp_path, monkeypatch):
+    import errno
+
+    def denied(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied", str(dst))
+    monkeypatch.setattr(os, "replace", denied)
+    out = tmp_path / "src"
+    rc, _, err = run(capsys, "generate", "--out", out, "--kernels", "dequant_bf16_u4$")
     assert rc == 1 and len(err.splitlines()) == 1
-    assert re.fullmatch(rf"mixgemm generate: error: {re.escape(str(blocker / 'src'))}: .+\n", err)
+    assert re.fullmatch(rf"mixgemm generate: error: {re.escape(str(out))}/\S+\.cu: Permission denied\n", err)
+    assert os.listdir(out) == [], "no temporary left"
 
 
 def test_keyboard_interrupt(capsys, monkeypatch, pin_case):

@@ -1,4 +1,5 @@
-"""`mixgemm prepack` interrupted by real signals: SIGINT leaves no output and no temporary file;
+"""`mixgemm prepack` interrupted by real signals: SIGINT, SIGHUP and SIGTERM leave no output and no
+temporary file;
 SIGKILL leaves at most a temporary file with a recognisable name, which the next run removes.
 
 The command runs in a child process through a small wrapper that makes it pause at a chosen
@@ -103,6 +104,24 @@ def test_sigint_leaves_nothing(job, stage, pin_case):
     where = "while quantizing" if stage == "quantize" else "with the temporary file written, before the rename"
     pin_case("Interrupts", f"SIGINT {where}", "mixgemm prepack IN -o OUT --bits 4 --group-size 128",
              "exit 130", err.splitlines()[0])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+@pytest.mark.parametrize("stage", ["quantize", "save"])
+def test_sighup_and_sigterm_leave_nothing(job, stage, sig, pin_case):
+    """A closed terminal (SIGHUP) or a plain kill (SIGTERM): the process ends by that signal, as
+    without mixgemm's handler, and leaves neither an output nor a temporary."""
+    proc = start(job, stage)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == -sig, err
+    assert os.listdir(job["out_dir"]) == []                  # no output, no temporary
+    assert sorted(os.listdir(job["src"].parent)) == ["model.safetensors"]
+    if stage == "save":
+        name = signal.Signals(sig).name
+        pin_case("Interrupts", f"{name} with the temporary file written, before the rename",
+                 "mixgemm prepack IN -o OUT --bits 4 --group-size 128", f"killed by {name} ({-sig})",
+                 "(nothing: killed)", "none (the temporary is removed first)")
 
 
 def test_sigkill_leaves_a_named_temporary_that_the_next_run_removes(job, capsys, pin_case):

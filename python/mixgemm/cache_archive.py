@@ -35,13 +35,13 @@ import json
 import os
 import re
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 from . import build
 from ._version import __version__
+from .atomic import check_target, replacing
 from .errors import BuildError, UserError
 
 __all__ = ["ARCHIVE_FORMAT", "CacheEntry", "ImportReport", "ExportReport", "list_entries", "export_cache",
@@ -216,25 +216,22 @@ def export_cache(path: Union[str, os.PathLike], pattern: "Optional[re.Pattern[st
     """Write the current entries of the cache (those this install uses; with ``pattern``, those
     whose name matches) to a gzip-compressed tar at ``path``.
 
-    The file is written under a temporary name in its directory and renamed when complete. Each
-    entry's files are read under its lock and checked against meta.json as they are written.
+    The file is written under a temporary name in its directory and renamed when complete
+    (:func:`mixgemm.atomic.replacing`). Each entry's files are read under its lock and checked
+    against meta.json as they are written.
 
     Raises
     ------
+    mixgemm.errors.OutputPathError
+        ``path`` is refused before any work (:func:`mixgemm.atomic.check_target`): it exists
+        (without ``force``), is a directory or anything but a regular file, or its directory does
+        not exist.
     mixgemm.errors.UserError
-        ``path`` exists (without ``force``) or is a directory, its directory does not exist,
-        or no entry is current (nothing to export).
+        No entry is current (nothing to export).
     mixgemm.errors.BuildError
         No nvcc (the keys need its version).
     """
-    path = Path(path)
-    directory = path.resolve().parent
-    if not directory.is_dir():
-        raise UserError(f"cannot write {path}: directory {directory} does not exist")
-    if path.is_dir():
-        raise UserError(f"cannot write {path}: it is a directory")
-    if path.exists() and not force:
-        raise UserError(f"{path} exists; pass --force to replace it")
+    path = Path(check_target(path, replace=force))
     build.toolchain()
     entries = list_entries(pattern)
     current = [e for e in entries if e.state == "current"]
@@ -243,32 +240,20 @@ def export_cache(path: Union[str, os.PathLike], pattern: "Optional[re.Pattern[st
         what = f" matching {pattern.pattern!r}" if pattern is not None else ""
         raise UserError(f"no current cache entry{what} in {build.cache_dir()} to export "
                         f"({len(skipped)} stale, corrupt or foreign)")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
     exported = []
-    try:
-        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
-            manifest = {"format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION, "mixgemm": __version__,
-                        "nvcc_version": build.toolchain().version.splitlines()[-1],
-                        "entries": [f"{e.kind}/{e.directory.name}" for e in current]}
-            data = json.dumps(manifest, indent=1).encode()
-            tar.addfile(_tarinfo(MANIFEST, data), io.BytesIO(data))
-            for e in current:
-                if _add_entry(tar, e):
-                    exported.append(e)
-                else:
-                    skipped.append(dataclasses.replace(e, state="corrupt", detail="changed while exporting"))
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with replacing(path) as tmp, open(tmp, "wb") as raw, \
+            tarfile.open(fileobj=raw, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        manifest = {"format": ARCHIVE_FORMAT, "version": ARCHIVE_VERSION, "mixgemm": __version__,
+                    "nvcc_version": build.toolchain().version.splitlines()[-1],
+                    "entries": [f"{e.kind}/{e.directory.name}" for e in current]}
+        data = json.dumps(manifest, indent=1).encode()
+        tar.addfile(_tarinfo(MANIFEST, data), io.BytesIO(data))
+        for e in current:
+            if _add_entry(tar, e):
+                exported.append(e)
+            else:
+                skipped.append(dataclasses.replace(e, state="corrupt", detail="changed while exporting"))
     return ExportReport(exported, skipped, path, path.stat().st_size)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _add_entry(tar: tarfile.TarFile, e: CacheEntry) -> bool:

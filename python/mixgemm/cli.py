@@ -159,11 +159,36 @@ def _add_generate(subparsers) -> None:
     p.set_defaults(func=_run_generate)
 
 
-def _run_generate(args: argparse.Namespace) -> int:
-    import os
-    import tempfile
+def _write_sources(out: str, specs: Sequence) -> None:
+    """``generate --out DIR``: one ``<name>.cu`` per spec in DIR (made if missing), each written
+    atomically; every target is checked before the first is written (a source that exists as a
+    regular file is replaced, anything else there is refused)."""
     from pathlib import Path
 
+    from . import codegen
+    from .atomic import check_target, replacing
+
+    if not out:
+        raise CliError("cannot write kernel sources to '': the --out directory is empty")
+    out_dir = Path(out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CliError(f"cannot write kernel sources to {out}: it exists and is not a directory")
+    up = out_dir.absolute()
+    while not up.exists():
+        up = up.parent
+    if not up.is_dir():
+        raise CliError(f"cannot make the directory {out}: {up} is a file, not a directory")
+    if out_dir.is_dir():
+        for s in specs:
+            check_target(out_dir / f"{s.name}.cu")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for s in specs:
+        with replacing(out_dir / f"{s.name}.cu") as tmp, open(tmp, "w") as f:
+            f.write(codegen.render(s))
+    print(f"wrote {len(specs)} kernel sources to {out_dir}/")
+
+
+def _run_generate(args: argparse.Namespace) -> int:
     from . import codegen
 
     if args.for_path is None and (args.max_tokens is not None or args.dtype is not None or args.no_fuse_gate_up
@@ -184,19 +209,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         return 0
     out = args.out if args.out is not None else (None if args.build else "mixgemm_kernels")
     if out is not None:
-        out_dir = Path(out)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for s in specs:
-            fd, tmp = tempfile.mkstemp(prefix=f".{s.name}.", suffix=".tmp", dir=out_dir)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(codegen.render(s))
-                os.replace(tmp, out_dir / f"{s.name}.cu")
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
-        print(f"wrote {len(specs)} kernel sources to {out_dir}/")
+        _write_sources(out, specs)
     if args.build:
         from . import build
         try:

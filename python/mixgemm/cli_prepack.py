@@ -10,7 +10,7 @@ import sys
 from typing import Optional, Sequence
 
 from .cli import _fmt_bytes, _group_size_arg, _regex_arg
-from .errors import CliError, UsageError
+from .errors import CliError, OutputPathError, UsageError
 
 #: Tensors prepack quantizes by default: names ending in ``.weight``...
 DEFAULT_INCLUDE = r"\.weight$"
@@ -90,20 +90,16 @@ def add_prepack(subparsers) -> None:
 
 
 def _check_output(dst: str, inputs: Sequence, force: bool) -> None:
-    """Refuse an output path before any work: a missing directory, a directory, one of the
-    inputs, or an existing file (unless ``force``)."""
+    """Refuse an output path before any work (:func:`mixgemm.atomic.check_target`: an empty path,
+    a missing directory, a directory, a device node or FIFO, an existing file without ``force``),
+    and one of the inputs."""
     from pathlib import Path
 
-    dst_dir = os.path.dirname(os.path.abspath(dst))
-    if not os.path.isdir(dst_dir):
-        raise CliError(f"cannot write {dst}: directory {dst_dir} does not exist")
-    if os.path.isdir(dst):
-        raise CliError(f"cannot write {dst}: it is a directory")
-    if os.path.exists(dst):
-        if any(Path(f).exists() and os.path.samefile(f, dst) for f in inputs):
-            raise CliError(f"the output {dst} is the input file; write to another file")
-        if not force:
-            raise CliError(f"{dst} exists; pass --force to replace it")
+    from .atomic import check_target
+
+    if dst and os.path.exists(dst) and any(Path(f).exists() and os.path.samefile(f, dst) for f in inputs):
+        raise CliError(f"the output {dst} is the input file; write to another file")
+    check_target(dst, replace=force)
 
 
 def _gptq_checkpoint_format(src) -> Optional[str]:
@@ -186,6 +182,8 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
         metadata["prepack.experts"] = experts_line
     try:
         mio.save(dst, out, metadata=metadata)
+    except OutputPathError:
+        raise
     except (OSError, ValueError) as e:
         raise CliError(f"cannot write {dst}: {e}") from None
     perms = sum(1 for k in out if k.endswith(".perm"))
@@ -244,6 +242,8 @@ def _run_prepack_gguf(args: argparse.Namespace) -> int:
     try:
         mio.save(dst, out, metadata={"source": str(src), "source_format": "gguf",
                                      "mixgemm_version": __version__})
+    except OutputPathError:
+        raise
     except (OSError, ValueError) as e:
         raise CliError(f"cannot write {dst}: {e}") from None
     packed = sum(kinds.values())
@@ -377,6 +377,8 @@ def _run_prepack(args: argparse.Namespace) -> int:
     })
     try:
         mio.save(dst, out, metadata=out_metadata)
+    except OutputPathError:
+        raise
     except (OSError, ValueError, TypeError) as e:
         raise CliError(f"cannot write {dst}: {e}") from None
 

@@ -12,7 +12,8 @@ traceback only with ``--debug``.
 from __future__ import annotations
 
 __all__ = ["MixgemmError", "UserError", "CliError", "UsageError", "BuildError", "CudaError", "KernelError",
-           "MixgemmFormatError", "FormatError", "UnsupportedLayerError", "CheckpointError", "BenchError"]
+           "MixgemmFormatError", "FormatError", "UnsupportedLayerError", "CheckpointError", "BenchError",
+           "OutputPathError"]
 
 
 class MixgemmError(Exception):
@@ -36,6 +37,12 @@ class UsageError(UserError):
 
 class BenchError(UserError):
     """A user-facing error of the benchmark (bad options, no GPU)."""
+
+
+class OutputPathError(MixgemmError, OSError):
+    """A path that a writer refuses before any work (:func:`mixgemm.atomic.check_target`): an empty
+    one, one ending in ``/``, one in a missing directory, a directory, an existing thing that is not
+    a regular file (a device node, a FIFO, a socket), or an existing file without ``--force``."""
 
 
 class BuildError(MixgemmError, RuntimeError):

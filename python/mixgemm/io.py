@@ -27,12 +27,8 @@ with a message asking to upgrade, never misread.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
-import shutil
-import tempfile
 from collections.abc import Mapping
 from typing import Dict, Optional, Union
 
@@ -40,8 +36,8 @@ import torch
 
 from ._version import __version__
 from .errors import MixgemmFormatError, ShardError
+from .atomic import check_target, replacing, stale_temporaries
 from .experts import EXPERTS_FORMAT, PackedExperts
-from .process import pid_alive
 from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight, WeightType
 
 __all__ = ["FORMAT_VERSION", "MixgemmFormatError", "save", "load", "read_metadata",
@@ -66,19 +62,6 @@ def _upgrade_hint() -> str:
 
 
 # ----------------------------------------------------------------------------------- saving
-
-
-def _current_umask() -> int:
-    try:  # Linux: read it without touching it
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _flatten(tensors: Mapping, metadata: Optional[Mapping]) -> tuple[dict, dict]:
@@ -143,7 +126,9 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, TensorOrPacked],
     Parameters
     ----------
     path : str or os.PathLike
-        Destination file. Its directory must exist. An existing file is replaced.
+        Destination file. Its directory must exist. An existing regular file is replaced;
+        anything else that exists there (a directory, a device node, a FIFO, a socket) is
+        refused before any work.
     tensors : dict of str -> torch.Tensor or PackedWeight
         Plain tensors (any dtype safetensors supports, any device, any strides; saved
         contiguous, from CPU) and prepacked weights (stored as ``name.qdata``,
@@ -156,80 +141,31 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, TensorOrPacked],
     The file is written inside a private temporary directory in the destination directory,
     ``.<name>.<pid>.<random>.tmp/`` (safetensors makes a temporary file of its own next to the
     file it writes: it lands in there too), flushed to disk, then renamed over ``path``
-    (``os.replace``): readers see either the old file or the complete new one, never a
-    half-written file, and a failure or an interrupt (KeyboardInterrupt) leaves no temporary
-    behind. A process killed outright (SIGKILL) cannot clean up: its temporary directory stays,
-    under that recognisable name, and the next :func:`save` to the same ``path`` removes it
-    once no process of that id runs on this machine (:func:`stale_temporaries`).
+    (``os.replace``, :func:`mixgemm.atomic.replacing`): readers see either the old file or the
+    complete new one, never a half-written file, and a failure, an interrupt
+    (KeyboardInterrupt), SIGTERM or SIGHUP leaves no temporary behind. A process killed
+    outright (SIGKILL) cannot clean up: its temporary directory stays, under that recognisable
+    name, and the next :func:`save` to the same ``path`` removes it once no process of that id
+    runs on this machine (:func:`stale_temporaries`).
 
     Raises
     ------
     TypeError, ValueError
         Bad argument types, clashing tensor names, reserved metadata keys. Nothing is
         written in that case.
+    mixgemm.errors.OutputPathError
+        Refused before any work (:func:`mixgemm.atomic.check_target`): an empty path, one
+        ending in ``/``, a missing directory (also a ``FileNotFoundError``), a directory (also
+        an ``IsADirectoryError``), an existing thing that is not a regular file.
     OSError
-        The directory does not exist or is not writable, the disk is full, ...
+        The directory is not writable, the disk is full, ...
     """
+    path = check_target(path)
     flat, header = _flatten(tensors, metadata)
     from safetensors.torch import save_file  # noqa: PLC0415 (keep `import mixgemm` cheap)
 
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"cannot write {path}: directory {directory} does not exist")
-    for stale in stale_temporaries(path):
-        _remove(stale)
-    tmp_dir = None
-    try:
-        tmp_dir = tempfile.mkdtemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
-        tmp = os.path.join(tmp_dir, os.path.basename(path))
+    with replacing(path, directory=True) as tmp:
         save_file(flat, tmp, metadata=header)
-        os.chmod(tmp, 0o666 & ~_current_umask())  # safetensors makes it 0600
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp_dir is not None:
-            _remove(tmp_dir)
-    with contextlib.suppress(OSError):  # make the rename itself durable (best effort)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def _temporary_prefix(path: str) -> str:
-    return f".{os.path.basename(path)}.{os.getpid()}."
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-def stale_temporaries(path: Union[str, os.PathLike]) -> list:
-    """What :func:`save` of ``path`` left behind when its process was killed outright: the
-    temporary directories (or files) ``.<name>.<pid>.<random>.tmp`` in ``path``'s directory
-    whose process no longer runs on this machine. (A process of another machine writing to a
-    shared directory cannot be checked; its temporary is removed too, which makes that save
-    fail, never corrupts a file.)"""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    pattern = re.compile(re.escape(f".{os.path.basename(path)}.") + r"(\d+)\.[^.]+\.tmp$")
-    found = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    for name in names:
-        m = pattern.match(name)
-        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
-            found.append(os.path.join(directory, name))
-    return sorted(found)
 
 
 # ---------------------------------------------------------------------------------- loading
