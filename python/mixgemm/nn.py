@@ -16,9 +16,7 @@ kernel with the same arguments.
 from __future__ import annotations
 
 import dataclasses
-import re
-import warnings
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -309,10 +307,15 @@ def _restripe_state(state_dict: dict, prefix: str, layer: "QuantLinear", old: in
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class QuantizeSummary:
+    """What :func:`quantize_model` did: the QuantLinear layers it made, the linear layers it kept
+    (with the reason), the weight bytes before and after, and the modules whose projections it
+    fused."""
+
     replaced: list[str]
     skipped: dict[str, str]
     bytes_before: int
     bytes_after: int
+    fused: list[str] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         ratio = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
@@ -334,73 +337,25 @@ def unsupported_reason(linear: nn.Linear, group_size: int) -> Optional[str]:
     return None
 
 
-def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symmetric: bool = False,
-                   skip: Iterable[str] = ("lm_head",), device=None, dtype: Optional[torch.dtype] = None,
-                   progress: bool = True) -> QuantizeSummary:
-    """Replace the model's ``nn.Linear`` layers by :class:`QuantLinear`, in place.
-
-    Parameters
-    ----------
-    model : nn.Module
-    bits, group_size, symmetric :
-        As for :func:`mixgemm.quantize`.
-    skip : iterable of str
-        Regular expressions; a layer whose qualified name matches one (``re.search``) is kept.
-    device : torch.device, optional
-        Where the quantized layers live (default: where each linear's weight is).
-    dtype : torch.dtype, optional
-        Activation dtype (default: each linear's dtype if bf16/fp16, else bf16).
-    progress : bool
-        Show a progress bar over layers.
-
-    Returns
-    -------
-    QuantizeSummary
-        Replaced layer names, skipped layers with the reason, weight bytes before and after.
-        A layer whose shape the kernels cannot take stays an ``nn.Linear``, with a warning that
-        says why; it is never silently wrong.
-    """
-    from tqdm import tqdm
-
-    patterns = [re.compile(p) for p in skip]
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    replaced, skipped = [], {}
-    before = after = 0
-    for name, linear in tqdm(targets, desc="mixgemm quantize", unit="layer", disable=not progress or None):
-        if any(p.search(name) for p in patterns):
-            skipped[name] = "matches skip"
-            continue
-        why = unsupported_reason(linear, group_size)
-        if why:
-            warnings.warn(f"mixgemm.quantize_model: keeping {name} as nn.Linear: {why}", stacklevel=2)
-            skipped[name] = why
-            continue
-        q = QuantLinear.from_linear(linear, bits, group_size, symmetric, dtype)
-        if device is not None:
-            q = q.to(device)
-        before += linear.weight.numel() * linear.weight.element_size()
-        after += q.packed.nbytes
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, q)
-        replaced.append(name)
-    return QuantizeSummary(replaced, skipped, before, after)
-
-
 #: the tensor-parallel layers live in mixgemm.tensor_parallel (which imports this module)
 _PARALLEL = ("ColumnParallelQuantLinear", "RowParallelQuantLinear")
 _MOE = ("QuantMoE",)
+#: quantize_model lives in mixgemm.blocks (with the fused modules it builds), which imports this module
+_BLOCKS = ("quantize_model",)
 
 
 def __getattr__(name: str):
     if name in _PARALLEL:
         from . import tensor_parallel
         return getattr(tensor_parallel, name)
+    if name in _BLOCKS:
+        from . import blocks
+        return getattr(blocks, name)
     if name in _MOE:   # the MoE layer lives in its own module (mixgemm.nn_moe), which imports this one
         from . import nn_moe
         return getattr(nn_moe, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["QuantLinear", "quantize_model", "QuantizeSummary", "gemm_op", "unsupported_reason", "RMSNorm",
-           *_MOE, *_PARALLEL]
+__all__ = ["QuantLinear", "QuantizeSummary", "gemm_op", "unsupported_reason", "RMSNorm",
+           *_BLOCKS, *_MOE, *_PARALLEL]

@@ -11,35 +11,12 @@ from typing import Dict, List
 import torch
 from torch import nn
 
+from ..blocks import GatedMLP
 from ..nn import QuantLinear
 from ..tensor_parallel import ColumnParallelQuantLinear, RowParallelLinear, RowParallelQuantLinear
 from .plan import Plan
 
 __all__ = ["GatedMLP", "LoadSummary", "materialize", "summary"]
-
-
-class GatedMLP(nn.Module):
-    """A gated MLP with its gate and up projections fused: ``down_proj(gate_up(x))``.
-
-    Parameters
-    ----------
-    gate_up : QuantLinear or ColumnParallelQuantLinear
-        ``activation="swiglu"``: returns ``silu(x @ gate.T + b_g) * (x @ up.T + b_u)``,
-        ``[..., I]`` for ``x`` ``[..., H]`` (with tensor parallelism, the rank's features of
-        it: a ``ColumnParallelQuantLinear`` that does not gather).
-    down_proj : nn.Module
-        ``[..., I] -> [..., H]`` (a QuantLinear, or an ``nn.Linear`` kept in full precision).
-    """
-
-    def __init__(self, gate_up: nn.Module, down_proj: nn.Module):
-        super().__init__()
-        if not isinstance(gate_up, (QuantLinear, ColumnParallelQuantLinear)) or gate_up.activation != "swiglu":
-            raise TypeError("gate_up must be a QuantLinear (or ColumnParallelQuantLinear) with activation='swiglu'")
-        self.gate_up = gate_up
-        self.down_proj = down_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up(x))
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ShardError, UnsupportedLayerError
 from ..formats import ImportedLayer, import_layer
+from ..blocks import find_gated_mlps
 from ..layout import prepack, unpack
 from ..quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
 from ..types import ActType, PackedWeight, QuantizedWeight
@@ -168,21 +169,6 @@ def _children(shards: Shards) -> Dict[str, Dict[str, str]]:
     return out
 
 
-def _gated_mlps(model: nn.Module) -> Dict[str, nn.Module]:
-    """MLP modules of the LLaMA kind: ``gate_proj``, ``up_proj``, ``down_proj`` linears and a SiLU
-    ``act_fn``, nothing else, computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
-    found = {}
-    for name, mod in model.named_modules():
-        kids = dict(mod.named_children())
-        if set(kids) != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
-            continue
-        if not all(isinstance(kids[k], nn.Linear) for k in ("gate_proj", "up_proj", "down_proj")):
-            continue
-        if isinstance(kids["act_fn"], nn.SiLU) or type(kids["act_fn"]).__name__ in ("SiLUActivation", "SiLU"):
-            found[name] = mod
-    return found
-
-
 def _fuse_reason(gate: _Layer, up: _Layer) -> Optional[str]:
     """Why gate and up cannot share one swiglu layer, or None."""
     g, u = gate.logical(), up.logical()
@@ -301,7 +287,7 @@ def _plan_linears(plan: Plan, qconfig: QuantizationConfig, children: Dict[str, D
     """Read, convert and pack every quantized linear layer (fusing gated MLPs' gate and up)."""
     model, shards = plan.model, plan.shards
     primary = qconfig.method.primary
-    mlps = _gated_mlps(model) if fuse_gate_up else {}
+    mlps = find_gated_mlps(model) if fuse_gate_up else {}
     pending: Dict[str, Dict[str, object]] = {}     # MLP -> {"gate_proj": layer, "up_proj": layer}
     for name, lin in model.named_modules():
         if not isinstance(lin, nn.Linear):

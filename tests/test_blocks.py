@@ -1,0 +1,156 @@
+"""mixgemm.blocks on the CPU: fused projections and fused decoder layers in transformers models.
+
+The GEMM kernels need a Hopper GPU, so here each QuantLinear computes its product from the
+reference dequantization (``x @ dequantize_reference(w).T`` in float32, the epilogue after it):
+the fused model must give the logits of the same model quantized layer by layer, and greedy
+``generate()`` the same tokens, with a dynamic and a static cache, over several turns whose
+cache grows past the prompt. tests/test_gpu_blocks.py runs the same models on the kernels.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers", reason="the fused blocks are transformers modules")
+
+import mixgemm  # noqa: E402
+from mixgemm import blocks  # noqa: E402
+from mixgemm.nn import QuantLinear  # noqa: E402
+from mixgemm.ops import _activate  # noqa: E402
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def tiny_model(family: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """A random 2-layer model of ``family`` in float32, shapes the kernels take."""
+    common = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=layers, vocab_size=160, max_position_embeddings=256, rms_norm_eps=1e-5)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common, head_dim=32)
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common)
+    else:
+        config = transformers.Qwen3Config(**common, head_dim=32)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    if family == "qwen2":       # Qwen2's q/k/v have a bias: make it non-zero
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    p.bias.normal_()
+    return model.eval()
+
+
+def _reference_forward(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+    w = mixgemm.dequantize_reference(self.packed).float()
+    if self.perm is not None:
+        x = x.index_select(-1, self.perm)
+    y = F.linear(x.float(), w, None if self.bias is None else self.bias.float())
+    return _activate(y.to(x.dtype), None if self.activation == "none" else self.activation) \
+        if self.activation != "none" else y.to(x.dtype)
+
+
+@pytest.fixture
+def reference_gemm(monkeypatch):
+    """QuantLinear computes from the reference dequantization (no GPU here)."""
+    monkeypatch.setattr(QuantLinear, "forward", _reference_forward)
+
+
+def quantized(family: str, **kw):
+    """A float32 tiny model quantized (fp16 scales; the reference product runs in float32)."""
+    model = tiny_model(family)
+    summary = mixgemm.nn.quantize_model(model, bits=4, group_size=64, progress=False, dtype=torch.float16, **kw)
+    return model, summary
+
+
+def _ids(batch: int = 1, length: int = 9, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 160, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_projections_give_the_per_layer_logits(reference_gemm, family):
+    """q/k/v in one GEMM and gate/up in one swiglu GEMM: four QuantLinear layers per decoder layer,
+    the same codes and scales as quantizing each projection alone, the same logits."""
+    fused, summary = quantized(family)
+    plain, plain_summary = quantized(family, fuse_projections=False)
+    layer = fused.model.layers[0]
+    assert isinstance(layer.self_attn, blocks.FusedQKVAttention) and isinstance(layer.mlp, blocks.GatedMLP)
+    quant = [n for n, m in fused.named_modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == 4 * 2, quant
+    assert sorted(summary.fused) == sorted([f"model.layers.{i}.{p}" for i in range(2) for p in ("self_attn", "mlp")])
+    assert summary.bytes_before == plain_summary.bytes_before
+    # the stacked weight is the three weights quantized alone, row for row
+    attn = plain.model.layers[0].self_attn
+    stacked = mixgemm.dequantize_reference(layer.self_attn.qkv_proj.packed)
+    alone = torch.cat([mixgemm.dequantize_reference(p.packed) for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+    assert torch.equal(stacked, alone)
+    ids = _ids(batch=2)
+    with torch.no_grad():
+        got, want = fused(ids).logits, plain(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_layers_generate_the_per_layer_tokens(reference_gemm, family):
+    """fuse_layers=True: every decoder layer a FusedDecoderLayer, the static cache generate()'s
+    default; greedy tokens and scores equal the per-layer model's over two turns (the second
+    prompt continues the first answer, so the cache grows past the prompt), batch 1 and 2."""
+    fused, _ = quantized(family, fuse_layers=True)
+    plain, _ = quantized(family, fuse_projections=False)
+    assert all(isinstance(layer, blocks.FusedDecoderLayer) for layer in fused.model.layers)
+    assert fused.generation_config.cache_implementation == "static"
+    for batch in (1, 2):
+        ids = _ids(batch)
+        for turn in range(2):
+            kw = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+            with torch.no_grad():
+                got = fused.generate(ids, **kw)
+                want = plain.generate(ids, cache_implementation="static", **kw)
+            assert torch.equal(got.sequences, want.sequences), (family, batch, turn)
+            for a, b in zip(got.scores, want.scores):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            ids = torch.cat([got.sequences, _ids(batch, 3, seed=turn + 5)], dim=1)
+
+
+def test_the_fused_rotary_path_is_taken_at_batch_one(reference_gemm, monkeypatch):
+    """A batch-1 call over transformers' static cache writes the cache through rotary_kv_cache
+    (one call per layer and step); a dynamic cache and batch 2 take transformers' path."""
+    model, _ = quantized("llama", fuse_layers=True)
+    calls = []
+    real = blocks.rotary_kv_cache
+    monkeypatch.setattr(blocks, "rotary_kv_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        model.generate(_ids(1), max_new_tokens=3, do_sample=False)
+        assert len(calls) == 2 * 3, "two layers, one prefill and two decode steps"
+        calls.clear()
+        model.generate(_ids(1), max_new_tokens=3, do_sample=False, cache_implementation="dynamic")
+        model.generate(_ids(2), max_new_tokens=3, do_sample=False)
+    assert not calls
+
+
+def test_unrecognized_models_keep_per_layer_replacement(reference_gemm, caplog):
+    """A model with no recognized attention or MLP: each linear replaced alone, and the log says so."""
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 128))
+    with caplog.at_level(logging.INFO, logger="mixgemm"):
+        summary = mixgemm.nn.quantize_model(model, group_size=64, progress=False, skip=())
+    assert summary.replaced == ["0", "2"] and not summary.fused
+    assert "each linear layer is replaced alone" in caplog.text
+
+
+def test_skip_of_one_projection_leaves_the_attention_unfused(reference_gemm):
+    model = tiny_model("llama")
+    summary = mixgemm.nn.quantize_model(model, group_size=64, progress=False, skip=("lm_head", r"layers\.0\.self_attn\.k_proj"))
+    assert not isinstance(model.model.layers[0].self_attn, blocks.FusedQKVAttention)
+    assert isinstance(model.model.layers[1].self_attn, blocks.FusedQKVAttention)
+    assert isinstance(model.model.layers[0].self_attn.k_proj, torch.nn.Linear)
+    assert "model.layers.0.self_attn.q_proj" in summary.replaced
+
+
+def test_fuse_layers_needs_fused_projections():
+    with pytest.raises(ValueError, match="fuse_layers=True needs fuse_projections=True"):
+        mixgemm.nn.quantize_model(tiny_model("llama"), group_size=64, progress=False, fuse_projections=False,
+                                  fuse_layers=True)
