@@ -65,6 +65,25 @@ def test_host_table():
     assert "1800.0" in text and "1.71x" in text           # eager bf16 step; 1200 / 700 in graph mode
 
 
+def test_host_table_of_the_compiled_modes_compares_with_f_linear():
+    """The chained ops' rows: per mode, each op's host time over F.linear's in the same mode."""
+    import dataclasses
+
+    rep = host_report()
+    chained = []
+    for mode, base in (("compile", 20.0), ("reduce-overhead", 2.0)):
+        for impl, host in (("F.linear", base), ("QuantLinear", base * 0.75), ("rms_norm", base * 1.5)):
+            p = H.host_point(impl, 1, 4096, 4096, [host], [5.0], 6.0, True)
+            chained.append(dataclasses.replace(p, mode=mode, chain=H.HOST_CHAIN))
+    text = H.format_host_table(dataclasses.replace(rep, calls=rep.calls + chained))
+    lines = text.splitlines()
+    row = next(line for line in lines if line.startswith("QuantLinear") and "compile (chain 32)" in line)
+    assert "0.75x" in row
+    row = next(line for line in lines if line.startswith("rms_norm") and "reduce-overhead (chain 32)" in line)
+    assert "1.50x" in row
+    assert H.host_report_from_dict(H.host_report_to_dict(dataclasses.replace(rep, calls=chained))).calls == chained
+
+
 def test_host_step_config():
     cfg = bench.host_step_config(parse("--host"))
     assert cfg.presets == ("llama3-8b",) and cfg.batches == (1,) and cfg.prefill == 0

@@ -200,6 +200,7 @@ def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
     for use in _experts_uses(items):
         specs.update((spec.name, spec) for spec in moe_specs_for(use, max_tokens))
     specs.update((spec.name, spec) for spec in _norm_specs(items))
+    specs.update((spec.name, spec) for spec in _rope_specs(items))
     return [specs[name] for name in sorted(specs)]
 
 
@@ -212,6 +213,19 @@ def _norm_specs(items) -> list[KernelSpec]:
     dtypes = {mod.weight.dtype for item in items if isinstance(item, torch.nn.Module)
               for mod in item.modules() if isinstance(mod, RMSNorm)}
     return [norm_spec(d, False) for d in sorted(dtypes, key=str) if d in (torch.bfloat16, torch.float16)]
+
+
+def _rope_specs(items) -> list[KernelSpec]:
+    """The rotary / KV-cache kernels of the fused decoder layers (:mod:`mixgemm.blocks`: a
+    :class:`~mixgemm.blocks.RopeTable` of bf16 / fp16 tables) inside the nn.Modules among
+    ``items``."""
+    from .blocks import RopeTable
+    from .rotary import rope_spec
+
+    items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
+    dtypes = {mod.cos.dtype for item in items if isinstance(item, torch.nn.Module)
+              for mod in item.modules() if isinstance(mod, RopeTable)}
+    return [rope_spec(d) for d in sorted(dtypes, key=str) if d in (torch.bfloat16, torch.float16)]
 
 
 def _experts_uses(items) -> list[ExpertsUse]:

@@ -241,8 +241,8 @@ def run_moe_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int
 
 
 def run_host_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int:
-    from .host import (HOST_CALLS, HOST_MS, HOST_REPEATS, HOST_SHAPE, HostReport, format_host_table, run_host,
-                       write_host_json)
+    from .host import (HOST_CALLS, HOST_CHAIN, HOST_MODES, HOST_MS, HOST_REPEATS, HOST_SHAPE, HostReport,
+                       format_host_table, run_host, run_host_modes, write_host_json)
 
     try:
         step = host_step_config(args)
@@ -252,8 +252,11 @@ def run_host_cli(args: argparse.Namespace, device: torch.device, log: Log) -> in
     copy_bw, read_bw, dense = _ceilings(device, step.iters, step.warmup, log, read=True)
     machine = machine_info(device, step.gpu_name, copy_bw, dense, read_bw)
     calls, step_points = run_host(device, step, step.iters, step.warmup, step.seed, read_bw, log)
+    log(f"the ops chained {HOST_CHAIN} times at M = 1, in {', '.join(HOST_MODES)}:")
+    calls += run_host_modes(device, HOST_MODES, step.iters, step.warmup, step.seed, log)
     config = {"shape": list(HOST_SHAPE), "ms": list(HOST_MS), "weight": "u4", "group_size": 128, "calls": HOST_CALLS,
-              "repeats": HOST_REPEATS, "iters": step.iters, "quick": step.quick, "step": step.to_json()}
+              "repeats": HOST_REPEATS, "iters": step.iters, "quick": step.quick, "step": step.to_json(),
+              "modes": list(HOST_MODES), "chain": HOST_CHAIN}
     report = HostReport(machine, config, calls, step_points)
     log(format_host_table(report))
     targets = [Path(args.json)] if args.json else []

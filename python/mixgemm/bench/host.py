@@ -16,6 +16,14 @@ process:
 * ``gpu_us``: one call with the L2 flushed (:func:`.timing.time_cuda`), as in a model, where the
   other layers' weights pass through L2 in between.
 
+**Compiled modes.** Each op also runs as a chain of :data:`HOST_CHAIN` calls (the output of one
+the input of the next, as a model's layers) inside one function, eagerly and compiled with
+``torch.compile(fullgraph=True)`` in the default mode and in ``mode="reduce-overhead"`` (CUDA-graph
+trees), at M = 1: ``F.linear`` (bf16) beside ``QuantLinear``, ``mixgemm.gemm``, ``QuantMoE``,
+``rms_norm`` and ``rotary_kv_cache`` (:data:`CHAIN_IMPLS`). Their times are per call in the chain
+(the loop's time divided by the chain's length); ``mode`` and ``chain`` say which. A compiled
+call's host time includes its share of the compiled function's guards and wrapper.
+
 A loop is host-bound when ``host_us`` exceeds the GPU's time per call (``bound``). The run also
 times the eager decode step of the ``llama3-8b`` layer stack (:mod:`.model_run`) for bf16 and
 mixgemm int4: the step time a user of eager PyTorch sees, beside the same step in a CUDA graph.
@@ -50,6 +58,13 @@ HOST_REPEATS = 9
 HOST_SLEEP_US = 20_000.0
 SLEEP_RETRIES = 4
 HOST_IMPLS = ("F.linear", "torch-int4", "mixgemm.gemm", "QuantLinear")
+#: The compiled modes: the ops chained HOST_CHAIN times in one function, at M = 1.
+HOST_MODES = ("eager", "compile", "reduce-overhead")
+HOST_CHAIN = 32
+CHAIN_IMPLS = ("F.linear", "QuantLinear", "mixgemm.gemm", "QuantMoE", "rms_norm", "rotary_kv_cache")
+#: the chained MoE layer (K = HOST_SHAPE's) and the rotary op's heads and cache
+CHAIN_MOE = dict(experts=16, intermediate=1024, topk=2)
+CHAIN_ROPE = dict(heads=32, kv_heads=8, head_dim=128, cache=2048)
 #: The eager decode step: this preset, bf16 and mixgemm int4.
 STEP_PRESET = "llama3-8b"
 STEP_VARIANTS = (BF16, Variant(VariantKind.MIXGEMM, HOST_WEIGHT))
@@ -73,6 +88,8 @@ class HostPoint:
     queued: Optional[bool] = None
     calls: int = HOST_CALLS
     repeats: int = HOST_REPEATS
+    mode: str = "eager"
+    chain: int = 1
 
 
 def loop_bound(host_us: Optional[float], gpu_loop_us: Optional[float]) -> Optional[str]:
@@ -129,15 +146,20 @@ def format_host_table(report: HostReport) -> str:
              f"host time per call: {report.config.get('calls')} calls queued behind a GPU sleep, median of "
              f"{report.config.get('repeats')} loops; GPU time per call back to back (loop) and with the L2 "
              f"flushed (as in a model)"]
-    rows = [["impl", "N x K", "M", "host us", "GPU us (loop)", "GPU us (flushed)", "bound", "queued", "status"]]
+    rows = [["impl", "mode", "N x K", "M", "host us", "GPU us (loop)", "GPU us (flushed)", "bound", "queued",
+             "x F.linear host", "status"]]
     notes = []
+    linear = {(p.mode, p.m, p.chain): p.host_us for p in report.calls if p.impl == "F.linear"}
     for p in report.calls:
-        rows.append([p.impl, f"{p.n}x{p.k}", str(p.m), fmt(p.host_us, ".1f"), fmt(p.gpu_loop_us, ".1f"),
+        base = linear.get((p.mode, p.m, p.chain))
+        ratio = p.host_us / base if p.host_us and base else None
+        mode = p.mode if p.chain == 1 else f"{p.mode} (chain {p.chain})"
+        rows.append([p.impl, mode, f"{p.n}x{p.k}", str(p.m), fmt(p.host_us, ".1f"), fmt(p.gpu_loop_us, ".1f"),
                      fmt(p.gpu_us, ".1f"), p.bound or "-", "-" if p.queued is None else ("yes" if p.queued else "NO"),
-                     p.status])
+                     fmt(ratio, ".2f", "x"), p.status])
         if p.note:
-            notes.append(f"  {p.impl} M={p.m}: {p.status}: {p.note}")
-    lines += align(rows, [False, False, True, True, True, True, False, False, False]) + notes
+            notes.append(f"  {p.impl}{'' if p.chain == 1 else ' ' + p.mode} M={p.m}: {p.status}: {p.note}")
+    lines += align(rows, [False, False, False, True, True, True, True, False, False, True, False]) + notes
     if report.step:
         lines += ["", f"decode step of the {STEP_PRESET} layer stack (us per step; eager = plain Python calls):"]
         rows = [["batch", "variant", "mode", "us/step", "us/layer", "x bf16", "status"]]
@@ -235,6 +257,121 @@ def host_callables(w_float: torch.Tensor, impls: Sequence[str]) -> dict[str, Cal
     return {name: f for name, f in out.items() if name in impls}
 
 
+def chain_callables(device: torch.device, seed: int,
+                    impls: Sequence[str] = CHAIN_IMPLS) -> tuple[dict[str, tuple], list]:
+    """``({impl: (step, args)}, kernels)``: ``step(*args)`` runs :data:`HOST_CHAIN` calls of the
+    op, each on the previous one's output where the shapes allow (the rotary op writes the same
+    tokens again), at M = 1, for the implementations of :data:`CHAIN_IMPLS` named in ``impls``;
+    ``kernels``: the mixgemm kernels they launch."""
+    from ..norm import norm_spec
+    from ..prebuild import specs_for
+    from ..rotary import rope_spec
+    from ..nn import QuantLinear, QuantMoE
+    from ..norm import rms_norm
+    from ..ops import gemm
+    from ..rotary import rotary_kv_cache
+
+    n, k = HOST_SHAPE
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bf16 = torch.bfloat16
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(bf16)
+
+    def chained(f):
+        def step(x, *rest):
+            for _ in range(HOST_CHAIN):
+                x = f(x, *rest)
+            return x
+        return step
+
+    x = rand(1, k)
+    out: dict[str, tuple] = {}
+    if "F.linear" in impls:
+        dense = rand(n, k, scale=WEIGHT_STD)
+        out["F.linear"] = (chained(lambda h: torch.nn.functional.linear(h, dense)), (x,))
+    if "QuantLinear" in impls or "mixgemm.gemm" in impls:
+        lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=bf16)
+        lin.weight.data = rand(n, k, scale=WEIGHT_STD)
+        layer = QuantLinear.from_linear(lin, HOST_WEIGHT.bits, HOST_GROUP_SIZE, HOST_WEIGHT.signed)
+        packed = layer.packed
+        out["QuantLinear"] = (chained(layer), (x,))
+        out["mixgemm.gemm"] = (chained(lambda h: gemm(h, packed)), (x,))
+    if "QuantMoE" in impls:
+        e, i, topk = CHAIN_MOE["experts"], CHAIN_MOE["intermediate"], CHAIN_MOE["topk"]
+        mlps = []
+        for _ in range(e):
+            mlp = torch.nn.Module()
+            for name, (rows, cols) in (("gate_proj", (i, k)), ("up_proj", (i, k)), ("down_proj", (k, i))):
+                lin = torch.nn.Linear(cols, rows, bias=False, device=device, dtype=bf16)
+                lin.weight.data = rand(rows, cols, scale=WEIGHT_STD)
+                setattr(mlp, name, lin)
+            mlps.append(mlp)
+        moe = QuantMoE.from_mlps(mlps, HOST_WEIGHT.bits, HOST_GROUP_SIZE, HOST_WEIGHT.signed)
+        weights, ids = torch.softmax(torch.randn(1, e, generator=gen, device=device), -1).topk(topk, dim=-1)
+        out["QuantMoE"] = (chained(moe), (x, weights.to(bf16), ids.to(torch.int32)))
+    if "rms_norm" in impls:
+        w = rand(k) + 1
+        out["rms_norm"] = (chained(lambda h: rms_norm(h, w, 1e-5)), (x,))
+    if "rotary_kv_cache" in impls:
+        heads, kv, d, length = (CHAIN_ROPE[key] for key in ("heads", "kv_heads", "head_dim", "cache"))
+        qkv = rand(1, 1, (heads + 2 * kv) * d)
+        angles = torch.arange(length, device=device)[:, None] / 10000 ** (torch.arange(d, device=device) % (d // 2) / (d // 2))
+        cos, sin = angles.cos().to(bf16), angles.sin().to(bf16)
+        caches = torch.zeros(2, 1, kv, length, d, device=device, dtype=bf16)
+        positions = torch.full((1, 1), 7, device=device, dtype=torch.int64)
+
+        def rope(q):    # q is only threaded through: every call rotates the same token
+            return rotary_kv_cache(qkv, cos, sin, caches[0], caches[1], positions, heads, kv)
+        out["rotary_kv_cache"] = (chained(rope), (qkv,))
+    modules = [m for m in (locals().get("layer"), locals().get("moe")) if m is not None]
+    kernels = (specs_for(modules, max_tokens=1) if modules else []) + [norm_spec(bf16, False), rope_spec(bf16)]
+    return {name: v for name, v in out.items() if name in impls}, kernels
+
+
+def run_host_modes(device: torch.device, modes: Sequence[str], iters: int, warmup: int, seed: int,
+                   log: Callable[[str], None] = print, impls: Sequence[str] = CHAIN_IMPLS) -> list[HostPoint]:
+    """The chained ops (:func:`chain_callables`) in each of ``modes`` (:data:`HOST_MODES`):
+    per-call host and GPU times (the chain's divided by its length)."""
+    from torch._dynamo.utils import counters
+
+    from .peers import prebuild_kernels
+
+    chains, kernels = chain_callables(device, seed, impls)
+    prebuild_kernels(kernels, log)
+    cycles_per_us = measure_cycles_per_us(device)
+    flush = device_flush_size(device)
+    n, k = HOST_SHAPE
+    calls = max(1, HOST_CALLS // HOST_CHAIN)
+    points: list[HostPoint] = []
+    for impl, (step, args) in chains.items():
+        for mode in modes:
+            torch._dynamo.reset()
+            counters.clear()
+            if mode == "eager":
+                fn = step
+            else:
+                compiled = torch.compile(step, fullgraph=True, dynamic=False,
+                                         mode=None if mode == "compile" else mode)
+                fn = compiled
+            with torch.no_grad():
+                p = measure_host(lambda: fn(*args), impl, 1, n, k, cycles_per_us, flush, iters, warmup, calls=calls)
+            note = p.note
+            skips = counters["inductor"].get("cudagraph_skips", 0) if mode == "reduce-overhead" else 0
+            if skips:
+                note = (note + "; " if note else "") + f"CUDA graphs skipped {skips} time(s)"
+            per = 1.0 / HOST_CHAIN
+            p = dataclasses.replace(
+                p, mode=mode, chain=HOST_CHAIN, note=note,
+                host_us=None if p.host_us is None else p.host_us * per,
+                host_min_us=None if p.host_min_us is None else p.host_min_us * per,
+                gpu_us=None if p.gpu_us is None else p.gpu_us * per,
+                gpu_loop_us=None if p.gpu_loop_us is None else p.gpu_loop_us * per)
+            log(f"  {impl} {mode}: host {fmt(p.host_us, '.1f')} us per call, GPU {fmt(p.gpu_loop_us, '.1f')} us")
+            points.append(p)
+    return points
+
+
 def host_kernel_specs(ms: Sequence[int] = HOST_MS) -> list:
     """The mixgemm kernels of the per-call part (the step's come from :mod:`.model_run`)."""
     from ..ops import select_tile
@@ -292,7 +429,7 @@ def write_host_json(path, report: HostReport):
 
 
 __all__ = ["HOST_SCHEMA", "HOST_SHAPE", "HOST_MS", "HOST_WEIGHT", "HOST_GROUP_SIZE", "HOST_CALLS", "HOST_REPEATS",
-           "HOST_IMPLS", "STEP_PRESET", "STEP_VARIANTS", "HostPoint", "loop_bound", "sleep_cycles", "host_point",
+           "HOST_IMPLS", "HOST_MODES", "HOST_CHAIN", "CHAIN_IMPLS", "chain_callables", "run_host_modes", "STEP_PRESET", "STEP_VARIANTS", "HostPoint", "loop_bound", "sleep_cycles", "host_point",
            "HostReport", "host_report_to_dict", "host_report_from_dict", "format_host_table",
            "measure_cycles_per_us", "time_host_loop", "measure_host", "host_callables", "host_kernel_specs",
            "run_host", "write_host_json"]
