@@ -1,0 +1,171 @@
+"""Every mixgemm op under torch.compile in every mode, CUDA-graph trees included, against eager.
+
+``mode="reduce-overhead"`` records each shape's graph in CUDA-graph trees, which refuse a graph
+that leaves anything allocated in their memory pool besides its outputs: the GEMMs' workspaces
+and stream-K locks must come from outside the pool (mixgemm.plans.StreamArenas). A module that
+mixes every op runs at token counts from 1 to 8192 in turn, each replayed with new data, and its
+outputs (each an op's own output) must equal eager's bit for bit. A transformers model, with
+fused projections and with fused layers, generates the same tokens compiled as eager.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixgemm
+from mixgemm.nn import QuantLinear, QuantMoE
+
+pytestmark = pytest.mark.gpu
+
+H, I, HEADS, KV, D, EXPERTS, TOPK = 1024, 2048, 8, 2, 128, 8, 2
+CACHE = 8192 + 64
+TOKENS = (1, 16, 64, 300, 2048, 8192, 1)
+
+
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+
+class Mix(nn.Module):
+    """rms_norm with its residual, a QuantLinear qkv, rotary_kv_cache into a static cache,
+    mixgemm.gemm of a PackedWeight with swiglu, a QuantLinear down, QuantMoE: each op's output
+    returned as it is."""
+
+    def __init__(self, dev):
+        super().__init__()
+        g = torch.Generator(device="cpu").manual_seed(0)
+
+        def linear(n, k):
+            lin = nn.Linear(k, n, bias=False)
+            lin.weight.data = torch.randn(n, k, generator=g) * 0.02
+            return lin.to(dev, torch.bfloat16)
+
+        self.norm = nn.Parameter(torch.rand(H, generator=g).to(dev, torch.bfloat16) + 0.5, requires_grad=False)
+        self.qkv = QuantLinear.from_linear(linear((HEADS + 2 * KV) * D, H), bits=4, group_size=128)
+        gate, up = linear(I, H), linear(I, H)
+        self.gate_up = QuantLinear.from_gate_up(gate, up, bits=2, group_size=64).packed
+        self.down = QuantLinear.from_linear(linear(H, I), bits=8, group_size=128, symmetric=True)
+        experts = []
+        for _ in range(EXPERTS):
+            e = _Experts()
+            for p in e.parameters():
+                p.data = torch.randn(p.shape, generator=g) * 0.02
+            experts.append(e.to(dev, torch.bfloat16))
+        self.moe = QuantMoE.from_mlps(experts, bits=4, group_size=128)
+        pos = torch.arange(CACHE, dtype=torch.float32)[:, None] / 10000 ** (torch.arange(D // 2) / (D // 2))
+        angles = torch.cat([pos, pos], dim=-1)
+        self.register_buffer("cos", angles.cos().to(dev, torch.bfloat16))
+        self.register_buffer("sin", angles.sin().to(dev, torch.bfloat16))
+        self.register_buffer("k_cache", torch.zeros(1, KV, CACHE, D, device=dev, dtype=torch.bfloat16))
+        self.register_buffer("v_cache", torch.zeros(1, KV, CACHE, D, device=dev, dtype=torch.bfloat16))
+
+    def forward(self, x, residual, positions, topk_weights, topk_ids):
+        h, s = mixgemm.rms_norm(x, self.norm, 1e-5, residual=residual)
+        qkv = self.qkv(h)
+        q = mixgemm.rotary_kv_cache(qkv, self.cos, self.sin, self.k_cache, self.v_cache, positions, HEADS, KV)
+        act = mixgemm.gemm(h, self.gate_up, activation="swiglu")
+        y = self.down(act)
+        m = self.moe(h[0], topk_weights, topk_ids)
+        return h, s, qkv, q, act, y, m
+
+
+def _inputs(t: int, dev, seed: int):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(1, t, H, device=dev, dtype=torch.bfloat16, generator=g)
+    residual = torch.randn(1, t, H, device=dev, dtype=torch.bfloat16, generator=g)
+    positions = torch.arange(t, device=dev)[None] + seed % 50
+    logits = torch.randn(t, EXPERTS, device=dev, generator=g)
+    topk_weights, topk_ids = torch.softmax(logits, -1).topk(TOPK, dim=-1)
+    return x, residual, positions, topk_weights.to(torch.bfloat16), topk_ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_every_op_compiled_equals_eager_at_every_token_count(requires_gpu, mode):
+    dev = requires_gpu
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    eager = Mix(dev)
+    compiled_module = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_module, mode=mode, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        for step, t in enumerate(TOKENS):
+            for replay in range(3):                  # each shape recorded, then replayed with new data
+                args = _inputs(t, dev, seed=100 * step + replay)
+                if mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                got = [o.clone() for o in compiled(*args)]
+                want = eager(*args)
+                for name, a, b in zip(("h", "s", "qkv", "q", "act", "y", "moe"), got, want):
+                    assert torch.equal(a, b), f"{mode} T={t} replay {replay}: {name} differs"
+                assert torch.equal(compiled_module.k_cache, eager.k_cache), f"{mode} T={t}: k_cache"
+                assert torch.equal(compiled_module.v_cache, eager.v_cache), f"{mode} T={t}: v_cache"
+    if mode == "reduce-overhead":
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def _llama(dev, layers=2):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
+                                      num_key_value_heads=2, head_dim=128, num_hidden_layers=layers,
+                                      vocab_size=4096, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                         attn_implementation="sdpa").to(dev).eval()
+
+
+@pytest.mark.parametrize("fuse_layers", [False, True])
+def test_a_transformers_model_generates_the_eager_tokens_under_reduce_overhead(requires_gpu, fuse_layers):
+    """generate() with a static cache: eager, generate()'s own compile (CUDA-graph trees), and
+    the forward compiled with reduce-overhead; the same greedy tokens, batch 1 and 4."""
+    from transformers import CompileConfig
+
+    dev = requires_gpu
+    torch._dynamo.reset()
+    model = _llama(dev)
+    mixgemm.nn.quantize_model(model, bits=4, group_size=128, progress=False, fuse_layers=fuse_layers)
+    for batch in (1, 4):
+        ids = torch.randint(0, 4096, (batch, 37), device=dev, generator=torch.Generator(device=dev).manual_seed(batch))
+        kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, cache_implementation="static")
+        with torch.no_grad():
+            want = model.generate(ids, disable_compile=True, **kw)
+            for _ in range(2):                   # the second call replays the recorded graphs
+                got = model.generate(ids, compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"), **kw)
+                assert torch.equal(got, want), (fuse_layers, batch)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_blocks_on_the_kernels_match_per_layer_quantization(requires_gpu, family):
+    """The fused projections and layers of tests/test_blocks.py on the GPU kernels: logits within
+    the GEMM tolerance of the per-layer model's, and greedy tokens over two turns."""
+    import test_blocks as tb
+
+    dev = requires_gpu
+    models = {}
+    for name, kw in (("plain", dict(fuse_projections=False)), ("fused", {}), ("layers", dict(fuse_layers=True))):
+        m = tb.tiny_model(family, layers=2).to(dev, torch.bfloat16)
+        mixgemm.nn.quantize_model(m, bits=4, group_size=64, progress=False, **kw)
+        models[name] = m
+    ids = torch.randint(0, 160, (2, 21), device=dev, generator=torch.Generator(device=dev).manual_seed(3))
+    with torch.no_grad():
+        ref = models["plain"](ids).logits.double()
+        for name in ("fused", "layers"):
+            got = models[name](ids).logits.double()
+            assert ((got - ref).norm() / ref.norm()).item() < 2e-2, name
+        one = ids[:1]
+        for turn in range(2):
+            kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="static", disable_compile=True)
+            want = models["plain"].generate(one, **kw)
+            for name in ("fused", "layers"):
+                got = models[name].generate(one, **kw)
+                agree = (got[0, one.shape[1]:] == want[0, one.shape[1]:]).float().mean().item()
+                assert agree >= 0.75, (name, turn, agree)
+            one = torch.cat([want, ids[:1, :5]], dim=1)
