@@ -27,6 +27,10 @@ One module per concern:
   shapes (bf16 ``torch._grouped_mm``, torch int4 per expert, mixgemm's ``fused_moe``) under CUDA
   graphs: what is reported, and the GPU run;
 * :mod:`.host`: ``--host``, the host's microseconds per call and the eager decode step;
+* :mod:`.generate`, :mod:`.generate_run`: ``--generate``, transformers' ``generate()`` on a causal
+  LM with a preset's shapes (or a model directory), bf16 against mixgemm's weight types with and
+  without ``fuse_layers``, in four modes (eager, torch.compile, generate()'s own compile with a
+  static cache, reduce-overhead): what is reported, and the GPU run;
 * :mod:`.report` and :mod:`.plots`: tables, JSON, merges and plots; :mod:`.preset_report`: the
   report that ``--model`` and ``--moe`` share (JSON, split per preset, merge, table layout);
 * :mod:`.options` and :mod:`.command`: the command line (``add_arguments``; ``run_cli``, ``main``).
@@ -67,6 +71,11 @@ from .moe import (MOE_PRESETS, MOE_SCHEMA, MoeConfig, MoeMeasurement, MoePoint, 
 from .command import write_moe_outputs
 from .options import moe_config_from_args
 from .plots import write_moe_plot
+from .generate import (GEN_MODES, GENERATE_SCHEMA, GenerateConfig, GenerateReport, GenMeasurement, GenPoint,
+                       analyze_generate, format_generate_table)
+from .command import run_generate_cli, write_generate_outputs
+from .options import generate_config_from_args
+from .plots import write_generate_plot
 
 #: Every name above: the public API of ``mixgemm.bench`` (tests and tools import them from here).
 __all__ = [
@@ -95,4 +104,7 @@ __all__ = [
     "MOE_PRESETS", "MOE_SCHEMA", "MoeConfig", "MoeMeasurement", "MoePoint", "MoePreset", "MoeReport", "analyze_moe",
     "format_moe_table", "make_routing", "moe_report_from_dict", "moe_report_to_dict", "moe_traffic",
     "write_moe_outputs", "moe_config_from_args", "write_moe_plot",
+    "GEN_MODES", "GENERATE_SCHEMA", "GenerateConfig", "GenerateReport", "GenMeasurement", "GenPoint",
+    "analyze_generate", "format_generate_table", "run_generate_cli", "write_generate_outputs",
+    "generate_config_from_args", "write_generate_plot",
 ]

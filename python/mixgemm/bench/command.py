@@ -7,6 +7,8 @@ mode (the options and their validation: :mod:`.options`), and each mode's output
   steps;
 * ``--moe NAME``: :mod:`.moe` / :mod:`.moe_run`, one mixture-of-experts layer under CUDA graphs;
 * ``--host``: :mod:`.host`, the host's time per call and the eager decode step;
+* ``--generate TARGET``: :mod:`.generate` / :mod:`.generate_run`, transformers' ``generate()`` on a
+  causal LM (a preset's shapes or a model directory), bf16 against mixgemm, in four modes;
 * ``--merge``: no GPU, one report from the JSON of runs that split a grid (or a set of presets);
 * ``--list-kernels``: no GPU, the mixgemm kernels a run would launch.
 
@@ -27,12 +29,14 @@ import torch
 from ..errors import BenchError, CliError
 from .block import run_block_cli
 from .decoder import PRESETS
+from .generate import GenerateConfig, GenerateReport, analyze_generate, format_generate_table, model_description
 from .grid import FAIL, BenchConfig, analyze, run_benchmark
 from .model import ModelConfig, ModelReport, analyze_model, format_model_table
 from .moe import MOE_PRESETS, MoeConfig, MoeReport, analyze_moe, format_moe_table
-from .options import build_parser, config_from_args, host_step_config, model_config_from_args, moe_config_from_args
+from .options import (build_parser, config_from_args, generate_config_from_args, host_step_config,
+                      model_config_from_args, moe_config_from_args)
 from .peers import QuantCache, make_impls
-from .plots import write_model_plot, write_moe_plot, write_plot
+from .plots import write_generate_plot, write_model_plot, write_moe_plot, write_plot
 from .preset_report import PresetReport, failed, split_by_preset, write_report_json
 from .report import (JSON_SCHEMA, BenchReport, default_results_root, format_table, machine_info, merge_reports,
                      report_from_dict, results_dir, write_json)
@@ -130,6 +134,14 @@ def write_moe_outputs(report: MoeReport, cfg: MoeConfig, log: Log = print) -> li
     return _write_per_preset(report, cfg, "moe", write_moe_plot, title, log)
 
 
+def write_generate_outputs(report: GenerateReport, cfg: GenerateConfig, log: Log = print) -> list[Path]:
+    """``--json`` and ``--plot``; ``--save``: ``generate-<model>.json`` and ``.png`` in the GPU's
+    results folder. Returns the paths written."""
+    title = (f"{report.machine.gpu_name}: generate() (transformers {report.config.get('transformers_version')}), "
+             f"prompt {report.config.get('prompt_tokens')}, {report.config.get('new_tokens')} new tokens")
+    return _write_per_preset(report, cfg, "generate", write_generate_plot, title, log)
+
+
 # ------------------------------------------------------------------------------------------
 # Modes
 # ------------------------------------------------------------------------------------------
@@ -140,17 +152,21 @@ def _merge_cli(args: argparse.Namespace, log: Log) -> int:
     try:
         docs = [json.loads(Path(p).read_text(encoding="utf-8")) for p in args.merge]
         schemas = {d.get("schema") if isinstance(d, dict) else None for d in docs}
-        kind = next((cls for cls in (ModelReport, MoeReport) if schemas == {cls.SCHEMA}), None)
+        kind = next((cls for cls in (ModelReport, MoeReport, GenerateReport) if schemas == {cls.SCHEMA}), None)
         if kind is not None:
             report = kind.merge([kind.from_dict(d) for d in docs])
         elif schemas == {JSON_SCHEMA}:
             report = merge_reports([report_from_dict(d) for d in docs])
         else:
-            raise ValueError(f"expected reports of one kind ({JSON_SCHEMA}, {ModelReport.SCHEMA} or "
-                             f"{MoeReport.SCHEMA}), got schemas {sorted(map(str, schemas))}")
+            raise ValueError(f"expected reports of one kind ({JSON_SCHEMA}, {ModelReport.SCHEMA}, "
+                             f"{MoeReport.SCHEMA} or {GenerateReport.SCHEMA}), got schemas {sorted(map(str, schemas))}")
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise _user_error(f"--merge: {e}") from None
     outputs = dict(json_path=args.json, plot_path=args.plot, save=args.save, results_root=args.results_dir)
+    if isinstance(report, GenerateReport):
+        log(format_generate_table(report))
+        write_generate_outputs(report, GenerateConfig(**outputs), log=log)
+        return 1 if failed(report.points) else 0
     if isinstance(report, MoeReport):
         log(format_moe_table(report.points, report.machine, report.config))
         write_moe_outputs(report, MoeConfig(**outputs), log=log)
@@ -181,8 +197,9 @@ def list_kernels(args: argparse.Namespace) -> list[str]:
     elif args.host:
         cfg = host_step_config(args)
         specs = host_kernel_specs() + run_kernel_specs(cfg, [PRESETS[p] for p in cfg.presets])
-    elif args.block:
-        raise BenchError("--list-kernels takes the grid, --model or --host")
+    elif args.block or getattr(args, "generate", None) is not None:
+        raise BenchError("--list-kernels takes the grid, --model, --moe or --host (--generate builds its model's "
+                         "kernels itself, with mixgemm.prebuild.build_for)")
     else:
         cfg = config_from_args(args)
         impls = make_impls(cfg.impls, cfg.group_size, QuantCache())
@@ -268,6 +285,23 @@ def run_host_cli(args: argparse.Namespace, device: torch.device, log: Log) -> in
     return _exit_status(step_points, lambda p: f"step {p.variant} {p.mode}")
 
 
+def run_generate_cli(cfg: GenerateConfig, device: torch.device, log: Log) -> int:
+    """``--generate`` with its validated options: run, report, write; the exit status."""
+    from .generate_run import run_generate
+
+    log(f"mixgemm bench --generate {cfg.name} on {torch.cuda.get_device_name(device)}: "
+        f"{cfg.layers or 'all'} layers, batch {','.join(map(str, cfg.batches))}, prompt {cfg.prompt_tokens}, "
+        f"{cfg.new_tokens} new tokens; {', '.join(r.label for r in cfg.runs())}; {', '.join(cfg.modes)}; median of "
+        f"{cfg.repeats} generate() calls{' (QUICK)' if cfg.quick else ''}")
+    machine = machine_info(device, cfg.gpu_name, None, None)
+    measurements, info = run_generate(cfg, device, log)
+    points = analyze_generate(measurements)
+    report = GenerateReport(machine, {**cfg.to_json(), **info}, {cfg.name: model_description(cfg)}, points)
+    log(format_generate_table(report))
+    write_generate_outputs(report, cfg, log=log)
+    return _exit_status(points, lambda p: p.label)
+
+
 def _exit_status(points: Sequence, name: Callable, failed_name: Optional[Callable] = None) -> int:
     """1 when a point FAILed, else 0; the errors (``name(point)``) and the failures
     (``failed_name(point)``, by default ``name``) said on stderr."""
@@ -303,6 +337,8 @@ def run_cli(args: argparse.Namespace) -> int:
     try:                                # the options first: a bad one is reported even without a GPU
         if getattr(args, "moe", None):
             moe_config_from_args(args)
+        elif getattr(args, "generate", None) is not None:
+            generate_cfg = generate_config_from_args(args)
         elif getattr(args, "model", None):
             model_config_from_args(args)
         elif getattr(args, "host", False):
@@ -317,6 +353,8 @@ def run_cli(args: argparse.Namespace) -> int:
     torch.cuda.set_device(device)
     if getattr(args, "moe", None):
         return run_moe_cli(args, device, log)
+    if getattr(args, "generate", None) is not None:
+        return run_generate_cli(generate_cfg, device, log)
     if getattr(args, "model", None):
         return run_model_cli(args, device, log)
     if getattr(args, "host", False):
@@ -367,6 +405,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
 
 
-__all__ = ["NO_GPU_MESSAGE", "require_cuda", "write_outputs", "write_model_outputs", "write_moe_outputs", "list_kernels", "run_model_cli",
-           "run_moe_cli", "run_host_cli", "run_cli",
+__all__ = ["NO_GPU_MESSAGE", "require_cuda", "write_outputs", "write_model_outputs", "write_moe_outputs",
+           "write_generate_outputs", "list_kernels", "run_model_cli", "run_moe_cli", "run_host_cli", "run_generate_cli",
+           "run_cli",
            "run_grid_cli", "main"]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..errors import BenchError
 from .block import BLOCK_HIDDEN, BLOCK_INTERMEDIATE
 from .decoder import PRESETS
+from .generate import (DEFAULT_FUSE, DEFAULT_GEN_BATCHES, DEFAULT_NEW_TOKENS, DEFAULT_PROMPT_TOKENS, DEFAULT_REPEATS,
+                       DEFAULT_TYPES, FUSE_SETTINGS, GEN_MODES, PRESET, QUANTIZED_DIR, STEP_ITERS, STEP_WARMUP,
+                       GenerateConfig, parse_gen_modes, parse_types, resolve_target)
 from .grid import (DEFAULT_CHECK_ROWS, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ERROR, DEFAULT_MS, DEFAULT_PEER_MAX_ERROR,
                    DEFAULT_SEED, DEFAULT_SHAPES, DEFAULT_WARMUP, MIN_ITERS, QUICK_ITERS, QUICK_WARMUP, BenchConfig)
 from .model import (DEFAULT_BATCHES, DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_MODEL_MAX_ERROR, DEFAULT_POINT_BUDGET_S,
@@ -118,6 +121,10 @@ _MODEL_OPTIONS = ("layers", "batch", "context", "prefill", "modes", "model_max_e
 _SHARED_OPTIONS = ("variants", "point_budget")
 #: Options that only --moe takes.
 _MOE_OPTIONS = ("tokens", "routing", "moe_max_error")
+#: Options of --model and --host that --generate takes too.
+_GENERATE_SHARED = ("layers", "batch")
+#: Options that only --generate takes.
+_GENERATE_OPTIONS = ("types", "fuse_layers", "gen_modes", "prompt_tokens", "new_tokens", "repeats")
 
 
 def _moe_presets(text: str) -> tuple[str, ...]:
@@ -194,15 +201,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     modes.add_argument("--host", action="store_true",
                        help="host microseconds per call of mixgemm.gemm / QuantLinear beside F.linear and torch's "
                             "int4 (4096x4096, M = 1, 16, 256), and the eager llama3-8b decode step")
+    modes.add_argument("--generate", default=None, metavar="PRESET|DIR",
+                       help=f"transformers' generate() as a user runs it: a causal LM with a preset's shapes "
+                            f"({', '.join(PRESETS)}; random weights) or a model directory (a quantized one through "
+                            f"mixgemm.hf.from_pretrained), bf16 and mixgemm weight types, with and without "
+                            f"fuse_layers, in {', '.join(GEN_MODES)} modes")
     modes.add_argument("--merge", metavar="JSON", nargs="+", default=None,
                        help="no GPU run: merge the JSON reports of runs that split a grid (same GPU, dtype and "
-                            "group size), or --model reports, or --moe reports, into one; then write --json / --plot / --save")
+                            "group size), or --model, --moe or --generate reports, into one; then write --json / "
+                            "--plot / --save")
 
-    model = parser.add_argument_group("--model and --host")
+    model = parser.add_argument_group("--model and --host (--layers and --batch: --generate too)")
     model.add_argument("--layers", type=int, default=None,
-                       help=f"decoder layers in the stack (default {DEFAULT_LAYERS})")
+                       help=f"decoder layers in the stack (default {DEFAULT_LAYERS}; --generate: all the model's)")
     model.add_argument("--batch", type=parse_int_list, default=None, metavar="B,...",
-                       help=f"decode batch sizes (default {','.join(map(str, DEFAULT_BATCHES))}; --host: 1)")
+                       help=f"decode batch sizes (default {','.join(map(str, DEFAULT_BATCHES))}; --host: 1; "
+                            f"--generate: {','.join(map(str, DEFAULT_GEN_BATCHES))})")
     model.add_argument("--context", type=_non_negative_int, default=None,
                        help=f"tokens already in each sequence's KV cache at the decode step (default {DEFAULT_CONTEXT})")
     model.add_argument("--prefill", type=_non_negative_int, default=None, metavar="TOKENS",
@@ -229,6 +243,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     moe.add_argument("--moe-max-error", type=float, default=None,
                      help=f"the layer's error bar vs bf16 on the variant's own dequantized weights (default "
                           f"{DEFAULT_MOE_MAX_ERROR:g})")
+    gen = parser.add_argument_group("--generate")
+    gen.add_argument("--types", type=parse_name_list, default=None, metavar="TYPE,...",
+                     help=f"mixgemm weight types beside bf16 (default {','.join(DEFAULT_TYPES)}): u4, u2, u8 "
+                          f"(asymmetric, zero points) or s4, s2, s8 (symmetric)")
+    gen.add_argument("--fuse-layers", choices=tuple(FUSE_SETTINGS), default=None,
+                     help=f"quantize_model's fuse_layers: off (fused projections), on (mixgemm's decoder layer "
+                          f"with its static KV cache) or both (default {DEFAULT_FUSE})")
+    gen.add_argument("--gen-modes", type=parse_name_list, default=None, metavar="MODE,...",
+                     help=f"generate() modes (default all): {', '.join(GEN_MODES)}")
+    gen.add_argument("--prompt-tokens", type=int, default=None,
+                     help=f"prompt length (default {DEFAULT_PROMPT_TOKENS})")
+    gen.add_argument("--new-tokens", type=int, default=None,
+                     help=f"tokens generated per sequence, at least 2 (default {DEFAULT_NEW_TOKENS})")
+    gen.add_argument("--repeats", type=int, default=None,
+                     help=f"timed generate() calls per point after the warm-up, the median is reported "
+                          f"(default {DEFAULT_REPEATS})")
     return parser
 
 
@@ -259,10 +289,17 @@ def _iterations(args: argparse.Namespace, minimum: int, warmup_default: int) -> 
 def _check_model_only(args: argparse.Namespace) -> None:
     model = bool(getattr(args, "model", None) or getattr(args, "host", False))
     moe = bool(getattr(args, "moe", None))
+    generate = getattr(args, "generate", None) is not None
     flag = lambda names: ", ".join("--" + g.replace("_", "-") for g in names)  # noqa: E731
     given = [name for name in _MODEL_OPTIONS if getattr(args, name, None) is not None]
-    if given and not model:
-        raise BenchError(f"{flag(given)} only apply to --model and --host")
+    if generate and not set(given) <= set(_GENERATE_SHARED):
+        raise BenchError(f"{flag(n for n in given if n not in _GENERATE_SHARED)} do not apply to --generate")
+    if given and not (model or generate):
+        also = " (--layers and --batch also to --generate)" if set(given) <= set(_GENERATE_SHARED) else ""
+        raise BenchError(f"{flag(given)} only apply to --model and --host{also}")
+    given = [name for name in _GENERATE_OPTIONS if getattr(args, name, None) is not None]
+    if given and not generate:
+        raise BenchError(f"{flag(given)} only apply to --generate")
     given = [name for name in _SHARED_OPTIONS if getattr(args, name, None) is not None]
     if given and not (model or moe):
         raise BenchError(f"{flag(given)} only apply to --model, --host and --moe")
@@ -381,6 +418,61 @@ def moe_config_from_args(args: argparse.Namespace) -> MoeConfig:
         plot_path=args.plot, save=bool(args.save), results_root=args.results_dir, gpu_name=args.gpu_name)
 
 
+def _parsed(prefix: str, parse: Callable, value):
+    """``parse(value)``, its ValueError a :class:`BenchError` that starts with ``prefix``."""
+    try:
+        return parse(value)
+    except ValueError as e:
+        raise BenchError(f"{prefix}{e}") from None
+
+
+def generate_config_from_args(args: argparse.Namespace) -> GenerateConfig:
+    """Validate parsed options into a :class:`.generate.GenerateConfig` (``--generate``).
+
+    Raises
+    ------
+    BenchError
+        transformers missing; a target that is neither a preset nor a model directory; an unknown
+        weight type or mode; a batch, prompt, token or repeat count out of range; ``--layers`` for
+        a directory or beyond the preset's; ``--types`` for a quantized directory; too few step
+        replays without ``--quick``; fp16 activations; an option of another mode.
+    """
+    import importlib.util
+
+    _check_model_only(args)
+    iters, warmup, quick = _iterations(args, STEP_ITERS, STEP_WARMUP)
+    if args.dtype != "bf16":
+        raise BenchError("--generate runs bf16 models (the baseline and mixgemm's activations)")
+    if importlib.util.find_spec("transformers") is None:
+        raise BenchError("--generate needs transformers (pip install transformers)")
+    name, source, quant_method = _parsed("", resolve_target, args.generate)
+    types = _parsed("--types: ", parse_types, args.types if args.types is not None else DEFAULT_TYPES)
+    modes = _parsed("--gen-modes: ", parse_gen_modes, args.gen_modes if args.gen_modes is not None else GEN_MODES)
+    if args.layers is not None:
+        if source != PRESET:
+            raise BenchError("--layers applies to a preset; a model directory runs all its layers")
+        if not 1 <= args.layers <= PRESETS[name].model_layers:
+            raise BenchError(f"--layers must be 1 to {PRESETS[name].model_layers} for {name}, got {args.layers}")
+    if args.types is not None and source == QUANTIZED_DIR:
+        raise BenchError(f"--types: {args.generate} is already quantized ({quant_method}): it is the only "
+                         f"quantized variant")
+    counts = {"--prompt-tokens": (args.prompt_tokens, DEFAULT_PROMPT_TOKENS, 1),
+              "--new-tokens": (args.new_tokens, DEFAULT_NEW_TOKENS, 2), "--repeats": (args.repeats, DEFAULT_REPEATS, 1)}
+    values = {}
+    for flag, (given, default, low) in counts.items():
+        values[flag] = default if given is None else given
+        if values[flag] < low:
+            why = " (one to time the prompt apart from the tokens)" if flag == "--new-tokens" else ""
+            raise BenchError(f"{flag} must be at least {low}{why}, got {values[flag]}")
+    return GenerateConfig(
+        target=args.generate, name=name, source=source, quant_method=quant_method, layers=args.layers,
+        batches=tuple(dict.fromkeys(args.batch)) if args.batch is not None else DEFAULT_GEN_BATCHES,
+        prompt_tokens=values["--prompt-tokens"], new_tokens=values["--new-tokens"], repeats=values["--repeats"],
+        types=types, fuse=FUSE_SETTINGS[args.fuse_layers or DEFAULT_FUSE], modes=modes, group_size=args.group_size,
+        iters=iters, warmup=warmup, quick=quick, seed=int(args.seed), json_path=args.json, plot_path=args.plot,
+        save=bool(args.save), results_root=args.results_dir, gpu_name=args.gpu_name)
+
+
 def host_step_config(args: argparse.Namespace) -> ModelConfig:
     """The decode step of ``--host``: llama3-8b, batch 1 (or ``--batch``), no prefill, bf16 and
     mixgemm int4 (or ``--variants``), both modes."""
@@ -391,4 +483,5 @@ def host_step_config(args: argparse.Namespace) -> ModelConfig:
 
 
 __all__ = ["parse_shapes", "parse_int_list", "parse_name_list", "parse_presets", "add_arguments", "build_parser",
-           "config_from_args", "model_config_from_args", "moe_config_from_args", "host_step_config"]
+           "config_from_args", "model_config_from_args", "moe_config_from_args", "generate_config_from_args",
+           "host_step_config"]

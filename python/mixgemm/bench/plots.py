@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..codegen import TILE_CONFIGS
+from .generate import GEN_MODES
 from .grid import OK, PointResult
 from .peers import BASELINE, base_name
 from .variants import NO_GEMM
@@ -40,6 +41,25 @@ def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _finish(fig: Any, axes: Any, width: float, title: str, path: Path,
+            inches_per_entry: float = 2.0) -> tuple[bool, str]:
+    """One legend under the panels (each label once, in the order first drawn; a row holds one
+    entry per ``inches_per_entry`` of the figure's width), the title, then the figure saved:
+    ``(True, path)``."""
+    handles, names = {}, []
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in handles:
+                handles[lab] = h
+                names.append(lab)
+    if names:
+        fig.legend([handles[n] for n in names], names, loc="outside lower center",
+                   ncol=max(1, min(len(names), int(width / inches_per_entry))), fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return True, str(save_figure(fig, path))
 
 
 def write_plot(results: Sequence[PointResult], path: Path, title: str = "") -> tuple[bool, str]:
@@ -98,17 +118,7 @@ def write_plot(results: Sequence[PointResult], path: Path, title: str = "") -> t
         ax.grid(True, which="major", alpha=0.3)
     for ax in list(axes.flat)[len(shapes):]:
         ax.set_visible(False)
-    handles, labels = {}, []
-    for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in handles:
-                handles[lab] = h
-                labels.append(lab)
-    fig.legend([handles[lab] for lab in labels], labels, loc="outside lower center",
-               ncol=max(1, min(len(labels), int(width / 2.3))), fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return True, str(save_figure(fig, path))
+    return _finish(fig, axes, width, title, path, inches_per_entry=2.3)
 
 
 def write_model_plot(points: Sequence[Any], path: Path, title: str = "") -> tuple[bool, str]:
@@ -165,18 +175,7 @@ def write_model_plot(points: Sequence[Any], path: Path, title: str = "") -> tupl
             ax.grid(True, alpha=0.3)
         top.set_title(preset, fontsize=9)
         bottom.set_ylim(bottom=0)
-    handles, names = {}, []
-    for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in handles:
-                handles[lab] = h
-                names.append(lab)
-    if names:
-        fig.legend([handles[n] for n in names], names, loc="outside lower center",
-                   ncol=max(1, min(len(names), int(width / 2.0))), fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return True, str(save_figure(fig, path))
+    return _finish(fig, axes, width, title, path)
 
 
 def write_moe_plot(points: Sequence[Any], path: Path, title: str = "") -> tuple[bool, str]:
@@ -224,18 +223,47 @@ def write_moe_plot(points: Sequence[Any], path: Path, title: str = "") -> tuple[
             ax.grid(True, alpha=0.3)
         top.set_title(preset, fontsize=9)
         bottom.set_ylim(bottom=0)
-    handles, names = {}, []
-    for ax in axes.flat:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in handles:
-                handles[lab] = h
-                names.append(lab)
-    if names:
-        fig.legend([handles[n] for n in names], names, loc="outside lower center",
-                   ncol=max(1, min(len(names), int(width / 2.0))), fontsize=8)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    return True, str(save_figure(fig, path))
+    return _finish(fig, axes, width, title, path)
 
 
-__all__ = ["save_figure", "write_plot", "write_model_plot", "write_moe_plot", "NO_MATPLOTLIB"]
+def write_generate_plot(points: Sequence[Any], path: Path, title: str = "") -> tuple[bool, str]:
+    """Plot ``--generate`` points (:class:`.generate.GenPoint`): one panel per batch size; per
+    mode, one bar per variant and ``fuse_layers`` setting, its height the tokens per second of
+    the whole ``generate()`` call, a black tick at its ceiling (batch / GPU decode step). Ok points
+    only. Needs matplotlib (optional); returns as :func:`write_model_plot` does.
+    """
+    mpl = _matplotlib()
+    if mpl is None:
+        return False, NO_MATPLOTLIB
+    Figure, FigureCanvasAgg = mpl
+    ok = [p for p in points if p.status == OK and p.tok_s is not None]
+    if not ok:
+        return False, "no ok points to plot"
+    batches = sorted({p.batch for p in ok})
+    series = list(dict.fromkeys((p.variant, p.fuse) for p in points))
+    modes = sorted({p.mode for p in points}, key=lambda m: (GEN_MODES.index(m) if m in GEN_MODES else 9, m))
+    bar = 0.8 / len(series)
+    width = max(4.5 * len(batches), 6.0)
+    fig = Figure(figsize=(width, 4.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(batches), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for i, (variant, fuse) in enumerate(series):
+            mine = {p.mode: p for p in ok if p.batch == batch and (p.variant, p.fuse) == (variant, fuse)}
+            xs = [modes.index(m) - 0.4 + (i + 0.5) * bar for m in modes if m in mine]
+            label = variant if fuse == "-" else f"{variant} fuse_layers={fuse}"
+            ax.bar(xs, [mine[m].tok_s for m in modes if m in mine], bar * 0.9, color=f"C{i % 10}", label=label)
+            ceil = [(x, mine[m].ceiling_tok_s) for x, m in zip(xs, [m for m in modes if m in mine])
+                    if mine[m].ceiling_tok_s is not None]
+            if ceil:
+                ax.scatter([x for x, _ in ceil], [c for _, c in ceil], marker="_", s=120, color="black",
+                           label="GPU step ceiling")
+        ax.set_xticks(range(len(modes)))
+        ax.set_xticklabels(modes, fontsize=8)
+        ax.set_ylabel("tokens/s (generate())", fontsize=8)
+        ax.set_title(f"batch {batch}", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    return _finish(fig, axes, width, title, path)
+
+
+__all__ = ["save_figure", "write_plot", "write_model_plot", "write_moe_plot", "write_generate_plot", "NO_MATPLOTLIB"]
