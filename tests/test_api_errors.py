@@ -31,13 +31,39 @@ def packed():
      "x must be bfloat16 or float16, got torch.int32"),
     ("the wrong K", lambda: torch.randn(2, 64, dtype=torch.bfloat16), ValueError, "x has K=64 but w has K=128"),
 ])
-def test_gemm_refuses(packed, case, x, exc, message, pin_case):
+def test_gemm_refuses(packed, case, x, exc, message, pin_case, monkeypatch):
+    if case == "the wrong K":     # the device comes first: pretend the CPU is a usable GPU to reach K
+        monkeypatch.setattr(mixgemm.ops, "_device_ok", lambda device: None)
     with pytest.raises(exc) as excinfo:
         mixgemm.gemm(x(), packed)
     assert first_line(excinfo) == message
     ok, why = mixgemm.supports(tuple(x().shape), packed, x().dtype)
     assert not ok and why
     pin_case("API", f"gemm with {case}", "mixgemm.gemm(x, w)", type(excinfo.value).__name__, message)
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in memory that starts 8 bytes past a 16-byte boundary."""
+    raw = torch.empty(t.numel() * t.element_size() + 32, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 16 + 8
+    out = raw[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 == 8
+    return out
+
+
+def test_the_device_is_the_reason_before_the_alignment(packed, pin_case):
+    """A CPU weight whose tensors are only 8-byte aligned (what mixgemm.load returned before it
+    aligned them): the reason is the device, not the alignment."""
+    import dataclasses
+    bad = dataclasses.replace(packed, qdata=_misaligned(packed.qdata), scales=_misaligned(packed.scales))
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    message = "mixgemm kernels run on CUDA tensors, got a tensor on cpu"
+    assert mixgemm.supports(tuple(x.shape), bad, x.dtype) == (False, message)
+    with pytest.raises(ValueError) as excinfo:
+        mixgemm.gemm(x, bad)
+    assert first_line(excinfo) == message
+    pin_case("API", "gemm with a CPU weight that is only 8-byte aligned", "mixgemm.gemm(x, w)", "ValueError", message)
 
 
 def test_dequantize_refuses_cpu_weights(packed):

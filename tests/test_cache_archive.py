@@ -314,3 +314,24 @@ def test_export_removes_the_temporaries_of_a_dead_process(warm, fake_env, monkey
     rc, out, err = run(capsys, "cache", "export", target)
     assert rc == 0, err
     assert not left.exists() and not [n for n in os.listdir(fake_env) if n.startswith(".new.tgz")]
+
+
+def test_import_of_what_is_not_an_archive_file(fake_env, capsys, pin_case):  # noqa: F811
+    """One whole line for each, before nvcc is asked anything."""
+    text = fake_env / "notes.txt"
+    text.write_text("hello\n")
+    gz = fake_env / "notes.txt.gz"
+    import gzip
+    gz.write_bytes(gzip.compress(b"hello\n"))
+    fifo = fake_env / "pipe"
+    os.mkfifo(fifo)
+    hint = "give the archive file that `mixgemm cache export` wrote"
+    for path, message, case in (
+            (text, f"{text} is not a tar archive (plain, gzip, bzip2 or xz); {hint}", "a text file"),
+            (gz, f"{gz} is not a tar archive (plain, gzip, bzip2 or xz); {hint}", "a gzip file that is not a tar"),
+            (fake_env, f"{fake_env} is a directory; {hint}", "a directory"),
+            (fifo, f"{fifo} is not a regular file; {hint}", "a FIFO")):
+        rc, out, err = run(capsys, "cache", "import", path)
+        assert rc == 1 and err == f"mixgemm cache: error: {message}\n", err
+        pin_case("Cache", f"cache import of {case}", "mixgemm cache import FILE", "exit 1", err.splitlines()[0])
+    assert not (Path(os.environ["MIXGEMM_CACHE_DIR"]) / "kernels").exists()

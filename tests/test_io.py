@@ -408,3 +408,54 @@ def test_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         save(tmp_path / "new.safetensors", {"x": torch.zeros(3)})
     assert os.listdir(tmp_path) == []
+
+
+def _all_tensors(loaded: dict) -> dict:
+    out = {}
+    for name, value in loaded.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = value
+        else:
+            for part in ("qdata", "scales", "zeros", "zero_offsets"):
+                t = getattr(value, part, None)
+                if t is not None:
+                    out[f"{name}.{part}"] = t
+    return out
+
+
+def test_load_returns_16_byte_aligned_tensors(saved, tmp_path):
+    """safetensors hands out tensors at their offset in the file (8-byte aligned at best); load
+    returns each one contiguous and 16-byte aligned, whole or sharded, so that ``.to("cuda")`` of
+    a CPU-loaded weight is one the kernels take."""
+    path, objects, _ = saved
+    odd = {"a": torch.ones(3, dtype=torch.uint8), "b": torch.ones(5, dtype=torch.bfloat16),
+           "w": packed_weight(4, False, 64), "c": torch.ones(7, dtype=torch.uint8), "v": packed_weight(2, True, 32, seed=3)}
+    odd_path = tmp_path / "odd.safetensors"
+    save(odd_path, odd)
+    for p, kwargs in ((path, {}), (odd_path, {}), (odd_path, {"tp_rank": 1, "tp_size": 2, "tp_dims": {"w": 0, "v": 1}})):
+        tensors = _all_tensors(load(p, **kwargs))
+        bad = {name: t.data_ptr() % 16 for name, t in tensors.items() if t.numel() and t.data_ptr() % 16}
+        assert not bad, bad
+        assert all(t.is_contiguous() for t in tensors.values())
+    loaded = load(odd_path)
+    assert torch.equal(loaded["b"], odd["b"]) and torch.equal(loaded["c"], odd["c"])
+    assert_same_packed(odd["w"], loaded["w"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path_kind", ["load(device='cuda')", "load().to('cuda')"])
+def test_readme_save_load_gemm(tmp_path, requires_gpu, path_kind):
+    """The README's example, both ways of getting the weight onto the GPU."""
+    import mixgemm
+    w = torch.randn(256, 512, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    packed = mixgemm.prepack(mixgemm.quantize(w, bits=4, group_size=128))
+    mixgemm.save(tmp_path / "layer.safetensors", {"proj.weight": packed})
+    if path_kind == "load(device='cuda')":
+        packed = mixgemm.load(tmp_path / "layer.safetensors", device="cuda")["proj.weight"]
+    else:
+        packed = mixgemm.load(tmp_path / "layer.safetensors")["proj.weight"].to("cuda")
+    x = torch.randn(16, 512, dtype=torch.bfloat16, device="cuda")
+    assert mixgemm.supports(tuple(x.shape), packed, x.dtype) == (True, "")
+    y = mixgemm.gemm(x, packed)
+    ref = x.float() @ mixgemm.dequantize_reference(packed).float().T
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)

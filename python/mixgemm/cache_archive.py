@@ -343,21 +343,29 @@ def import_cache(path: Union[str, os.PathLike],
     Raises
     ------
     mixgemm.errors.UserError
-        ``path`` is missing, not a tar archive, or has no mixgemm manifest (nothing is
-        imported then).
+        ``path`` is missing, a directory or not a regular file, not a tar archive, or has no
+        mixgemm manifest (nothing is imported then).
     mixgemm.errors.BuildError
         No nvcc (this install's keys need its version).
     """
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise UserError(f"{path} is a directory; give the archive file that `mixgemm cache export` wrote")
+    if not path.exists():
         raise UserError(f"{path}: no such file")
-    tc = build.toolchain()
-    report = ImportReport()
+    if not path.is_file():
+        raise UserError(f"{path} is not a regular file; give the archive file that `mixgemm cache export` wrote")
     try:
         tar = tarfile.open(path, mode="r:*")
+    except tarfile.ReadError:
+        raise UserError(f"{path} is not a tar archive (plain, gzip, bzip2 or xz); give the archive file that "
+                        f"`mixgemm cache export` wrote") from None
     except (tarfile.TarError, OSError, EOFError) as e:
-        raise UserError(f"{path}: not a tar archive ({e})") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{path}: cannot read it as a tar archive ({first})") from None
+    report = ImportReport()
     with tar:
+        tc = build.toolchain()
         try:
             members = tar.getmembers()
         except (tarfile.TarError, OSError, EOFError) as e:

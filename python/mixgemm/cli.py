@@ -320,6 +320,37 @@ def _silence_stdout() -> None:
         pass
 
 
+class _WatchedStdout:
+    """``sys.stdout`` while a command runs, passing everything through, that remembers the error
+    of a write or flush that failed (a full disk behind ``> FILE``, ``> /dev/full``): such an
+    error is the report's, not the command's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.failed: Optional[OSError] = None
+
+    def _watch(self, call, *args):
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            self.failed = e
+            raise
+
+    def write(self, text):
+        return self._watch(self._stream.write, text)
+
+    def writelines(self, lines):
+        return self._watch(self._stream.writelines, lines)
+
+    def flush(self):
+        return self._watch(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``mixgemm`` command line.
 
@@ -344,6 +375,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # usage errors (2), --help / --version (0)
         return e.code if isinstance(e.code, int) else EXIT_ERROR
     command, debug = args.command, args.debug
+    watched = sys.stdout = _WatchedStdout(sys.stdout)
+    try:
+        return _run(args, command, debug, watched)
+    finally:
+        if sys.stdout is watched:
+            sys.stdout = watched._stream
+
+
+def _run(args: argparse.Namespace, command: str, debug: bool, watched: _WatchedStdout) -> int:
+    rc = None
     try:
         rc = int(args.func(args))
         sys.stdout.flush()       # a broken pipe shows here, not at exit
@@ -360,7 +401,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as e:
         _report_error(command, e, debug)
         return EXIT_USAGE
-    except (MixgemmError, OSError, MemoryError) as e:
+    except OSError as e:
+        if e is watched.failed:
+            _silence_stdout()
+            done = ("the command itself finished; only its report is lost" if rc == EXIT_OK else
+                    "the command stopped there; any file it wrote before is complete")
+            print(f"{PROG} {command}: error: cannot write to stdout: {e.strerror or e} ({done})", file=sys.stderr)
+            return EXIT_ERROR
+        _report_error(command, e, debug)
+        return EXIT_ERROR
+    except (MixgemmError, MemoryError) as e:
         _report_error(command, e, debug)
         return EXIT_ERROR
     except Exception as e:

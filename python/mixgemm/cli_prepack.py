@@ -10,7 +10,7 @@ import sys
 from typing import Optional, Sequence
 
 from .cli import _fmt_bytes, _group_size_arg, _regex_arg
-from .errors import CliError, OutputPathError, UsageError
+from .errors import CliError, OutputPathError, OverflowQuantizeError, UsageError
 
 #: Tensors prepack quantizes by default: names ending in ``.weight``...
 DEFAULT_INCLUDE = r"\.weight$"
@@ -102,6 +102,17 @@ def _check_output(dst: str, inputs: Sequence, force: bool) -> None:
     check_target(dst, replace=force)
 
 
+def _refuse_gguf(path, remedy: str) -> None:
+    """A llama.cpp GGUF file given where safetensors is read: say so, with the option that reads it."""
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError:
+        return                  # the safetensors reader reports it
+    if magic == b"GGUF":
+        raise CliError(f"{path} is a GGUF file, not safetensors; convert it with {remedy}")
+
+
 def _gptq_checkpoint_format(src) -> Optional[str]:
     """checkpoint_format from a quantize_config.json / config.json beside (or in) the input."""
     import json
@@ -149,6 +160,8 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
         raise CliError(f"{src}: no such file or directory")
     _check_output(dst, files, args.force)
     tensors: dict = {}
+    for f in files:
+        _refuse_gguf(f, "--from gguf instead")
     for f in tqdm(files, desc="read shards", unit="file", disable=None):
         try:
             if mio.is_mixgemm_metadata(mio.read_metadata(str(f))):
@@ -260,6 +273,7 @@ def _run_prepack(args: argparse.Namespace) -> int:
         return _run_prepack_from(args)
     if args.bits is None or args.group_size is None:
         raise UsageError("--bits and --group-size are required (unless --from converts a quantized checkpoint)")
+    import torch
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -274,6 +288,7 @@ def _run_prepack(args: argparse.Namespace) -> int:
     exclude = ([] if args.no_default_exclude else [re.compile(DEFAULT_EXCLUDE)]) + (args.exclude or [])
 
     # -- the input: a valid, plain (not yet packed) safetensors file
+    _refuse_gguf(src, "--from gguf")
     try:
         metadata = mio.read_metadata(src)
         if mio.is_mixgemm_metadata(metadata):
@@ -295,6 +310,10 @@ def _run_prepack(args: argparse.Namespace) -> int:
             sl = f.get_slice(name)
             shape, dtype = list(sl.get_shape()), sl.get_dtype()
             if not (any(r.search(name) for r in include) and not any(r.search(name) for r in exclude)):
+                continue
+            if len(shape) == 2 and dtype.startswith("F8"):
+                problems.append(f"{name} [N={shape[0]}, K={shape[1]}] {dtype}: an fp8 weight, whose values need the "
+                                f"checkpoint's scale, which prepack does not apply")
                 continue
             if len(shape) != 2 or dtype not in _FLOAT_DTYPES:
                 continue
@@ -350,6 +369,12 @@ def _run_prepack(args: argparse.Namespace) -> int:
                     qw = quantize(tensor, args.bits, selected[name], symmetric=args.symmetric,
                                   dtype=args.dtype)
                     packed = prepack(qw)
+                except OverflowQuantizeError as e:
+                    act = "fp16" if e.act == torch.float16 else "bf16"
+                    fix = ("pass --dtype bf16 (bf16 has fp32's range)" if act == "fp16"
+                           else "no activation dtype holds these values")
+                    raise CliError(f"cannot quantize {name}: the {e.what} overflow {act} (|w| up to {e.peak:.6g}); "
+                                   f"{fix}, or skip it with --exclude '^{re.escape(name)}$'") from None
                 except (TypeError, ValueError) as e:
                     raise CliError(f"cannot quantize {name}: {e}; skip it with --exclude "
                                    f"'^{re.escape(name)}$'") from None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 __all__ = ["MixgemmError", "UserError", "CliError", "UsageError", "BuildError", "CudaError", "KernelError",
            "MixgemmFormatError", "FormatError", "UnsupportedLayerError", "CheckpointError", "BenchError",
-           "OutputPathError"]
+           "OutputPathError", "OverflowQuantizeError"]
 
 
 class MixgemmError(Exception):
@@ -77,6 +77,17 @@ class FormatError(MixgemmError, ValueError):
 class UnsupportedLayerError(FormatError, NotImplementedError):
     """A valid layer of the source format that mixgemm cannot represent (for example HQQ's
     ``axis=0``, or 3-bit codes)."""
+
+
+class OverflowQuantizeError(MixgemmError, ValueError):
+    """The scales or the dequantized values of a weight would overflow the activation dtype
+    (fp16 past 65504; bf16 only for weights near float32's range). ``what`` names the values
+    ("scales", "dequantized weights"), ``act`` is the torch dtype, ``peak`` the largest ``|w|``:
+    a caller (the command line) can give the remedy in its own words."""
+
+    def __init__(self, what: str, act, peak: float, hint: str):
+        super().__init__(f"the {what} overflow {act} (|w| up to {peak:.6g}); {hint}")
+        self.what, self.act, self.peak = what, act, peak
 
 
 class ShardError(MixgemmError, ValueError):

@@ -27,6 +27,7 @@ with a message asking to upgrade, never misread.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -183,6 +184,30 @@ def _open(path: str):
     except Exception as e:  # SafetensorError, OSError, ...
         raise MixgemmFormatError(f"{path}: not a valid safetensors file (corrupt or truncated?): "
                                  f"{e}") from e
+
+
+#: The alignment of every tensor :func:`load` returns (the kernels' vectorized loads need 16).
+_ALIGNMENT = 16
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy of it in fresh memory where it is not contiguous or its data
+    does not start on a multiple of :data:`_ALIGNMENT` bytes (safetensors returns tensors at
+    their offset in the file)."""
+    if t.numel() and (t.data_ptr() % _ALIGNMENT or not t.is_contiguous()):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _aligned_packed(packed):
+    """A packed weight (or stacked experts) whose tensors are each :func:`_aligned` (a shard's
+    slices may start anywhere)."""
+    changes = {}
+    for field in ("qdata", "scales", "zeros", "zero_offsets"):
+        t = getattr(packed, field, None)
+        if t is not None and _aligned(t) is not t:
+            changes[field] = _aligned(t)
+    return dataclasses.replace(packed, **changes) if changes else packed
 
 
 def read_metadata(path: Union[str, os.PathLike]) -> Dict[str, str]:
@@ -348,7 +373,9 @@ def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
     Returns
     -------
     dict of str -> torch.Tensor, PackedWeight or PackedExperts
-        Plain tensors as stored; each packed weight rebuilt from its companion tensors and
+        Plain tensors as stored, each contiguous and 16-byte aligned on any device (so that a
+        weight loaded on the CPU and moved with ``.to("cuda")`` is one the kernels take); each
+        packed weight rebuilt from its companion tensors and
         metadata into a :class:`PackedWeight` (validated by its constructor), or its shard, each
         stacked one into a :class:`~mixgemm.experts.PackedExperts`. The header's user metadata is
         not returned: see :func:`read_metadata`.
@@ -374,7 +401,7 @@ def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
         if unknown:
             raise ValueError(f"{path}: tp_dims names {unknown[:3]}, which are not packed weights of the file")
         try:
-            raw = {key: f.get_tensor(key) for key in f.keys()}
+            raw = {key: _aligned(f.get_tensor(key)) for key in f.keys()}
         except Exception as e:
             raise MixgemmFormatError(f"{path}: cannot read tensor data (corrupt file?): {e}") from e
 
@@ -413,9 +440,9 @@ def load(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu"
                 packed = packed.shard(tp_dims[name], tp_rank, tp_size)
             except ValueError as e:
                 raise ShardError(f"{path}: packed weight {name!r}: {e}") from None
-        out[name] = packed.to(device)
+        out[name] = _aligned_packed(packed.to(device))
     for key, tensor in raw.items():
         if key in out:
             raise MixgemmFormatError(f"{path}: tensor {key!r} has the same name as a packed weight")
-        out[key] = tensor.to(device)
+        out[key] = _aligned(tensor.to(device))
     return out

@@ -64,6 +64,9 @@ def _cuda_device_problem(index: int) -> Optional[str]:
 def _weight_problem(w) -> Optional[str]:
     if not isinstance(w, PackedWeight):
         return f"w must be a mixgemm.PackedWeight (see mixgemm.prepack), got {type(w).__name__}"
+    why = _device_ok(w.device)       # first: without a usable GPU, nothing else matters
+    if why:
+        return why
     if w.arch not in SUPPORTED_ARCHS:
         return f"w is packed for {w.arch}, this mixgemm runs {SUPPORTED_ARCHS}"
     if w.layout_version != LAYOUT_VERSION:
@@ -77,7 +80,8 @@ def _weight_problem(w) -> Optional[str]:
 
 
 def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtype] = None) -> tuple[bool, str]:
-    """Whether ``gemm(x, w)`` can run for an ``x`` of shape ``x_shape``; the reason if not.
+    """Whether ``gemm(x, w)`` can run for an ``x`` of shape ``x_shape``; the reason if not
+    (w's device first: a weight on the CPU, or no usable GPU, is the reason before any other).
 
     Parameters
     ----------
@@ -105,9 +109,6 @@ def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtyp
     m = math.prod(x_shape[:-1])
     if m >= 2 ** 31:
         return False, f"M={m} tokens is too many for one call"
-    why = _device_ok(w.device)
-    if why:
-        return False, why
     return True, ""
 
 

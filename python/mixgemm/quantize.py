@@ -48,6 +48,7 @@ from typing import Optional, Union
 
 import torch
 
+from .errors import OverflowQuantizeError
 from .layout import unpack
 from .types import (SUPPORTED_BITS, ActType, PackedWeight, QuantizedWeight, WeightType,
                     check_group_size)
@@ -84,6 +85,23 @@ def round_up_to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # For non-negative finite values, the next representable value up is the next bit pattern.
     bumped = (r.view(torch.int16) + 1).view(dtype)
     return torch.where(below, bumped, r)
+
+
+def _overflow(what: str, act: torch.dtype, peak: float) -> OverflowQuantizeError:
+    """The error for ``what`` (scales, dequantized weights) overflowing ``act``, with the remedy
+    that applies: bf16 for an fp16 overflow, smaller weights for a bf16 one."""
+    if act == torch.float16:
+        hint = "quantize for bfloat16 instead (dtype=torch.bfloat16), whose range is float32's"
+    else:
+        hint = (f"no activation dtype holds them (bfloat16's largest value is "
+                f"{torch.finfo(torch.bfloat16).max:.6g}); scale the weight down first")
+    return OverflowQuantizeError(what, act, peak, hint)
+
+
+#: Float8 dtypes torch knows (e4m3/e5m2 and their variants): refused by name by quantize.
+FLOAT8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2",
+                                                         "float8_e5m2fnuz", "float8_e8m0fnu")
+                      if hasattr(torch, name))
 
 
 def _resolve_act_dtype(dtype: Optional[DTypeLike], w_dtype: torch.dtype) -> torch.dtype:
@@ -130,11 +148,15 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = Fals
     Raises
     ------
     TypeError
-        ``w`` is not a floating-point tensor, or an argument has the wrong type.
+        ``w`` is not a floating-point tensor, is fp8 (:data:`FLOAT8_DTYPES`: its values mean
+        nothing without the checkpoint's scale, so it is refused by name), or an argument has
+        the wrong type.
     ValueError
         ``w`` is not 2-D, is empty or has NaN/inf values; unsupported ``bits`` or
-        ``group_size``; ``dtype`` not bf16/fp16; or the scales or dequantized values would
-        overflow ``dtype`` (possible with fp16 and ``|w|`` near 65504: use bf16).
+        ``group_size``; ``dtype`` not bf16/fp16.
+    mixgemm.errors.OverflowQuantizeError
+        (a ValueError) The scales or dequantized values would overflow ``dtype`` (possible
+        with fp16 and ``|w|`` near 65504: use bf16).
     """
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
@@ -147,6 +169,9 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = Fals
                          f"{tuple(w.shape)}")
     if not w.is_floating_point():
         raise TypeError(f"w must be a floating-point tensor, got {w.dtype}")
+    if w.dtype in FLOAT8_DTYPES:
+        raise TypeError(f"w is {w.dtype}: fp8 values mean nothing without the checkpoint's scale "
+                        f"(weight_scale); dequantize first (w.float() * scale) and quantize that")
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
     if not isinstance(symmetric, bool):
@@ -186,8 +211,7 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = Fals
         s = torch.where(s == 0, torch.ones_like(s), s)
         s_r = round_up_to_dtype(s, act)
         if not bool(torch.isfinite(s_r).all()):
-            raise ValueError(f"the scales overflow {act} (|w| up to "
-                             f"{wc.abs().max().item():.6g}); use dtype=torch.bfloat16")
+            raise _overflow("scales", act, wc.abs().max().item())
         s64 = s_r.to(torch.float64)
         q = torch.round(wc / s_r.to(work).unsqueeze(-1))
         if wt.signed:
@@ -202,8 +226,7 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = Fals
         # |q - z| * s_r is exact in float64; rounding it to act is finite iff every deq is.
         peak = offset.to(torch.float64) * s64
         if not bool(torch.isfinite(peak.to(act)).all()):
-            raise ValueError(f"the dequantized weights overflow {act} (|w| up to "
-                             f"{wc.abs().max().item():.6g}); use dtype=torch.bfloat16")
+            raise _overflow("dequantized weights", act, wc.abs().max().item())
         qweight[r0:r1] = q.reshape(r1 - r0, k).to(qweight.dtype)
         scales[r0:r1] = s_r
     return QuantizedWeight(qweight=qweight, scales=scales, zeros=zeros, bits=bits,
