@@ -260,12 +260,17 @@ def write_compressed_tensors(model_dir: Path, bits: int = 4, group_size: int = 6
     return Reference(config, {k: tensors[k] for k in _plain_keys(config)}, linears, torch.bfloat16, frozenset(full))
 
 
-def write_mixgemm(model_dir: Path, from_gptq_act_order: bool = False, tie: bool = False) -> Reference:
+def write_mixgemm(model_dir: Path, from_gptq_act_order: bool = False, tie: bool = False,
+                  k_proj_group_size: int = 64, attention_bias: bool = False) -> Reference:
     """A mixgemm checkpoint: config.json with {"quant_method": "mixgemm", "format_version": 1} and a
-    mixgemm.save file. Natively quantized (u4/g64 attention and gate/up, s8/g128 down_proj, bf16), or
-    converted from a GPTQ act-order checkpoint by mixgemm.formats.import_checkpoint (perms saved)."""
+    mixgemm.save file. Natively quantized (u4/g64 attention and gate/up, s8/g128 down_proj, bf16; k_proj
+    in groups of ``k_proj_group_size``; with ``attention_bias`` q, k, v and o have biases, as Qwen2's
+    q/k/v do), or converted from a GPTQ act-order checkpoint by mixgemm.formats.import_checkpoint
+    (perms saved)."""
     config = llama_config(tie=tie, dtype="float16" if from_gptq_act_order else "bfloat16")
-    g = gen("mixgemm", from_gptq_act_order, tie)
+    config["attention_bias"] = attention_bias
+    g = gen("mixgemm", from_gptq_act_order, tie,
+            *(() if (k_proj_group_size, attention_bias) == (64, False) else (k_proj_group_size, attention_bias)))
     dtype = torch.float16 if from_gptq_act_order else torch.bfloat16
     plain = _plain_tensors(config, dtype, g)
     out: Dict[str, object] = dict(plain)
@@ -281,9 +286,11 @@ def write_mixgemm(model_dir: Path, from_gptq_act_order: bool = False, tie: bool 
         for name, (n, k), proj in linear_names():
             w = _float_weight(n, k, g)
             qw = (mixgemm.quantize(w, 8, 128, symmetric=True, dtype=dtype) if proj == "mlp.down_proj"
-                  else mixgemm.quantize(w, 4, 64, dtype=dtype))
+                  else mixgemm.quantize(w, 4, k_proj_group_size if proj == "self_attn.k_proj" else 64, dtype=dtype))
             out[f"{name}.weight"] = mixgemm.prepack(qw)
             linears[name] = mixgemm.dequantize_reference(qw)
+            if attention_bias and proj.startswith("self_attn."):
+                out[f"{name}.bias"] = plain[f"{name}.bias"] = (0.1 * torch.randn(n, generator=g)).to(dtype)
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(
         {**config, "quantization_config": {"quant_method": "mixgemm", "format_version": 1}}))
@@ -312,9 +319,13 @@ WRITERS = {
 def dequantized_linears(model: nn.Module) -> Dict[str, tuple]:
     """Each QuantLinear's weight, dequantized (mixgemm.dequantize_reference) and put back in the
     source's column order (act-order permutation undone) and row order (a fused gate/up layer split
-    into ``gate_proj`` and ``up_proj``): name -> (weight [N, K], bias or None)."""
+    into ``gate_proj`` and ``up_proj``, a fused q/k/v layer into ``q_proj``, ``k_proj`` and
+    ``v_proj``): name -> (weight [N, K], bias or None)."""
+    from mixgemm.hf import FusedQKVAttention
+
+    modules = dict(model.named_modules())
     out = {}
-    for name, mod in model.named_modules():
+    for name, mod in modules.items():
         if not isinstance(mod, QuantLinear):
             continue
         w = mixgemm.dequantize_reference(mod.packed)
@@ -323,10 +334,16 @@ def dequantized_linears(model: nn.Module) -> Dict[str, tuple]:
             src[:, mod.perm.cpu()] = w
             w = src
         bias = None if mod.bias is None else mod.bias.detach()
+        parent = name.rpartition(".")[0]
         if mod.activation == "swiglu":
-            mlp = name.rpartition(".")[0]
             (wg, wu), (bg, bu) = deinterleave_rows(w), (deinterleave_rows(bias) if bias is not None else (None, None))
-            out[f"{mlp}.gate_proj"], out[f"{mlp}.up_proj"] = (wg, bg), (wu, bu)
+            out[f"{parent}.gate_proj"], out[f"{parent}.up_proj"] = (wg, bg), (wu, bu)
+        elif isinstance(modules.get(parent), FusedQKVAttention) and name.endswith(".qkv_proj"):
+            sections = modules[parent].sections
+            ws = w.split(sections)
+            bs = bias.split(sections) if bias is not None else (None,) * 3
+            for proj, wp, bp in zip(("q_proj", "k_proj", "v_proj"), ws, bs):
+                out[f"{parent}.{proj}"] = (wp.contiguous(), bp)
         else:
             out[name] = (w, bias)
     return out
@@ -351,14 +368,20 @@ def _linear(w, b):
 
 def to_float32(model: nn.Module) -> nn.Module:
     """The loaded model in float32 on the CPU, each QuantLinear replaced by an nn.Linear holding its
-    dequantized weight (a GatedMLP by a plain gated MLP): the loading path, without the GPU kernels."""
-    from mixgemm.hf import GatedMLP
+    dequantized weight (a GatedMLP by a plain gated MLP; a FusedQKVAttention keeps its module, its
+    ``qkv_proj`` an nn.Linear of the stacked q, k and v weights): the loading path, without the GPU
+    kernels."""
+    from mixgemm.hf import FusedQKVAttention, GatedMLP
 
     weights = dequantized_linears(model)
     for name, mod in list(model.named_modules()):
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        if isinstance(mod, GatedMLP):
+        if isinstance(mod, FusedQKVAttention) and isinstance(mod.qkv_proj, QuantLinear):
+            parts = [weights[f"{name}.{p}"] for p in ("q_proj", "k_proj", "v_proj")]
+            bias = None if parts[0][1] is None else torch.cat([b for _, b in parts])
+            mod.qkv_proj = _linear(torch.cat([w for w, _ in parts]), bias)
+        elif isinstance(mod, GatedMLP):
             down = mod.down_proj
             if isinstance(down, QuantLinear):
                 down = _linear(*weights[f"{name}.down_proj"])

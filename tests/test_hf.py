@@ -61,15 +61,23 @@ def test_every_format_loads_exactly(tmp_path, kind):
     summary = model.mixgemm_summary
     assert summary.method == ("mixgemm" if kind.startswith("mixgemm") else
                               {"awq": "awq", "gpt": "gptq", "ct-": "compressed-tensors"}[kind[:3]])
-    # the gated MLPs are fused, every other quantized linear is a QuantLinear
+    # q/k/v and the gated MLPs are fused, every other quantized linear is a QuantLinear: four per layer
     assert summary.fused == [f"model.layers.{i}.mlp" for i in range(hc.LAYERS)]
+    assert summary.fused_attentions == [f"model.layers.{i}.self_attn" for i in range(hc.LAYERS)]
+    assert f"{hc.LAYERS} attentions with q/k/v fused, {hc.LAYERS} gated MLPs fused" in str(summary)
+    assert len([m for m in model.modules() if isinstance(m, QuantLinear)]) == 4 * hc.LAYERS
     for i in range(hc.LAYERS):
-        mlp = model.model.layers[i].mlp
+        mlp, attn = model.model.layers[i].mlp, model.model.layers[i].self_attn
         assert isinstance(mlp, hf.GatedMLP) and mlp.gate_up.activation == "swiglu"
         assert mlp.gate_up.out_features == 512 and mlp.gate_up.weight_rows == 1024
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            assert isinstance(getattr(model.model.layers[i].self_attn, proj), QuantLinear)
+        assert isinstance(attn, hf.FusedQKVAttention) and attn.original_class == "LlamaAttention"
+        assert (attn.heads, attn.kv_heads, attn.head_dim) == (hc.HEADS, hc.KV_HEADS, hc.HEAD_DIM)
+        assert isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.activation == "none"
+        assert (attn.qkv_proj.out_features, attn.qkv_proj.in_features) == ((hc.HEADS + 2 * hc.KV_HEADS) * hc.HEAD_DIM,
+                                                                            hc.HIDDEN)
+        assert not hasattr(attn, "q_proj") and isinstance(attn.o_proj, QuantLinear)
         assert isinstance(mlp.down_proj, QuantLinear)
+    assert "model.layers.0.self_attn.qkv_proj" in summary.quantized
     assert type(model.lm_head) is nn.Linear and not summary.full_precision
     # each layer's weight is its format's own dequantization, bit for bit
     got = hc.dequantized_linears(model)
@@ -97,7 +105,7 @@ def test_a_mixgemm_checkpoint_written_by_the_command_line(tmp_path, capsys):
     (out / "config.json").write_text(json.dumps(config))
     model = load(out)
     assert model.mixgemm_summary.method == "mixgemm" and len(model.mixgemm_summary.fused) == hc.LAYERS
-    assert model.model.layers[0].self_attn.q_proj.perm is not None
+    assert model.model.layers[0].self_attn.qkv_proj.perm is not None
     got = hc.dequantized_linears(model)
     for name, want in ref.linears.items():
         assert_bitwise(got[name][0], want, name)
@@ -165,20 +173,99 @@ def test_unsupported_layers_stay_in_full_precision_with_a_warning(tmp_path):
                               f"(torch.bfloat16): a scalar weight_scale (the 'tensor' strategy) is not supported")
     for name in ref.full_precision:
         assert_bitwise(model.get_submodule(name).weight.detach(), ref.linears[name], name)
-    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)     # o_proj is not part of it
     assert_same_logits(model, ref)
 
 
-def test_gate_and_up_with_different_permutations_stay_separate(tmp_path):
+def _not_fused_lines(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if r.name == "mixgemm.hf" and "not fused" in r.getMessage()]
+
+
+def test_gate_and_up_with_different_permutations_stay_separate(tmp_path, caplog):
+    """Every projection with its own act-order permutation: neither q/k/v nor gate/up can share
+    one layer; each stays a QuantLinear, and the log says why, once per attention and MLP."""
     ref = hc.write_gptq(tmp_path / "m", act_order=True, fmt="gptq_v2", separate_mlp_orders=True)
-    model = load(tmp_path / "m")
-    mlp = model.model.layers[0].mlp
+    with caplog.at_level(logging.INFO, logger="mixgemm.hf"):
+        model = load(tmp_path / "m")
+    mlp, attn = model.model.layers[0].mlp, model.model.layers[0].self_attn
     assert type(mlp).__name__ == "LlamaMLP" and model.mixgemm_summary.fused == []
     assert isinstance(mlp.gate_proj, QuantLinear) and isinstance(mlp.up_proj, QuantLinear)
     assert not torch.equal(mlp.gate_proj.perm, mlp.up_proj.perm)
+    assert type(attn).__name__ == "LlamaAttention" and model.mixgemm_summary.fused_attentions == []
+    assert all(isinstance(getattr(attn, p), QuantLinear) for p in ("q_proj", "k_proj", "v_proj"))
+    assert sorted(_not_fused_lines(caplog)) == sorted(
+        [f"mixgemm.hf: model.layers.{i}.mlp: gate and up not fused: gate and up have different act-order "
+         f"permutations" for i in range(hc.LAYERS)] +
+        [f"mixgemm.hf: model.layers.{i}.self_attn: q, k and v not fused: q, k and v have different act-order "
+         f"permutations" for i in range(hc.LAYERS)])
     assert_same_logits(model, ref)
     unfused = load(tmp_path / "m", fuse_gate_up=False)
     assert unfused.mixgemm_summary.fused == [] and len(unfused.mixgemm_summary.quantized) == 14
+
+
+def test_q_k_and_v_of_different_group_sizes_stay_separate(tmp_path, caplog):
+    """k_proj in groups of 128, q and v of 64: the attention keeps three layers (and the log
+    line names each one's type); the MLPs are still fused; the logits are the reference's."""
+    ref = hc.write_mixgemm(tmp_path / "m", k_proj_group_size=128)
+    with caplog.at_level(logging.INFO, logger="mixgemm.hf"):
+        model = load(tmp_path / "m")
+    s = model.mixgemm_summary
+    assert s.fused_attentions == [] and s.fused == [f"model.layers.{i}.mlp" for i in range(hc.LAYERS)]
+    assert "(0 attentions with q/k/v fused, 2 gated MLPs fused)" in str(s)
+    attn = model.model.layers[1].self_attn
+    assert type(attn).__name__ == "LlamaAttention" and attn.k_proj.group_size == 128
+    assert _not_fused_lines(caplog) == [
+        f"mixgemm.hf: model.layers.{i}.self_attn: q, k and v not fused: q is u4/g64 256x256 bfloat16, "
+        f"k is u4/g128 128x256 bfloat16, v is u4/g64 128x256 bfloat16" for i in range(hc.LAYERS)]
+    got = hc.dequantized_linears(model)
+    for name, want in ref.linears.items():
+        assert_bitwise(got[name][0], want, name)
+    assert_same_logits(model, ref)
+
+
+def test_q_k_and_v_biases_are_stacked_with_their_rows(tmp_path):
+    """q, k, v (and o) with biases (as Qwen2's): the fused layer's bias is [b_q; b_k; b_v], and
+    the logits are the reference's."""
+    ref = hc.write_mixgemm(tmp_path / "m", attention_bias=True)
+    model = load(tmp_path / "m")
+    assert model.mixgemm_summary.fused_attentions == [f"model.layers.{i}.self_attn" for i in range(hc.LAYERS)]
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    want = torch.cat([ref.plain[f"model.layers.0.self_attn.{p}.bias"] for p in ("q_proj", "k_proj", "v_proj")])
+    assert torch.equal(qkv.bias, want)
+    assert_same_logits(model, ref)
+
+
+def test_the_fusion_keywords(tmp_path):
+    """fuse_projections=False: every quantized layer alone (as quantize_model's keyword);
+    fuse_gate_up=False: q/k/v fused, gate and up apart; fuse_projections=False with
+    fuse_gate_up=True: gate/up alone fused. The logits are the same in every case."""
+    ref = hc.write_awq(tmp_path / "m", shards=1)
+    cases = {(): (2, 2, 8), (("fuse_projections", False),): (0, 0, 14), (("fuse_gate_up", False),): (2, 0, 10),
+             (("fuse_projections", False), ("fuse_gate_up", True)): (0, 2, 12)}
+    for kw, (attentions, mlps, layers) in cases.items():
+        model = load(tmp_path / "m", **dict(kw))
+        s = model.mixgemm_summary
+        assert (len(s.fused_attentions), len(s.fused), len(s.quantized)) == (attentions, mlps, layers), kw
+        assert len([m for m in model.modules() if isinstance(m, QuantLinear)]) == layers
+        assert isinstance(model.model.layers[0].self_attn, hf.FusedQKVAttention) == bool(attentions)
+        assert_same_logits(model, ref)
+
+
+def test_an_unrecognized_attention_keeps_q_k_and_v_apart(tmp_path, monkeypatch, caplog):
+    """An attention class mixgemm.blocks does not know: its q, k and v stay three QuantLinear
+    layers, with one log line; gate/up is still fused."""
+    from mixgemm import blocks
+
+    ref = hc.write_awq(tmp_path / "m", shards=1)
+    monkeypatch.setattr(blocks, "ATTENTIONS", frozenset({"MistralAttention"}))
+    with caplog.at_level(logging.INFO, logger="mixgemm.hf"):
+        model = load(tmp_path / "m")
+    assert model.mixgemm_summary.fused_attentions == [] and len(model.mixgemm_summary.fused) == hc.LAYERS
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantLinear)
+    lines = [r.getMessage() for r in caplog.records if "recognized family" in r.getMessage()]
+    assert lines == ["mixgemm.hf: LlamaForCausalLM has no attention of a recognized family (MistralAttention): "
+                     "q, k and v are loaded as separate layers"]
+    assert_same_logits(model, ref)
 
 
 def test_generate_on_the_dequantized_model_matches_the_reference(tmp_path):
@@ -195,6 +282,58 @@ def test_generate_on_the_dequantized_model_matches_the_reference(tmp_path):
         got = model.generate(ids, **kw)
         want = reference.generate(ids, **kw)
         assert got.shape == (1, 12) and torch.equal(got, want), cache
+
+
+@pytest.fixture
+def reference_gemm(monkeypatch):
+    """QuantLinear computes from the reference dequantization (no GPU here)."""
+    from test_blocks import _reference_forward
+
+    monkeypatch.setattr(QuantLinear, "forward", _reference_forward)
+
+
+def test_fuse_layers_generates_the_tokens_of_the_unfused_model(tmp_path, reference_gemm, caplog, monkeypatch):
+    """fuse_layers=True: every decoder layer a FusedDecoderLayer (after the norms are replaced),
+    the static cache generate()'s default, the summary and its log line say so; on the CPU
+    reference path greedy generate() gives the unfused model's tokens, over two turns whose cache
+    grows past the first prompt, and the logits agree within the dtype's rounding."""
+    from mixgemm import blocks
+    from mixgemm.blocks import FusedDecoderLayer
+    from mixgemm.nn import RMSNorm
+
+    hc.write_gptq(tmp_path / "m", act_order=True, fmt="gptq_v2")
+    with caplog.at_level(logging.INFO, logger="mixgemm.hf"):
+        fused = load(tmp_path / "m", fuse_layers=True, attn_implementation="sdpa")
+    plain = load(tmp_path / "m", attn_implementation="sdpa")
+    s = fused.mixgemm_summary
+    assert s.fused_layers == [f"model.layers.{i}" for i in range(hc.LAYERS)] and not plain.mixgemm_summary.fused_layers
+    assert f"{hc.LAYERS} decoder layers fused" in str(s) and str(s) in caplog.text
+    for layer in fused.model.layers:
+        assert isinstance(layer, FusedDecoderLayer) and isinstance(layer.self_attn, hf.FusedQKVAttention)
+        assert isinstance(layer.input_layernorm, RMSNorm) and layer.self_attn.rope is not None
+    assert fused.generation_config.cache_implementation == "static"
+    ids = hc.input_ids(batch=1, length=7, seed=4)
+    with torch.no_grad():
+        got, want = fused(ids).logits.float(), plain(ids).logits.float()
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    calls = []
+    real = blocks.rotary_kv_cache
+    monkeypatch.setattr(blocks, "rotary_kv_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for turn in range(2):
+        kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            a = fused.generate(ids, **kw)
+            b = plain.generate(ids, cache_implementation="static", **kw)
+        assert torch.equal(a, b), turn
+        ids = torch.cat([a, hc.input_ids(batch=1, length=3, seed=turn + 9)], dim=1)
+    assert len(calls) == 2 * hc.LAYERS * 5, "the fused rotary / KV-cache write: each layer, prefill and 4 steps"
+
+
+def test_fuse_layers_needs_the_fused_projections(tmp_path, no_device_step):
+    hc.write_awq(tmp_path / "m", shards=1)
+    for kw in ({"fuse_projections": False}, {"fuse_gate_up": False}):
+        with pytest.raises(ValueError, match="fuse_layers=True needs fuse_projections=True"):
+            load(tmp_path / "m", fuse_layers=True, **kw)
 
 
 def test_the_loaded_model_traces_as_one_graph_with_a_static_cache(tmp_path):
@@ -218,8 +357,8 @@ def test_the_loaded_model_traces_as_one_graph_with_a_static_cache(tmp_path):
         step(hc.input_ids(1, 1), past_key_values=cache, use_cache=True, cache_position=torch.tensor([0]))
     assert len(graphs) == 1
     graph = str(graphs[0].graph)
-    # per layer: q, k, v, o, the fused gate/up and down; each with its act-order permutation
-    assert graph.count("mixgemm.gemm") == 6 * hc.LAYERS and graph.count("index_select") == 6 * hc.LAYERS
+    # per layer: the fused q/k/v, o, the fused gate/up and down; each with its act-order permutation
+    assert graph.count("mixgemm.gemm") == 4 * hc.LAYERS and graph.count("index_select") == 4 * hc.LAYERS
 
 
 def test_norms_are_replaced_by_mixgemm_rms_norm(tmp_path):
@@ -265,7 +404,7 @@ def test_other_activation_dtype_rounds_the_scales(tmp_path):
     ref = hc.write_awq(tmp_path / "m", shards=1)
     model = load(tmp_path / "m", dtype=torch.bfloat16)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    layer = model.model.layers[0].self_attn.q_proj
+    layer = model.model.layers[0].self_attn.qkv_proj
     assert layer.scales.dtype == torch.bfloat16
     got = hc.dequantized_linears(model)["model.layers.0.self_attn.q_proj"][0].double()
     want = ref.linears["model.layers.0.self_attn.q_proj"].double()

@@ -25,6 +25,7 @@ import hf_checkpoints as hc  # noqa: E402
 from dist_worker import exit_without_teardown, process_group  # noqa: E402
 import mixgemm  # noqa: E402
 from mixgemm import hf  # noqa: E402
+from mixgemm.blocks import FusedDecoderLayer  # noqa: E402
 from mixgemm.errors import ShardError  # noqa: E402
 from mixgemm.hf import materialize  # noqa: E402
 from mixgemm.nn import ColumnParallelQuantLinear, QuantLinear, RowParallelQuantLinear  # noqa: E402
@@ -88,15 +89,21 @@ def check_rank_model(model, whole, rank: int, kind: str) -> None:
         (hc.HEADS // 2, hc.KV_HEADS // 2, hc.HEAD_DIM, 256)
     summary = model.mixgemm_summary
     assert (summary.tp_rank, summary.tp_size) == (rank, 2) and f"rank {rank} of 2" in str(summary)
+    q, kv = hc.HEADS * hc.HEAD_DIM, hc.KV_HEADS * hc.HEAD_DIM
+    assert summary.fused_attentions == [f"model.layers.{i}.self_attn" for i in range(hc.LAYERS)]
     for i in range(hc.LAYERS):
         attn, mlp = model.model.layers[i].self_attn, model.model.layers[i].mlp
-        for proj, rows in (("q_proj", hc.HEADS * hc.HEAD_DIM // 2), ("k_proj", hc.KV_HEADS * hc.HEAD_DIM // 2),
-                           ("v_proj", hc.KV_HEADS * hc.HEAD_DIM // 2)):
-            layer = getattr(attn, proj)
-            assert isinstance(layer, ColumnParallelQuantLinear) and not layer.gather_output
-            assert (layer.linear.out_features, layer.in_features) == (rows, hc.HIDDEN)
-            want = getattr(whole.model.layers[i].self_attn, proj).packed.shard(0, rank, 2)
-            assert torch.equal(layer.linear.packed.qdata, want.qdata), proj
+        # one q/k/v layer: the rank's q rows, then its k rows, then its v rows; the rank's heads
+        assert isinstance(attn, hf.FusedQKVAttention)
+        assert (attn.heads, attn.kv_heads, attn.head_dim) == (hc.HEADS // 2, hc.KV_HEADS // 2, hc.HEAD_DIM)
+        assert attn.sections == (q // 2, kv // 2, kv // 2) and attn.num_key_value_groups == hc.HEADS // hc.KV_HEADS
+        layer = attn.qkv_proj
+        assert isinstance(layer, ColumnParallelQuantLinear) and not layer.gather_output
+        assert (layer.linear.out_features, layer.in_features, layer.out_features) == ((q + 2 * kv) // 2, hc.HIDDEN,
+                                                                                      q + 2 * kv)
+        assert layer.local_sections == attn.sections
+        want = whole.model.layers[i].self_attn.qkv_proj.packed.shard(0, rank, 2, sections=(q, kv, kv))
+        assert torch.equal(layer.linear.packed.qdata, want.qdata) and torch.equal(layer.linear.scales, want.scales)
         o = attn.o_proj
         if kind == "ct-o-proj-full":
             assert isinstance(o, RowParallelLinear) and o.weight.shape == (hc.HIDDEN, hc.HIDDEN // 2)
@@ -136,6 +143,10 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
             others = [torch.empty_like(got) for _ in range(world)]
             dist.all_gather(others, got)
             assert all(torch.equal(o, got) for o in others), kind
+            if kind == "awq-tied":    # mixgemm's decoder layers over the rank's fused projections
+                layers = load(path, tp_rank=rank, tp_size=world, fuse_layers=True)
+                assert all(isinstance(layer, FusedDecoderLayer) for layer in layers.model.layers)
+                torch.testing.assert_close(logits(layers), got, rtol=1e-4, atol=1e-4)
     exit_without_teardown()         # passed (see tests/dist_worker.py for why)
 
 
@@ -190,6 +201,6 @@ def test_without_a_process_group_a_rank_loads_alone(tmp_path):
     plain weights of split layers are read as slices of the file."""
     hc.write_awq(tmp_path / "awq", shards=2)
     model = load(tmp_path / "awq", tp_rank=1, tp_size=2)
-    assert isinstance(model.model.layers[1].self_attn.q_proj, ColumnParallelQuantLinear)
-    assert model.model.layers[1].self_attn.q_proj.tp_rank == 1
+    assert isinstance(model.model.layers[1].self_attn.qkv_proj, ColumnParallelQuantLinear)
+    assert model.model.layers[1].self_attn.qkv_proj.tp_rank == 1
     assert model.model.embed_tokens.weight.shape == (hc.VOCAB, hc.HIDDEN)

@@ -53,6 +53,15 @@ offsets and a bias, and the same act-order permutation (or none); those pairs gi
 weight use, every other weight a plain one. The MLP must have a ``down_proj`` too, and the
 config's ``hidden_act`` (if any) must be SiLU. ``fuse_gate_up=False`` reads every weight as a
 plain one.
+
+q/k/v fusion: in a model directory whose ``config.json`` has a ``model_type`` of a family whose
+attention the loader recognizes (:data:`LLAMA_STYLE_MODEL_TYPES`, the families of
+:data:`mixgemm.blocks.ATTENTIONS`), an attention's ``<p>.q_proj``, ``<p>.k_proj`` and
+``<p>.v_proj`` give one weight use of their stacked rows (:class:`mixgemm.hf.FusedQKVAttention`:
+``N = N_q + N_k + N_v``) when they have the same type, group size, K and dtype, all or none have
+zero offsets and a bias, and the same act-order permutation (or none). ``fuse_projections=False``
+reads them as three (and, unless ``fuse_gate_up`` says otherwise, gate and up as two), as
+:func:`mixgemm.hf.from_pretrained` does.
 """
 from __future__ import annotations
 
@@ -74,6 +83,7 @@ from .types import ActType, WeightType
 __all__ = ["weight_uses"]
 
 _GATE_UP = re.compile(r"^(?P<prefix>.*)\.(?P<which>gate_proj|up_proj)$")
+_QKV = re.compile(r"^(?P<prefix>.*)\.(?P<which>q_proj|k_proj|v_proj)$")
 
 
 class _Skip(Exception):
@@ -101,9 +111,15 @@ class _Layer:
                 (other.n, other.k, other.wt, other.act, other.group_size, other.zero_offsets, other.bias, other.perm)
                 and self.n % GATE_UP_STRIPE == 0)
 
+    def stackable_with(self, other: "_Layer") -> bool:
+        """Whether the two can be rows of one layer, as :func:`mixgemm.hf.plan` decides
+        (``_stack_reason``)."""
+        return ((self.k, self.wt, self.act, self.group_size, self.zero_offsets, self.bias, self.perm) ==
+                (other.k, other.wt, other.act, other.group_size, other.zero_offsets, other.bias, other.perm))
+
 
 def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
-                fuse_gate_up: bool = True) -> list:
+                fuse_gate_up: Optional[bool] = None, fuse_projections: bool = True) -> list:
     """The weight uses of a checkpoint, from its headers.
 
     Parameters
@@ -114,8 +130,12 @@ def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
     dtype : {"bf16", "fp16"}, optional
         Activation dtype; default as :func:`mixgemm.hf.from_pretrained` (a model directory) or
         each weight's scales' dtype (mixgemm files).
-    fuse_gate_up : bool
-        Pair ``gate_proj`` / ``up_proj`` into swiglu uses (as the loader fuses them).
+    fuse_gate_up : bool, optional
+        Pair ``gate_proj`` / ``up_proj`` into swiglu uses (as the loader fuses them); None:
+        ``fuse_projections``.
+    fuse_projections : bool
+        Stack an attention's ``q_proj`` / ``k_proj`` / ``v_proj`` into one use (as the loader
+        fuses them; see the module docstring), and the default of ``fuse_gate_up``.
 
     Returns
     -------
@@ -136,7 +156,8 @@ def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
     """
     act = ActType.parse(dtype) if dtype is not None else None
     path = Path(path)
-    silu = True
+    silu, qkv = True, False
+    fuse_gate_up = fuse_projections if fuse_gate_up is None else fuse_gate_up
     if path.is_file():
         layers = _mixgemm_layers([path], act)
     elif path.is_dir():
@@ -155,6 +176,7 @@ def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
             except CheckpointError as e:
                 raise UserError(str(e)) from None
             act = ActType.from_torch(resolve_dtype(dtype, raw))
+            qkv = fuse_projections and str(raw.get("model_type", "")) in LLAMA_STYLE_MODEL_TYPES
             if qconfig.method is QuantMethod.MIXGEMM:
                 layers = _mixgemm_layers(shards, act)
             else:
@@ -167,7 +189,7 @@ def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
         raise UserError(f"{path}: no quantized weight found")
     stacked = {name: layer for name, layer in layers.items() if layer.experts is not None}
     layers = {name: layer for name, layer in layers.items() if layer.experts is None}
-    dense = _fuse(layers) if fuse_gate_up and silu else [layers[name].use() for name in sorted(layers)]
+    dense = _fuse(layers, fuse_gate_up and silu, qkv)
     return dense + _experts_uses(stacked, path)
 
 
@@ -196,15 +218,16 @@ def norm_specs(path: Union[str, os.PathLike], dtype: Optional[str] = None) -> li
     return [norm_spec(resolve_dtype(dtype, raw), False)]
 
 
-def kernel_specs(path: Union[str, os.PathLike], dtype: Optional[str] = None, fuse_gate_up: bool = True,
-                 fuse_norms: bool = True, max_tokens: Optional[int] = None) -> list:
+def kernel_specs(path: Union[str, os.PathLike], dtype: Optional[str] = None, fuse_gate_up: Optional[bool] = None,
+                 fuse_norms: bool = True, max_tokens: Optional[int] = None, fuse_projections: bool = True) -> list:
     """Every kernel the model of ``path`` launches once loaded (``mixgemm generate --for``): its
     GEMMs' (:func:`mixgemm.prebuild.specs_for` of :func:`weight_uses`, up to ``max_tokens`` tokens
     per call) and, with ``fuse_norms``, its RMSNorm kernel (:func:`norm_specs`); sorted by name.
-    ``dtype`` and ``fuse_gate_up`` as for :func:`weight_uses`."""
+    ``dtype``, ``fuse_gate_up`` and ``fuse_projections`` as for :func:`weight_uses`."""
     from .prebuild import specs_for
 
-    specs = specs_for(weight_uses(path, dtype=dtype, fuse_gate_up=fuse_gate_up), max_tokens=max_tokens)
+    specs = specs_for(weight_uses(path, dtype=dtype, fuse_gate_up=fuse_gate_up, fuse_projections=fuse_projections),
+                      max_tokens=max_tokens)
     if fuse_norms:
         specs += norm_specs(path, dtype=dtype)
     return sorted(specs, key=lambda s: s.name)
@@ -243,13 +266,23 @@ def _read_json(config: Path) -> dict:
     return data
 
 
-def _fuse(layers: Dict[str, _Layer]) -> list[WeightUse]:
+def _fuse(layers: Dict[str, _Layer], gate_up: bool = True, qkv: bool = False) -> list[WeightUse]:
     out = []
     done = set()
     for name in sorted(layers):
         if name in done:
             continue
-        m = _GATE_UP.match(name)
+        m = _QKV.match(name) if qkv else None
+        if m:
+            prefix = m["prefix"]
+            parts = [layers.get(f"{prefix}.{p}") for p in ("q_proj", "k_proj", "v_proj")]
+            if all(p is not None for p in parts) and all(parts[0].stackable_with(p) for p in parts[1:]):
+                fused = _Layer(f"{prefix}.qkv_proj", sum(p.n for p in parts), parts[0].k, parts[0].wt, parts[0].act,
+                               parts[0].group_size, parts[0].zero_offsets)
+                out.append(fused.use())
+                done.update(p.name for p in parts)
+                continue
+        m = _GATE_UP.match(name) if gate_up else None
         if m:
             prefix = m["prefix"]
             gate, up = layers.get(f"{prefix}.gate_proj"), layers.get(f"{prefix}.up_proj")

@@ -19,18 +19,35 @@ It works in two steps, and the first touches no device:
 
 1. On the CPU: parse the config, open every shard (a truncated or corrupt file is refused
    here), build the model on the meta device, import and prepack every quantized layer (the
-   bits and group size of the config are checked against the tensors), fuse the gated MLPs'
-   gate and up projections, and check every other tensor's shape against the model's. A
+   bits and group size of the config are checked against the tensors), fuse the attentions'
+   q, k and v projections and the gated MLPs' gate and up projections, and check every other
+   tensor's shape against the model's. A
    missing, unknown or mis-shaped tensor raises :class:`~mixgemm.errors.CheckpointError` (a
    layer whose tensors do not form a valid layer: :class:`~mixgemm.errors.FormatError`) here,
    before anything is allocated on the device.
 2. On the device: wrap the packed weights in ``QuantLinear`` modules and load the other tensors.
 
-Gated MLPs (modules with ``gate_proj``, ``up_proj`` and ``down_proj`` linears and a SiLU
-``act_fn``, e.g. LLaMA's, Mistral's, Qwen2's) whose gate and up projections have the same
-weight type, group size and act-order permutation become a :class:`GatedMLP`: one
-``QuantLinear(activation="swiglu")`` computes ``silu(gate(x)) * up(x)`` in one launch
-(:func:`mixgemm.quantize.interleave_gate_up`), then ``down_proj``.
+The projections are fused as :func:`mixgemm.nn.quantize_model` fuses them (``fuse_projections``),
+into the same modules (:mod:`mixgemm.blocks`): four GEMM launches per LLaMA-style decoder layer
+instead of seven.
+
+* Attentions of a recognized family (LLaMA, Mistral, Mixtral, Qwen2, Qwen3 and their MoE
+  variants: :data:`mixgemm.blocks.ATTENTIONS`) whose q, k and v projections agree on bits,
+  group size, symmetry, dtype, zero offsets, bias and act-order permutation become a
+  :class:`FusedQKVAttention`: one QuantLinear holds the three weights stacked along N
+  (``[q; k; v]``: codes, scales, zeros and biases as the checkpoint holds them, nothing
+  re-quantized) and computes q, k and v in one launch.
+* Gated MLPs (modules with ``gate_proj``, ``up_proj`` and ``down_proj`` linears and a SiLU
+  ``act_fn``, e.g. LLaMA's, Mistral's, Qwen2's) whose gate and up projections have the same
+  weight type, group size and act-order permutation become a :class:`GatedMLP`: one
+  ``QuantLinear(activation="swiglu")`` computes ``silu(gate(x)) * up(x)`` in one launch
+  (:func:`mixgemm.quantize.interleave_gate_up`), then ``down_proj``.
+
+Where the parts disagree they stay separate layers, and the ``mixgemm.hf`` logger (INFO) says
+why (``mixgemm.hf: model.layers.3.self_attn: q, k and v not fused: ...``); a model with no
+recognized attention keeps its q, k and v apart, with a log line that says so. With
+``fuse_layers=True`` each decoder layer then becomes a :class:`mixgemm.blocks.FusedDecoderLayer`
+(:func:`mixgemm.blocks.fuse_decoder_layers`), as ``quantize_model(..., fuse_layers=True)`` makes it.
 
 A layer mixgemm cannot represent (a shape the kernels cannot take, 3-bit codes, ...: the
 importers raise :class:`~mixgemm.errors.UnsupportedLayerError`) is kept as an ``nn.Linear``
@@ -44,7 +61,9 @@ Tensor parallelism: ``from_pretrained(..., tp_rank=r, tp_size=P)`` in each of ``
 (``torchrun --nproc-per-node P``, ``torch.distributed`` initialized with NCCL, ``device=f"cuda:{r}"``)
 loads the rank's part of the model: column-parallel q/k/v and gate/up, row-parallel o and down
 (one all-reduce each), the heads and MLP features divided by ``P``, the embeddings and
-``lm_head`` replicated (:mod:`mixgemm.hf.parallel`). Each rank reads and keeps only its slices.
+``lm_head`` replicated (:mod:`mixgemm.hf.parallel`). Each rank reads and keeps only its slices;
+a fused q/k/v layer stacks the rank's rows of each (``[q_r; k_r; v_r]``), and its
+:class:`FusedQKVAttention` has the rank's heads.
 
 Modules: :mod:`~mixgemm.hf.config` (the ``quantization_config``), :mod:`~mixgemm.hf.shards`
 (reading the safetensors shards), :mod:`~mixgemm.hf.dequant` (the formats' own formulas),
@@ -63,9 +82,9 @@ from torch import nn
 
 from . import materialize as _step2
 from . import plan as _step1
-from .materialize import GatedMLP, LoadSummary
+from .materialize import FusedQKVAttention, GatedMLP, LoadSummary
 
-__all__ = ["from_pretrained", "GatedMLP", "LoadSummary"]
+__all__ = ["from_pretrained", "FusedQKVAttention", "GatedMLP", "LoadSummary"]
 
 _log = logging.getLogger(__name__)
 
@@ -80,8 +99,9 @@ def _import_transformers():
 
 
 def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device] = "cuda",
-                    dtype: Union[torch.dtype, str, None] = None, *, fuse_gate_up: bool = True,
-                    fuse_norms: bool = True, attn_implementation: Optional[str] = None, prebuild: bool = False,
+                    dtype: Union[torch.dtype, str, None] = None, *, fuse_projections: bool = True,
+                    fuse_gate_up: Optional[bool] = None, fuse_norms: bool = True, fuse_layers: bool = False,
+                    attn_implementation: Optional[str] = None, prebuild: bool = False,
                     jobs: Optional[int] = None, tp_rank: Optional[int] = 0, tp_size: Optional[int] = 1,
                     tp_group=None) -> nn.Module:
     """Load a quantized checkpoint directory into a transformers causal-LM model.
@@ -102,15 +122,30 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         computation. Default: the config's ``torch_dtype`` (``dtype``) if it is one of them, else
         bf16. A checkpoint whose scales are in the other dtype has them rounded (see
         :mod:`mixgemm.formats`, "Bit-exactness").
-    fuse_gate_up : bool, default True
-        Fuse each gated MLP's gate and up projections into one swiglu QuantLinear
-        (:class:`GatedMLP`) where both have the same weight type, group size and permutation.
+    fuse_projections : bool, default True
+        As for :func:`mixgemm.nn.quantize_model`: fuse each recognized attention's q, k and v
+        projections into one QuantLinear (:class:`FusedQKVAttention`) and each gated MLP's gate
+        and up into one swiglu QuantLinear (:class:`GatedMLP`), where the parts agree (see the
+        module docstring). False: every quantized layer is its own QuantLinear (unless
+        ``fuse_gate_up=True`` asks for the gate/up fusion alone).
+    fuse_gate_up : bool, optional
+        The gate/up fusion alone: None (default) follows ``fuse_projections``; False keeps gate
+        and up apart while q, k and v are fused; True fuses them even with
+        ``fuse_projections=False``.
     fuse_norms : bool, default True
         Replace the model's LLaMA-style RMSNorm modules (``LlamaRMSNorm``, ``Qwen2RMSNorm``,
         ``MistralRMSNorm``, ...: :data:`mixgemm.norm.LLAMA_STYLE_NORMS`) by
         :class:`mixgemm.nn.RMSNorm`, their weights shared: one kernel launch per norm on an
         sm_90 GPU instead of transformers' ~7, the same formula rounded once (at most an ulp of
         the dtype from transformers' result).
+    fuse_layers : bool, default False
+        Also replace each decoder layer whose projections were fused (a
+        :class:`FusedQKVAttention`, a :class:`GatedMLP` and LLaMA-style norms) by a
+        :class:`mixgemm.blocks.FusedDecoderLayer` (:func:`mixgemm.blocks.fuse_decoder_layers`,
+        after the norms are replaced), and make transformers' static cache ``generate()``'s
+        default (``generation_config.cache_implementation = "static"``), as
+        ``quantize_model(..., fuse_layers=True)`` does. Needs ``fuse_projections`` and the
+        gate/up fusion.
     attn_implementation : str, optional
         Passed to transformers (``"sdpa"``, ``"eager"``, ...); default transformers' choice.
     prebuild : bool, default False
@@ -139,7 +174,8 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     -------
     transformers.PreTrainedModel
         In eval mode, without gradients, every tensor on ``device``; ``model.mixgemm_summary``
-        is its :class:`LoadSummary`, which is also logged (logger ``mixgemm.hf``, INFO).
+        is its :class:`LoadSummary` (its ``fused_attentions``, ``fused`` MLPs and
+        ``fused_layers``: what was fused), which is also logged (logger ``mixgemm.hf``, INFO).
         ``model.generate()`` works in eager mode and with ``cache_implementation="static"``
         under ``torch.compile``.
 
@@ -148,7 +184,8 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     ImportError
         transformers is not installed.
     ValueError
-        A bad ``device`` or ``dtype``, or ``device="cuda"`` without CUDA.
+        A bad ``device`` or ``dtype``, ``device="cuda"`` without CUDA, or ``fuse_layers=True``
+        without the fused projections.
     CheckpointError
         A missing directory, config or shard; a shard that is not valid safetensors (truncated,
         corrupt); a missing tensor, one the model does not have, or a shape that disagrees with
@@ -181,13 +218,18 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         _step1.resolve_dtype(dtype, {})
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs must be a positive int, got {jobs!r}")
+    fuse_gate_up = fuse_projections if fuse_gate_up is None else fuse_gate_up
+    if fuse_layers and not (fuse_projections and fuse_gate_up):
+        raise ValueError("fuse_layers=True needs fuse_projections=True and the gate/up fusion (a fused layer runs "
+                         "the fused projections)")
     from ..tensor_parallel import tp_rank_and_size
     from .parallel import TensorParallel
 
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size, tp_group)
     tp = TensorParallel(tp_rank, tp_size, tp_group)
     model_dir = Path(model_dir)
-    plan = _step1.plan(transformers, model_dir, dtype, fuse_gate_up, attn_implementation, tp)   # no device work
+    plan = _step1.plan(transformers, model_dir, dtype, fuse_gate_up, attn_implementation, tp,   # no device work
+                       fuse_qkv=fuse_projections)
     try:
         quantized = list(plan.quantized)
         model = _step2.materialize(plan, device)
@@ -204,11 +246,33 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         from ..norm import replace_rms_norms
 
         summary.norms = replace_rms_norms(model)
+    if fuse_layers:
+        from ..blocks import fuse_decoder_layers
+
+        summary.fused_layers = fuse_decoder_layers(model)
     model.mixgemm_summary = summary
     _log.info("%s", summary)
     if prebuild:
         from .. import prebuild as _prebuild
 
         arts = _prebuild.build_for(model, jobs=jobs, progress=True)
+        extra = _layer_specs(model)
+        if extra:
+            from ..build import build_many
+
+            arts += build_many(extra, jobs=jobs, progress=True)
         _log.info("mixgemm.hf: %d kernels built or found in the cache", len(arts))
     return model
+
+
+def _layer_specs(model: nn.Module) -> list:
+    """The kernels the model's fused decoder layers launch besides their GEMMs and plain norms:
+    the RMSNorm with the residual add and the rotary / KV-cache write, of the model's dtype."""
+    from ..blocks import FusedDecoderLayer
+    from ..norm import norm_spec
+    from ..rotary import rope_spec
+
+    dtypes = {layer.post_attention_layernorm.weight.dtype for layer in model.modules()
+              if isinstance(layer, FusedDecoderLayer)}
+    return [spec for dtype in sorted(dtypes, key=str) if dtype in (torch.bfloat16, torch.float16)
+            for spec in (norm_spec(dtype, True), rope_spec(dtype))]

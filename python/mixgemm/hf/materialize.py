@@ -1,6 +1,7 @@
 """Step 2 of :func:`mixgemm.hf.from_pretrained`: put a :class:`~mixgemm.hf.plan.Plan` on the device
-(QuantLinear modules around the packed weights, :class:`GatedMLP` for fused MLPs, the other
-tensors read from the shards), and the :class:`LoadSummary` of the result.
+(QuantLinear modules around the packed weights, :class:`FusedQKVAttention` for attentions whose
+q, k and v are one layer, :class:`GatedMLP` for fused MLPs, the other tensors read from the
+shards), and the :class:`LoadSummary` of the result.
 """
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from ..blocks import GatedMLP
+from ..blocks import FusedQKVAttention, GatedMLP
 from ..nn import QuantLinear
 from ..tensor_parallel import ColumnParallelQuantLinear, RowParallelLinear, RowParallelQuantLinear
 from .plan import Plan
 
-__all__ = ["GatedMLP", "LoadSummary", "materialize", "summary"]
+__all__ = ["FusedQKVAttention", "GatedMLP", "LoadSummary", "materialize", "summary"]
 
 
 @dataclasses.dataclass
@@ -29,7 +30,8 @@ class LoadSummary:
     method : str
         The checkpoint's ``quant_method``.
     quantized : list of str
-        The QuantLinear modules (a fused gate/up layer is ``"<mlp>.gate_up"``).
+        The QuantLinear modules (a fused gate/up layer is ``"<mlp>.gate_up"``, a fused q/k/v
+        layer ``"<attention>.qkv_proj"``).
     fused : list of str
         The MLPs whose gate and up projections were fused (:class:`GatedMLP`).
     full_precision : dict of str -> str
@@ -43,6 +45,12 @@ class LoadSummary:
         This rank's place in a tensor-parallel split (the bytes are this rank's).
     norms : list of str
         The RMSNorm modules replaced by :class:`mixgemm.nn.RMSNorm` (``fuse_norms``).
+    fused_attentions : list of str
+        The attentions whose q, k and v projections were fused into one layer
+        (:class:`FusedQKVAttention`; ``fuse_projections``).
+    fused_layers : list of str
+        The decoder layers replaced by :class:`mixgemm.blocks.FusedDecoderLayer`
+        (``fuse_layers``).
     """
 
     model_dir: str
@@ -56,6 +64,8 @@ class LoadSummary:
     tp_rank: int = 0
     tp_size: int = 1
     norms: List[str] = dataclasses.field(default_factory=list)
+    fused_attentions: List[str] = dataclasses.field(default_factory=list)
+    fused_layers: List[str] = dataclasses.field(default_factory=list)
 
     @property
     def resident_bytes(self) -> int:
@@ -64,9 +74,11 @@ class LoadSummary:
     def __str__(self) -> str:
         ratio = self.bf16_bytes / self.resident_bytes if self.resident_bytes else float("nan")
         rank = f" rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else ""
+        layers = f", {len(self.fused_layers)} decoder layers fused" if self.fused_layers else ""
         return (f"mixgemm.hf: loaded {self.model_dir} ({self.method}){rank}: {len(self.quantized)} quantized layers "
-                f"({len(self.fused)} gated MLPs fused), {len(self.full_precision)} kept in full precision, "
-                f"{len(self.norms)} RMSNorms on mixgemm's kernel; "
+                f"({len(self.fused_attentions)} attentions with q/k/v fused, {len(self.fused)} gated MLPs fused), "
+                f"{len(self.full_precision)} kept in full precision, "
+                f"{len(self.norms)} RMSNorms on mixgemm's kernel{layers}; "
                 f"resident {_mib(self.resident_bytes)} (quantized {_mib(self.quantized_bytes)} + other "
                 f"{_mib(self.other_bytes)}) vs {_mib(self.bf16_bytes)} in bf16 ({ratio:.2f}x smaller)")
 
@@ -80,13 +92,15 @@ def _set(model: nn.Module, name: str, value) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, value)
 
 
-def _parallel(layer: QuantLinear, name: str, plan: Plan, bias) -> nn.Module:
-    """The rank's QuantLinear wrapped for its place in the split (itself when not split)."""
+def _parallel(layer: QuantLinear, name: str, plan: Plan, bias, sections=None) -> nn.Module:
+    """The rank's QuantLinear wrapped for its place in the split (itself when not split);
+    ``sections``: a fused q/k/v layer's rows of q, k and v on this rank."""
     tp = plan.tp
     dim = tp.dim_of(name)
     if dim == 0:
+        whole = None if sections is None else tuple(s * tp.size for s in sections)
         return ColumnParallelQuantLinear(layer, layer.out_features * tp.size, tp_rank=tp.rank, tp_size=tp.size,
-                                         gather_output=False, group=tp.group)
+                                         gather_output=False, sections=whole, group=tp.group)
     if dim == 1:
         return RowParallelQuantLinear(layer, layer.in_features * tp.size, bias, tp_rank=tp.rank, tp_size=tp.size,
                                       input_is_parallel=True, group=tp.group)
@@ -96,7 +110,7 @@ def _parallel(layer: QuantLinear, name: str, plan: Plan, bias) -> nn.Module:
 def materialize(plan: Plan, device: torch.device) -> nn.Module:
     """Step 2: put the planned model on ``device``."""
     model, dtype, tp = plan.model, plan.dtype, plan.tp
-    fused_keys = set(plan.fused.values())
+    fused_keys = set(plan.fused.values()) | set(plan.attentions.values())
     layers: Dict[str, QuantLinear] = {}
     for name in list(plan.quantized):
         layer = plan.quantized.pop(name)           # frees the CPU copy as it goes
@@ -106,7 +120,10 @@ def materialize(plan: Plan, device: torch.device) -> nn.Module:
                                     perm=None if layer.perm is None else layer.perm.to(device))
         if layer.swiglu:
             q.activation, q.out_features = "swiglu", layer.packed.n // 2
-        q = _parallel(q, name.replace(".gate_up", ".gate_proj") if layer.swiglu else name, plan, bias)
+        # a fused layer is split as its first part is (column parallel)
+        part = (name.replace(".gate_up", ".gate_proj") if layer.swiglu else
+                name.replace(".qkv_proj", ".q_proj") if layer.sections is not None else name)
+        q = _parallel(q, part, plan, bias, layer.sections)
         layers[name] = q
         if name not in fused_keys:
             _set(model, name, q)
@@ -142,6 +159,8 @@ def materialize(plan: Plan, device: torch.device) -> nn.Module:
         for bname, buf in list(mod._buffers.items()):
             if buf is not None and buf.device != device:
                 mod._buffers[bname] = buf.to(device)
+    for attention, key in plan.attentions.items():   # last: it takes over the attention's finished o_proj
+        _set(model, attention, FusedQKVAttention(model.get_submodule(attention), layers[key]))
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:   # every parameter was planned: this is a bug, not a checkpoint problem
         raise RuntimeError(f"mixgemm.hf: {left[:3]} were left on the meta device")
@@ -177,4 +196,4 @@ def summary(model: nn.Module, plan: Plan, model_dir: Path, quantized: List[str])
             bf16 += 2 * t.numel() if t.is_floating_point() and isinstance(t, nn.Parameter) else nbytes
     return LoadSummary(str(model_dir), plan.method.value, quantized, list(plan.fused),
                        {name: why for name, (_, _, why) in plan.full.items()}, qbytes, total - qbytes, bf16,
-                       plan.tp.rank, plan.tp.size)
+                       plan.tp.rank, plan.tp.size, fused_attentions=list(plan.attentions))

@@ -1,6 +1,7 @@
 """Step 1 of :func:`mixgemm.hf.from_pretrained`, on the CPU: build the model on the meta device,
-read, convert and prepack every quantized layer (fusing gated MLPs' gate and up), and check every
-other tensor against the model. Everything that can be wrong with a checkpoint is found here; the
+read, convert and prepack every quantized layer (fusing each attention's q, k and v into one
+layer and each gated MLP's gate and up into one swiglu layer), and check every other tensor
+against the model. Everything that can be wrong with a checkpoint is found here; the
 :class:`Plan` it returns holds what step 2 (:mod:`mixgemm.hf.materialize`) puts on the device.
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ from torch import nn
 
 from ..errors import CheckpointError, ShardError, UnsupportedLayerError
 from ..formats import ImportedLayer, import_layer
-from ..blocks import find_gated_mlps
+from .. import blocks as _blocks
+from ..blocks import find_attentions, find_gated_mlps
 from ..layout import prepack, unpack
 from ..quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
 from ..types import ActType, PackedWeight, QuantizedWeight
@@ -43,6 +45,7 @@ class _Layer:
     bias: Optional[torch.Tensor]
     perm: Optional[torch.Tensor]
     swiglu: bool = False
+    sections: Optional[Tuple[int, ...]] = None     # a fused q/k/v layer: the rows of q, k and v (the rank's)
 
     def logical(self) -> QuantizedWeight:
         return self.qweight if self.qweight is not None else unpack(self.packed)
@@ -87,6 +90,18 @@ class Plan:
     buffers: List[Tuple[str, str]]                   # (checkpoint key, buffer name)
     tp: TensorParallel = TensorParallel()
     sliced: Dict[str, int] = dataclasses.field(default_factory=dict)   # plain parameter -> dim read in part
+    attentions: Dict[str, str] = dataclasses.field(default_factory=dict)   # attention -> its qkv_proj entry
+
+    def fused_parts(self) -> List[str]:
+        """The linear layers of the model that a fused layer replaces (q/k/v, gate/up)."""
+        return ([f"{m}.{p}" for m in self.fused for p in GATE_UP] +
+                [f"{a}.{p}" for a in self.attentions for p in QKV])
+
+
+#: the projections of an attention that one fused layer computes, in its row order
+QKV = ("q_proj", "k_proj", "v_proj")
+#: the projections of a gated MLP that one swiglu layer computes
+GATE_UP = ("gate_proj", "up_proj")
 
 
 @contextlib.contextmanager
@@ -192,6 +207,44 @@ def _fuse(gate: _Layer, up: _Layer) -> _Layer:
     return _Layer(None, prepack(qw), bias, gate.perm, swiglu=True)
 
 
+def _describe(w: QuantizedWeight) -> str:
+    return f"{w.weight_type.value}/g{w.group_size} {w.n}x{w.k} {str(w.dtype).removeprefix('torch.')}"
+
+
+def _stack_reason(parts: Dict[str, _Layer], logical: Dict[str, QuantizedWeight]) -> Optional[str]:
+    """Why an attention's q, k and v (``parts``, their weights ``logical``) cannot be stacked
+    into one layer, or None: they must agree on K, bits, group size, symmetry, dtype,
+    zero-offset presence, bias presence and act-order permutation."""
+    if len({(w.k, w.bits, w.group_size, w.symmetric, w.dtype) for w in logical.values()}) != 1:
+        return ", ".join(f"{attr.removesuffix('_proj')} is {_describe(w)}" for attr, w in logical.items())
+    if len({w.zero_offsets is None for w in logical.values()}) != 1:
+        return "only some of q, k and v have fractional zero points"
+    if len({layer.bias is None for layer in parts.values()}) != 1:
+        return "only some of q, k and v have a bias"
+    perms = [layer.perm for layer in parts.values()]
+    first = perms[0]
+    if any((p is None) != (first is None) or (p is not None and not torch.equal(p, first)) for p in perms[1:]):
+        return "q, k and v have different act-order permutations"
+    return None
+
+
+def _stack(parts: Dict[str, _Layer], logical: Dict[str, QuantizedWeight]) -> _Layer:
+    """One layer whose rows are q's, then k's, then v's (codes, scales, zeros, zero offsets and
+    biases alike): ``x @ W.T`` is ``[q | k | v]``."""
+    ws = [logical[attr] for attr in QKV]
+
+    def cat(field: str) -> Optional[torch.Tensor]:
+        ts = [getattr(w, field) for w in ws]
+        return None if ts[0] is None else torch.cat(ts)
+
+    first = ws[0]
+    qw = QuantizedWeight(cat("qweight"), cat("scales"), cat("zeros"), first.bits, first.group_size, first.symmetric,
+                         cat("zero_offsets"))
+    biases = [parts[attr].bias for attr in QKV]
+    bias = None if biases[0] is None else torch.cat(biases)
+    return _Layer(None, prepack(qw), bias, parts["q_proj"].perm, sections=tuple(w.n for w in ws))
+
+
 def _check_linear(name: str, lin: nn.Linear, n: int, k: int, bias: Optional[torch.Tensor], where: str,
                   whole: Optional[Tuple[int, int]] = None) -> None:
     """The checkpoint's whole layer ``[n, k]`` (and bias) against the model's: ``whole`` is the
@@ -257,10 +310,11 @@ def _is_ignorable(key: str, model: nn.Module) -> bool:
 
 
 def plan(transformers, model_dir: Path, dtype, fuse_gate_up: bool, attn_implementation: Optional[str],
-         tp: TensorParallel = TensorParallel()) -> Plan:
+         tp: TensorParallel = TensorParallel(), fuse_qkv: bool = False) -> Plan:
     """Step 1: everything on the CPU, every check. Takes no device. With ``tp.size > 1`` the
     model is the rank's part (:mod:`mixgemm.hf.parallel`) and every split layer is cut as it is
-    read."""
+    read (a fused q/k/v layer stacks the rank's q, k and v rows). ``fuse_gate_up`` and
+    ``fuse_qkv``: fuse the gated MLPs' gate and up, the attentions' q, k and v."""
     raw = _read_config(model_dir)
     where = str(model_dir)
     if "quantization_config" not in raw:
@@ -274,7 +328,7 @@ def plan(transformers, model_dir: Path, dtype, fuse_gate_up: bool, attn_implemen
         check_linears(model, tp, where)
         plan = Plan(model, shards, dtype, qconfig.method, {}, {}, {}, [], [], tp)
         children = _children(shards)
-        _plan_linears(plan, qconfig, children, where, fuse_gate_up)
+        _plan_linears(plan, qconfig, children, where, fuse_gate_up, fuse_qkv)
         _plan_rest(plan, children, where)
         return plan
     except BaseException:
@@ -283,12 +337,18 @@ def plan(transformers, model_dir: Path, dtype, fuse_gate_up: bool, attn_implemen
 
 
 def _plan_linears(plan: Plan, qconfig: QuantizationConfig, children: Dict[str, Dict[str, str]], where: str,
-                  fuse_gate_up: bool) -> None:
-    """Read, convert and pack every quantized linear layer (fusing gated MLPs' gate and up)."""
+                  fuse_gate_up: bool, fuse_qkv: bool = False) -> None:
+    """Read, convert and pack every quantized linear layer (fusing attentions' q, k and v and
+    gated MLPs' gate and up)."""
     model, shards = plan.model, plan.shards
     primary = qconfig.method.primary
     mlps = find_gated_mlps(model) if fuse_gate_up else {}
-    pending: Dict[str, Dict[str, object]] = {}     # MLP -> {"gate_proj": layer, "up_proj": layer}
+    attentions = find_attentions(model) if fuse_qkv else {}
+    if fuse_qkv and not attentions:
+        _log.info("mixgemm.hf: %s has no attention of a recognized family (%s): q, k and v are loaded as "
+                  "separate layers", type(model).__name__, ", ".join(sorted(_blocks.ATTENTIONS)))
+    # (module, kind) -> {attr: layer, or None when kept in full precision}, until all its parts are read
+    pending: Dict[Tuple[str, str], Dict[str, object]] = {}
     for name, lin in model.named_modules():
         if not isinstance(lin, nn.Linear):
             continue
@@ -306,24 +366,31 @@ def _plan_linears(plan: Plan, qconfig: QuantizationConfig, children: Dict[str, D
             plan.full[name] = got
             got = None
         parent, _, attr = name.rpartition(".")
-        if parent in mlps and attr in ("gate_proj", "up_proj"):
-            pending.setdefault(parent, {})[attr] = got      # packed when both are read
+        if parent in mlps and attr in GATE_UP:
+            pending.setdefault((parent, "mlp"), {})[attr] = got      # packed when both are read
             _maybe_fuse(plan, parent, pending)
+        elif parent in attentions and attr in QKV:
+            pending.setdefault((parent, "attention"), {})[attr] = got
+            _maybe_fuse_qkv(plan, parent, pending)
         elif got is not None:
             plan.quantized[name] = got.prepacked()
-    for mlp, parts in pending.items():     # an MLP whose gate or up is stored unquantized
+    for (module, kind), parts in pending.items():     # a part is stored unquantized: each alone
+        what = "gate and up" if kind == "mlp" else "q, k and v"
+        plain = [a for a in (GATE_UP if kind == "mlp" else QKV) if a not in parts]
+        _log.info("mixgemm.hf: %s: %s not fused: %s not quantized in the checkpoint", module, what,
+                  " and ".join(plain) + (" is" if len(plain) == 1 else " are"))
         for attr, layer in parts.items():
             if layer is not None:
-                plan.quantized[f"{mlp}.{attr}"] = layer.prepacked()
+                plan.quantized[f"{module}.{attr}"] = layer.prepacked()
 
 
-def _maybe_fuse(plan: Plan, mlp: str, pending: Dict[str, Dict[str, object]]) -> None:
+def _maybe_fuse(plan: Plan, mlp: str, pending: Dict[Tuple[str, str], Dict[str, object]]) -> None:
     """Once both of an MLP's gate and up are read: fuse them, or pack each alone."""
-    parts = pending[mlp]
-    if set(parts) != {"gate_proj", "up_proj"}:
+    parts = pending[(mlp, "mlp")]
+    if set(parts) != set(GATE_UP):
         return
     gate, up = parts["gate_proj"], parts["up_proj"]
-    del pending[mlp]
+    del pending[(mlp, "mlp")]
     why = "one of them is kept in full precision" if gate is None or up is None else _fuse_reason(gate, up)
     if why is None:
         key = f"{mlp}.gate_up"
@@ -336,13 +403,35 @@ def _maybe_fuse(plan: Plan, mlp: str, pending: Dict[str, Dict[str, object]]) -> 
             plan.quantized[f"{mlp}.{attr}"] = layer.prepacked()
 
 
+def _maybe_fuse_qkv(plan: Plan, attention: str, pending: Dict[Tuple[str, str], Dict[str, object]]) -> None:
+    """Once an attention's q, k and v are all read: stack them into one layer, or pack each
+    alone (with a log line that says why)."""
+    parts = pending[(attention, "attention")]
+    if set(parts) != set(QKV):
+        return
+    del pending[(attention, "attention")]
+    kept = [attr for attr in QKV if parts[attr] is None]
+    logical = {} if kept else {attr: parts[attr].logical() for attr in QKV}
+    why = (f"{' and '.join(kept)} {'is' if len(kept) == 1 else 'are'} kept in full precision" if kept
+           else _stack_reason(parts, logical))
+    if why is None:
+        key = f"{attention}.qkv_proj"
+        plan.quantized[key] = _stack(parts, logical)
+        plan.attentions[attention] = key
+        return
+    _log.info("mixgemm.hf: %s: q, k and v not fused: %s", attention, why)
+    for attr in QKV:
+        if parts[attr] is not None:
+            plan.quantized[f"{attention}.{attr}"] = parts[attr].prepacked()
+
+
 def _plan_rest(plan: Plan, children: Dict[str, Dict[str, str]], where: str) -> None:
     """Every parameter of the model that no quantized layer replaces, and the persistent
     buffers: which checkpoint tensor fills it, with its shape checked; then no tensor may be
     left over."""
     model, shards = plan.model, plan.shards
     modules = dict(model.named_modules())
-    replaced = set(plan.quantized) | set(plan.full) | {f"{m}.{p}" for m in plan.fused for p in ("gate_proj", "up_proj")}
+    replaced = set(plan.quantized) | set(plan.full) | set(plan.fused_parts())
     consumed = {key for name in replaced for key in children.get(name, {}).values()}
     # tied parameters are one object under several names
     groups: Dict[int, Tuple[nn.Parameter, List[str]]] = {}
