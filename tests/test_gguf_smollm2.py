@@ -208,7 +208,7 @@ def test_the_checkpoint_loads_into_transformers(checkpoint, smollm2, reference32
     reference's."""
     model = hf.from_pretrained(checkpoint, device="cpu", dtype=BF16, attn_implementation="eager")
     s = model.mixgemm_summary
-    assert s.fused and len([m for m in model.modules() if isinstance(m, QuantLinear)]) == 30 * 6
+    assert s.fused and len([m for m in model.modules() if isinstance(m, QuantLinear)]) == 30 * 4
     theirs = dict(reference32.named_parameters())
     ours = from_gguf(smollm2, BF16, hf_names=True)
     loaded = hc.dequantized_linears(model)
@@ -338,7 +338,7 @@ def test_logits_and_greedy_tokens_on_the_gpu(requires_gpu, request, capsys):
     checkpoint = request.getfixturevalue("checkpoint")   # after the GPU check: the fixture takes seconds
     model = hf.from_pretrained(checkpoint, device=dev, dtype=BF16, attn_implementation="sdpa")
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 30 * 6 and all(m.qdata.device == dev and m.zero_offsets is not None for m in layers)
+    assert len(layers) == 30 * 4 and all(m.qdata.device == dev and m.zero_offsets is not None for m in layers)
     others = {p.value: ln.emulate(model, p) for p in (*ln.BF16_PATHS, ln.Numerics.MIXGEMM)}
     ref = sp.run_reference(ln.emulate(model, ln.Numerics.FLOAT32), PROMPTS, dev)
     figs = {"mixgemm": sp.run_path(model, ref, dev)}

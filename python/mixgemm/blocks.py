@@ -22,9 +22,6 @@ each linear layer alone and logs that it did.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
 import logging
 import re
 import sys
@@ -149,13 +146,6 @@ class RopeTable(nn.Module):
         return self.cos.shape[0]
 
 
-@functools.lru_cache(maxsize=None)
-def _update_takes_dict(cache_class: type) -> bool:
-    """Whether ``cache_class.update`` takes its extras as one dict (transformers before 5.x's
-    ``kwargs=`` form: ``update(k, v, layer_idx, cache_kwargs)``)."""
-    return "cache_kwargs" in inspect.signature(cache_class.update).parameters
-
-
 def _cache_of(kwargs: dict, past_key_values):
     """The cache a transformers layer was given (``past_key_values=``, or ``cache=`` in newer
     transformers), removed from ``kwargs``."""
@@ -260,12 +250,8 @@ class FusedQKVAttention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             cos, sin = position_embeddings
             q, k = self._apply_rope(q, k, cos, sin)
-            if cache is not None:
-                if _update_takes_dict(type(cache)):
-                    extra = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
-                    k, v = cache.update(k, v, self.layer_idx, extra)
-                else:
-                    k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+            if cache is not None:   # (transformers 5's caches take their positions from their own state)
+                k, v = cache.update(k, v, self.layer_idx)
         extra = {"sliding_window": self.sliding_window} if self._passes_window else {}
         out, weights = self._attention_function()(
             self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,

@@ -216,16 +216,20 @@ def _norm_specs(items) -> list[KernelSpec]:
 
 
 def _rope_specs(items) -> list[KernelSpec]:
-    """The rotary / KV-cache kernels of the fused decoder layers (:mod:`mixgemm.blocks`: a
-    :class:`~mixgemm.blocks.RopeTable` of bf16 / fp16 tables) inside the nn.Modules among
-    ``items``."""
-    from .blocks import RopeTable
+    """The kernels of the fused decoder layers (:mod:`mixgemm.blocks`) inside the nn.Modules among
+    ``items``: the rotary / KV-cache kernel of their :class:`~mixgemm.blocks.RopeTable` and the
+    RMSNorm with the residual add (bf16 / fp16)."""
+    from .blocks import FusedDecoderLayer, RopeTable
+    from .norm import norm_spec
     from .rotary import rope_spec
 
     items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
-    dtypes = {mod.cos.dtype for item in items if isinstance(item, torch.nn.Module)
-              for mod in item.modules() if isinstance(mod, RopeTable)}
-    return [rope_spec(d) for d in sorted(dtypes, key=str) if d in (torch.bfloat16, torch.float16)]
+    modules = [mod for item in items if isinstance(item, torch.nn.Module) for mod in item.modules()]
+    half = (torch.bfloat16, torch.float16)
+    ropes = {mod.cos.dtype for mod in modules if isinstance(mod, RopeTable)}
+    norms = {mod.post_attention_layernorm.weight.dtype for mod in modules if isinstance(mod, FusedDecoderLayer)}
+    return ([rope_spec(d) for d in sorted(ropes, key=str) if d in half]
+            + [norm_spec(d, True) for d in sorted(norms, key=str) if d in half])
 
 
 def _experts_uses(items) -> list[ExpertsUse]:

@@ -319,6 +319,7 @@ def chain_callables(device: torch.device, seed: int,
         angles = torch.arange(length, device=device)[:, None] / 10000 ** (torch.arange(d, device=device) % (d // 2) / (d // 2))
         cos, sin = angles.cos().to(bf16), angles.sin().to(bf16)
         caches = torch.zeros(2, 1, kv, length, d, device=device, dtype=bf16)
+        torch._dynamo.mark_static_address(caches)   # a KV cache, as transformers' static cache marks its own
         positions = torch.full((1, 1), 7, device=device, dtype=torch.int64)
 
         def rope(q):    # q is only threaded through: every call rotates the same token

@@ -255,24 +255,7 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     if prebuild:
         from .. import prebuild as _prebuild
 
-        arts = _prebuild.build_for(model, jobs=jobs, progress=True)
-        extra = _layer_specs(model)
-        if extra:
-            from ..build import build_many
-
-            arts += build_many(extra, jobs=jobs, progress=True)
+        arts = _prebuild.build_for(model, jobs=jobs, progress=True)   # (the fused layers' kernels included)
         _log.info("mixgemm.hf: %d kernels built or found in the cache", len(arts))
     return model
 
-
-def _layer_specs(model: nn.Module) -> list:
-    """The kernels the model's fused decoder layers launch besides their GEMMs and plain norms:
-    the RMSNorm with the residual add and the rotary / KV-cache write, of the model's dtype."""
-    from ..blocks import FusedDecoderLayer
-    from ..norm import norm_spec
-    from ..rotary import rope_spec
-
-    dtypes = {layer.post_attention_layernorm.weight.dtype for layer in model.modules()
-              if isinstance(layer, FusedDecoderLayer)}
-    return [spec for dtype in sorted(dtypes, key=str) if dtype in (torch.bfloat16, torch.float16)
-            for spec in (norm_spec(dtype, True), rope_spec(dtype))]
