@@ -75,7 +75,10 @@ def run(capsys, *argv):
     return rc, out, err
 
 
-def test_export_then_import_into_an_empty_cache(warm, fake_env, capsys):
+@pytest.mark.parametrize("trust", [False, True], ids=["default", "--trust-host-code"])
+def test_export_then_import_into_an_empty_cache(warm, fake_env, capsys, trust):
+    """By default the cubins come from the archive and the host libraries are compiled here (only
+    they: no cubin is compiled); with --trust-host-code an import compiles nothing."""
     archive, a, b = warm
     names = list(members(archive))
     assert names[0] == cache_archive.MANIFEST
@@ -84,15 +87,26 @@ def test_export_then_import_into_an_empty_cache(warm, fake_env, capsys):
     assert sum(n.startswith("host/launcher-") and n.endswith("/launcher.so") for n in names) == 1
     assert not any(n.endswith((".cu", ".cpp")) for n in names), "sources are not exported"
     calls = _calls(fake_env)
-    rc, out, err = run(capsys, "cache", "import", archive)
+    rc, out, err = run(capsys, "cache", "import", archive, *(["--trust-host-code"] if trust else []))
     assert rc == 0, err
-    assert "imported 4 entries, 0 already present, 0 refused" in out
-    assert _calls(fake_env) == calls, "an import compiles nothing"
+    if trust:
+        assert "imported 4 entries (host code taken from the archive: --trust-host-code), 0 already present, " \
+               "0 refused" in out
+        assert _calls(fake_env) == calls, "a trusting import compiles nothing"
+    else:
+        assert "imported 4 entries (the host code of 2 compiled here; --trust-host-code takes the archive's), " \
+               "0 already present, 0 refused" in out
+        assert sorted(_calls(fake_env)[len(calls):]) == ["helper.so", "launcher.so"], "only the host code"
+    calls = _calls(fake_env)
     for spec in (GEMM, DEQ, DEQ2):
         assert build.is_cached(spec)
         art, cubin = build.load_artifacts(spec, build_if_missing=False)
         assert cubin == (a / "kernels" / art.directory.name / "kernel.cubin").read_bytes()
         assert (art.directory / f"{spec.name}.cu").is_file(), "this install's source is written"
+        if spec is GEMM:
+            meta = json.loads((art.directory / "meta.json").read_text())
+            same = (art.directory / "helper.so").read_bytes() == (a / "kernels" / art.directory.name / "helper.so").read_bytes()
+            assert same == trust and (meta.get("host_code") == "built here") != trust
     from mixgemm import launcher
     assert launcher.build_compiled().parent.parent == b / "host"
     assert _calls(fake_env) == calls, "the imported launcher is used as is"
@@ -154,7 +168,7 @@ def test_corrupt_and_foreign_members_are_refused(warm, fake_env, capsys):
     gemm_dir = next(n for n in members(archive) if n.startswith(f"kernels/{GEMM.name}-")).split("/")[1]
 
     def tamper(name, data):
-        return data + b"x" if name == f"kernels/{gemm_dir}/helper.so" else data
+        return data + b"x" if name == f"kernels/{gemm_dir}/kernel.cubin" else data
 
     def info(name, kind=tarfile.REGTYPE, size=0, link=""):
         t = tarfile.TarInfo(name)
@@ -184,7 +198,7 @@ def test_corrupt_and_foreign_members_are_refused(warm, fake_env, capsys):
                       ("somewhere/else.txt", "not a mixgemm cache entry"),
                       ("kernels/dev-01234567890123456789/fifo", "not a regular file")):
         assert name in refused and why in refused[name], (name, err)
-    assert "imported 3 entries, 0 already present, 8 refused" in out
+    assert "imported 3 entries (the host code of 1 compiled here; --trust-host-code takes the archive's), 0 already present, 8 refused" in out
     assert not build.is_cached(GEMM) and build.is_cached(DEQ)
     for p in (fake_env / "evil.txt", fake_env.parent / "evil.txt", Path("/tmp/evil-abs.txt"), fake_env / "evil2.txt"):
         assert not p.exists()
@@ -335,3 +349,78 @@ def test_import_of_what_is_not_an_archive_file(fake_env, capsys, pin_case):  # n
         assert rc == 1 and err == f"mixgemm cache: error: {message}\n", err
         pin_case("Cache", f"cache import of {case}", "mixgemm cache import FILE", "exit 1", err.splitlines()[0])
     assert not (Path(os.environ["MIXGEMM_CACHE_DIR"]) / "kernels").exists()
+
+
+def _craft(archive: Path, out: Path, payload: bytes) -> tuple[Path, str]:
+    """``archive`` with the GEMM kernel's helper.so and the launcher's launcher.so replaced by
+    ``payload``, and each entry's meta.json updated to match it (consistent metadata: every
+    check that compares an entry with itself passes)."""
+    import hashlib
+    digest = hashlib.sha256(payload).hexdigest()
+    gemm_dir = next(n for n in members(archive) if n.startswith(f"kernels/{GEMM.name}-")).split("/")[1]
+
+    def change(name, data):
+        if name.endswith(("/helper.so", "/launcher.so")):
+            return payload
+        if name.endswith("/meta.json") and (name.startswith(f"kernels/{gemm_dir}/") or name.startswith("host/")):
+            meta = json.loads(data)
+            meta["sha256"] = {a: (digest if a.endswith(".so") else d) for a, d in meta["sha256"].items()}
+            return json.dumps(meta).encode()
+        return data
+    return rewrite(archive, out, change), gemm_dir
+
+
+def _files_holding(root: Path, payload: bytes) -> list:
+    return [p for p in root.rglob("*") if p.is_file() and payload in p.read_bytes()]
+
+
+def test_a_crafted_helper_is_never_imported_by_default(warm, fake_env, capsys, monkeypatch, pin_case):
+    """An archive whose helper.so and launcher.so are someone else's code, with meta.json made to
+    match: a default import passes every check and takes the cubins, but the host libraries in the
+    cache are the ones compiled here; the crafted bytes are nowhere in the cache, so nothing can
+    load them. Only --trust-host-code takes them (and then the archive is trusted as code)."""
+    archive, a, b = warm
+    payload = b"\x7fELF crafted host code " * 8
+    crafted, gemm_dir = _craft(archive, fake_env / "crafted.tgz", payload)
+    rc, out, err = run(capsys, "cache", "import", crafted)
+    assert rc == 0 and err == "", err
+    assert "imported 4 entries (the host code of 2 compiled here" in out
+    assert _files_holding(b, payload) == [], "the archive's host code is nowhere in the cache"
+    helper = b / "kernels" / gemm_dir / "helper.so"
+    assert helper.is_file() and json.loads((helper.parent / "meta.json").read_text())["host_code"] == "built here"
+    assert build.is_cached(GEMM)
+    from mixgemm import launcher
+    assert payload not in launcher.build_compiled().read_bytes()
+    pin_case("Cache", "cache import of an archive with crafted host code (consistent meta.json)",
+             "mixgemm cache import crafted.tgz", "exit 0", out.splitlines()[0],
+             "the cubins imported; helper.so and launcher.so compiled here (the crafted ones never read)")
+    # with the flag, into another cache: the archive's host code is taken as it is
+    use_cache_dir = use_cache(monkeypatch, fake_env / "cache-c")
+    rc, out, err = run(capsys, "cache", "import", crafted, "--trust-host-code")
+    assert rc == 0, err
+    assert len(_files_holding(use_cache_dir, payload)) == 2
+
+
+def test_trusted_host_code_is_still_checked(warm, fake_env, capsys):
+    """--trust-host-code takes the archive's host libraries, but a helper.so that does not match
+    its meta.json is refused as corrupt; without the flag it is not read at all."""
+    archive, a, b = warm
+    gemm_dir = next(n for n in members(archive) if n.startswith(f"kernels/{GEMM.name}-")).split("/")[1]
+    bad = rewrite(archive, fake_env / "bad.tgz",
+                  lambda name, data: data + b"x" if name == f"kernels/{gemm_dir}/helper.so" else data)
+    rc, out, err = run(capsys, "cache", "import", bad, "--trust-host-code")
+    assert rc == 1 and f"refused kernels/{gemm_dir}: corrupt: ['helper.so'] do not match their sha256" in err
+    rc, out, err = run(capsys, "cache", "import", bad)
+    assert rc == 0 and build.is_cached(GEMM)
+
+
+def test_a_failing_host_build_refuses_the_entry(warm, fake_env, capsys, monkeypatch):
+    archive, a, b = warm
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "1")
+    rc, out, err = run(capsys, "cache", "import", archive)
+    assert rc == 1
+    lines = err.splitlines()
+    assert len(lines) == 2 and all("not written: nvcc failed" in line for line in lines), err
+    assert "imported 2 entries, 0 already present, 2 refused" in out
+    assert not build.is_cached(GEMM) and build.is_cached(DEQ)
+    assert not list((b / "tmp").iterdir())

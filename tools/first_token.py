@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Time from an empty kernel cache to the first generated token of the tiny test model (issue
-#18 part 2), in three cases, each with its own MIXGEMM_CACHE_DIR under --work:
+#18 part 2), in four cases, each with its own MIXGEMM_CACHE_DIR under --work:
 
   a  no prebuild: the kernels compile on first use, one at a time, inside generate();
   b  `mixgemm generate --build --for MODEL` first (timed apart), then the model runs;
   c  `mixgemm cache export` of b's cache, `mixgemm cache import` into a new empty cache (both
-     timed), then the model runs.
+     timed; the import takes the cubins and compiles the host libraries here), then the model runs;
+  d  as c, with `cache import --trust-host-code` (the archive's host libraries taken as they are).
 
 The model is the tiny LLaMA checkpoint of tests/hf_checkpoints.py (2 layers, hidden 256; AWQ by
 default), written once into --work. Each run of the model is a fresh Python process (nothing
@@ -16,7 +17,7 @@ arrives. The compile time of each kernel is read from its cache entry's meta.jso
 
 Each case can be run alone (--cases a), as the GPU machine allows 10 minutes per command; the
 results are merged into the JSON file given (--json), and the table printed covers every case
-that file holds. Case c needs b's cache (run b before c with the same --work).
+that file holds. Cases c and d need b's cache (run b before them with the same --work).
 
 --dry-run runs everything on the CPU with the fake nvcc of tests/test_build.py: the model is
 loaded on the CPU and, instead of generate(), the kernels the prompt and the decode steps select
@@ -25,8 +26,8 @@ script end to end.
 
 Usage (repo root, PYTHONPATH holding mixgemm's python/ and nvidia-cutlass):
   python tools/first_token.py --work /tmp/ft --json ft.json --jobs 16 --cases a
-  python tools/first_token.py --work /tmp/ft --json ft.json --jobs 16 --cases bc
-  python tools/first_token.py --work /tmp/ftdry --json dry.json --cases abc --dry-run
+  python tools/first_token.py --work /tmp/ft --json ft.json --jobs 16 --cases bcd
+  python tools/first_token.py --work /tmp/ftdry --json dry.json --cases abcd --dry-run
 """
 from __future__ import annotations
 
@@ -126,24 +127,30 @@ def case_b(args) -> dict:
             "kernels": _kernel_times(cache)}
 
 
-def case_c(args) -> dict:
+def case_c(args, key: str = "c", trust: bool = False) -> dict:
     source = args.work / "cache-b"
     if not (source / "kernels").is_dir():
-        raise SystemExit(f"first_token: case c imports case b's cache, and {source} has none: run case b first "
+        raise SystemExit(f"first_token: case {key} imports case b's cache, and {source} has none: run case b first "
                          f"with the same --work")
     archive = args.work / "kernels.tgz"
     export_s = _timed([sys.executable, "-m", "mixgemm", "cache", "export", str(archive), "--force"],
-                      _env(source, args), "case c: cache export (from b's cache)")
-    cache = _fresh(args.work / "cache-c")
-    import_s = _timed([sys.executable, "-m", "mixgemm", "cache", "import", str(archive)], _env(cache, args),
-                      "case c: cache import (into an empty cache)")
-    run = _run_model(cache, args, "c")
-    return {"what": "cache export from b, import into an empty cache, then the model",
-            "export_s": round(export_s, 2), "import_s": round(import_s, 2),
+                      _env(source, args), f"case {key}: cache export (from b's cache)")
+    cache = _fresh(args.work / f"cache-{key}")
+    flags = ["--trust-host-code"] if trust else ["--jobs", str(args.jobs)]
+    import_s = _timed([sys.executable, "-m", "mixgemm", "cache", "import", str(archive), *flags], _env(cache, args),
+                      f"case {key}: cache import {' '.join(flags)} (into an empty cache)")
+    run = _run_model(cache, args, key)
+    what = ("cache export from b, import --trust-host-code, then the model" if trust else
+            "cache export from b, import (host code compiled here), then the model")
+    return {"what": what, "export_s": round(export_s, 2), "import_s": round(import_s, 2),
             "archive_bytes": archive.stat().st_size, "run": run, "entries": len(_kernel_times(cache))}
 
 
-CASES = {"a": case_a, "b": case_b, "c": case_c}
+def case_d(args) -> dict:
+    return case_c(args, "d", trust=True)
+
+
+CASES = {"a": case_a, "b": case_b, "c": case_c, "d": case_d}
 
 
 def table(results: dict) -> str:
@@ -153,7 +160,7 @@ def table(results: dict) -> str:
                  f"device: {meta.get('device')}{'  (DRY RUN: times mean nothing)' if meta.get('dry_run') else ''}")
     lines.append(f"{'case':<44s} {'prepare s':>10s} {'load s':>8s} {'1st token s':>12s} {'tokens s':>9s} "
                  f"{'process s':>10s}")
-    for key in "abc":
+    for key in "abcd":
         c = results.get("cases", {}).get(key)
         if c is None:
             continue
@@ -162,7 +169,7 @@ def table(results: dict) -> str:
         prep = f"{prepare:10.1f}" if prepare is not None else f"{'-':>10s}"
         lines.append(f"{key}: {c['what'][:41]:<41s} {prep} {run['load_s']:8.2f} {run['first_token_s']:12.2f} "
                      f"{run['all_tokens_s']:9.2f} {run['process_wall_s']:10.1f}")
-        if key == "c":
+        if key in "cd":
             lines.append(f"   (export {c['export_s']:.1f} s, import {c['import_s']:.1f} s, archive "
                          f"{c['archive_bytes'] / 1e6:.1f} MB, {c['entries']} entries)")
     for key, what in (("a", "compiled on first use (case a)"), ("b", "built by generate --build --for (case b)")):
@@ -250,7 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/mixgemm-first-token"),
                    help="the model, the caches and the archive go here")
     p.add_argument("--json", required=True, help="results JSON (merged with what it already holds)")
-    p.add_argument("--cases", default="abc", help="which of a, b, c to run (default abc)")
+    p.add_argument("--cases", default="abcd", help="which of a, b, c, d to run (default abcd)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel nvcc builds for case b")
     p.add_argument("--model", choices=MODEL_KINDS, default="awq", help="the tiny checkpoint's format")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (the first token's GEMM M)")

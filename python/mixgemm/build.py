@@ -294,16 +294,25 @@ def entry_stem(name: str, key: str) -> str:
     return f"{name}-{key[:20]}"
 
 
-def install_entry(kind: str, name: str, key: str, files: "dict[str, bytes]", artifacts: Iterable[str]) -> bool:
+def install_entry(kind: str, name: str, key: str, files: "dict[str, bytes]", artifacts: Iterable[str],
+                  build_here: "Optional[dict[str, tuple[str, ...]]]" = None, source_name: Optional[str] = None) -> bool:
     """Place an entry built elsewhere (``mixgemm cache import``) at ``<cache>/<kind>/<name>-<key>``,
     atomically, under the entry's lock. ``files`` holds ``meta.json`` (written last) and the
     other files by name; the entry must be valid (:func:`_entry_valid`: meta's name and key,
     every artifact's sha256) once written, else BuildError and nothing changes.
 
+    ``build_here`` (artifact -> nvcc flags) names artifacts that are not taken from ``files`` but
+    compiled here, by this install's nvcc, from ``files[source_name]`` (this install's source):
+    the host code of an entry from an archive that is not trusted to carry any. Their sha256 and
+    command lines replace those of meta.json, which records ``"host_code": "built here"``.
+
     Returns False, changing nothing, when a valid entry is already there (it is never replaced
     by another); True when this one was placed (replacing an invalid one)."""
     if kind not in ("kernels", "host"):
         raise ValueError(f"kind must be 'kernels' or 'host', got {kind!r}")
+    build_here = dict(build_here or {})
+    if build_here and source_name not in files:
+        raise ValueError("building artifacts here needs source_name, a file of files")
     stem = entry_stem(name, key)
     final = cache_dir() / kind / stem
     artifacts = tuple(artifacts)
@@ -312,9 +321,21 @@ def install_entry(kind: str, name: str, key: str, files: "dict[str, bytes]", art
             return False
         with _temporary_entry(name) as tmp:
             for fname, data in files.items():
-                if fname != "meta.json":
+                if fname != "meta.json" and fname not in build_here:
                     (tmp / fname).write_bytes(data)
-            (tmp / "meta.json.tmp").write_bytes(files["meta.json"])
+            meta_bytes = files["meta.json"]
+            if build_here:
+                tc = toolchain()
+                t0 = time.time()
+                commands = {art: _run_nvcc(tc, flags, tmp / source_name, tmp / art) for art, flags in build_here.items()}
+                meta = json.loads(meta_bytes)
+                meta["sha256"] = {**meta["sha256"], **{art: _sha256(tmp / art) for art in build_here}}
+                if isinstance(meta.get("commands"), dict):
+                    meta["commands"] = {**meta["commands"], **commands}
+                meta["host_code"] = "built here"
+                meta["host_build_seconds"] = round(time.time() - t0, 1)
+                meta_bytes = json.dumps(meta, indent=1).encode()
+            (tmp / "meta.json.tmp").write_bytes(meta_bytes)
             os.replace(tmp / "meta.json.tmp", tmp / "meta.json")
             if not _entry_valid(tmp, name, key, artifacts):
                 raise BuildError(f"{stem}: its files do not match its meta.json")

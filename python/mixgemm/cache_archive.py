@@ -20,6 +20,18 @@ Import checks every entry before anything is written, and refuses, with a messag
   another mixgemm version, from other headers, with another nvcc, other flags or nvcc
   environment (:func:`mixgemm.build.cache_key`, :func:`mixgemm.build.host_library_key`).
 
+Trust: an archive's ``kernel.cubin`` is device code, loaded by the CUDA driver and run on the
+GPU; its ``helper.so`` and ``launcher.so`` are host code, loaded with ``ctypes`` into every process
+that uses the cache. The checks above compare an entry with the archive's own meta.json, so a
+crafted archive with consistent metadata passes them; they cannot tell where the code came from.
+So, by default, import never reads an archive's host libraries: it takes the cubins and compiles
+each imported entry's host library here, with this install's nvcc and sources (the same flags as
+a build; the entry's key, which covers the sources, flags and nvcc, is unchanged, and its
+meta.json records ``"host_code": "built here"``). That costs the host half of each build (a
+GEMM kernel's helper, the launcher: nvcc's host-only compiles) at import time, and nothing at the
+first token. ``trust_host_code=True`` (``--trust-host-code``) takes the
+archive's host libraries as they are, for an archive trusted like the code one runs.
+
 An accepted entry is written like a build's (:func:`mixgemm.build.install_entry`: a temporary
 directory, checked again, then renamed into place under the entry's lock); a valid entry that
 is already in the cache is kept, never replaced. The archive's members are read as data
@@ -28,6 +40,7 @@ copied (the cache gets this install's rendering).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import io
@@ -76,6 +89,12 @@ class _Expected:
     artifacts: tuple[str, ...]
     source_name: str
     source: str
+    steps: dict                     # artifact -> the nvcc flags that build it
+
+    @property
+    def host_code(self) -> tuple[str, ...]:
+        """The artifacts that run on the host, in the importing process (``.so`` libraries)."""
+        return tuple(a for a in self.artifacts if a.endswith(".so"))
 
 
 def _expected(kind: str, name: str, tc: build.Toolchain) -> _Expected:
@@ -89,12 +108,14 @@ def _expected(kind: str, name: str, tc: build.Toolchain) -> _Expected:
         if spec.name != name:
             raise ValueError(f"{name!r} is not the canonical name of a mixgemm kernel")
         source = render(spec)
-        return _Expected(build.cache_key(spec, source, tc), build.artifact_names(spec), f"{name}.cu", source)
+        steps = build._steps(spec)
+        return _Expected(build.cache_key(spec, source, tc), tuple(steps), f"{name}.cu", source, steps)
     sources = _host_sources()
     if name not in sources:
         raise ValueError(f"{name!r} is not one of mixgemm's host libraries ({', '.join(sources)})")
     source = sources[name]()
-    return _Expected(build.host_library_key(name, source, tc), (f"{name}.so",), f"{name}.cpp", source)
+    return _Expected(build.host_library_key(name, source, tc), (f"{name}.so",), f"{name}.cpp", source,
+                     {f"{name}.so": build.HOST_LIBRARY_FLAGS})
 
 
 def _sha256(data: bytes) -> str:
@@ -281,11 +302,15 @@ def _add_entry(tar: tarfile.TarFile, e: CacheEntry) -> bool:
 @dataclasses.dataclass
 class ImportReport:
     """What :func:`import_cache` did: entry names imported, already present, and refused
-    (``(what, why)``: an entry, or an archive member that is not one)."""
+    (``(what, why)``: an entry, or an archive member that is not one); of those imported, the
+    ones whose host code was built here."""
 
     imported: list[str] = dataclasses.field(default_factory=list)
     present: list[str] = dataclasses.field(default_factory=list)
     refused: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    #: Imported entries whose host code (helper.so, launcher.so) was compiled here, not taken
+    #: from the archive (every imported entry with host code, unless trust_host_code).
+    host_built: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -331,7 +356,8 @@ def _read(tar: tarfile.TarFile, member: tarfile.TarInfo, limit: int) -> bytes:
 
 
 def import_cache(path: Union[str, os.PathLike],
-                 progress: Optional[Callable[[str, str], None]] = None) -> ImportReport:
+                 progress: Optional[Callable[[str, str], None]] = None, *, trust_host_code: bool = False,
+                 jobs: Optional[int] = None) -> ImportReport:
     """Import the entries of an archive written by :func:`export_cache` into the cache.
 
     Every entry is checked (see the module docstring) and either imported, found already
@@ -339,6 +365,22 @@ def import_cache(path: Union[str, os.PathLike],
     refused too. All entries are read and checked before the first is written, so an archive
     that cannot be read to its end imports nothing. ``progress(entry, outcome)`` is called per
     entry (``"imported"``, ``"present"`` or ``"refused"``).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The archive.
+    progress : callable, optional
+        ``progress(entry, outcome)``, called per entry.
+    trust_host_code : bool, default False
+        Take the archive's host libraries (each kernel's ``helper.so``, the compiled launcher's
+        ``launcher.so``) as they are. They run in the process that uses the cache, and nothing
+        in an archive can prove where they came from (the sha256 of meta.json is the archive's
+        own), so by default they are never read: only the device code (``kernel.cubin``) is
+        imported, and the host libraries are compiled here, by this install's nvcc, from this
+        install's sources (see the module docstring).
+    jobs : int, optional
+        Host libraries compiled at a time (default: half the CPU cores).
 
     Raises
     ------
@@ -397,31 +439,44 @@ def import_cache(path: Union[str, os.PathLike],
         accepted = []                      # every entry is checked before any is written
         for (kind, stem), files in sorted(entries.items()):
             label = f"{kind}/{stem}"
-            checked = _check_entry(tar, kind, stem, files, tc)
+            checked = _check_entry(tar, kind, stem, files, tc, trust_host_code)
             if isinstance(checked, str):
                 report.refused.append((label, checked))
                 if progress is not None:
                     progress(label, "refused")
             else:
                 accepted.append((label, kind, checked))
-    for label, kind, (name, key, files, artifacts) in accepted:
+    def install(item):
+        label, kind, (name, key, files, artifacts, build_here, source_name) = item
         try:
-            placed = build.install_entry(kind, name, key, files, artifacts)
+            return label, bool(build_here), build.install_entry(kind, name, key, files, artifacts, build_here,
+                                                                source_name)
         except (BuildError, OSError) as e:
-            report.refused.append((label, f"not written: {e}"))
-            outcome = "refused"
-        else:
-            (report.imported if placed else report.present).append(label)
-            outcome = "imported" if placed else "present"
-        if progress is not None:
-            progress(label, outcome)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            return label, bool(build_here), f"not written: {first}"
+
+    workers = max(1, jobs or (os.cpu_count() or 2) // 2) if any(item[2][4] for item in accepted) else 1
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for label, built_here, placed in pool.map(install, accepted):
+            if isinstance(placed, str):
+                report.refused.append((label, placed))
+                outcome = "refused"
+            else:
+                (report.imported if placed else report.present).append(label)
+                if placed and built_here:
+                    report.host_built.append(label)
+                outcome = "imported" if placed else "present"
+            if progress is not None:
+                progress(label, outcome)
     return report
 
 
 def _check_entry(tar: tarfile.TarFile, kind: str, stem: str, members: dict[str, tarfile.TarInfo],
-                 tc: build.Toolchain) -> "Union[str, tuple[str, str, dict[str, bytes], tuple[str, ...]]]":
-    """``(name, key, files, artifacts)`` for :func:`mixgemm.build.install_entry`, or the reason
-    the entry is refused."""
+                 tc: build.Toolchain, trust_host_code: bool = False) -> "Union[str, tuple]":
+    """``(name, key, files, artifacts, build_here, source_name)`` for
+    :func:`mixgemm.build.install_entry`, or the reason the entry is refused. Unless
+    ``trust_host_code``, the entry's host libraries are not read from the archive: ``build_here``
+    names them, with their flags, to be compiled from this install's source."""
     if "meta.json" not in members:
         return "foreign: no meta.json"
     try:
@@ -450,14 +505,16 @@ def _check_entry(tar: tarfile.TarFile, kind: str, stem: str, members: dict[str, 
         return f"corrupt: missing {missing}"
     if key != expected.key:
         return f"stale: {_stale_reason(meta, tc)}"
+    build_here = {} if trust_host_code else {a: expected.steps[a] for a in expected.host_code}
+    taken = [a for a in expected.artifacts if a not in build_here]
     files = {"meta.json": meta_bytes}
     try:
-        for a in expected.artifacts:
+        for a in taken:
             files[a] = _read(tar, members[a], MAX_ARTIFACT_BYTES)
     except (ValueError, OSError, tarfile.TarError) as e:
         return f"corrupt: {e}"
-    bad = [a for a in expected.artifacts if _sha256(files[a]) != meta["sha256"][a]]
+    bad = [a for a in taken if _sha256(files[a]) != meta["sha256"][a]]
     if bad:
         return f"corrupt: {bad} do not match their sha256 in meta.json"
     files[expected.source_name] = expected.source.encode()
-    return name, key, files, expected.artifacts
+    return name, key, files, expected.artifacts, build_here, expected.source_name

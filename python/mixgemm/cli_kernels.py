@@ -56,7 +56,8 @@ def add_cache(subparsers) -> None:
                      "compiled launcher, each keyed by what built it. `export FILE` writes the entries this install "
                      "uses to a .tar.gz; `import FILE` checks every entry of one against this install (its key "
                      "must be the one this mixgemm, its headers, nvcc and flags give; its files must match their "
-                     "sha256) and refuses stale or foreign entries, one line each. See mixgemm.cache_archive."),
+                     "sha256) and refuses stale or foreign entries, one line each; it takes only device code from "
+                     "the archive unless --trust-host-code. See mixgemm.cache_archive."),
     )
     actions = p.add_subparsers(dest="cache_action", metavar="ACTION")
     ls = actions.add_parser("list", help="the cache's entries: current, stale, corrupt or foreign, build seconds")
@@ -67,8 +68,20 @@ def add_cache(subparsers) -> None:
     ex.add_argument("--kernels", metavar="REGEX", default=None, type=_regex_arg,
                     help="only entries whose name matches REGEX")
     ex.add_argument("--force", action="store_true", help="replace an existing FILE")
-    im = actions.add_parser("import", help="check and add the entries of FILE (written by export)")
+    im = actions.add_parser(
+        "import", help="check and add the entries of FILE (written by export)",
+        description=("Check every entry of FILE against this install and add the valid ones to the kernel cache. "
+                     "Only device code (kernel.cubin) is taken from FILE by default: the host libraries that "
+                     "run in your process (each GEMM kernel's helper.so, the compiled launcher's launcher.so) "
+                     "are compiled here from this install's sources, which needs nvcc and takes a while. With "
+                     "--trust-host-code they are taken from FILE as they are: only for an archive you trust as "
+                     "much as the code you run."))
     im.add_argument("file", metavar="FILE")
+    im.add_argument("--trust-host-code", action="store_true",
+                    help="take FILE's host libraries (helper.so, launcher.so) as they are instead of compiling "
+                         "them here; they run in every process that uses the cache")
+    im.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="N",
+                    help="host libraries compiled at a time (default: half the CPU cores)")
     p.set_defaults(func=_run_cache)
 
 
@@ -94,9 +107,15 @@ def _run_cache(args: argparse.Namespace) -> int:
         print(f"exported {len(report.exported)} entries ({_fmt_bytes(report.nbytes)}) to {report.path}"
               + (f"; skipped {len(report.skipped)} stale, corrupt or foreign" if report.skipped else ""))
         return 0
-    report = cache_archive.import_cache(args.file)
+    report = cache_archive.import_cache(args.file, trust_host_code=args.trust_host_code, jobs=args.jobs)
     for what, why in report.refused:
         print(f"{PROG} cache import: refused {what}: {why}", file=sys.stderr)
-    print(f"imported {len(report.imported)} entries, {len(report.present)} already present, "
+    if report.host_built:
+        host = f" (the host code of {len(report.host_built)} compiled here; --trust-host-code takes the archive's)"
+    elif args.trust_host_code and report.imported:
+        host = " (host code taken from the archive: --trust-host-code)"
+    else:
+        host = ""
+    print(f"imported {len(report.imported)} entries{host}, {len(report.present)} already present, "
           f"{len(report.refused)} refused, into {build.cache_dir()}")
     return EXIT_OK if report.ok else EXIT_ERROR
