@@ -122,10 +122,29 @@ def _llama(dev, layers=2):
                                                          attn_implementation="sdpa").to(dev).eval()
 
 
+def assert_same_greedy(got, want, prompt: int, rtol: float = 2e-2) -> None:
+    """Two greedy generate() results (with scores) of one model, compiled and eager: the scores
+    agree (relative L2 below ``rtol``) at every step up to the first token that differs, and
+    there the eager top-2 gap is within the scores' difference (a near tie that rounding decides:
+    compiled graphs fuse the torch ops around the GEMMs in other orders), never a wrong logit."""
+    for b in range(want.sequences.shape[0]):
+        g, w = got.sequences[b, prompt:], want.sequences[b, prompt:]
+        differ = (g != w).nonzero()
+        last = int(differ[0]) if len(differ) else len(w) - 1
+        for t in range(last + 1):
+            a, r = got.scores[t][b].double(), want.scores[t][b].double()
+            assert ((a - r).norm() / r.norm()).item() < rtol, f"row {b} step {t}: scores differ"
+        if len(differ):
+            top = want.scores[last][b].double().topk(2).values
+            err = (got.scores[last][b].double() - want.scores[last][b].double()).abs().max()
+            assert (top[0] - top[1]).item() <= 2 * err.item(), f"row {b} step {last}: a token flip that is no tie"
+
+
 @pytest.mark.parametrize("fuse_layers", [False, True])
 def test_a_transformers_model_generates_the_eager_tokens_under_reduce_overhead(requires_gpu, fuse_layers):
-    """generate() with a static cache: eager, generate()'s own compile (CUDA-graph trees), and
-    the forward compiled with reduce-overhead; the same greedy tokens, batch 1 and 4."""
+    """generate() with a static cache: eager, and generate()'s own compile with
+    ``mode="reduce-overhead", fullgraph=True`` (CUDA-graph trees, recorded then replayed): the
+    same greedy tokens up to near ties, batch 1 and 4 (:func:`assert_same_greedy`)."""
     from transformers import CompileConfig
 
     dev = requires_gpu
@@ -134,12 +153,13 @@ def test_a_transformers_model_generates_the_eager_tokens_under_reduce_overhead(r
     mixgemm.nn.quantize_model(model, bits=4, group_size=128, progress=False, fuse_layers=fuse_layers)
     for batch in (1, 4):
         ids = torch.randint(0, 4096, (batch, 37), device=dev, generator=torch.Generator(device=dev).manual_seed(batch))
-        kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, cache_implementation="static")
+        kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, cache_implementation="static",
+                  output_scores=True, return_dict_in_generate=True)
         with torch.no_grad():
             want = model.generate(ids, disable_compile=True, **kw)
             for _ in range(2):                   # the second call replays the recorded graphs
                 got = model.generate(ids, compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"), **kw)
-                assert torch.equal(got, want), (fuse_layers, batch)
+                assert_same_greedy(got, want, ids.shape[1])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
