@@ -10,6 +10,59 @@ from .common import (_shard_imported, _WORD_BITS, DTypeLike, ImportedLayer, _app
                      _check_kernel_shape, _check_tensor, _err, _finalize, _resolve_dtype,
                      _resolve_group_size, _resolve_groups, _unpack_words)
 
+#: The widths that compressed-tensors <= 0.17 packed with spare bits (``32 // bits`` codes per
+#: int32 word, the rest zero) and later versions pack densely (codes straddle words).
+PADDED_WIDTHS = (3, 5, 6, 7)
+
+
+def packed_words(count: int, bits: int) -> dict:
+    """The int32 words that hold ``count`` codes of ``bits`` bits in each of compressed-tensors'
+    layouts: ``{"dense": ceil(count * bits / 32), "padded": ceil(count / (32 // bits))}`` (the
+    two are the same layout for 1, 2, 4 and 8 bits)."""
+    return {"dense": -(-count * bits // _WORD_BITS), "padded": -(-count // (_WORD_BITS // bits))}
+
+
+def packings(words: torch.Tensor, count: int, bits: Optional[int] = None, dim: int = 1) -> set:
+    """The ``(bits, layout)`` pairs that int32 ``words`` (``count`` codes along ``dim``) can be:
+    the word count fits the layout (:func:`packed_words`), and a padded layout leaves its spare
+    bits zero in every word (how 8-bit codes, dense, are told from 7-bit ones, padded, when both
+    take K / 4 words). ``bits`` restricts the widths. For 1, 2, 4 and 8 bits the two layouts are
+    one, reported as ``"dense"``."""
+    n_words = words.shape[dim]
+    out = set()
+    for b in ([bits] if bits is not None else range(1, 9)):
+        need = packed_words(count, b)
+        if need["dense"] == n_words:
+            out.add((b, "dense"))
+        if need["padded"] == n_words and _WORD_BITS % b:
+            spare = _WORD_BITS - (_WORD_BITS // b) * b
+            if not bool(((words.to(torch.int64) >> (_WORD_BITS - spare)) & ((1 << spare) - 1)).any()):
+                out.add((b, "padded"))
+    return out
+
+
+def _packed_bits(name: str, packed: torch.Tensor, k: int, bits: Optional[int]) -> int:
+    """The bits of ``weight_packed`` holding K codes per row, dense or padded (:func:`packings`):
+    checked against ``bits`` when given, else inferred; a FormatError when the words fit no
+    width, or several."""
+    shape, words = list(packed.shape), packed.shape[1]
+    if bits is not None:
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise _err(name, f"bits must be an integer from 1 to 8, got {bits!r}")
+        need = packed_words(k, bits)
+        if words not in need.values():
+            layouts = (f"{need['dense']}" if need["dense"] == need["padded"] else
+                       f"{need['dense']} (dense) or {need['padded']} (padded, compressed-tensors <= 0.17)")
+            raise _err(name, f"bits={bits} does not match weight_packed {shape} for K={k}: need {layouts} "
+                             f"int32 words per row")
+        return bits
+    fits = sorted({b for b, _ in packings(packed, k)})
+    if len(fits) != 1:
+        what = "no width" if not fits else f"several widths ({fits})"
+        raise _err(name, f"weight_packed {shape} holds K={k} codes of {what}; pass bits (the config's num_bits)")
+    return fits[0]
+
+
 def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                             weight_shape: Optional[Union[torch.Tensor, Tuple[int, int]]] = None,
                             weight_zero_point: Optional[torch.Tensor] = None,
@@ -39,6 +92,9 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
         int32 ``[N, K * bits / 32]`` (``pack_to_int32``): code ``i`` of a row (offset to
         unsigned, ``q + 2^(b-1)``) at bit ``i * bits`` of the row's little-endian bit stream,
         i.e. code ``j`` of word ``c`` is element ``c * 32/bits + j`` at bits ``bits*j ..``.
+        A 3, 5, 6 or 7-bit layer (which mixgemm cannot represent: UnsupportedLayerError) is
+        recognised in both of compressed-tensors' layouts, told apart by the word count
+        (:func:`packed_words`): dense (0.18 on) or padded (up to 0.17).
     weight_scale : torch.Tensor
         ``[N, G]`` ("group") or ``[N, 1]`` ("channel"), floating point.
     weight_shape : torch.Tensor or tuple, optional
@@ -67,7 +123,7 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
         Inconsistent shapes/dtypes or ``bits``, zero points out of range; N % 16, K % 64 or
         the group size unsupported.
     UnsupportedLayerError
-        Other bit widths; the "tensor" strategy (a scalar scale).
+        Other bit widths (3, 5, 6, 7: in either layout); the "tensor" strategy (a scalar scale).
     """
     _check_tensor(name, "weight_packed", weight_packed, 2, (torch.int32,))
     _check_tensor(name, "weight_scale", weight_scale, floating=True)
@@ -82,16 +138,7 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
                              f"{list(weight_packed.shape)} (N)")
         k = shape[1]
         _check_kernel_shape(name, n, k)
-        inferred, rem = divmod(words * _WORD_BITS, k)
-        if bits is None:
-            if rem:
-                raise _err(name, f"weight_packed {list(weight_packed.shape)} does not hold "
-                                 f"K={k} codes of a whole number of bits")
-            bits = inferred
-        elif -(-k * bits // _WORD_BITS) != words:
-            raise _err(name, f"bits={bits} does not match weight_packed "
-                             f"{list(weight_packed.shape)} for K={k}: need "
-                             f"{-(-k * bits // _WORD_BITS)} int32 words per row")
+        bits = _packed_bits(name, weight_packed, k, bits)
     elif bits is None:
         raise _err(name, "pass weight_shape (or bits) to size the weight")
     else:

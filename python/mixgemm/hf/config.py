@@ -14,7 +14,8 @@ stored; the bits and group size it gives are checked against each layer's tensor
   (``"+:regex"`` / ``"regex"``: other bits or group size; ``"-:regex"``: not quantized).
 * ``"compressed-tensors"`` with ``format="pack-quantized"``: each ``config_groups`` entry's
   ``targets`` (``"Linear"``, a module name or ``"re:regex"``) and ``weights``
-  (``num_bits``, ``strategy`` "group" / "channel", ``group_size``), and ``ignore``.
+  (``num_bits``, ``strategy`` "group" / "channel", ``group_size``), and ``ignore``; ``version``
+  (the writer's compressed-tensors version) says how 3/5/6/7-bit codes are packed.
 * ``"mixgemm"``: the shards are :func:`mixgemm.save` files (see :data:`MIXGEMM_FORMAT_VERSION`).
 
 The mixgemm checkpoint format
@@ -84,12 +85,17 @@ class LayerScheme:
         From the config; ``None``: inferred from the tensors. ``group_size=-1``: per-channel.
     checkpoint_format : str or None
         GPTQ only: ``"gptq"`` (v1) or ``"gptq_v2"``.
+    packing : str or None
+        compressed-tensors only: how its writer packed 3, 5, 6 and 7-bit codes, from the
+        config's ``version``: ``"padded"`` (``32 // bits`` codes per int32 word, up to 0.17) or
+        ``"dense"`` (0.18 on); ``None`` when the config does not say.
     """
 
     quantized: bool = True
     bits: Optional[int] = None
     group_size: Optional[int] = None
     checkpoint_format: Optional[str] = None
+    packing: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +219,22 @@ def _ct_rules(targets, scheme: LayerScheme) -> List[_Rule]:
     return rules
 
 
+#: The first compressed-tensors version that packs 3/5/6/7-bit codes densely.
+_CT_DENSE_SINCE = (0, 18)
+
+
+def _ct_packing(version) -> Optional[str]:
+    """``"padded"`` or ``"dense"`` from a compressed-tensors ``version`` string ("0.17.1",
+    "0.10.3.a20250101", ...); None when there is none or it does not start with major.minor."""
+    m = re.match(r"\s*(\d+)\.(\d+)", str(version)) if version is not None else None
+    if m is None:
+        return None
+    return "dense" if (int(m.group(1)), int(m.group(2))) >= _CT_DENSE_SINCE else "padded"
+
+
 def _parse_compressed_tensors(qc: Mapping, raw: dict, where: str) -> QuantizationConfig:
     fmt = qc.get("format")
+    packing = _ct_packing(qc.get("version"))
     rules: List[_Rule] = _ct_rules(qc.get("ignore"), LayerScheme(quantized=False))
     groups = qc.get("config_groups") or {}
     if not isinstance(groups, Mapping):
@@ -238,6 +258,6 @@ def _parse_compressed_tensors(qc: Mapping, raw: dict, where: str) -> Quantizatio
                           stacklevel=3)
         strategy = str(weights.get("strategy", "group"))
         group_size = {"group": _int_or_none(weights, "group_size"), "channel": -1}.get(strategy)
-        scheme = LayerScheme(bits=_int_or_none(weights, "num_bits"), group_size=group_size)
+        scheme = LayerScheme(bits=_int_or_none(weights, "num_bits"), group_size=group_size, packing=packing)
         rules.extend(_ct_rules(group.get("targets"), scheme))
     return QuantizationConfig(QuantMethod.COMPRESSED_TENSORS, raw, LayerScheme(quantized=False), tuple(rules))

@@ -72,7 +72,9 @@ def dequantize_layer(method: QuantMethod, tensors: Mapping[str, torch.Tensor], p
       little-endian bit streams along K and N (any width, 3-bit included), ``z`` the stored value
       plus one for v1 (a stored ``2^b - 1`` reads as ``2^b``, as exllama does);
     * compressed-tensors: ``w[n, k] = (q[n, k] - z[n, g]) * s[n, g]`` with signed codes, a
-      scalar scale ("tensor" strategy) or any group size.
+      scalar scale ("tensor" strategy) or any group size; 3, 5, 6 and 7-bit codes packed densely
+      (0.18 on) or padded (``32 // bits`` per word, up to 0.17), told apart by the word count
+      (where the counts coincide, by the config's ``version``, else refused).
 
     Parameters
     ----------
@@ -148,21 +150,58 @@ def _dequant_gptq(tensors: Mapping, prefix: str, scheme: LayerScheme) -> torch.T
     return ((q - z[g]).to(scales.dtype) * scales[g]).t().contiguous()
 
 
+def _ct_layout(prefix: str, what: str, words: torch.Tensor, count: int, dim: int, bits: Optional[int],
+               packing: Optional[str]) -> tuple:
+    """``(bits, layout)`` of ``count`` compressed-tensors codes in int32 ``words`` along ``dim``:
+    ``"dense"`` (a bit stream, 0.18 on) or ``"padded"`` (``32 // bits`` codes per word, up to 0.17),
+    told apart by the word count and the padded layout's zero spare bits
+    (:func:`mixgemm.formats.compressed_tensors.packings`); where both remain possible (as many
+    words, and different contents), by ``packing`` (the config's version), else refused."""
+    from ..formats.compressed_tensors import packed_words, packings
+
+    shape = list(words.shape)
+    found = packings(words, count, bits, dim)
+    if not found:
+        if bits is None:
+            raise FormatError(f"layer {prefix!r}: {what} {shape} does not hold {count} codes of any width")
+        need = packed_words(count, bits)
+        raise FormatError(f"layer {prefix!r}: {what} {shape} does not hold {count} {bits}-bit codes: need "
+                          f"{need['dense']} (dense) or {need['padded']} (padded) int32 words")
+    widths = sorted({b for b, _ in found})
+    if len(widths) != 1:
+        raise FormatError(f"layer {prefix!r}: {what} {shape} does not say the bits for {count} codes "
+                          f"({widths} fit); the config's num_bits is needed")
+    b = widths[0]
+    layouts = {layout for _, layout in found}
+    if len(layouts) == 1:
+        return b, layouts.pop()
+    if -(-count // (32 // b)) == 1:
+        return b, "dense"                              # one word: the two layouts are the same
+    if packing in ("dense", "padded"):
+        return b, packing
+    raise FormatError(f"layer {prefix!r}: {what} {shape} holds {count} {b}-bit codes in as many words densely "
+                      f"(compressed-tensors 0.18 on) as padded (up to 0.17), and the config's 'version' does not "
+                      f"say which wrote it")
+
+
+def _ct_unpack(words: torch.Tensor, bits: int, layout: str, count: int, dim: int) -> torch.Tensor:
+    if layout == "dense":
+        return _unpack_stream(words, bits, count, dim)
+    per = 32 // bits                                   # padded: codes j of word c is element c * per + j
+    w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+    codes = (w.unsqueeze(-1) >> (torch.arange(per) * bits)) & ((1 << bits) - 1)
+    return codes.flatten(-2)[..., :count].movedim(-1, dim)
+
+
 def _dequant_ct(tensors: Mapping, prefix: str, scheme: LayerScheme) -> torch.Tensor:
     packed, scale = _need(tensors, prefix, "weight_packed"), _need(tensors, prefix, "weight_scale")
     shape = tensors.get(f"{prefix}.weight_shape")
     if shape is None:
         raise FormatError(f"layer {prefix!r}: missing tensor {prefix + '.weight_shape'!r}")
     n, k = (int(v) for v in shape.flatten().tolist())
-    words = packed.shape[1]
-    bits = scheme.bits
-    if bits is None:
-        fits = [b for b in range(1, 9) if -(-k * b // 32) == words]
-        if len(fits) != 1:
-            raise FormatError(f"layer {prefix!r}: weight_packed {list(packed.shape)} does not say the bits for K={k}")
-        bits = fits[0]
+    bits, layout = _ct_layout(prefix, "weight_packed", packed, k, 1, scheme.bits, scheme.packing)
     offset = 1 << (bits - 1)
-    q = _unpack_stream(packed, bits, k, 1) - offset                     # [N, K], signed
+    q = _ct_unpack(packed, bits, layout, k, 1) - offset                # [N, K], signed
     dt = scale.dtype
     zp = tensors.get(f"{prefix}.weight_zero_point")
     if scale.numel() == 1:                                            # "tensor" strategy
@@ -174,8 +213,9 @@ def _dequant_ct(tensors: Mapping, prefix: str, scheme: LayerScheme) -> torch.Ten
     g = _groups_of(k, num_groups, scheme.group_size, _ct_g_idx(tensors.get(f"{prefix}.weight_g_idx")), prefix)
     w = q.to(dt)
     if zp is not None:
-        if zp.dtype == torch.int32 and zp.shape[0] != n:
-            zp = _unpack_stream(zp, bits, n, 0) - offset                # packed along N
+        if zp.dtype == torch.int32 and zp.shape[0] != n:             # packed along N
+            _, zlayout = _ct_layout(prefix, "weight_zero_point", zp, n, 0, bits, scheme.packing)
+            zp = _ct_unpack(zp, bits, zlayout, n, 0) - offset
         w = w - zp.to(dt)[:, g]
     return (w * scale[:, g]).contiguous()
 
