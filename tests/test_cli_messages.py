@@ -145,3 +145,20 @@ def test_quantize_refuses_an_fp8_weight_by_name(fp8, pin_case):
     assert str(excinfo.value) == (f"w is {fp8}: fp8 values mean nothing without the checkpoint's scale "
                                   f"(weight_scale); dequantize first (w.float() * scale) and quantize that")
     pin_case("Values", f"quantize of a {fp8} weight", "mixgemm.quantize(w, 4, 64)", "TypeError", str(excinfo.value))
+
+
+def test_prepack_from_compressed_tensors_refuses_an_fp8_layer_by_name(capsys, tmp_path, pin_case):
+    """A compressed-tensors float-quantized checkpoint (fp8 weight + weight_scale): named, not
+    copied through, not 'an incomplete layer'."""
+    w = (torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.1).to(torch.float8_e4m3fn)
+    src = checkpoint(tmp_path / "in.safetensors", w, **{"layers.0.proj.weight_scale": torch.ones(64, 1),
+                                                        "layers.0.proj.input_scale": torch.ones(1)})
+    out = tmp_path / "out.safetensors"
+    rc, _, err = run(capsys, "prepack", src, "-o", out, "--from", "compressed-tensors")
+    assert rc == 1 and len(err.splitlines()) == 1
+    assert err == (ERR + f"layer 'layers.0.proj': '{NAME}' is torch.float8_e4m3fn: an fp8 layer (compressed-tensors "
+                         f"float-quantized, with a weight_scale); mixgemm imports integer layers (dequantize it by "
+                         f"its scale and quantize that with `mixgemm prepack`, or leave fp8 layers to an fp8 kernel)\n")
+    assert not out.exists()
+    pin_case("Values", "an fp8 layer with --from compressed-tensors",
+             "mixgemm prepack IN -o OUT --from compressed-tensors", "exit 1", err.splitlines()[0])

@@ -12,6 +12,7 @@ import torch
 from ..layout import prepack
 from ..types import PackedWeight
 from .awq import from_awq
+from ..errors import UnsupportedLayerError
 from .common import DTypeLike, ImportedLayer, _err, _key, _shard_imported
 from .compressed_tensors import from_compressed_tensors
 from .gptq import GPTQCheckpointFormat, from_gptq
@@ -210,6 +211,23 @@ def _split(key: str) -> Tuple[str, str]:
     return prefix, last
 
 
+def _refuse_fp8(tensors: Mapping[str, torch.Tensor]) -> None:
+    """An fp8 tensor (a compressed-tensors "float-quantized" layer's weight, with its
+    ``weight_scale``; any other): refused by name, never copied through as if it were a plain
+    weight."""
+    from ..quantize import FLOAT8_DTYPES
+
+    for key, value in tensors.items():
+        if isinstance(value, torch.Tensor) and value.dtype in FLOAT8_DTYPES:
+            prefix, _ = _split(key)
+            scaled = any(_key(prefix, s) in tensors for s in ("weight_scale", "weight_scale_inv"))
+            what = ("an fp8 layer (compressed-tensors float-quantized, with a weight_scale)" if scaled
+                    else "an fp8 tensor")
+            raise _err(prefix or key, f"{key!r} is {value.dtype}: {what}; mixgemm imports integer layers "
+                                      f"(dequantize it by its scale and quantize that with `mixgemm prepack`, "
+                                      f"or leave fp8 layers to an fp8 kernel)", UnsupportedLayerError)
+
+
 def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tensor],
                       dtype: DTypeLike = None, *, bits: Optional[int] = None,
                       group_size: Optional[int] = None,
@@ -248,12 +266,14 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
         without its layer's packed weight (e.g. ``qzeros`` without ``qweight``); a layer that
         also has a plain ``P.weight`` (or ``P.perm``) tensor.
     UnsupportedLayerError
-        A valid layer mixgemm cannot represent exactly.
+        A valid layer mixgemm cannot represent exactly; an fp8 tensor (named: never copied
+        through).
     """
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a dict of name -> torch.Tensor, got "
                         f"{type(tensors).__name__}")
     fixed = None if fmt is None or fmt == "auto" else Format.parse(fmt)
+    _refuse_fp8(tensors)
     formats = [fixed] if fixed is not None else list(Format)
     primaries = {_PRIMARY[f] for f in formats}
     layers: Dict[str, Format] = {}
