@@ -8,6 +8,10 @@ For each layer: the kernels' widths (2, 4, 8 bits) import bit-exactly; the other
 with UnsupportedLayerError (so that from_pretrained keeps them in full precision), and the
 full-precision dequantizer gives compressed-tensors' own weights exactly, in either packing, or
 refuses where it cannot tell them apart: never a wrong weight.
+
+HQQ: HQQLinear (hqq 0.2.8 checked) quantizes each layer and its own dequantize is the reference;
+skipped where hqq is not installed (it is not in the test extra: a source build that pulls in
+accelerate). gguf's own quantizer and dequantizer are the reference of tests/test_formats_gguf.py.
 """
 from __future__ import annotations
 
@@ -172,3 +176,46 @@ def test_a_padded_layer_in_import_checkpoint_is_unsupported_not_malformed():
         bad = dict(layer)
         bad[f"{name}.weight_packed"] = bad[f"{name}.weight_packed"][:, :-2].contiguous()
         import_layer(Format.COMPRESSED_TENSORS, bad, name, bits=3)
+
+
+# ------------------------------------------------------------------ HQQ
+
+def _ulp(v: torch.Tensor, dtype) -> torch.Tensor:
+    mant = 7 if dtype == torch.bfloat16 else 10
+    return torch.exp2(torch.floor(torch.log2(v.abs().float())) - mant)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("optimize", [True, False], ids=["optimized (fractional zeros)", "plain"])
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_against_hqq(bits, group, optimize, dtype):
+    """HQQ's own HQQLinear quantizes a layer (its optimizer leaves fractional zero points); its
+    own dequantize is the reference: the import is within the bound from_hqq documents (2 ulp of
+    2^b * |scale| per element), bit-exact where every zero point is an integer; 3 bits are
+    refused as unsupported."""
+    quantize = pytest.importorskip("hqq.core.quantize")
+    gen = torch.Generator().manual_seed(bits * 1000 + group + optimize)
+    linear = torch.nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(64, 256, generator=gen) * 0.02)
+    linear = linear.to(dtype)
+    config = quantize.BaseQuantizeConfig(nbits=bits, group_size=group, axis=1)
+    config["weight_quant_params"]["optimize"] = optimize
+    layer = quantize.HQQLinear(linear, config, compute_dtype=dtype, device="cpu")
+    reference = layer.dequantize().to(dtype)
+    state = _prefixed({k: v for k, v in layer.state_dict().items() if isinstance(v, torch.Tensor)}, "l")
+    if bits == 3:
+        with pytest.raises(UnsupportedLayerError, match="3-bit HQQ"):
+            import_layer(Format.HQQ, state, "l")
+        return
+    qw = import_layer(Format.HQQ, state, "l").qweight
+    ours = dequantize_reference(qw)
+    zero = state["l.zero"]
+    if bool((zero == zero.round()).all()):
+        assert torch.equal(ours, reference)
+    else:
+        s = state["l.scale"].reshape(64, 256 // group).repeat_interleave(group, dim=1)
+        bound = 2 * _ulp((1 << bits) * s, dtype)
+        err = (ours.float() - reference.float()).abs()
+        assert bool((err <= bound).all()), float((err / bound).max())
