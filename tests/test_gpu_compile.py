@@ -133,10 +133,15 @@ def assert_same_greedy(got, want, prompt: int, rtol: float = 2e-2) -> None:
         last = int(differ[0]) if len(differ) else len(w) - 1
         for t in range(last + 1):
             a, r = got.scores[t][b].double(), want.scores[t][b].double()
+            finite = r.isfinite()    # (the logits processors mask tokens with -inf: EOS before min_new_tokens)
+            assert torch.equal(finite, a.isfinite()), f"row {b} step {t}: masked tokens differ"
+            a, r = a[finite], r[finite]
             assert ((a - r).norm() / r.norm()).item() < rtol, f"row {b} step {t}: scores differ"
         if len(differ):
-            top = want.scores[last][b].double().topk(2).values
-            err = (got.scores[last][b].double() - want.scores[last][b].double()).abs().max()
+            r = want.scores[last][b].double()
+            finite = r.isfinite()
+            top = r[finite].topk(2).values
+            err = (got.scores[last][b].double()[finite] - r[finite]).abs().max()
             assert (top[0] - top[1]).item() <= 2 * err.item(), f"row {b} step {last}: a token flip that is no tie"
 
 

@@ -57,6 +57,9 @@ HOST_REPEATS = 9
 #: The first sleep (microseconds) before a loop; doubled when a loop outlasts it.
 HOST_SLEEP_US = 20_000.0
 SLEEP_RETRIES = 4
+#: The longest sleep: a call that waits for the GPU itself (a host sync inside it) is never
+#: queued behind any sleep, and is reported so (``queued`` False) rather than retried forever.
+MAX_SLEEP_US = 1_000_000.0
 HOST_IMPLS = ("F.linear", "torch-int4", "mixgemm.gemm", "QuantLinear")
 #: The compiled modes: the ops chained HOST_CHAIN times in one function, at M = 1.
 HOST_MODES = ("eager", "compile", "reduce-overhead")
@@ -215,8 +218,8 @@ def measure_host(fn: Callable[[], Any], impl: str, m: int, n: int, k: int, cycle
         while len(hosts) < repeats:
             host, loop, ok = time_host_loop(fn, calls, sleep_cycles(sleep_us, cycles_per_us))
             retries = 0
-            while not ok and retries < SLEEP_RETRIES:
-                sleep_us *= 2
+            while not ok and retries < SLEEP_RETRIES and sleep_us < MAX_SLEEP_US:
+                sleep_us = min(2 * sleep_us, MAX_SLEEP_US)
                 retries += 1
                 host, loop, ok = time_host_loop(fn, calls, sleep_cycles(sleep_us, cycles_per_us))
             queued &= ok
