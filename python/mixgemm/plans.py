@@ -398,21 +398,19 @@ def _launch_with_memory(plan: LaunchPlan, rc: int, m: int, x_ptr: int, y_ptr: in
     from . import launcher
 
     held = []
+
+    def memory(arenas: StreamArenas, need: int) -> tuple[int, int]:
+        if not plan.capturing:
+            return arenas.grow(plan.device, plan.device_index, stream, need)[1:]
+        make = torch.zeros if arenas.zeroed else torch.empty
+        held.append(make(need, dtype=torch.uint8, device=plan.device))
+        return held[-1].data_ptr(), need
+
     for _ in range(3):   # at most one answer of each kind, then the launch
         if rc == launcher.LaunchResult.NEED_WORKSPACE:
-            need = launcher.current_call().workspace_bytes
-            if plan.capturing:
-                held.append(torch.empty(need, dtype=torch.uint8, device=plan.device))
-                ws_ptr, ws_size = held[-1].data_ptr(), need
-            else:
-                ws_ptr, ws_size = WORKSPACES.grow(plan.device, plan.device_index, stream, need)[1:]
+            ws_ptr, ws_size = memory(WORKSPACES, launcher.current_call().workspace_bytes)
         elif rc == launcher.LaunchResult.NEED_LOCKS:
-            need = launcher.current_call().lock_bytes
-            if plan.capturing:
-                held.append(torch.zeros(need, dtype=torch.uint8, device=plan.device))
-                lk_ptr, lk_size = held[-1].data_ptr(), need
-            else:
-                lk_ptr, lk_size = LOCKS.grow(plan.device, plan.device_index, stream, need)[1:]
+            lk_ptr, lk_size = memory(LOCKS, launcher.current_call().lock_bytes)
         else:
             launcher.raise_for(rc, plan.kernel)
         rc = plan.launch(m, x_ptr, plan.k, y_ptr, plan.n_out, bias_ptr, ws_ptr, ws_size, lk_ptr, lk_size, stream)

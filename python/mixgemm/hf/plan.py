@@ -379,9 +379,7 @@ def _plan_linears(plan: Plan, qconfig: QuantizationConfig, children: Dict[str, D
         plain = [a for a in (GATE_UP if kind == "mlp" else QKV) if a not in parts]
         _log.info("mixgemm.hf: %s: %s not fused: %s not quantized in the checkpoint", module, what,
                   " and ".join(plain) + (" is" if len(plain) == 1 else " are"))
-        for attr, layer in parts.items():
-            if layer is not None:
-                plan.quantized[f"{module}.{attr}"] = layer.prepacked()
+        _pack_apart(plan, module, parts)
 
 
 def _maybe_fuse(plan: Plan, mlp: str, pending: Dict[Tuple[str, str], Dict[str, object]]) -> None:
@@ -398,9 +396,7 @@ def _maybe_fuse(plan: Plan, mlp: str, pending: Dict[Tuple[str, str], Dict[str, o
         plan.fused[mlp] = key
         return
     _log.info("mixgemm.hf: %s: gate and up not fused: %s", mlp, why)
-    for attr, layer in (("gate_proj", gate), ("up_proj", up)):
-        if layer is not None:
-            plan.quantized[f"{mlp}.{attr}"] = layer.prepacked()
+    _pack_apart(plan, mlp, parts)
 
 
 def _maybe_fuse_qkv(plan: Plan, attention: str, pending: Dict[Tuple[str, str], Dict[str, object]]) -> None:
@@ -420,9 +416,15 @@ def _maybe_fuse_qkv(plan: Plan, attention: str, pending: Dict[Tuple[str, str], D
         plan.attentions[attention] = key
         return
     _log.info("mixgemm.hf: %s: q, k and v not fused: %s", attention, why)
-    for attr in QKV:
-        if parts[attr] is not None:
-            plan.quantized[f"{attention}.{attr}"] = parts[attr].prepacked()
+    _pack_apart(plan, attention, parts)
+
+
+def _pack_apart(plan: Plan, module: str, parts: Dict[str, object]) -> None:
+    """Pack each read part of a module that is not fused as a layer of its own (a part kept in
+    full precision is None)."""
+    for attr, layer in parts.items():
+        if layer is not None:
+            plan.quantized[f"{module}.{attr}"] = layer.prepacked()
 
 
 def _plan_rest(plan: Plan, children: Dict[str, Dict[str, str]], where: str) -> None:
