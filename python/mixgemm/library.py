@@ -3,8 +3,8 @@
 ``torch.library.custom_op`` wraps an operator in Python layers that run on every call: an
 autograd function at the Autograd key, a per-backend wrapper, and an aliasing check of the
 outputs. A compiled graph (``torch.compile``'s default mode) calls the operator through the
-dispatcher on every step, so those layers are host time per GEMM: about 13 us per call on the
-CPU that tests this package, several times the launch itself.
+dispatcher on every step, so those layers are host time per GEMM, several times the launch
+itself (docs/compile-and-graphs.md has the figures).
 
 :func:`custom_op` registers the same operator with one Python kernel and nothing else: the
 schema (inferred from the type hints, as ``torch.library.custom_op`` does), the implementation
