@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers", reason="the fused blocks are 
 import mixgemm  # noqa: E402
 from mixgemm import blocks  # noqa: E402
 from mixgemm.nn import QuantLinear  # noqa: E402
-from mixgemm.ops import _activate  # noqa: E402
+from linear_numerics import swiglu  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -48,9 +48,8 @@ def _reference_forward(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     w = mixgemm.dequantize_reference(self.packed).float()
     if self.perm is not None:
         x = x.index_select(-1, self.perm)
-    y = F.linear(x.float(), w, None if self.bias is None else self.bias.float())
-    return _activate(y.to(x.dtype), None if self.activation == "none" else self.activation) \
-        if self.activation != "none" else y.to(x.dtype)
+    y = F.linear(x.float(), w, None if self.bias is None else self.bias.float()).to(x.dtype)
+    return swiglu(y) if self.activation == "swiglu" else y
 
 
 @pytest.fixture
