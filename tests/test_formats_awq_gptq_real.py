@@ -1,0 +1,97 @@
+"""The AWQ and GPTQ importers against layers written by the real packers.
+
+tests/data/real_packers holds layers packed by AutoAWQ 0.2.9 (``WQLinear_GEMM.from_linear``)
+and AutoGPTQ 0.7.1 (``qlinear_cuda.QuantLinear.pack``), each beside the library's own dequantized
+weight (its layer's forward on the identity, on the CPU); ``make_fixtures.py`` there wrote them and
+says how (the libraries need an older transformers, so they are not installed for the tests).
+mixgemm's import must give the library's weight bit for bit, through the packed kernel layout
+(:func:`mixgemm.formats.from_awq` / :func:`~mixgemm.formats.from_gptq`) where the kernels take the
+layer, and through the full-precision fallback (:func:`mixgemm.hf.dequant.dequantize_layer`) for
+every layer, 3-bit codes included.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mixgemm import dequantize_reference
+from mixgemm.errors import UnsupportedLayerError
+from mixgemm.formats import from_awq, from_gptq
+from mixgemm.hf.config import LayerScheme, QuantMethod
+from mixgemm.hf.dequant import dequantize_layer
+
+DATA = Path(__file__).resolve().parent / "data" / "real_packers"
+CASES = sorted(p.stem for p in DATA.glob("*.safetensors"))
+
+
+def load(case: str) -> tuple[dict, dict]:
+    with safe_open(str(DATA / f"{case}.safetensors"), "pt") as f:
+        meta = json.loads(f.metadata()["case"])
+        return {k: f.get_tensor(k) for k in f.keys()}, meta
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    differ = int((a.view(torch.int16) != b.view(torch.int16)).sum())
+    assert differ == 0, f"{what}: {differ} of {a.numel()} elements differ from the library's"
+
+
+def in_source_order(w: torch.Tensor, perm) -> torch.Tensor:
+    """The imported weight with its act-order permutation undone (columns in the source order)."""
+    if perm is None:
+        return w
+    src = torch.empty_like(w)
+    src[:, perm] = w
+    return src
+
+
+def test_the_fixtures_are_there():
+    assert len(CASES) == 9, CASES
+    libraries = {load(c)[1]["library"]: load(c)[1]["version"] for c in CASES}
+    assert libraries == {"auto-gptq": "0.7.1", "autoawq": "0.2.9"}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("awq")])
+def test_awq_layers_import_as_autoawq_dequantizes_them(case):
+    t, meta = load(case)
+    layer = from_awq(t["qweight"], t["qzeros"], t["scales"], group_size=meta["group_size"])
+    assert layer.perm is None and layer.qweight.group_size == meta["group_size"]
+    assert_bitwise(dequantize_reference(layer.qweight), t["reference"], case)
+    full = dequantize_layer(QuantMethod.AWQ, {f"L.{k}": v for k, v in t.items()}, "L",
+                            LayerScheme(bits=4, group_size=meta["group_size"]))
+    assert_bitwise(full, t["reference"], f"{case} (full-precision fallback)")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("gptq") and "zero-point-zero" not in c])
+def test_gptq_layers_import_as_autogptq_dequantizes_them(case):
+    t, meta = load(case)
+    tensors = {f"L.{k}": v for k, v in t.items() if k != "reference"}
+    scheme = LayerScheme(bits=meta["bits"], group_size=meta["group_size"], checkpoint_format="gptq")
+    assert_bitwise(dequantize_layer(QuantMethod.GPTQ, tensors, "L", scheme), t["reference"],
+                   f"{case} (full-precision fallback)")
+    g_idx = t["g_idx"] if meta["act_order"] else None
+    if meta["bits"] == 3:      # the kernels take 2, 4 and 8 bits: from_pretrained falls back
+        with pytest.raises(UnsupportedLayerError):
+            from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, checkpoint_format="gptq", bits=3)
+        return
+    layer = from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, checkpoint_format="gptq", bits=meta["bits"])
+    assert (layer.perm is not None) == meta["act_order"]
+    assert layer.qweight.symmetric == meta["sym"]
+    w = in_source_order(dequantize_reference(layer.qweight), layer.perm)
+    assert_bitwise(w, t["reference"], case)
+
+
+def test_gptq_zero_point_zero_as_autogptq_wrote_it():
+    """AutoGPTQ stores a zero point of 0 as -1 in v1, and its packer ORs the sign bits of that -1
+    over the word's other zero points: the checkpoint is corrupt, and every loader reads it its
+    own way. AutoGPTQ's own torch path reads each stored nibble 15 as 16; mixgemm's fallback
+    (exllama's reading) does the same, and matches AutoGPTQ's weight bit for bit."""
+    t, meta = load("gptq-v1-4bit-zero-point-zero-g64")
+    tensors = {f"L.{k}": v for k, v in t.items() if k != "reference"}
+    scheme = LayerScheme(bits=4, group_size=meta["group_size"], checkpoint_format="gptq")
+    assert int((t["qzeros"] == -1).sum()) == t["qzeros"].numel(), "every zero word is all ones"
+    assert_bitwise(dequantize_layer(QuantMethod.GPTQ, tensors, "L", scheme), t["reference"], "zero point 0")
