@@ -91,10 +91,10 @@ for step in "$@"; do
     bench-host)   # host us per call (mixgemm.gemm, QuantLinear, F.linear, torch int4) and the eager decode step
       timeout 300 python3 -m mixgemm bench --host --save --results-dir "$OUT" 2>&1 | grep -v "mixgemm build" \
         | tail -40 | tee "$OUT/host.log" || rc=1 ;;
-    host)      # host time per GEMM call and per step, and the 8B-shaped eager decode stack (benchmarks/NOTES.md 10)
+    host)      # host time per GEMM call and per step, and the 8B-shaped eager decode stack (docs/host-overhead.md)
       timeout ${MIXGEMM_HOST_TIMEOUT:-500} python3 tools/profile_host.py --stack --json "$OUT/host-profile.json" 2>&1 \
         | grep -v "mixgemm build" | tee "$OUT/host-profile.log" || rc=1 ;;
-    script)   # a one-off experiment: python3 $MIXGEMM_SCRIPT (e.g. benchmarks/experiments/exp_pdl.py), output under $OUT
+    script)   # a one-off experiment: python3 $MIXGEMM_SCRIPT (e.g. benchmarks/experiments/session17/trace.py), output under $OUT
       timeout ${MIXGEMM_SCRIPT_TIMEOUT:-300} python3 $MIXGEMM_SCRIPT 2>&1 | grep -v "mixgemm build" | tee "$OUT/script.log" || rc=1 ;;
     first-run)   # issue #15: doctor and demo on an empty kernel cache (they compile: a progress line), then cached
       rm -rf /tmp/mixgemm-first

@@ -1,4 +1,4 @@
-"""Host time of one GEMM call, and where it goes (benchmarks/NOTES.md, "Host time per call").
+"""Host time of one GEMM call, and where it goes (docs/host-overhead.md).
 
     python tools/profile_host.py [--json PATH] [--iters N] [--stack] [--layers 32]
     python tools/profile_host.py --fake-driver [--json PATH]      # a CPU machine, driver faked

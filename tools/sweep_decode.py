@@ -5,7 +5,7 @@ Each point is one kernel launch captured in a CUDA graph and replayed after a cl
 (a write of 2x L2, then a read of another 2x L2, so that the timed kernel finds clean lines as it
 would after the previous layer's reads and does not pay for write-backs), median of --iters
 replays; the whole sweep runs --passes times in alternating orders and each point keeps its
-fastest pass (drift between early and late points was up to 16% in one pass, NOTES 9b). The kernel
+fastest pass (drift between early and late points was up to 16% in one pass; docs/dispatch.md). The kernel
 is the heuristic's (`TILE_CONFIGS`' dec8 / dec16 / dec32 for the type), forced to each factor
 (gemm_with_spec(splits=)); splits=0 is the kernel's own planner.
 
