@@ -88,10 +88,22 @@ def test_gptq_layers_import_as_autogptq_dequantizes_them(case):
 def test_gptq_zero_point_zero_as_autogptq_wrote_it():
     """AutoGPTQ stores a zero point of 0 as -1 in v1, and its packer ORs the sign bits of that -1
     over the word's other zero points: the checkpoint is corrupt, and every loader reads it its
-    own way. AutoGPTQ's own torch path reads each stored nibble 15 as 16; mixgemm's fallback
-    (exllama's reading) does the same, and matches AutoGPTQ's weight bit for bit."""
+    own way. AutoGPTQ's own torch path reads each stored nibble 15 as 16. mixgemm reads v1 zero
+    points as GPTQModel (and so transformers' GPTQ loading) does, adding 0x11111111 to each word,
+    the exact inverse of GPTQModel's v1 export (tests/test_formats_gptqmodel_real.py): the packed
+    import and the full-precision fallback alike, so they agree with each other, and both differ
+    from AutoGPTQ's reading of this corrupt layer."""
     t, meta = load("gptq-v1-4bit-zero-point-zero-g64")
     tensors = {f"L.{k}": v for k, v in t.items() if k != "reference"}
     scheme = LayerScheme(bits=4, group_size=meta["group_size"], checkpoint_format="gptq")
     assert int((t["qzeros"] == -1).sum()) == t["qzeros"].numel(), "every zero word is all ones"
-    assert_bitwise(dequantize_layer(QuantMethod.GPTQ, tensors, "L", scheme), t["reference"], "zero point 0")
+    full = dequantize_layer(QuantMethod.GPTQ, tensors, "L", scheme)
+    layer = from_gptq(t["qweight"], t["qzeros"], t["scales"], checkpoint_format="gptq", bits=4)
+    assert_bitwise(full, dequantize_reference(layer.qweight), "zero point 0: fallback vs packed import")
+    assert not torch.equal(full, t["reference"]), "AutoGPTQ reads its corrupt zero words differently"
+    # AutoGPTQ's reading is each field plus one, without carries: every zero point 16
+    z16 = torch.full_like(t["scales"], 16.0)
+    q = torch.stack([(t["qweight"] >> (4 * j)) & 15 for j in range(8)], 1).reshape(-1, t["scales"].shape[1])
+    g = torch.arange(q.shape[0]) // meta["group_size"]
+    autogptq = ((q - z16[g].to(torch.int64)).to(torch.float16) * t["scales"][g]).t()
+    assert_bitwise(autogptq.contiguous(), t["reference"], "AutoGPTQ's reading, for the record")

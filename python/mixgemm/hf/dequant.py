@@ -14,6 +14,7 @@ import torch
 
 from ..errors import FormatError
 from ..formats import GPTQCheckpointFormat
+from ..formats.gptq import _GPTQ_V1_OFFSET
 from .config import LayerScheme, QuantMethod
 
 __all__ = ["dequantize_layer"]
@@ -69,8 +70,10 @@ def dequantize_layer(method: QuantMethod, tensors: Mapping[str, torch.Tensor], p
 
     * AWQ: ``w[n, k] = (q[k, n] - z[k // g, n]) * s[k // g, n]`` (4-bit GEMM packing);
     * GPTQ: ``w[n, k] = s[g_idx[k], n] * (q[k, n] - z[g_idx[k], n])``, codes and zero points as
-      little-endian bit streams along K and N (any width, 3-bit included), ``z`` the stored value
-      plus one for v1 (a stored ``2^b - 1`` reads as ``2^b``, as exllama does);
+      little-endian bit streams along K and N (2, 3, 4 and 8 bits), ``z`` the stored value plus one
+      for v1, undone as GPTQModel undoes its v1 export (per word with carries as
+      :func:`~mixgemm.formats.from_gptq` does; 3-bit per field, modulo 8), so a zero point of 0
+      (stored as all ones) reads as 0;
     * compressed-tensors: ``w[n, k] = (q[n, k] - z[n, g]) * s[n, g]`` with signed codes, a
       scalar scale ("tensor" strategy) or any group size; 3, 5, 6 and 7-bit codes packed densely
       (0.18 on) or padded (``32 // bits`` per word, up to 0.17), told apart by the word count
@@ -138,14 +141,24 @@ def _dequant_gptq(tensors: Mapping, prefix: str, scheme: LayerScheme) -> torch.T
         bits, rem = divmod(qzeros.shape[1] * 32, n)
         if rem:
             raise FormatError(f"layer {prefix!r}: qzeros {list(qzeros.shape)} does not pack {n} zero points")
+    if bits not in (2, 3, 4, 8):     # GPTQModel writes 5/6/7 bits only in its planar "gptq_p" layout
+        raise FormatError(f"layer {prefix!r}: {bits}-bit GPTQ layers are not supported (mixgemm reads 2/3/4/8-bit "
+                          f"GPTQ; GPTQModel's 5/6/7-bit ones are in its planar 'gptq_p' layout)")
     k = qweight.shape[0] * 32 // bits
     if qweight.shape[1] != n or qzeros.shape[0] != num_groups:
         raise FormatError(f"layer {prefix!r}: GPTQ qweight {list(qweight.shape)}, qzeros {list(qzeros.shape)} and "
                           f"scales {list(scales.shape)} do not fit together")
     q = _unpack_stream(qweight, bits, k, 0)                           # [K, N]
-    z = _unpack_stream(qzeros, bits, n, 1)                            # [G, N]
-    if scheme.checkpoint_format in (None, GPTQCheckpointFormat.V1.value):
-        z = z + 1
+    if scheme.checkpoint_format not in (None, GPTQCheckpointFormat.V1.value):
+        z = _unpack_stream(qzeros, bits, n, 1)                        # [G, N], v2: as stored
+    elif bits in _GPTQ_V1_OFFSET:
+        # v1 stores z - 1: undone as GPTQModel undoes its own export (and as from_gptq does), by
+        # adding 0x11111111 (4-bit) ... to each word, so a zero point of 0 (stored as all ones,
+        # with a borrow from the next field) reads back as 0 and its neighbour as itself.
+        z = _unpack_stream((qzeros.to(torch.int64) + _GPTQ_V1_OFFSET[bits]) & 0xFFFFFFFF, bits, n, 1)
+    else:
+        # 3-bit fields straddle words: GPTQModel shifts each field by one, modulo 8.
+        z = (_unpack_stream(qzeros, bits, n, 1) + 1) & ((1 << bits) - 1)
     g = _groups_of(k, num_groups, scheme.group_size, g_idx, prefix)
     return ((q - z[g]).to(scales.dtype) * scales[g]).t().contiguous()
 

@@ -12,7 +12,8 @@ running its layer's forward on the CPU (its torch path) on an identity input, an
     pip install --no-deps --target /tmp/accel accelerate
     PYTHONPATH=/tmp/agptq:/tmp/aawq:/tmp/accel python tests/data/real_packers/make_fixtures.py
 
-Written with auto-gptq 0.7.1, autoawq 0.2.9, torch 2.13.0 (CPU).
+Written with auto-gptq 0.7.1, autoawq 0.2.9, torch 2.13.0 (CPU). GPTQModel's fixtures (v1 and
+gptq_v2 exports) are written by make_fixtures_gptqmodel.py, beside this script.
 """
 from __future__ import annotations
 
