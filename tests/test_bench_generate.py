@@ -182,8 +182,11 @@ def test_accepts_keyword():
 def test_generate_kwargs_per_mode():
     assert G.generate_kwargs("eager") == {"disable_compile": True}           # the model's default cache
     assert G.generate_kwargs("static") == {"cache_implementation": "static", "disable_compile": False}
-    for mode in ("compile", "reduce-overhead"):
-        assert G.generate_kwargs(mode) == {"cache_implementation": "static", "disable_compile": True}
+    assert G.generate_kwargs("compile") == {"cache_implementation": "static", "disable_compile": True}
+    ro = G.generate_kwargs("reduce-overhead")           # generate()'s own compile, CUDA graphs, no graph break
+    config = ro.pop("compile_config")
+    assert ro == {"cache_implementation": "static", "disable_compile": False}
+    assert (config.mode, config.fullgraph) == ("reduce-overhead", True)
     with pytest.raises(ValueError, match="unknown mode"):
         G.generate_kwargs("graph")
 
@@ -392,14 +395,15 @@ def test_compiled_forwards_keep_the_signature(tiny):
     R, model, _ = tiny
     params = list(inspect.signature(model.forward).parameters)
     assert "logits_to_keep" in params             # generate() reads it from the forward's signature
-    for mode in ("compile", "reduce-overhead"):
+    with R.mode_forward(model, "compile") as host:
+        assert "forward" in vars(model) and host() is model
+        assert list(inspect.signature(model.forward).parameters) == params
+    assert "forward" not in vars(model)
+    for mode in ("static", "reduce-overhead"):
+        vars(model)["_compiled_call"] = object()
         with R.mode_forward(model, mode) as host:
-            assert "forward" in vars(model) and host() is model
-            assert list(inspect.signature(model.forward).parameters) == params
-        assert "forward" not in vars(model)
-    vars(model)["_compiled_call"] = object()
-    with R.mode_forward(model, "static") as host:
-        assert host() is None                      # forgotten: generate() compiles afresh
+            assert "forward" not in vars(model)
+            assert host() is None                  # forgotten: generate() compiles afresh
 
 
 class _Graph:
@@ -446,3 +450,16 @@ def test_run_generate_on_the_cpu(tiny, monkeypatch):
         for fuse in ("off", "on"):
             u4 = pts[("mixgemm-u4", fuse, "eager", b)]
             assert u4.status == bench.UNAVAILABLE and u4.note == "needs a CUDA GPU" and u4.layers == 2
+
+
+def test_a_step_that_waits_for_the_gpu_gets_no_host_time(tiny):
+    """transformers' eager mask code synchronizes: a step still running after the longest sleep
+    reports no host time (not the sleep it waited out), and says why."""
+    R, _, _ = tiny
+    from mixgemm.bench.host import HostPoint
+
+    waited = HostPoint("decode step", 1, 0, 0, bench.OK, host_us=G.STEP_MAX_SLEEP_US, queued=False)
+    host_us, queued, note = R._host_figures(waited)
+    assert host_us is None and queued is False and "waits for the GPU" in note
+    ok = HostPoint("decode step", 1, 0, 0, bench.OK, host_us=1500.0, queued=True)
+    assert R._host_figures(ok) == (1500.0, True, "")

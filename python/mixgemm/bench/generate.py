@@ -22,11 +22,12 @@ The modes (:data:`MODE_DEFINITIONS`), every one greedy with ``min_new_tokens = m
   (inductor's default mode); generate()'s own compile disabled;
 * ``static``: a static cache and generate()'s own compile of the decode step, with transformers'
   default ``CompileConfig`` (the run records the one it used: ``static_compile_config``);
-* ``reduce-overhead``: a static cache and ``model.forward`` replaced by a wrapper that calls
-  ``torch.compiler.cudagraph_mark_step_begin()``, then
-  ``torch.compile(forward, mode="reduce-overhead", fullgraph=True)``, and returns the logits
-  cloned out of the CUDA-graph pool. (Assigning the compiled forward alone fails for bf16 on the
-  second ``generate()``: "accessing tensor output of CUDAGraphs that has been overwritten".)
+* ``reduce-overhead``: a static cache and generate()'s own compile of the decode step with
+  ``compile_config=CompileConfig(mode="reduce-overhead", fullgraph=True)``: CUDA-graph trees,
+  and no graph break allowed. (A user's ``model.forward = torch.compile(model.forward,
+  mode="reduce-overhead")`` compiles the prompt too and, for bf16 on transformers 5.17, skips
+  its CUDA graphs because the static cache is an input the step writes, then stalls in
+  recompiles; generate()'s compile is the way transformers documents.)
 
 What each point (variant x fuse x mode x batch) reports:
 
@@ -52,11 +53,12 @@ What each point (variant x fuse x mode x batch) reports:
   the eager forward (Python, the modules, every launch; on the static cache of the ceiling's
   step, where the dynamic cache would add a concatenation per layer); in ``compile``, the compiled forward
   (Dynamo's guards, inductor's wrapper and its kernel launches); in ``static`` and
-  ``reduce-overhead``, the CUDA-graph-tree call (guards, copying the new inputs into the graph's
-  buffers, the replay launch; reduce-overhead also the step mark and the logits copy). Every
+  ``reduce-overhead``, generate()'s compiled call (guards, copying the new inputs into the CUDA
+  graph's buffers, the replay launch). Every
   call first resets the static cache's position counters (one small launch) so that calls
-  repeat. ``host_queued`` is False when the GPU woke before the call returned (the time may
-  then include waits for the GPU).
+  repeat. A step that still waits for the GPU after a
+  :data:`STEP_MAX_SLEEP_US` sleep (transformers' eager mask code synchronizes) gets no host
+  time, and a note that says why.
 
 A point FAILs when a timed ``generate()`` made other than ``N`` new tokens per sequence, or the
 captured step's logits are not finite.
@@ -88,9 +90,8 @@ MODE_DEFINITIONS = {
                "mode); generate()'s own compile disabled",
     "static": "static cache, generate()'s own compile of the decode step with transformers' default "
               "CompileConfig (static_compile_config); the prompt runs eager",
-    "reduce-overhead": "static cache, model.forward = a wrapper: torch.compiler.cudagraph_mark_step_begin(), then "
-                       "torch.compile(forward, mode='reduce-overhead', fullgraph=True), the logits cloned out of "
-                       "the CUDA-graph pool; generate()'s own compile disabled",
+    "reduce-overhead": "static cache, generate()'s own compile of the decode step with "
+                       "compile_config=CompileConfig(mode='reduce-overhead', fullgraph=True); the prompt runs eager",
 }
 #: ``--fuse-layers`` values: the ``fuse_layers`` settings each runs.
 FUSE_SETTINGS = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -108,6 +109,9 @@ STEP_ITERS = 50
 STEP_WARMUP = 5
 #: Host-time calls of one decode step per point (the median is reported).
 HOST_STEP_REPEATS = 5
+#: The longest GPU sleep behind a decode step's host timing (µs): a step that still waits for
+#: the GPU after it (transformers' eager mask code synchronizes) gets no host time.
+STEP_MAX_SLEEP_US = 250_000.0
 #: The ``fuse`` label of bf16 (no mixgemm layers to fuse).
 NO_FUSE = "-"
 #: Where the model comes from.
@@ -254,13 +258,18 @@ def accepts_keyword(fn: Callable, name: str) -> bool:
 
 def generate_kwargs(mode: str) -> dict:
     """The ``generate()`` keywords of ``mode`` beyond the greedy ones (the model's forward is
-    replaced apart, for ``compile`` and ``reduce-overhead``); ``eager`` leaves the cache to the
+    replaced apart, for ``compile``); ``eager`` leaves the cache to the
     model's generation config."""
     if mode == "eager":
         return {"disable_compile": True}
     if mode == "static":
         return {"cache_implementation": "static", "disable_compile": False}
-    if mode in ("compile", "reduce-overhead"):
+    if mode == "reduce-overhead":
+        from transformers import CompileConfig   # (the bench's model library: loaded by then)
+
+        return {"cache_implementation": "static", "disable_compile": False,
+                "compile_config": CompileConfig(mode="reduce-overhead", fullgraph=True)}
+    if mode == "compile":
         return {"cache_implementation": "static", "disable_compile": True}
     raise ValueError(f"unknown mode {mode!r}; expected {', '.join(GEN_MODES)}")
 
@@ -590,7 +599,7 @@ def format_generate_table(report: GenerateReport) -> str:
 
 __all__ = ["GENERATE_SCHEMA", "GEN_MODES", "MODE_DEFINITIONS", "FUSE_SETTINGS", "DEFAULT_FUSE", "DEFAULT_TYPES",
            "DEFAULT_GEN_BATCHES", "DEFAULT_PROMPT_TOKENS", "DEFAULT_NEW_TOKENS", "DEFAULT_REPEATS",
-           "WARMUP_GENERATES", "STEP_ITERS", "STEP_WARMUP", "HOST_STEP_REPEATS", "NO_FUSE", "PRESET", "HF_DIR",
+           "WARMUP_GENERATES", "STEP_ITERS", "STEP_WARMUP", "HOST_STEP_REPEATS", "STEP_MAX_SLEEP_US", "NO_FUSE", "PRESET", "HF_DIR",
            "QUANTIZED_DIR", "fuse_label", "PresetModel", "PRESET_MODELS", "preset_config_kwargs", "describe_model",
            "resolve_target", "parse_types", "parse_gen_modes", "accepts_keyword", "generate_kwargs", "RunVariant",
            "unavailable_reason", "fuse_note",

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from .decoder import PRESETS, ModelPreset
-from .generate import (HF_DIR, HOST_STEP_REPEATS, PRESET_MODELS, QUANTIZED_DIR, WARMUP_GENERATES,
+from .generate import (HF_DIR, HOST_STEP_REPEATS, STEP_MAX_SLEEP_US, PRESET_MODELS, QUANTIZED_DIR, WARMUP_GENERATES,
                        GenerateConfig, GenMeasurement, RunVariant, accepts_keyword, fuse_note, generate_kwargs,
                        model_description, preset_config_kwargs, unavailable_reason)
 from .grid import OK
@@ -237,22 +237,6 @@ def logits_of(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def cudagraph_forward(forward: Callable) -> Callable:
-    """The ``reduce-overhead`` mode's forward: ``torch.compile(forward, mode="reduce-overhead",
-    fullgraph=True)`` called after ``torch.compiler.cudagraph_mark_step_begin()``, its logits
-    cloned out of the CUDA-graph pool (the next replay overwrites them)."""
-    compiled = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
-
-    @functools.wraps(forward)
-    def step(*args, **kwargs):
-        torch.compiler.cudagraph_mark_step_begin()
-        out = compiled(*args, **kwargs)
-        out.logits = logits_of(out).clone()
-        return out
-
-    return step
-
-
 def reset_compiled(model=None) -> None:
     """Forget every compiled graph: Dynamo's caches, the CUDA-graph trees, and generate()'s
     compiled call on ``model``."""
@@ -278,10 +262,7 @@ def mode_forward(model, mode: str) -> Iterator[Callable[[], Optional[Callable]]]
         if mode == "compile":
             with replaced_forward(model, torch.compile(model.forward, fullgraph=True)):
                 yield lambda: model
-        elif mode == "reduce-overhead":
-            with replaced_forward(model, cudagraph_forward(model.forward)):
-                yield lambda: model
-        elif mode == "static":
+        elif mode in ("static", "reduce-overhead"):
             yield lambda: getattr(model, "_compiled_call", None)
         else:
             yield lambda: model
@@ -355,10 +336,11 @@ def time_ceiling(model, step: DecodeStep, ctx: RunContext) -> tuple[TimingStats,
 
 def host_time(fn: Callable[[], Any], batch: int, ctx: RunContext) -> HostPoint:
     """The host's time to issue ``fn`` (one decode step) with the GPU asleep (:func:`.host.measure_host`,
-    one call per loop, :data:`.generate.HOST_STEP_REPEATS` loops); never raises."""
+    one call per loop, :data:`.generate.HOST_STEP_REPEATS` loops, the sleep at most
+    :data:`.generate.STEP_MAX_SLEEP_US`); never raises."""
     with torch.no_grad():
         return measure_host(fn, "decode step", batch, 0, 0, ctx.cycles_per_us, 0, 1, 0, calls=1,
-                            repeats=HOST_STEP_REPEATS)
+                            repeats=HOST_STEP_REPEATS, max_sleep_us=STEP_MAX_SLEEP_US)
 
 
 @dataclasses.dataclass
@@ -394,6 +376,9 @@ def _host_figures(host: Optional[HostPoint]) -> tuple[Optional[float], Optional[
         return None, None, ""
     if host.status != OK:
         return None, None, f"no host time: {host.note}"
+    if not host.queued:
+        return None, False, (f"no host time: the step waits for the GPU (a host-device synchronization "
+                             f"inside it), past a {STEP_MAX_SLEEP_US / 1e3:.0f} ms sleep")
     return host.host_us, host.queued, ""
 
 
@@ -402,7 +387,7 @@ def measure_mode(model, mode: str, cfg: GenerateConfig, prompts: Mapping[int, to
                  info: dict, log: Log) -> list[GenMeasurement]:
     """Every batch of one mode (the model set up by :func:`mode_forward`)."""
     out = []
-    if mode in ("compile", "reduce-overhead") and not ctx.disable_compile:
+    if mode == "compile" and not ctx.disable_compile:
         why = "this transformers has no generation_config.disable_compile: generate() would compile on top"
         return [GenMeasurement(**base, mode=mode, batch=b, error=why, unavailable=True) for b in cfg.batches]
     with mode_forward(model, mode) as host_callable:
@@ -417,9 +402,9 @@ def measure_mode(model, mode: str, cfg: GenerateConfig, prompts: Mapping[int, to
                 recover()
                 continue
             error = None
-            if mode == "static":
+            if mode in ("static", "reduce-overhead"):
                 used = getattr(model, "_last_compile_config", None)
-                if used is not None and hasattr(used, "to_dict"):
+                if mode == "static" and used is not None and hasattr(used, "to_dict"):
                     info["static_compile_config"] = used.to_dict()
                 if getattr(model, "_compiled_call", None) is None and hasattr(model, "get_compiled_call"):
                     error = "generate() compiled nothing (its auto-compile criteria were not met)"
@@ -514,6 +499,6 @@ def run_generate(cfg: GenerateConfig, device: torch.device, log: Log = print) ->
 
 __all__ = ["import_transformers", "preset_config", "build_preset_model", "fuse_support", "load_model",
            "prebuild_model", "pad_token_id", "prompt_ids", "greedy", "replaced_forward", "cache_counters",
-           "DecodeStep", "record_decode_step", "cudagraph_forward", "reset_compiled", "mode_forward", "GenTimes",
+           "DecodeStep", "record_decode_step", "reset_compiled", "mode_forward", "GenTimes",
            "time_generate", "RunContext", "time_ceiling", "host_time", "Shared", "shared_figures", "measure_mode",
            "measure_variant", "run_generate"]

@@ -207,9 +207,10 @@ def time_host_loop(fn: Callable[[], Any], calls: int, sleep: int) -> tuple[float
 
 
 def measure_host(fn: Callable[[], Any], impl: str, m: int, n: int, k: int, cycles_per_us: float, flush: int,
-                 iters: int, warmup: int, calls: int = HOST_CALLS, repeats: int = HOST_REPEATS) -> HostPoint:
+                 iters: int, warmup: int, calls: int = HOST_CALLS, repeats: int = HOST_REPEATS,
+                 max_sleep_us: float = MAX_SLEEP_US) -> HostPoint:
     """:func:`time_host_loop` ``repeats`` times (a loop that outlasted its sleep is redone with a
-    longer one), and one call's GPU time with the L2 flushed."""
+    longer one, up to ``max_sleep_us``), and one call's GPU time with the L2 flushed."""
     try:
         for _ in range(3):
             fn()
@@ -218,13 +219,15 @@ def measure_host(fn: Callable[[], Any], impl: str, m: int, n: int, k: int, cycle
         while len(hosts) < repeats:
             host, loop, ok = time_host_loop(fn, calls, sleep_cycles(sleep_us, cycles_per_us))
             retries = 0
-            while not ok and retries < SLEEP_RETRIES and sleep_us < MAX_SLEEP_US:
-                sleep_us = min(2 * sleep_us, MAX_SLEEP_US)
+            while not ok and retries < SLEEP_RETRIES and sleep_us < max_sleep_us:
+                sleep_us = min(2 * sleep_us, max_sleep_us)
                 retries += 1
                 host, loop, ok = time_host_loop(fn, calls, sleep_cycles(sleep_us, cycles_per_us))
             queued &= ok
             hosts.append(host)
             loops.append(loop)
+            if not ok:          # (it outlasted the longest sleep: it waits for the GPU; more repeats tell nothing)
+                break
         gpu = time_cuda(fn, iters, warmup, flush).median_us
         return host_point(impl, m, n, k, hosts, loops, gpu, queued, calls)
     except Exception as e:
