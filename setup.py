@@ -3,7 +3,7 @@
 The headers live at the repository root (fixed by the design card); the JIT compiler needs them
 at run time, so a regular (non-editable) install copies them to ``mixgemm/_include``.
 An editable install or a source checkout finds them at the repository root instead
-(see ``mixgemm.paths``).
+(see ``mixgemm.jit.env``).
 
 The two trees are copied whole: no file is left out by its name. (A name filter once dropped
 ``collective/builder.hpp`` with the build outputs it meant to skip, and no installed mixgemm

@@ -32,7 +32,7 @@ Without GPUs, ``--dry-run`` runs the same steps on the CPU with gloo, a small pr
 reference GEMM in place of the kernels (float64 products of the exact dequantized weights), no
 graph and no timing: it checks the script's sharding, caches and collectives (the CPU test
 suite runs it). ``--list-kernels`` prints the decode kernels a run needs (no GPU, no process
-group); ``--prebuild`` builds them (``mixgemm.prebuild.build_for``) and exits.
+group); ``--prebuild`` builds them (``mixgemm.aot.prebuild.build_for``) and exits.
 
 Exit status: 0 when every check passes, 1 when a check fails (the JSON is written either way),
 2 for bad arguments. The speed target (TP=2 at least 1.6x faster than TP=1) is reported, not
@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--warmup must be >= 0")
     if not (args.list_kernels or args.prebuild) and args.json is None:
         p.error("--json PATH is required")
-    from mixgemm.types import WeightType
+    from mixgemm.weights.types import WeightType
     try:
         args.weight_type = WeightType(args.weight_type)
     except ValueError:
@@ -127,9 +127,9 @@ def rank_preset(preset, tp: int):
 
 def weight_uses(preset, weight_type, tp: int) -> list:
     """The four packed weights of a rank's layer at TP=``tp`` (``tp=1``: the whole layer)."""
-    from mixgemm.prebuild import WeightUse
-    from mixgemm.specs import Activation
-    from mixgemm.types import ActType
+    from mixgemm.aot.prebuild import WeightUse
+    from mixgemm.jit.specs import Activation
+    from mixgemm.weights.types import ActType
 
     local = rank_preset(preset, tp) if tp > 1 else preset
     uses = []
@@ -141,9 +141,9 @@ def weight_uses(preset, weight_type, tp: int) -> list:
 
 def decode_specs(preset, weight_type, tp: int) -> list:
     """The decode kernels of both splits, and the layer's RMSNorm and rotary / KV-cache kernels."""
-    from mixgemm.codegen import layer_specs
-    from mixgemm.prebuild import specs_for
-    from mixgemm.types import ActType
+    from mixgemm.jit.render import layer_specs
+    from mixgemm.aot.prebuild import specs_for
+    from mixgemm.weights.types import ActType
 
     return specs_for(weight_uses(preset, weight_type, 1) + (weight_uses(preset, weight_type, tp) if tp > 1 else []),
                      max_tokens=1) + layer_specs([ActType.BF16])
@@ -193,7 +193,7 @@ def reference_forward(self, x):
     weight, one rounding to x's dtype."""
     import torch.nn.functional as F
 
-    from mixgemm.quantize import GATE_UP_STRIPE, dequantize_reference
+    from mixgemm.weights.quantize import GATE_UP_STRIPE, dequantize_reference
 
     y = x.double() @ dequantize_reference(self.packed).double().T
     if self.bias is not None:
@@ -416,10 +416,10 @@ def main(argv=None) -> int:
             for s in specs:
                 print(s.name)
             return 0
-        from mixgemm import build
-        from mixgemm.codegen import layer_specs
-        from mixgemm.prebuild import build_for
-        from mixgemm.types import ActType
+        from mixgemm.jit import build
+        from mixgemm.jit.render import layer_specs
+        from mixgemm.aot.prebuild import build_for
+        from mixgemm.weights.types import ActType
 
         uses = weight_uses(preset, args.weight_type, 1) + weight_uses(preset, args.weight_type, args.tp)
         t0 = time.time()

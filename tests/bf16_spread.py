@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 import linear_numerics as ln
-from mixgemm import ops
+from mixgemm.ops import dense as ops
 from mixgemm.nn import QuantLinear
 
 LAYER_RATIO, LAYER_MEDIAN_RATIO = 1.5, 1.1
@@ -43,7 +43,7 @@ LOGITS_MEDIAN_RATIO, LOGITS_PROMPT_RATIO = 1.5, 2.0
 GREEDY_TOKENS, GREEDY_SLACK = 8, 1
 #: the bf16 paths, by label (Numerics values)
 BF16_PATHS = [p.value for p in ln.BF16_PATHS]
-#: the decode kernels' token-count buckets (mixgemm.ops.token_bucket 0, 1, 2)
+#: the decode kernels' token-count buckets (mixgemm.ops.dense.token_bucket 0, 1, 2)
 BUCKETS = ["dec8", "dec16", "dec32"]
 PAD = 2   # SmolLM2's pad token (generate wants one)
 

@@ -28,8 +28,10 @@ from unittest import mock
 import fake_driver
 import torch
 
-from mixgemm import build, codegen, heuristic, launcher, ops, plans, runtime
-from mixgemm.specs import HELPER_KINDS
+from mixgemm.jit import build, render as codegen, launcher, loader as runtime
+from mixgemm.dispatch import heuristic, plans
+from mixgemm.ops import dense as ops
+from mixgemm.jit.specs import HELPER_KINDS
 
 GPU_NAME = "NVIDIA H100 80GB HBM3"
 SM_COUNT = 132

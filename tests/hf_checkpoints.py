@@ -26,7 +26,7 @@ from torch import nn
 import mixgemm
 from mixgemm import formats
 from mixgemm.nn import QuantLinear
-from mixgemm.quantize import deinterleave_rows
+from mixgemm.weights.quantize import deinterleave_rows
 
 import test_formats as tf
 

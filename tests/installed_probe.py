@@ -18,7 +18,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
 
 def where() -> dict:
     import mixgemm
-    from mixgemm import paths
+    from mixgemm.jit import env as paths
 
     return {"mixgemm": mixgemm.__file__, "version": mixgemm.__version__, "sys_path": sys.path,
             "source_root": str(paths.source_root()), "cutlass": str(paths.cutlass_include_dir()),
@@ -31,8 +31,8 @@ def closure(names: list) -> dict:
     including file first, then in the -I directories; an angle include in the -I directories,
     else it is a system or CUDA header. mixgemm's own headers are followed transitively; a
     CUTLASS header must exist but is not followed (it belongs to the nvidia-cutlass package).
-    Also runs the build's own resolver (mixgemm.build.headers_digest) on every source."""
-    from mixgemm import build, codegen, paths, specs
+    Also runs the build's own resolver (mixgemm.jit.build.headers_digest) on every source."""
+    from mixgemm.jit import build, render as codegen, env as paths, specs
 
     roots = [paths.cutlass_ext_dir(), paths.converters_dir()]
     search = roots + [paths.cutlass_include_dir()]
@@ -77,7 +77,7 @@ def closure(names: list) -> dict:
 
 
 def build_one(name: str) -> dict:
-    from mixgemm import build, specs
+    from mixgemm.jit import build, specs
 
     art = build.build(specs.parse_name(name))
     meta = json.loads((art.directory / "meta.json").read_text())
@@ -87,8 +87,8 @@ def build_one(name: str) -> dict:
 
 
 def launcher() -> dict:
-    """The compiled launcher (package data mixgemm/csrc/launcher.cpp, with the installed headers)."""
-    from mixgemm import launcher as lau
+    """The compiled launcher (package data mixgemm/jit/csrc/launcher.cpp, with the installed headers)."""
+    from mixgemm.jit import launcher as lau
 
     path = lau.build_compiled()
     return {"source": str(lau.SOURCE), "library": str(path), "head": path.read_bytes()[:4].hex()}

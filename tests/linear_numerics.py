@@ -8,11 +8,11 @@ of a GGUF Q4_1 / HQQ import), and differs only in where it rounds to bf16:
 
 * ``FLOAT32``: ``x @ w.T`` in float32, no rounding (the yardstick; the rest of the model in
   float32 too);
-* ``MIXGEMM``: what the decode kernels (M <= 32) and :func:`mixgemm.plans.add_zero_offsets`
+* ``MIXGEMM``: what the decode kernels (M <= 32) and :func:`mixgemm.dispatch.plans.add_zero_offsets`
   compute: the float32 sum of the exact products ``x * (q - z) * s`` (the kernel multiplies the
   integer codes and applies the scale to each group's float32 partial sum), rounded to bf16;
   then ``+ xsum @ o`` in float32 (``xsum``: x summed per group) and a second rounding; an
-  activation in float32 with one more rounding (:func:`mixgemm.ops._activate`: the zero offsets
+  activation in float32 with one more rounding (:func:`mixgemm.ops.dense._activate`: the zero offsets
   keep the activation out of the kernel);
 * ``ONE_ROUNDING``: the exact ``x @ w.T`` in float32, rounded to bf16 once (what a kernel that
   adds the offsets in its epilogue would compute); activation as MIXGEMM;
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixgemm import dequantize_reference
-from mixgemm.layout import unpack
+from mixgemm.weights.layout import unpack
 from mixgemm.nn import QuantLinear
-from mixgemm.quantize import GATE_UP_STRIPE
+from mixgemm.weights.quantize import GATE_UP_STRIPE
 
 BF16 = torch.bfloat16
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixgemm.codegen import TILE_CONFIGS
-from mixgemm.specs import Activation
-from mixgemm.types import ActType, WeightType
+from mixgemm.jit.render import TILE_CONFIGS
+from mixgemm.jit.specs import Activation
+from mixgemm.weights.types import ActType, WeightType
 
 from mixgemm import bench
 from mixgemm.bench import model as M
@@ -23,8 +23,8 @@ from mixgemm.bench import variants as V
 from mixgemm.bench.decoder import PRESETS, DecoderStack, ModelPreset, Rotary, float_weight, layer_state
 from mixgemm.bench.model import StepMeasurement, StepShape, analyze_model, layer_traffic
 from mixgemm.bench.timing import budgeted_iters
-from mixgemm.quantize import dequantize_reference, quantize
-from mixgemm.types import WeightType
+from mixgemm.weights.quantize import dequantize_reference, quantize
+from mixgemm.weights.types import WeightType
 
 from bench_helpers import machine, parse
 
@@ -568,7 +568,7 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
                             "mixgemm_gemm_bf16_u2_t128x256x64_c2_coop_persistent_swiglu_s0"] + layer_kernels)
     assert bench.main(["--host", "--list-kernels"]) == 0
     names = capsys.readouterr().out.split()
-    from mixgemm.ops import select_spec
+    from mixgemm.ops.dense import select_spec
     import mixgemm
     w = mixgemm.prepack(mixgemm.quantize(torch.zeros(4096, 4096, dtype=torch.bfloat16), 4, 128))
     assert select_spec(256, w).name in names                                        # M = 256

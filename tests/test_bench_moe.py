@@ -15,8 +15,8 @@ from mixgemm.bench import moe as B
 from mixgemm.bench import moe_run as R
 from mixgemm.bench import variants as V
 from mixgemm.moe import fused_moe_reference
-from mixgemm.specs import GroupedDecodeSpec, MoeLayoutSpec
-from mixgemm.types import ActType, WeightType
+from mixgemm.jit.specs import GroupedDecodeSpec, MoeLayoutSpec
+from mixgemm.weights.types import ActType, WeightType
 
 from bench_helpers import machine, parse, stats
 
@@ -299,7 +299,7 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
     grouped = [n for n in names if n not in routing and n != "mixgemm_moe_layout"]
     assert routing | {"mixgemm_moe_layout"} <= set(names)
     # every preset at 1..4096 tokens: the grouped decode kernels and the grouped GEMMs the plans name
-    from mixgemm import codegen
+    from mixgemm.jit import render as codegen
     from mixgemm.bench.moe import DEFAULT_TOKENS, MOE_PRESETS
     from mixgemm.moe import plan_fused_moe
     want = {s.name for p in MOE_PRESETS.values() for t in DEFAULT_TOKENS for wt in (WeightType.U4, WeightType.U2, WeightType.S8)

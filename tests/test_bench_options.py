@@ -51,7 +51,7 @@ def test_overrides_parse():
 
 
 def test_all_configs_adds_every_tile_config():
-    from mixgemm.codegen import TILE_CONFIGS
+    from mixgemm.jit.render import TILE_CONFIGS
 
     cfg = bench.config_from_args(parse("--all-configs", "--impls", "mixgemm-s4"))
     assert cfg.impls == ("cublas", "mixgemm-s4") + tuple(f"mixgemm-s4@{tc.label}" for tc in TILE_CONFIGS)
@@ -114,7 +114,7 @@ def test_cli_without_gpu_exits_nonzero_with_a_clear_message(monkeypatch, capsys)
     assert bench.main(["--quick", "--shapes", "256x512", "--m", "1"]) == 1
     err = capsys.readouterr().err
     assert "no CUDA GPU" in err and "Traceback" not in err
-    from mixgemm.cli import CliError
+    from mixgemm.cli.main import CliError
 
     with pytest.raises(CliError, match="no CUDA GPU"):
         bench.run_cli(parse("--quick"))

@@ -1,4 +1,4 @@
-"""mixgemm.blocks on the CPU: fused projections and fused decoder layers in transformers models.
+"""mixgemm.nn.blocks on the CPU: fused projections and fused decoder layers in transformers models.
 
 The GEMM kernels need a Hopper GPU, so here each QuantLinear computes its product from the
 reference dequantization (``x @ dequantize_reference(w).T`` in float32, the epilogue after it):
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers", reason="the fused blocks are transformers modules")
 
 import mixgemm  # noqa: E402
-from mixgemm import blocks  # noqa: E402
+from mixgemm.nn import blocks  # noqa: E402
 from mixgemm.nn import QuantLinear  # noqa: E402
 from linear_numerics import swiglu  # noqa: E402
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from mixgemm import build, codegen, paths
-from mixgemm.specs import Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Scheduler
-from mixgemm.types import ActType, WeightType
+from mixgemm.jit import build, render as codegen, env as paths
+from mixgemm.jit.specs import Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Scheduler
+from mixgemm.weights.types import ActType, WeightType
 
 GEMM = GemmSpec(ActType.BF16, WeightType.U4, 128, 16, 128, scheduler=Scheduler.STREAMK)
 DEQ = DequantSpec(ActType.FP16, WeightType.S2)
@@ -239,7 +239,7 @@ def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
     assert cubin[:4] == b"\x7fELF", "a cubin is an ELF image"
     assert spec.name.encode() in cubin, "the kernel symbol is the spec name"
 
-    from mixgemm import runtime
+    from mixgemm.jit import loader as runtime
     helper = runtime.HostHelper(str(art.helper_path), spec.name)    # loads without a GPU
     assert helper.params_size > 0 and helper.smem_size > 48 * 1024
     args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=8, n=4096, k=4096, group_size=128,
@@ -279,8 +279,8 @@ def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
 def _grouped_launch(helper, args, experts: int):
     """The grouped decode helper's launch plan for ``args`` over ``experts`` experts (an offsets
     pointer that is never read), as :func:`_decode_launch`."""
-    from mixgemm import runtime
-    from mixgemm.moe_grouped import _prepare_fn
+    from mixgemm.jit import loader as runtime
+    from mixgemm.moe.grouped import _prepare_fn
 
     launch = runtime.Launch()
     buf = ctypes.create_string_buffer(helper.params_size)
@@ -294,9 +294,9 @@ def _grouped_launch(helper, args, experts: int):
 def _decode_launch(helper, args):
     """The decode helper's launch plan for ``args``. The helper fills it before it encodes the
     scale rows' TMA descriptors, which needs the driver's encoder (handed over when the runtime
-    loads a kernel, :meth:`mixgemm.runtime.HostHelper.bind_driver`): without it the call is
+    loads a kernel, :meth:`mixgemm.jit.loader.HostHelper.bind_driver`): without it the call is
     refused for that reason alone and the plan is still read."""
-    from mixgemm import runtime
+    from mixgemm.jit import loader as runtime
 
     launch = runtime.Launch()
     buf = ctypes.create_string_buffer(helper.params_size)
@@ -315,7 +315,7 @@ def test_real_decode_kernel_with_an_x_ring(tmp_path, monkeypatch):
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
-    from mixgemm import runtime
+    from mixgemm.jit import loader as runtime
     helpers = {}
     for xs in (0, 4):
         spec = DecodeSpec(ActType.BF16, WeightType.U4, tokens=16, x_stages=xs)
@@ -348,7 +348,7 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
     art = build.build(spec)
     assert spec.name.encode() in art.read_cubin()
 
-    from mixgemm import runtime
+    from mixgemm.jit import loader as runtime
     helper = runtime.HostHelper(str(art.helper_path), spec.name)
     args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=16, n=4096, k=4096, group_size=128,
                             sm_count=132, splits=0, raster=0, weight=1 << 20, scales=2 << 20, zeros=5 << 20,
@@ -414,7 +414,8 @@ def test_decode_planner_picks_against_the_measured_sweeps(tmp_path, monkeypatch,
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
-    from mixgemm import runtime, tuning
+    from mixgemm.jit import loader as runtime
+    from mixgemm.dispatch import tuning
 
     tc = next(t for t in codegen.TILE_CONFIGS if t.label == label)
     spec = tc.spec(ActType.BF16, WeightType.U4)
@@ -456,8 +457,8 @@ def test_grouped_decode_planner_picks_against_the_measured_splits(tmp_path, monk
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
-    from mixgemm import runtime
-    from mixgemm.moe_grouped import decode_spec_for
+    from mixgemm.jit import loader as runtime
+    from mixgemm.moe.grouped import decode_spec_for
 
     data = json.loads((SWEEPS.parents[1] / "experiments" / "nvidia-h100-80gb-hbm3" /
                        "s20-moe-splits-model.json").read_text())
@@ -495,8 +496,8 @@ def test_grouped_decode_planner_on_a_short_k(tmp_path, monkeypatch, wt):
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
-    from mixgemm import runtime
-    from mixgemm.moe_grouped import decode_spec_for
+    from mixgemm.jit import loader as runtime
+    from mixgemm.moe.grouped import decode_spec_for
 
     spec = decode_spec_for(32, ActType.BF16, wt, "swiglu", 2)
     assert spec.tokens == 16
@@ -545,7 +546,7 @@ def test_gated_gemm_kernel_and_helper(tmp_path, monkeypatch):
     art = build.build(spec)
     assert spec.name.encode() in art.read_cubin()
 
-    from mixgemm import runtime
+    from mixgemm.jit import loader as runtime
     helper = runtime.HostHelper(str(art.helper_path), spec.name)
     assert helper.smem_size <= 227 * 1024
     args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=64, n=4096, k=4096, group_size=128,

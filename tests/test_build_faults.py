@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from mixgemm import build, codegen, paths
-from mixgemm.specs import DecodeSpec, DequantSpec, GemmSpec
-from mixgemm.types import ActType, WeightType
+from mixgemm.jit import build, render as codegen, env as paths
+from mixgemm.jit.specs import DecodeSpec, DequantSpec, GemmSpec
+from mixgemm.weights.types import ActType, WeightType
 
 pytestmark = pytest.mark.nvcc
 
@@ -148,7 +148,7 @@ def test_a_truncated_artifact_is_rebuilt(counted, artifact, pin_case, caplog):
     assert len(path.read_bytes()) > len(data) // 2
     assert cubin[:4] == b"\x7fELF" and build.is_cached(spec)
     if artifact == "helper.so":
-        from mixgemm import runtime
+        from mixgemm.jit import loader as runtime
         helper = runtime.HostHelper(str(art2.helper_path), spec.name)     # loads without a GPU
         assert helper.params_size > 0
     assert list((cache / "tmp").iterdir()) == []

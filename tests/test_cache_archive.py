@@ -1,4 +1,4 @@
-"""``mixgemm cache export / import / list`` (mixgemm.cache_archive), with the fake nvcc of
+"""``mixgemm cache export / import / list`` (mixgemm.jit.cache), with the fake nvcc of
 test_build: kernels built into one cache, exported, imported into another; stale, corrupt and
 foreign entries refused one by one; nothing written outside the cache; a valid entry never
 replaced."""
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from mixgemm import build, cache_archive
-from mixgemm.cli import main
+from mixgemm.jit import build, cache as cache_archive
+from mixgemm.cli.main import main
 from mixgemm.errors import UserError
-from mixgemm.specs import DequantSpec, GemmSpec, Scheduler
-from mixgemm.types import ActType, WeightType
+from mixgemm.jit.specs import DequantSpec, GemmSpec, Scheduler
+from mixgemm.weights.types import ActType, WeightType
 
 from test_build import _calls, fake_env  # noqa: F401  (the fake nvcc and a private cache)
 
@@ -37,7 +37,7 @@ def use_cache(monkeypatch, path: Path) -> Path:
 def warm(fake_env, monkeypatch):  # noqa: F811
     """Cache A with three kernels and the launcher, exported to archive.tgz; then cache B
     (empty) is the current one. Returns (archive, cache A, cache B)."""
-    from mixgemm import launcher
+    from mixgemm.jit import launcher
 
     a = use_cache(monkeypatch, fake_env / "cache-a")
     for spec in (GEMM, DEQ, DEQ2):
@@ -107,7 +107,7 @@ def test_export_then_import_into_an_empty_cache(warm, fake_env, capsys, trust):
             meta = json.loads((art.directory / "meta.json").read_text())
             same = (art.directory / "helper.so").read_bytes() == (a / "kernels" / art.directory.name / "helper.so").read_bytes()
             assert same == trust and (meta.get("host_code") == "built here") != trust
-    from mixgemm import launcher
+    from mixgemm.jit import launcher
     assert launcher.build_compiled().parent.parent == b / "host"
     assert _calls(fake_env) == calls, "the imported launcher is used as is"
     assert not list((b / "tmp").iterdir()), "no temporary left"
@@ -389,7 +389,7 @@ def test_a_crafted_helper_is_never_imported_by_default(warm, fake_env, capsys, m
     helper = b / "kernels" / gemm_dir / "helper.so"
     assert helper.is_file() and json.loads((helper.parent / "meta.json").read_text())["host_code"] == "built here"
     assert build.is_cached(GEMM)
-    from mixgemm import launcher
+    from mixgemm.jit import launcher
     assert payload not in launcher.build_compiled().read_bytes()
     pin_case("Cache", "cache import of an archive with crafted host code (consistent meta.json)",
              "mixgemm cache import crafted.tgz", "exit 0", out.splitlines()[0],

@@ -1,4 +1,4 @@
-"""mixgemm.checkpoint_weights and ``mixgemm generate --for``: a checkpoint's weight uses, read
+"""mixgemm.aot.checkpoint and ``mixgemm generate --for``: a checkpoint's weight uses, read
 from its headers, must be what the importers (mixgemm.formats, mixgemm.load) and the loader's
 gate/up fusion make of its tensors; then ``--for`` lists and builds exactly their kernels.
 
@@ -15,17 +15,18 @@ import pytest
 import safetensors.torch
 import torch
 
-from mixgemm import formats, prebuild
-from mixgemm.checkpoint_weights import kernel_specs, weight_uses
-from mixgemm.cli import main
+from mixgemm import formats
+from mixgemm.aot import prebuild
+from mixgemm.aot.checkpoint import kernel_specs, weight_uses
+from mixgemm.cli.main import main
 from mixgemm.errors import UserError
-from mixgemm.io import save
-from mixgemm.layout import prepack, unpack
+from mixgemm.weights.io import save
+from mixgemm.weights.layout import prepack, unpack
 from mixgemm.nn import QuantLinear
-from mixgemm.prebuild import WeightUse, specs_for
-from mixgemm.quantize import interleave_gate_up, quantize
-from mixgemm.specs import Activation
-from mixgemm.types import ActType, PackedWeight, QuantizedWeight
+from mixgemm.aot.prebuild import WeightUse, specs_for
+from mixgemm.weights.quantize import interleave_gate_up, quantize
+from mixgemm.jit.specs import Activation
+from mixgemm.weights.types import ActType, PackedWeight, QuantizedWeight
 
 from test_build import fake_env  # noqa: F401  (the fake nvcc and a private cache)
 

@@ -11,13 +11,13 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from mixgemm import cli
-from mixgemm.cli import NO_GPU_MESSAGE, main
-from mixgemm.cli_prepack import DEFAULT_EXCLUDE, DEFAULT_INCLUDE
-from mixgemm.io import load, read_metadata, save
-from mixgemm.layout import prepack, unpack
-from mixgemm.quantize import quantize
-from mixgemm.types import LAYOUT_VERSION, PackedWeight
+from mixgemm.cli import main as cli
+from mixgemm.cli.main import NO_GPU_MESSAGE, main
+from mixgemm.cli.prepack import DEFAULT_EXCLUDE, DEFAULT_INCLUDE
+from mixgemm.weights.io import load, read_metadata, save
+from mixgemm.weights.layout import prepack, unpack
+from mixgemm.weights.quantize import quantize
+from mixgemm.weights.types import LAYOUT_VERSION, PackedWeight
 
 PACKED = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight")
 
@@ -332,7 +332,7 @@ def test_layout_from_the_future(capsys, tmp_path, out_dir, pin_case):
 
 
 def test_format_version_from_the_future(capsys, tmp_path, out_dir, pin_case):
-    from mixgemm.io import FORMAT_VERSION
+    from mixgemm.weights.io import FORMAT_VERSION
 
     path = tmp_path / "future.safetensors"
     _edit_packed_metadata(path, lambda m: m.update({"mixgemm:format_version": str(FORMAT_VERSION + 1)}))
@@ -437,8 +437,9 @@ def _fake_hopper(monkeypatch, cached, build_fails=None):
     """The demo's GPU branch on the CPU: a 'GPU' that is the CPU, mixgemm.gemm stood in for by
     the unfused reference, and a kernel build that takes a moment (or fails)."""
     import mixgemm
-    from mixgemm import build, demo
-    from mixgemm.quantize import dequantize_reference
+    from mixgemm.jit import build
+    from mixgemm.cli import demo
+    from mixgemm.weights.quantize import dequantize_reference
 
     calls = {"gemm": [], "build": []}
 
@@ -505,8 +506,8 @@ def test_demo_runs_the_gemm_on_hopper(capsys, monkeypatch, requires_gpu):
     """The demo's GPU branch, with mixgemm.gemm stood in for by the unfused reference (and
     no kernel build)."""
     import mixgemm
-    from mixgemm import demo
-    from mixgemm.quantize import dequantize_reference
+    from mixgemm.cli import demo
+    from mixgemm.weights.quantize import dequantize_reference
 
     calls = []
 
@@ -525,7 +526,7 @@ def test_demo_runs_the_gemm_on_hopper(capsys, monkeypatch, requires_gpu):
 
 def test_generate_lists_the_grouped_moe_kernels(capsys):
     """`mixgemm generate --list` covers the grouped (MoE) decode kernels of codegen.grouped_specs()."""
-    from mixgemm import codegen
+    from mixgemm.jit import render as codegen
 
     rc, out, _ = run(capsys, "generate", "--list", "--kernels", "_gdecode_")
     assert rc == 0 and out.split() == [s.name for s in codegen.grouped_specs()] and len(out.split()) == 48

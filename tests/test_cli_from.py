@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 import mixgemm
 from mixgemm import formats
-from mixgemm.cli import main
+from mixgemm.cli.main import main
 
 import test_formats as tf   # independent reference packers of each format
 

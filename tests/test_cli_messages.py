@@ -13,9 +13,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from mixgemm.cli import main
-from mixgemm.io import load
-from mixgemm.types import PackedWeight
+from mixgemm.cli.main import main
+from mixgemm.weights.io import load
+from mixgemm.weights.types import PackedWeight
 
 ROOT = Path(__file__).resolve().parents[1]
 ERR = "mixgemm prepack: error: "
@@ -93,7 +93,7 @@ def test_a_full_stdout_after_the_file_was_written(tmp_path, pin_case):
 def test_a_full_stdout_at_the_final_flush(capsys, monkeypatch):
     """The report lost when the command had finished: said so."""
     import errno
-    from mixgemm import cli
+    from mixgemm.cli import main as cli
 
     class Full:
         def write(self, text):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixgemm import cli
-from mixgemm.cli import main
+from mixgemm.cli import main as cli
+from mixgemm.cli.main import main
 from mixgemm.errors import BuildError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def test_debug_prints_the_traceback(capsys, tmp_path):
 def test_a_long_message_is_one_line_unless_debug(capsys, monkeypatch):
     """A build failure carries the compiler's output: the first line only, and a pointer to
     --debug, which prints all of it."""
-    from mixgemm import build
+    from mixgemm.jit import build
 
     def fail(specs, **kw):
         raise BuildError("1 of 1 kernels failed to build:\n\nnvcc failed (2) building kernel.cubin\nerror: x")
@@ -142,7 +142,7 @@ def test_a_long_message_is_one_line_unless_debug(capsys, monkeypatch):
 
 
 def test_a_bug_is_one_line_unless_debug(capsys, monkeypatch, pin_case):
-    from mixgemm import demo
+    from mixgemm.cli import demo
 
     def boom(*a, **k):
         return 1 / 0
@@ -171,7 +171,7 @@ def test_an_os_error_is_a_reported_error(capsys, tmp_path, monkeypatch):
 
 
 def test_keyboard_interrupt(capsys, monkeypatch, pin_case):
-    from mixgemm import demo
+    from mixgemm.cli import demo
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -185,8 +185,8 @@ def test_keyboard_interrupt(capsys, monkeypatch, pin_case):
 # ------------------------------------------------------------------------------ dependencies
 
 def test_the_package_never_imports_its_command_line(tmp_path):
-    """Importing any module of the package (all but mixgemm.cli, its parts mixgemm.cli_*, and
-    the ``__main__`` modules, which run their command when imported) leaves mixgemm.cli out of sys.modules: dependencies
+    """Importing any module of the package (all but mixgemm.cli.main, its parts mixgemm.cli_*, and
+    the ``__main__`` modules, which run their command when imported) leaves mixgemm.cli.main out of sys.modules: dependencies
     point from the command line to the package."""
     code = """if True:
         import importlib, json, pkgutil, sys
@@ -194,12 +194,12 @@ def test_the_package_never_imports_its_command_line(tmp_path):
         bad = {}
         names = sorted(m.name for m in pkgutil.walk_packages(mixgemm.__path__, "mixgemm."))
         for name in names:
-            if name == "mixgemm.cli" or name.startswith("mixgemm.cli_") or name.rsplit(".", 1)[-1] == "__main__":
+            if name == "mixgemm.cli.main" or name.startswith("mixgemm.cli_") or name.rsplit(".", 1)[-1] == "__main__":
                 continue
             importlib.import_module(name)
-            if "mixgemm.cli" in sys.modules:
+            if "mixgemm.cli.main" in sys.modules:
                 bad[name] = True
-                del sys.modules["mixgemm.cli"]
+                del sys.modules["mixgemm.cli.main"]
         print(json.dumps({"modules": names, "import_the_cli": sorted(bad)}))
     """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_with_checkout(),
@@ -207,8 +207,8 @@ def test_the_package_never_imports_its_command_line(tmp_path):
     assert res.returncode == 0, res.stderr
     import json
     report = json.loads(res.stdout.splitlines()[-1])
-    assert {"mixgemm.doctor", "mixgemm.demo", "mixgemm.build", "mixgemm.ops", "mixgemm.io",
-            "mixgemm.bench.model", "mixgemm.plans"} <= set(report["modules"])
+    assert {"mixgemm.cli.doctor", "mixgemm.cli.demo", "mixgemm.jit.build", "mixgemm.ops.dense", "mixgemm.weights.io",
+            "mixgemm.bench.model", "mixgemm.dispatch.plans"} <= set(report["modules"])
     assert report["import_the_cli"] == []
 
 
@@ -224,14 +224,14 @@ def test_public_subpackages_load_on_first_attribute_access(tmp_path):
         found = {n: getattr(mixgemm, n).__name__ for n in lazy}
         names = [mixgemm.nn.QuantLinear.__name__, mixgemm.moe.fused_moe.__name__,
                  mixgemm.formats.from_awq.__name__, mixgemm.nn.QuantMoE.__name__,
-                 mixgemm.nn.QuantMoE is sys.modules["mixgemm.nn_moe"].QuantMoE]
+                 mixgemm.nn.QuantMoE is sys.modules["mixgemm.nn.moe"].QuantMoE]
         try:
             mixgemm.no_such_module
             missing = None
         except AttributeError as e:
             missing = str(e)
         print(json.dumps({"before": before, "found": found, "names": names, "missing": missing,
-                          "cli": "mixgemm.cli" in sys.modules, "in_dir": sorted(set(lazy) & set(dir(mixgemm)))}))
+                          "cli": "mixgemm.cli.main" in sys.modules, "in_dir": sorted(set(lazy) & set(dir(mixgemm)))}))
     """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_with_checkout(),
                          cwd=tmp_path, timeout=300)

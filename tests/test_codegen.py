@@ -5,11 +5,11 @@ import dataclasses
 
 import pytest
 
-from mixgemm import codegen
-from mixgemm.codegen import ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS, TileConfig, default_specs, render
-from mixgemm.specs import (Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Raster, Schedule, Scheduler,
+from mixgemm.jit import render as codegen
+from mixgemm.jit.render import ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS, TileConfig, default_specs, render
+from mixgemm.jit.specs import (Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Raster, Schedule, Scheduler,
                            parse_name)
-from mixgemm.types import ActType, WeightType
+from mixgemm.weights.types import ActType, WeightType
 
 SPECS = default_specs()
 
@@ -183,7 +183,7 @@ def test_activation_enum_mirrors_the_header():
     import re
     from pathlib import Path
 
-    from mixgemm.specs import Activation
+    from mixgemm.jit.specs import Activation
 
     header = (Path(__file__).resolve().parents[1] / "cutlass_ext/mixgemm/activation.hpp").read_text()
     body = re.search(r"enum class Activation : int \{([^}]*)\}", header).group(1)
@@ -195,8 +195,8 @@ def test_gemm_specs_fuse_the_runtime_activation():
     """The default GEMM kernels are, per tile config and type, one with the bias + runtime-activation
     epilogue (none, silu and gelu) and one with the gated (swiglu) epilogue; the bias-only epilogue
     stays renderable."""
-    from mixgemm.codegen import default_specs, render
-    from mixgemm.specs import Epilogue, GemmSpec
+    from mixgemm.jit.render import default_specs, render
+    from mixgemm.jit.specs import Epilogue, GemmSpec
 
     gemms = [s for s in default_specs() if isinstance(s, GemmSpec)]
     by_epilogue = {e: [s for s in gemms if s.epilogue is e] for e in Epilogue}
@@ -221,7 +221,7 @@ def test_heuristic_by_tokens_and_output_tiles():
     128x256 stream-K GEMM (whatever its tile count: stream-K fills the SMs) up to 512 tokens
     (256 on layers of 16384 rows or more), and above that the same tile persistent in 2x1
     clusters."""
-    from mixgemm.ops import select_tile
+    from mixgemm.ops.dense import select_tile
 
     assert [select_tile(m, 4096, 4096).label for m in (1, 8, 9, 16, 17, 32, 33, 128)] == \
         ["dec8", "dec8", "dec16", "dec16", "dec32", "dec32", "mid", "mid"]
@@ -258,8 +258,8 @@ def test_heuristic_by_tokens_and_output_tiles():
 def test_launch_order_follows_the_tile_config():
     """A GEMM kernel launches with its config's tile order; a kernel outside the configs (or a
     decode kernel) with CUTLASS's defaults."""
-    from mixgemm.codegen import TILE_CONFIGS, launch_order
-    from mixgemm.specs import SWIZZLES
+    from mixgemm.jit.render import TILE_CONFIGS, launch_order
+    from mixgemm.jit.specs import SWIZZLES
 
     for tc in TILE_CONFIGS:
         if isinstance(tc, TileConfig):

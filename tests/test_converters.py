@@ -3,7 +3,7 @@
 The converters are compiled for the CPU from the very headers the kernels include
 (tests/cpp/converter_check.cpp drives them), fed lane chunks in the prepacked layout, and their
 output is compared bit for bit with an independent Python decode of the same bits: the bit
-positions come from mixgemm.layout, the arithmetic from torch (``(q - z).to(dtype) * s``).
+positions come from mixgemm.weights.layout, the arithmetic from torch (``(q - z).to(dtype) * s``).
 
 The decode kernels' own conversion (converters/mixgemm/raw_decode.hpp: E + F c, and F (q - z)
 with F = 4 on row g + 8 of 2-bit codes) is checked the same way, against the documented formula.
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from mixgemm import paths
-from mixgemm.layout import bit_of
-from mixgemm.types import WeightType
+from mixgemm.jit import env as paths
+from mixgemm.weights.layout import bit_of
+from mixgemm.weights.types import WeightType
 
 ALL_TYPES = [WeightType.S8, WeightType.U8, WeightType.S4, WeightType.U4, WeightType.S2, WeightType.U2]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixgemm import doctor, paths
-from mixgemm.cli import main
-from mixgemm.doctor import Finding, Status
+from mixgemm.cli import doctor
+from mixgemm.jit import env as paths
+from mixgemm.cli.main import main
+from mixgemm.cli.doctor import Finding, Status
 
 ROOT = Path(__file__).resolve().parents[1]
 

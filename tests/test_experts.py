@@ -6,11 +6,11 @@ import torch
 from safetensors import safe_open
 import safetensors.torch
 
-from mixgemm.experts import PackedExperts
-from mixgemm.io import FORMAT_VERSION, MixgemmFormatError, load, read_metadata, save
-from mixgemm.layout import prepack
-from mixgemm.quantize import dequantize_reference, quantize
-from mixgemm.types import PackedWeight
+from mixgemm.weights.experts import PackedExperts
+from mixgemm.weights.io import FORMAT_VERSION, MixgemmFormatError, load, read_metadata, save
+from mixgemm.weights.layout import prepack
+from mixgemm.weights.quantize import dequantize_reference, quantize
+from mixgemm.weights.types import PackedWeight
 
 TYPES = [(8, True), (8, False), (4, True), (4, False), (2, True), (2, False)]
 

@@ -19,9 +19,9 @@ from mixgemm.formats import (Format, FormatError, GPTQCheckpointFormat, Imported
                              UnsupportedLayerError, detect_format, from_awq,
                              from_compressed_tensors, from_gptq, from_hqq, import_checkpoint,
                              import_layer)
-from mixgemm.layout import prepack, unpack
-from mixgemm.quantize import dequantize_reference
-from mixgemm.types import PackedWeight, QuantizedWeight
+from mixgemm.weights.layout import prepack, unpack
+from mixgemm.weights.quantize import dequantize_reference
+from mixgemm.weights.types import PackedWeight, QuantizedWeight
 
 FP16, BF16 = torch.float16, torch.bfloat16
 N = 48  # three 16-row atoms: odd but legal

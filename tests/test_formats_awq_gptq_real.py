@@ -21,7 +21,7 @@ from safetensors import safe_open
 from mixgemm import dequantize_reference
 from mixgemm.errors import UnsupportedLayerError
 from mixgemm.formats import from_awq, from_gptq
-from mixgemm.hf.config import LayerScheme, QuantMethod
+from mixgemm.formats.config import LayerScheme, QuantMethod
 from mixgemm.hf.dequant import dequantize_layer
 
 DATA = Path(__file__).resolve().parent / "data" / "real_packers"

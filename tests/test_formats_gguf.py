@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import mixgemm
-from mixgemm.cli import main
+from mixgemm.cli.main import main
 from mixgemm.formats import (FormatError, UnsupportedLayerError, from_gguf, gguf_name_to_hf,
                              undo_llama_rope_permutation)
 

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from mixgemm import dequantize_reference
 from mixgemm.errors import CheckpointError, FormatError, UnsupportedLayerError
 from mixgemm.formats import from_gptq
-from mixgemm.hf.config import LayerScheme, QuantMethod, parse_quantization_config
+from mixgemm.formats.config import LayerScheme, QuantMethod, parse_quantization_config
 from mixgemm.hf.dequant import dequantize_layer
 
 DATA = Path(__file__).resolve().parent / "data" / "real_packers" / "gptqmodel"

@@ -24,9 +24,9 @@ from safetensors import safe_open
 
 from mixgemm.errors import FormatError, UnsupportedLayerError
 from mixgemm.formats import Format, import_layer
-from mixgemm.hf.config import LayerScheme, QuantMethod, parse_quantization_config
+from mixgemm.formats.config import LayerScheme, QuantMethod, parse_quantization_config
 from mixgemm.hf.dequant import dequantize_layer
-from mixgemm.quantize import dequantize_reference
+from mixgemm.weights.quantize import dequantize_reference
 
 FIXTURE = Path(__file__).parent / "data" / "compressed_tensors_0_17" / "layers.safetensors"
 
@@ -71,7 +71,7 @@ def ct():
 @pytest.mark.parametrize("strategy", ["group", "channel"])
 def test_against_the_installed_packer(ct, bits, symmetric, strategy):
     module, packer = ct
-    from mixgemm.hf.config import _ct_packing
+    from mixgemm.formats.config import _ct_packing
     gen = torch.Generator().manual_seed(bits * 10 + symmetric)
     w = (torch.randn(32, 128, generator=gen) * 0.05).to(torch.bfloat16)
     tensors, reference = packer.pack_layer(w, bits, symmetric, strategy, 32)

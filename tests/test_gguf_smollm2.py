@@ -34,8 +34,9 @@ import bf16_spread as sp  # noqa: E402
 import hf_checkpoints as hc  # noqa: E402
 import linear_numerics as ln  # noqa: E402
 import test_formats_gguf as tg  # noqa: E402
-from mixgemm import hf, ops  # noqa: E402
-from mixgemm.cli import main  # noqa: E402
+from mixgemm import hf
+from mixgemm.ops import dense as ops  # noqa: E402
+from mixgemm.cli.main import main  # noqa: E402
 from mixgemm.formats import from_gguf  # noqa: E402
 from mixgemm.nn import QuantLinear  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 ``mode="reduce-overhead"`` records each shape's graph in CUDA-graph trees, which refuse a graph
 that leaves anything allocated in their memory pool besides its outputs: the GEMMs' workspaces
-and stream-K locks must come from outside the pool (mixgemm.plans.StreamArenas). A module that
+and stream-K locks must come from outside the pool (mixgemm.dispatch.plans.StreamArenas). A module that
 mixes every op runs at token counts from 1 to 8192 in turn, each replayed with new data, and its
 outputs (each an op's own output) must equal eager's bit for bit. A transformers model, with
 fused projections and with fused layers, generates the same tokens compiled as eager.

@@ -14,10 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixgemm import moe, moe_layer
-from mixgemm.codegen import ALL_ACTS, ALL_WEIGHTS, grouped_specs
-from mixgemm.moe_grouped import ROUTED_MAX_ASSIGNMENTS
-from mixgemm.specs import KernelKind
+from mixgemm import moe
+from mixgemm.moe import layer as moe_layer
+from mixgemm.jit.render import ALL_ACTS, ALL_WEIGHTS, grouped_specs
+from mixgemm.moe.grouped import ROUTED_MAX_ASSIGNMENTS
+from mixgemm.jit.specs import KernelKind
 from test_gpu_moe import _experts, _tolerance
 
 pytestmark = pytest.mark.gpu
@@ -71,7 +72,7 @@ def _spec_ids(spec):
 
 @pytest.mark.parametrize("spec", _DECODE_SPECS, ids=_spec_ids)
 def test_every_routed_grouped_kernel(requires_gpu, spec):
-    from mixgemm.specs import Activation
+    from mixgemm.jit.specs import Activation
 
     activation = None if spec.activation is Activation.NONE else spec.activation.value
     act = spec.act
@@ -139,7 +140,7 @@ def test_routed_plan_decisions(requires_gpu):
     bounds on assignments and experts, int32 / int64 ids."""
     from types import SimpleNamespace
 
-    from mixgemm.types import ActType, WeightType
+    from mixgemm.weights.types import ActType, WeightType
 
     x = torch.zeros(1, 16, device="cuda", dtype=torch.bfloat16)
 
@@ -163,7 +164,7 @@ def test_routed_plan_decisions(requires_gpu):
 
 def test_routed_bound_is_the_kernels_threads(requires_gpu):
     """At the kernel's bound fused_moe takes the routed path and equals the four-launch path."""
-    from mixgemm.types import ActType, WeightType
+    from mixgemm.weights.types import ActType, WeightType
 
     e, h, inter, topk = 300, 256, 128, 8
     w13, _ = _experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixgemm import moe, moe_routing, runtime
-from mixgemm.specs import IndexType, MoeRouteSpec
+from mixgemm import moe
+from mixgemm.moe import routing as moe_routing
+from mixgemm.jit import loader as runtime
+from mixgemm.jit.specs import IndexType, MoeRouteSpec
 from moe_graph import capture_fused_moe, replay_matches_eager
 
 pytestmark = pytest.mark.gpu
@@ -143,7 +145,7 @@ def test_combine_kernel(requires_gpu, act, wdtype, t, topk, h):
 def test_fused_moe_is_the_layer_of_route_and_torch_ops(requires_gpu, ids_dtype, w_dtype, t):
     """fused_moe (routing kernel up to the bound; 600 x 8 takes route()) equals route() + a torch
     gather + the same grouped GEMMs + the slot-order sum, bit for bit."""
-    from mixgemm.types import ActType, WeightType
+    from mixgemm.weights.types import ActType, WeightType
     from test_gpu_moe import _experts
 
     e, topk, h, inter = 64, 8, 256, 128
@@ -166,7 +168,7 @@ def test_graph_replay_with_changing_routing_after_a_torch_path_warm_up(requires_
     """Warm-up at a size beyond the routing kernel (the torch path) still loads the routing
     kernel, so a capture at decode size works; replays follow new ids, weights and inputs,
     out-of-range ids included, and equal eager calls."""
-    from mixgemm.types import ActType, WeightType
+    from mixgemm.weights.types import ActType, WeightType
     from test_gpu_moe import _experts
 
     monkeypatch.setattr(runtime, "KERNELS", runtime.KernelCache())   # nothing loaded yet

@@ -1,6 +1,6 @@
 """GPU correctness of the grouped sm90 GEMM (many rows per expert; needs an sm_90 GPU).
 
-Every grouped GEMM kernel (:func:`mixgemm.codegen.grouped_gemm_specs`: each token tile, each
+Every grouped GEMM kernel (:func:`mixgemm.jit.catalog.grouped_gemm_specs`: each token tile, each
 type, both epilogues) against a float64 per-expert reference on the weights dequantized by the
 reference dequantizer, outputs poisoned with NaN (every routed row written, rows past offsets[E]
 left alone); routings with experts of zero rows, one row, odd counts, counts of several token
@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixgemm import codegen, moe
-from mixgemm.experts import PackedExperts
-from mixgemm.quantize import interleave_gate_up, quantize
-from mixgemm.specs import Epilogue, GroupedGemmSpec, KernelKind
-from mixgemm.types import ActType, WeightType
+from mixgemm.jit import render as codegen
+from mixgemm import moe
+from mixgemm.weights.experts import PackedExperts
+from mixgemm.weights.quantize import interleave_gate_up, quantize
+from mixgemm.jit.specs import Epilogue, GroupedGemmSpec, KernelKind
+from mixgemm.weights.types import ActType, WeightType
 
 from moe_graph import capture_fused_moe, replay_matches_eager
 from test_gpu_moe import _distinct_experts, _experts, _fused_moe_error, _offsets, _reference, _tolerance
@@ -186,7 +187,7 @@ def test_cuda_graph_replay_of_the_split_plan(requires_gpu):
 @pytest.mark.parametrize("tile", (64, 256))
 @pytest.mark.parametrize("hot_from", (1, 32))
 def test_layout_kernel_equals_the_torch_layout(requires_gpu, e, tile, hot_from):
-    from mixgemm.moe_tiles import _layout_kernel, _layout_torch, capacity_tiles
+    from mixgemm.moe.tiles import _layout_kernel, _layout_torch, capacity_tiles
 
     g = torch.Generator().manual_seed(e + tile)
     for case in range(4):

@@ -70,7 +70,7 @@ def test_capture_without_warmup_says_so(requires_gpu, monkeypatch):
     w = torch.randn(272, 576, device=dev) * 0.02
     packed = mixgemm.prepack(mixgemm.quantize(w, 2, 64, dtype=torch.float16))
     x = torch.randn(5, 576, device=dev, dtype=torch.float16)
-    from mixgemm import runtime
+    from mixgemm.jit import loader as runtime
     monkeypatch.setattr(runtime, "KERNELS", runtime.KernelCache())   # nothing loaded yet
     g = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="warm-up"):

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 import mixgemm
-from mixgemm import codegen, heuristic, launcher, ops, plans, runtime
+from mixgemm.jit import render as codegen, launcher, loader as runtime
+from mixgemm.dispatch import heuristic, plans
+from mixgemm.ops import dense as ops
 from mixgemm.nn import QuantLinear
-from mixgemm.quantize import interleave_gate_up
-from mixgemm.specs import Activation
+from mixgemm.weights.quantize import interleave_gate_up
+from mixgemm.jit.specs import Activation
 
 pytestmark = pytest.mark.gpu
 
@@ -261,7 +263,7 @@ def _stream_k_chain(dev):
     units), the 256 x 64 tile at M = 64 on 4096 x 4096 (16 tiles over every SM: ~8 splits per
     tile, so many slots per tile), M = 300 on 4096 x 14336 (128 x 256 tiles), and forced split-K
     (3 and 7 splits: every tile is split, so every lock is used)."""
-    from mixgemm.codegen import TILE_CONFIGS
+    from mixgemm.jit.render import TILE_CONFIGS
 
     cases = []
     for i, (n, k, m, splits, label) in enumerate([(4096, 4096, 64, 0, None), (4096, 14336, 300, 0, None),

@@ -27,7 +27,7 @@ import test_formats as tf  # noqa: E402
 from mixgemm import hf  # noqa: E402
 from mixgemm.errors import CheckpointError, FormatError  # noqa: E402
 from mixgemm.hf import materialize  # noqa: E402
-from mixgemm.hf.config import LayerScheme, QuantMethod, parse_quantization_config  # noqa: E402
+from mixgemm.formats.config import LayerScheme, QuantMethod, parse_quantization_config  # noqa: E402
 from mixgemm.hf.dequant import dequantize_layer  # noqa: E402
 from mixgemm.nn import QuantLinear  # noqa: E402
 
@@ -94,7 +94,7 @@ def test_every_format_loads_exactly(tmp_path, kind):
 def test_a_mixgemm_checkpoint_written_by_the_command_line(tmp_path, capsys):
     """The README's recipe: `mixgemm prepack DIR -o OUT/model.safetensors --from gptq`, and the
     source's config.json with the mixgemm quantization_config next to it."""
-    from mixgemm.cli import main
+    from mixgemm.cli.main import main
 
     ref = hc.write_gptq(tmp_path / "src", act_order=True, fmt="gptq_v2")
     out = tmp_path / "out"
@@ -252,9 +252,9 @@ def test_the_fusion_keywords(tmp_path):
 
 
 def test_an_unrecognized_attention_keeps_q_k_and_v_apart(tmp_path, monkeypatch, caplog):
-    """An attention class mixgemm.blocks does not know: its q, k and v stay three QuantLinear
+    """An attention class mixgemm.nn.blocks does not know: its q, k and v stay three QuantLinear
     layers, with one log line; gate/up is still fused."""
-    from mixgemm import blocks
+    from mixgemm.nn import blocks
 
     ref = hc.write_awq(tmp_path / "m", shards=1)
     monkeypatch.setattr(blocks, "ATTENTIONS", frozenset({"MistralAttention"}))
@@ -297,8 +297,8 @@ def test_fuse_layers_generates_the_tokens_of_the_unfused_model(tmp_path, referen
     the static cache generate()'s default, the summary and its log line say so; on the CPU
     reference path greedy generate() gives the unfused model's tokens, over two turns whose cache
     grows past the first prompt, and the logits agree within the dtype's rounding."""
-    from mixgemm import blocks
-    from mixgemm.blocks import FusedDecoderLayer
+    from mixgemm.nn import blocks
+    from mixgemm.nn.blocks import FusedDecoderLayer
     from mixgemm.nn import RMSNorm
 
     hc.write_gptq(tmp_path / "m", act_order=True, fmt="gptq_v2")
@@ -388,7 +388,7 @@ def test_norms_are_replaced_by_mixgemm_rms_norm(tmp_path):
 
 
 def test_generate_for_a_model_lists_its_norm_kernel(tmp_path, capsys):
-    from mixgemm.cli import main
+    from mixgemm.cli.main import main
 
     hc.write_awq(tmp_path / "m")
     assert main(["generate", "--list", "--for", str(tmp_path / "m")]) == 0
@@ -638,7 +638,7 @@ def test_dequantize_layer_is_each_formats_formula():
 
 def test_package_imports_without_transformers():
     code = ("import sys; sys.modules['transformers'] = None\n"
-            "import mixgemm, mixgemm.hf, mixgemm.hf.config, mixgemm.hf.shards, mixgemm.hf.dequant\n"
+            "import mixgemm, mixgemm.hf, mixgemm.formats.config, mixgemm.hf.shards, mixgemm.hf.dequant\n"
             "try:\n    mixgemm.hf.from_pretrained('x')\nexcept ImportError as e:\n    print('ImportError:', e)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

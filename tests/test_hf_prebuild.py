@@ -18,10 +18,11 @@ import torch
 pytest.importorskip("transformers", reason="mixgemm.hf needs transformers (pip install 'mixgemm[hf]')")
 
 import hf_checkpoints as hc  # noqa: E402
-from mixgemm import hf, runtime  # noqa: E402
-from mixgemm.cli import main  # noqa: E402
-from mixgemm.checkpoint_weights import kernel_specs, weight_uses  # noqa: E402
-from mixgemm.prebuild import specs_for, uses_of  # noqa: E402
+from mixgemm import hf
+from mixgemm.jit import loader as runtime  # noqa: E402
+from mixgemm.cli.main import main  # noqa: E402
+from mixgemm.aot.checkpoint import kernel_specs, weight_uses  # noqa: E402
+from mixgemm.aot.prebuild import specs_for, uses_of  # noqa: E402
 
 from test_build import _calls, fake_env  # noqa: E402,F401  (the fake nvcc and a private cache)
 

@@ -25,12 +25,12 @@ import hf_checkpoints as hc  # noqa: E402
 from dist_worker import exit_without_teardown, process_group  # noqa: E402
 import mixgemm  # noqa: E402
 from mixgemm import hf  # noqa: E402
-from mixgemm.blocks import FusedDecoderLayer  # noqa: E402
+from mixgemm.nn.blocks import FusedDecoderLayer  # noqa: E402
 from mixgemm.errors import ShardError  # noqa: E402
 from mixgemm.hf import materialize  # noqa: E402
 from mixgemm.nn import ColumnParallelQuantLinear, QuantLinear, RowParallelQuantLinear  # noqa: E402
-from mixgemm.quantize import GATE_UP_STRIPE  # noqa: E402
-from mixgemm.tensor_parallel import RowParallelLinear  # noqa: E402
+from mixgemm.weights.quantize import GATE_UP_STRIPE  # noqa: E402
+from mixgemm.nn.parallel import RowParallelLinear  # noqa: E402
 
 #: checkpoints loaded split and whole: asymmetric AWQ with tied embeddings, a per-channel 2-bit
 #: GPTQ (a per-channel weight stays per-channel over its K slice), a mixgemm file, and

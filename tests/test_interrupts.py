@@ -21,9 +21,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from mixgemm.cli import main
-from mixgemm.io import load
-from mixgemm.types import PackedWeight
+from mixgemm.cli.main import main
+from mixgemm.weights.io import load
+from mixgemm.weights.types import PackedWeight
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +35,8 @@ from pathlib import Path
 signal.signal(signal.SIGINT, signal.default_int_handler)
 stage, ready = sys.argv[1], Path(sys.argv[2])
 if stage == "quantize":          # pause while quantizing the second weight
-    import mixgemm.quantize
-    q = sys.modules["mixgemm.quantize"]      # (mixgemm.quantize is also the function's name)
+    import mixgemm.weights.quantize
+    q = sys.modules["mixgemm.weights.quantize"]      # (mixgemm.quantize is also the function's name)
     real, calls = q.quantize, []
     def quantize(*a, **k):
         calls.append(1)
@@ -53,7 +53,7 @@ else:                            # pause with the temporary file written, before
         ready.write_text(filename)
         time.sleep(120)
     st.save_file = save_file
-from mixgemm.cli import main
+from mixgemm.cli.main import main
 sys.exit(main(sys.argv[3:]))
 '''
 

@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 
 import mixgemm
-from mixgemm.io import (FORMAT_VERSION, MixgemmFormatError, check_metadata, load, read_metadata,
+from mixgemm.weights.io import (FORMAT_VERSION, MixgemmFormatError, check_metadata, load, read_metadata,
                         save, stale_temporaries)
-from mixgemm.layout import prepack, unpack
-from mixgemm.quantize import quantize
-from mixgemm.types import LAYOUT_VERSION, PackedWeight
+from mixgemm.weights.layout import prepack, unpack
+from mixgemm.weights.quantize import quantize
+from mixgemm.weights.types import LAYOUT_VERSION, PackedWeight
 
 
 def packed_weight(bits=4, symmetric=False, group_size=64, dtype=torch.bfloat16, n=32, k=128, seed=0):
@@ -295,7 +295,7 @@ def test_load_to_cuda(saved, requires_gpu):
 def test_zero_offsets_round_trip_and_version(tmp_path):
     """A weight with fractional zero points (zero_offsets) is saved as a companion tensor and
     marks the file format version 2; it loads back exactly."""
-    from mixgemm.types import PackedWeight
+    from mixgemm.weights.types import PackedWeight
 
     qw = quantize(torch.randn(32, 128), 4, 64, symmetric=False, dtype=torch.bfloat16)
     offsets = torch.randn(32, 2) * 1e-3

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import mixgemm.layout as layout
-from mixgemm.layout import prepack, unpack
-from mixgemm.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType
+import mixgemm.weights.layout as layout
+from mixgemm.weights.layout import prepack, unpack
+from mixgemm.weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType
 
 BITS = (8, 4, 2)
 DTYPES = (torch.bfloat16, torch.float16)

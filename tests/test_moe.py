@@ -11,12 +11,14 @@ import torch
 import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
-from mixgemm import codegen, moe, moe_grouped, paths, runtime
-from mixgemm.codegen import render
-from mixgemm.experts import PackedExperts
-from mixgemm.quantize import interleave_gate_up, quantize
-from mixgemm.specs import Activation, DecodeSpec, GroupedDecodeSpec, KernelKind, parse_name
-from mixgemm.types import ActType, WeightType
+from mixgemm.jit import render as codegen, env as paths, loader as runtime
+from mixgemm import moe
+from mixgemm.moe import grouped as moe_grouped
+from mixgemm.jit.render import render
+from mixgemm.weights.experts import PackedExperts
+from mixgemm.weights.quantize import interleave_gate_up, quantize
+from mixgemm.jit.specs import Activation, DecodeSpec, GroupedDecodeSpec, KernelKind, parse_name
+from mixgemm.weights.types import ActType, WeightType
 
 
 # ---------------------------------------------------------------------------------------------- specs
@@ -314,7 +316,7 @@ def test_grouped_gemm_routed_argument_errors():
 
 
 def test_routed_supports_gives_the_reason():
-    from mixgemm.moe_grouped import routed_supports
+    from mixgemm.moe.grouped import routed_supports
 
     spec = moe.decode_spec_for(16, ActType.BF16, WeightType.U4, None, 8)
     assert routed_supports(16, 8, spec) is None
@@ -338,7 +340,7 @@ _QWEN3, _MIXTRAL, _WIDE = (2048, 768, 128, 8), (4096, 14336, 8, 2), (256, 128, 6
 ])
 def test_routed_fits(preset, tokens, wt, want):
     """fused_moe's choice of the routed path (three launches) on a 132-SM GPU."""
-    from mixgemm.moe_layer import routed_fits
+    from mixgemm.moe.layer import routed_fits
 
     h, inter, e, topk = preset
     plan = moe.plan_fused_moe(tokens * topk, ActType.BF16, wt, e, h, inter)
@@ -400,7 +402,7 @@ def test_grouped_helper_refuses_what_the_kernel_cannot_run(tmp_path, monkeypatch
 def test_quant_moe_from_mlps_packs_the_experts():
     from torch import nn
 
-    from mixgemm.nn_moe import QuantMoE
+    from mixgemm.nn.moe import QuantMoE
 
     class Mlp(nn.Module):
         def __init__(self, h, i, bias=False):
@@ -431,8 +433,8 @@ def test_quant_moe_from_mlps_packs_the_experts():
 def test_quant_moe_forward_is_one_fused_moe_op(monkeypatch):
     """QuantMoE.forward hands its buffers to the mixgemm::fused_moe op, which calls fused_moe on
     PackedExperts built from them (recorded here on the CPU, fused_moe itself replaced)."""
-    from mixgemm import moe_layer
-    from mixgemm.nn_moe import QuantMoE
+    from mixgemm.moe import layer as moe_layer
+    from mixgemm.nn.moe import QuantMoE
 
     w13 = PackedExperts.quantize(torch.randn(3, 128, 128), 2, 32, symmetric=True, dtype=torch.bfloat16)
     w2 = PackedExperts.quantize(torch.randn(3, 128, 64), 2, 64, symmetric=True, dtype=torch.bfloat16)

@@ -12,11 +12,11 @@ from safetensors.torch import save_file
 
 import mixgemm
 from mixgemm import formats
-from mixgemm.cli import main
-from mixgemm.experts import PackedExperts
-from mixgemm.io import read_metadata
-from mixgemm.moe_checkpoint import stack_experts
-from mixgemm.quantize import interleave_rows
+from mixgemm.cli.main import main
+from mixgemm.weights.experts import PackedExperts
+from mixgemm.weights.io import read_metadata
+from mixgemm.weights.stacking import stack_experts
+from mixgemm.weights.quantize import interleave_rows
 
 import test_formats as tf
 

@@ -1,4 +1,4 @@
-"""mixgemm.moe_routing on the CPU: the routing and combine kernel specs and their C++, the torch
+"""mixgemm.moe.routing on the CPU: the routing and combine kernel specs and their C++, the torch
 path of route_and_gather / combine against route(), the custom ops traced by torch.compile, the
 launches on a faked GPU, and (with nvcc) the kernels built."""
 from __future__ import annotations
@@ -11,11 +11,13 @@ import torch
 import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
-from mixgemm import codegen, moe, moe_routing, paths
-from mixgemm.codegen import default_specs, render
-from mixgemm.specs import (HELPER_KINDS, IndexType, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, RoutingWeightType,
+from mixgemm.jit import render as codegen, env as paths
+from mixgemm import moe
+from mixgemm.moe import routing as moe_routing
+from mixgemm.jit.render import default_specs, render
+from mixgemm.jit.specs import (HELPER_KINDS, IndexType, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, RoutingWeightType,
                            parse_name)
-from mixgemm.types import ActType
+from mixgemm.weights.types import ActType
 
 
 # ---------------------------------------------------------------------------------------------- specs
@@ -56,7 +58,7 @@ def test_header_bounds_match_python():
 
 
 def test_generate_lists_them(capsys):
-    from mixgemm.cli import main
+    from mixgemm.cli.main import main
 
     assert main(["generate", "--list", "--kernels", "_moe_"]) == 0
     assert capsys.readouterr().out.split() == [s.name for s in codegen.moe_specs()]
@@ -209,7 +211,7 @@ def test_combine_launches_the_kernel_with_inv_only(tmp_path):
 def test_the_kernels_build(tmp_path, monkeypatch):
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
-    from mixgemm import build
+    from mixgemm.jit import build
 
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
     for spec in (MoeRouteSpec(IndexType.I64), MoeCombineSpec(ActType.BF16, RoutingWeightType.F32)):

@@ -1,15 +1,16 @@
-"""The token-tile layout of the grouped sm90 GEMM (mixgemm.moe_tiles), its kernel specs, and the
+"""The token-tile layout of the grouped sm90 GEMM (mixgemm.moe.tiles), its kernel specs, and the
 combine through a padded layout: CPU only."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mixgemm import codegen, moe
-from mixgemm.moe_routing import Routing, _combine_torch, route
-from mixgemm.moe_tiles import capacity_tiles, token_tiles
-from mixgemm.specs import Epilogue, GroupedGemmSpec, KernelKind, parse_name
-from mixgemm.types import ActType, WeightType
+from mixgemm.jit import render as codegen
+from mixgemm import moe
+from mixgemm.moe.routing import Routing, _combine_torch, route
+from mixgemm.moe.tiles import capacity_tiles, token_tiles
+from mixgemm.jit.specs import Epilogue, GroupedGemmSpec, KernelKind, parse_name
+from mixgemm.weights.types import ActType, WeightType
 
 
 def _offsets(counts):
@@ -152,7 +153,7 @@ def test_fused_moe_splits_hot_experts_between_the_thresholds():
 @pytest.mark.parametrize("counts", COUNTS, ids=str)
 @pytest.mark.parametrize("hot_from", (1, 32, 100, 10 ** 6))
 def test_split_layout_sends_each_expert_to_one_kernel(counts, hot_from):
-    from mixgemm.moe_tiles import split_layout
+    from mixgemm.moe.tiles import split_layout
 
     rows, tile = sum(counts), 64
     lay = split_layout(_offsets(counts), rows, tile, hot_from)
@@ -176,7 +177,7 @@ def test_split_layout_sends_each_expert_to_one_kernel(counts, hot_from):
 
 
 def test_split_layout_sends_dropped_rows_to_the_spare_row():
-    from mixgemm.moe_tiles import split_layout
+    from mixgemm.moe.tiles import split_layout
 
     lay = split_layout(_offsets([2, 40, 1]), 45, 64, 32)
     spare = 45 + lay.tiles.capacity

@@ -156,7 +156,7 @@ def test_gate_up_layer_interleaves_and_round_trips():
 def test_gate_up_state_from_mixgemm_0_1_is_restriped(symmetric):
     """A swiglu layer saved by mixgemm 0.1 (16-row stripes, no stripe in its metadata) loads into
     today's 8-row layout exactly: the same buffers as from_gate_up builds."""
-    from mixgemm.quantize import interleave_rows
+    from mixgemm.weights.quantize import interleave_rows
 
     gate, up = _linear(n=96, k=128), _linear(n=96, k=128)
     up.weight.data.mul_(-0.5)

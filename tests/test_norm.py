@@ -14,10 +14,11 @@ import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
 import mixgemm
-from mixgemm import codegen, norm, paths
-from mixgemm.codegen import default_specs, render
-from mixgemm.specs import HELPER_KINDS, NormSpec, parse_name
-from mixgemm.types import ActType
+from mixgemm.jit import render as codegen, env as paths
+from mixgemm.ops import norm
+from mixgemm.jit.render import default_specs, render
+from mixgemm.jit.specs import HELPER_KINDS, NormSpec, parse_name
+from mixgemm.weights.types import ActType
 
 
 def reference(x, weight, eps, residual=None):
@@ -56,7 +57,7 @@ def test_header_threads_match_python():
 
 
 def test_generate_lists_them(capsys):
-    from mixgemm.cli import main
+    from mixgemm.cli.main import main
 
     assert main(["generate", "--list", "--kernels", "rmsnorm"]) == 0
     assert capsys.readouterr().out.split() == [s.name for s in codegen.norm_specs()]
@@ -144,7 +145,7 @@ def test_launch_on_a_faked_gpu(tmp_path, residual):
 def test_the_kernels_build(tmp_path, monkeypatch):
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
-    from mixgemm import build
+    from mixgemm.jit import build
 
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
     for spec in codegen.norm_specs():
@@ -161,7 +162,7 @@ def test_the_kernels_build(tmp_path, monkeypatch):
                                     (64, 2056)])
 @pytest.mark.parametrize("residual", [False, True])
 def test_kernel_against_float64_and_torch(requires_gpu, dtype, rows, h, residual):
-    from mixgemm import runtime
+    from mixgemm.jit import loader as runtime
 
     dev = requires_gpu
     g = torch.Generator(device=dev).manual_seed(rows * h + residual)

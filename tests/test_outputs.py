@@ -2,7 +2,7 @@
 refuses, in one line and before any work, a target that exists and is not a regular file (a FIFO,
 a character device, a directory, a symlink to one of them); ``--force`` replaces regular files
 only; bad paths (``''``, ``newdir/``, ``file/x``) get one-line errors; the temporaries of a dead
-process are removed by the next write (mixgemm.atomic).
+process are removed by the next write (mixgemm.utils.atomic).
 
 No test here can replace a real device node: the targets are FIFOs, directories and device nodes
 made in the test's own directory, and symlinks to /dev/null whose replacement would replace the
@@ -20,8 +20,8 @@ import safetensors.torch
 import torch
 
 import mixgemm
-from mixgemm.atomic import check_target, replacing, stale_temporaries
-from mixgemm.cli import main
+from mixgemm.utils.atomic import check_target, replacing, stale_temporaries
+from mixgemm.cli.main import main
 from mixgemm.errors import OutputPathError
 
 ERR_PREPACK = "mixgemm prepack: error: "
@@ -115,7 +115,7 @@ def test_prepack_refuses_a_target_that_is_not_a_regular_file(capsys, checkpoint,
     out_dir.mkdir()
     target = make(out_dir / "model.int4.safetensors")
     before = _snapshot(out_dir)
-    q = sys.modules["mixgemm.quantize"]
+    q = sys.modules["mixgemm.weights.quantize"]
     monkeypatch.setattr(q, "quantize", lambda *a, **k: pytest.fail("quantized before refusing the output"))
     argv = ["prepack", checkpoint, "-o", target, "--bits", "4", "--group-size", "128"] + (["--force"] if force else [])
     rc, out, err = run(capsys, *argv)
@@ -249,7 +249,7 @@ def test_the_target_changing_during_the_write_is_refused(tmp_path):
 def test_generate_removes_the_temporaries_of_a_dead_process(capsys, tmp_path):
     import re
 
-    from mixgemm import codegen
+    from mixgemm.jit import render as codegen
     dead = _dead_pid()
     out = tmp_path / "src"
     out.mkdir()

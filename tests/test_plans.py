@@ -20,10 +20,12 @@ import fake_driver
 from fake_gpu import SM_COUNT, FakeGpu, FakeHelper, function_handle, launched_args
 
 import mixgemm
-from mixgemm import build, heuristic, launcher, ops, paths, plans, runtime
+from mixgemm.jit import build, launcher, env as paths, loader as runtime
+from mixgemm.dispatch import heuristic, plans
+from mixgemm.ops import dense as ops
 from mixgemm.errors import BuildError, CudaError, KernelError
 from mixgemm.nn import QuantLinear
-from mixgemm.specs import Activation, Raster
+from mixgemm.jit.specs import Activation, Raster
 
 pytestmark = pytest.mark.skipif(fake_driver.compiler() is None or fake_driver.real_driver_present(),
                                 reason="needs a C compiler for the fake CUDA driver, and no real one")
@@ -363,7 +365,7 @@ def test_stream_k_locks_zeroed_once_per_stream(fake_gpu, backend):
     capturing stream's buffer serves when it is large enough; otherwise torch's memory, zeroed
     for that launch and released after it: nothing made during a capture outlives it. A kernel
     without such locks is offered none."""
-    from mixgemm.specs import ActType, GemmSpec, Scheduler, WeightType
+    from mixgemm.jit.specs import ActType, GemmSpec, Scheduler, WeightType
 
     gpu = fake_gpu
     gpu.kernels.helpers = lambda spec: FakeHelper(spec, workspace=lambda a: 1000 * a.m, zero_bytes=0,

@@ -1,4 +1,4 @@
-"""mixgemm.prebuild: the kernels a model can select, and building them ahead of time.
+"""mixgemm.aot.prebuild: the kernels a model can select, and building them ahead of time.
 
 The claim under test: ``specs_for(model)`` is exactly the set of kernels the model's GEMMs
 select at some token count. It is checked against the heuristic at every M from 1 to 400, and
@@ -17,11 +17,14 @@ import pytest
 import torch
 from torch import nn
 
-from mixgemm import build, heuristic, ops, prebuild, runtime
+from mixgemm.jit import build, loader as runtime
+from mixgemm.dispatch import heuristic
+from mixgemm.ops import dense as ops
+from mixgemm.aot import prebuild
 from mixgemm.nn import QuantLinear
-from mixgemm.prebuild import WeightUse, specs_for, token_counts
-from mixgemm.specs import Activation
-from mixgemm.types import ActType, WeightType
+from mixgemm.aot.prebuild import WeightUse, specs_for, token_counts
+from mixgemm.jit.specs import Activation
+from mixgemm.weights.types import ActType, WeightType
 
 from test_build import fake_env  # noqa: F401  (the fake nvcc and a private cache)
 
@@ -168,7 +171,7 @@ def test_build_for_without_the_launcher_in_python_mode(fake_env, monkeypatch):  
 
 def test_build_for_reports_a_failed_launcher(fake_env, monkeypatch, caplog):  # noqa: F811
     """auto: a warning (calls launch from Python); compiled: an error."""
-    from mixgemm import launcher
+    from mixgemm.jit import launcher
 
     def fail():
         raise build.BuildError("no compiler today")
@@ -185,7 +188,7 @@ def test_build_for_reports_a_failed_launcher(fake_env, monkeypatch, caplog):  # 
 def _quant_moe(e, h, i, bits=4):
     from torch import nn
 
-    from mixgemm.nn_moe import QuantMoE
+    from mixgemm.nn.moe import QuantMoE
 
     class Mlp(nn.Module):
         def __init__(self):
@@ -202,7 +205,7 @@ def test_moe_layers_bring_every_kernel_their_forward_can_launch(e, h, i):
     from torch import nn
 
     from mixgemm import moe
-    from mixgemm.specs import KernelKind, MoeLayoutSpec
+    from mixgemm.jit.specs import KernelKind, MoeLayoutSpec
 
     layer = _quant_moe(e, h, i)
     got = {s.name for s in prebuild.specs_for(nn.Sequential(nn.Linear(2, 2), layer))}
@@ -224,9 +227,9 @@ def test_moe_layers_bring_every_kernel_their_forward_can_launch(e, h, i):
 
 def test_a_moe_checkpoint_brings_its_grouped_kernels(tmp_path):
     import mixgemm
-    from mixgemm import checkpoint_weights
-    from mixgemm.experts import PackedExperts
-    from mixgemm.prebuild import ExpertsUse
+    from mixgemm.aot import checkpoint as checkpoint_weights
+    from mixgemm.weights.experts import PackedExperts
+    from mixgemm.aot.prebuild import ExpertsUse
 
     w13 = PackedExperts.quantize(torch.randn(4, 256, 128, dtype=torch.bfloat16), 4, 64)
     w2 = PackedExperts.quantize(torch.randn(4, 128, 128, dtype=torch.bfloat16), 4, 64)
@@ -248,9 +251,9 @@ def test_a_moe_checkpoint_brings_its_grouped_kernels(tmp_path):
 @pytest.mark.parametrize("keep", ("w13", "w2"))
 def test_stacked_experts_without_a_partner_are_refused(tmp_path, keep):
     import mixgemm
-    from mixgemm import checkpoint_weights
+    from mixgemm.aot import checkpoint as checkpoint_weights
     from mixgemm.errors import UserError
-    from mixgemm.experts import PackedExperts
+    from mixgemm.weights.experts import PackedExperts
 
     ex = {"w13": PackedExperts.quantize(torch.randn(4, 256, 128, dtype=torch.bfloat16), 4, 64),
           "w2": PackedExperts.quantize(torch.randn(4, 128, 128, dtype=torch.bfloat16), 4, 64)}
@@ -262,9 +265,9 @@ def test_stacked_experts_without_a_partner_are_refused(tmp_path, keep):
 
 def test_stacked_experts_that_do_not_fit_are_refused(tmp_path):
     import mixgemm
-    from mixgemm import checkpoint_weights
+    from mixgemm.aot import checkpoint as checkpoint_weights
     from mixgemm.errors import UserError
-    from mixgemm.experts import PackedExperts
+    from mixgemm.weights.experts import PackedExperts
 
     path = tmp_path / "bad.safetensors"
     mixgemm.save(path, {"e.w13.weight": PackedExperts.quantize(torch.randn(4, 256, 128, dtype=torch.bfloat16), 4, 64),

@@ -1,11 +1,11 @@
-"""mixgemm.progress.Elapsed: the indicator shown while a kernel compiles."""
+"""mixgemm.utils.progress.Elapsed: the indicator shown while a kernel compiles."""
 import io
 import re
 import time
 
 import pytest
 
-from mixgemm.progress import Elapsed
+from mixgemm.utils.progress import Elapsed
 
 
 def test_terminal_line_counts_the_seconds():

@@ -12,12 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixgemm.layout import prepack
-from mixgemm.quantize import dequantize_reference, quantize, round_up_to_dtype
-from mixgemm.types import QuantizedWeight
+from mixgemm.weights.layout import prepack
+from mixgemm.weights.quantize import dequantize_reference, quantize, round_up_to_dtype
+from mixgemm.weights.types import QuantizedWeight
 
 # `mixgemm.quantize` the attribute is the function (re-exported by the package): get the module.
-mq = importlib.import_module("mixgemm.quantize")
+mq = importlib.import_module("mixgemm.weights.quantize")
 
 BITS = (8, 4, 2)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -340,7 +340,7 @@ def test_cuda_matches_cpu(requires_gpu):
 @pytest.mark.parametrize("stripe", (8, 16))
 def test_interleave_rows_and_its_inverse(stripe):
     """interleave_rows alternates stripes of a and b; deinterleave_rows is its exact inverse."""
-    from mixgemm.quantize import deinterleave_rows, interleave_rows
+    from mixgemm.weights.quantize import deinterleave_rows, interleave_rows
 
     a = torch.arange(48 * 3).reshape(48, 3)
     b = -a - 1

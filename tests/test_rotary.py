@@ -14,10 +14,11 @@ import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
 import mixgemm
-from mixgemm import codegen, paths, rotary
-from mixgemm.codegen import default_specs, render
-from mixgemm.specs import HELPER_KINDS, RopeSpec, parse_name
-from mixgemm.types import ActType
+from mixgemm.jit import render as codegen, env as paths
+from mixgemm.ops import rotary
+from mixgemm.jit.render import default_specs, render
+from mixgemm.jit.specs import HELPER_KINDS, RopeSpec, parse_name
+from mixgemm.weights.types import ActType
 
 
 def tables(d, positions, dtype, device=None, theta=10000.0):
@@ -201,7 +202,7 @@ def test_launch_on_a_faked_gpu(tmp_path):
 def test_the_kernels_build(tmp_path, monkeypatch):
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
-    from mixgemm import build
+    from mixgemm.jit import build
 
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
     for spec in codegen.rope_specs():
@@ -222,7 +223,7 @@ def test_the_kernels_build(tmp_path, monkeypatch):
     (1, 1, 64, 8, 256, 17),        # head size 256
 ])
 def test_kernel_equals_the_models_formula(requires_gpu, dtype, b, t, heads, kv_heads, d, pos):
-    from mixgemm import runtime
+    from mixgemm.jit import loader as runtime
 
     dev = requires_gpu
     qkv, cos, sin, kc, vc = inputs(b, t, heads, kv_heads, d, pos + t + 5, dtype, dev, batch_cache=b + 2,

@@ -10,9 +10,9 @@ import itertools
 import pytest
 import torch
 
-from mixgemm.layout import prepack, shard, unpack
-from mixgemm.quantize import dequantize_reference, interleave_gate_up
-from mixgemm.types import PackedWeight, QuantizedWeight, WeightType
+from mixgemm.weights.layout import prepack, shard, unpack
+from mixgemm.weights.quantize import dequantize_reference, interleave_gate_up
+from mixgemm.weights.types import PackedWeight, QuantizedWeight, WeightType
 
 from test_layout import random_qw
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from dist_worker import exit_without_teardown, process_group
 from mixgemm.nn import ColumnParallelQuantLinear, QuantLinear, RowParallelQuantLinear
-from mixgemm.quantize import GATE_UP_STRIPE, dequantize_reference
+from mixgemm.weights.quantize import GATE_UP_STRIPE, dequantize_reference
 
 DTYPE = torch.bfloat16
 

@@ -10,7 +10,7 @@ import torch
 import mixgemm
 from mixgemm.errors import ShardError
 from mixgemm.formats import from_awq, from_compressed_tensors, from_gptq, import_layer
-from mixgemm.layout import prepack
+from mixgemm.weights.layout import prepack
 
 import test_formats as tf
 

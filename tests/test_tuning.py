@@ -1,11 +1,11 @@
-"""The measured split-K table (mixgemm.tuning): built from sweep rows, read back, looked up."""
+"""The measured split-K table (mixgemm.dispatch.tuning): built from sweep rows, read back, looked up."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from mixgemm import tuning
+from mixgemm.dispatch import tuning
 
 
 def _row(n, k, m, weight, splits, us, stage_bytes=1024, warps=8, stages=4):

@@ -197,9 +197,9 @@ def test_every_kernel_resolves_its_includes(installed):
 def _demo_specs() -> tuple[str, str]:
     """The decode kernel (M = 1) and the sm90 GEMM kernel (M = 64) that `mixgemm demo` runs on
     its 4096x4096 bf16/int4 layer."""
-    from mixgemm.ops import select_tile
-    from mixgemm.specs import Activation
-    from mixgemm.types import ActType, WeightType
+    from mixgemm.ops.dense import select_tile
+    from mixgemm.jit.specs import Activation
+    from mixgemm.weights.types import ActType, WeightType
 
     decode = select_tile(1, 4096, 4096).spec(ActType.BF16, WeightType.U4, Activation.NONE)
     gemm = select_tile(64, 4096, 4096).spec(ActType.BF16, WeightType.U4, Activation.NONE)
@@ -211,7 +211,7 @@ def _demo_specs() -> tuple[str, str]:
 def test_installed_package_compiles_a_decode_and_a_gemm_kernel(installed, tmp_path):
     """nvcc compiles both kernels (in parallel, each into its own cache) and the compiled
     launcher from the installed package's files. Compilation only: no GPU needed."""
-    from mixgemm import paths
+    from mixgemm.jit import env as paths
 
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")

@@ -238,9 +238,10 @@ def child(args) -> None:
 def _dry_generate(model, prompt_len: int, new_tokens: int, stamps: list) -> None:
     """What generate() would compile on first use, built one kernel at a time (the prompt's token
     count, then one token per step), with the compiled launcher first."""
-    from mixgemm import build, launcher, prebuild
-    from mixgemm.ops import select_spec
-    from mixgemm.specs import Activation
+    from mixgemm.jit import build, launcher
+    from mixgemm.aot import prebuild
+    from mixgemm.ops.dense import select_spec
+    from mixgemm.jit.specs import Activation
 
     launcher.build_compiled()
     uses = set(prebuild.uses_of(model))

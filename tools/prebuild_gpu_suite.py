@@ -19,13 +19,13 @@ import time
 
 
 def main(argv=None) -> int:
-    from mixgemm import build
+    from mixgemm.jit import build
     from mixgemm.bench import PRESETS
-    from mixgemm.norm import norm_spec
-    from mixgemm.prebuild import ExpertsUse, WeightUse, specs_for
-    from mixgemm.rotary import rope_spec
-    from mixgemm.specs import Activation
-    from mixgemm.types import ActType, WeightType
+    from mixgemm.ops.norm import norm_spec
+    from mixgemm.aot.prebuild import ExpertsUse, WeightUse, specs_for
+    from mixgemm.ops.rotary import rope_spec
+    from mixgemm.jit.specs import Activation
+    from mixgemm.weights.types import ActType, WeightType
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-j", "--jobs", type=int, default=None)
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     for s in (norm_spec(bf16.torch_dtype, False), norm_spec(bf16.torch_dtype, True), rope_spec(bf16.torch_dtype)):
         specs[s.name] = s
     if args.all_u4:
-        from mixgemm.codegen import default_specs
+        from mixgemm.jit.render import default_specs
 
         specs.update((s.name, s) for s in default_specs([bf16], [WeightType.U4]))
     specs = [specs[k] for k in sorted(specs)]

@@ -79,7 +79,8 @@ def gpu_time(fn, iters: int = 200) -> float:
 def reference_gemm(x, w, bias=None):
     """mixgemm.gemm as it was before the launch plans: every check and choice on every call,
     then runtime.launch_gemm (new params, Launch, CUlaunchConfig and attribute objects)."""
-    from mixgemm import codegen, ops, runtime
+    from mixgemm.jit import render as codegen, loader as runtime
+    from mixgemm.ops import dense as ops
 
     ops._check_gemm_inputs(x, w, bias, None, None)
     m = x.shape[0]
@@ -104,7 +105,8 @@ def reference_gemm(x, w, bias=None):
 
 @contextlib.contextmanager
 def launcher_mode(mode: str):
-    from mixgemm import launcher, plans
+    from mixgemm.jit import launcher
+    from mixgemm.dispatch import plans
 
     old = os.environ.get(launcher.LAUNCHER_ENV)
     os.environ[launcher.LAUNCHER_ENV] = mode
@@ -123,7 +125,9 @@ def launcher_mode(mode: str):
 
 def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
     import mixgemm
-    from mixgemm import codegen, ops, plans, runtime
+    from mixgemm.jit import render as codegen, loader as runtime
+    from mixgemm.ops import dense as ops
+    from mixgemm.dispatch import plans
     from mixgemm.nn import QuantLinear
 
     sync = (lambda: None) if fake else torch.cuda.synchronize
@@ -257,7 +261,7 @@ class _LegacyQuantLinear(torch.nn.Module):
 
 
 def _config_objects(kernel, args):
-    from mixgemm.runtime import _driver
+    from mixgemm.jit.loader import _driver
 
     drv = _driver()
     _, launch = kernel.helper.prepare(args)

@@ -14,4 +14,4 @@ for m in [int(a) for a in sys.argv[1:]] or [1]:
     for _ in range(4):
         y = mixgemm.gemm(x, packed)
     torch.cuda.synchronize()
-    print(m, mixgemm.ops.select_spec(m, packed).name, float(y.float().norm()))
+    print(m, mixgemm.ops.dense.select_spec(m, packed).name, float(y.float().norm()))

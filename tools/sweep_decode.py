@@ -1,5 +1,5 @@
 """Sweep the decode kernels' split-K factor on the GPU, per layer shape, weight type and M, and
-write the measured table that mixgemm.tuning reads.
+write the measured table that mixgemm.dispatch.tuning reads.
 
 Each point is one kernel launch captured in a CUDA graph and replayed after a clean L2 flush
 (a write of 2x L2, then a read of another 2x L2, so that the timed kernel finds clean lines as it
@@ -12,7 +12,7 @@ is the heuristic's (`TILE_CONFIGS`' dec8 / dec16 / dec32 for the type), forced t
     python tools/sweep_decode.py OUT.json [--shapes 28672x8192,...|presets] [--m 1,16] [--weights u4,u2,s8]
         [--splits 0,1,2,3,4,6,8,12,16] [--iters 30] [--passes 2] [--table T.json [--merge-into OLD.json]]
 
-The committed tables python/mixgemm/tuning/<gpu>.json come from `--table`; `--merge-into` the
+The committed tables python/mixgemm/dispatch/configs/<gpu>.json come from `--table`; `--merge-into` the
 committed table keeps its entries of the shapes this sweep did not measure.
 """
 from __future__ import annotations
@@ -26,9 +26,11 @@ import sys
 import torch
 
 import mixgemm
-from mixgemm import build, ops, tuning
-from mixgemm.codegen import TILE_CONFIGS, DecodeConfig
-from mixgemm.types import ActType, WeightType
+from mixgemm.jit import build
+from mixgemm.ops import dense as ops
+from mixgemm.dispatch import tuning
+from mixgemm.jit.render import TILE_CONFIGS, DecodeConfig
+from mixgemm.weights.types import ActType, WeightType
 
 #: the decoder-layer GEMM shapes (N x K) of llama3-8b, llama3-70b, qwen2.5-7b, qwen2.5-32b
 #: (qkv, o, gate+up, down)
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
                     help="split-K factors to force; 0 = the planner's pick")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--passes", type=int, default=2)
-    ap.add_argument("--table", help="also write the measured split-K table (mixgemm.tuning) here")
+    ap.add_argument("--table", help="also write the measured split-K table (mixgemm.dispatch.tuning) here")
     ap.add_argument("--merge-into", metavar="TABLE",
                     help="with --table: start from this table (the committed one) and replace only the "
                          "entries of the shapes, tiles and code widths swept here")

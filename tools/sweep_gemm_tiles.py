@@ -18,8 +18,9 @@ import sys
 import torch
 
 import mixgemm
-from mixgemm import bench, ops
-from mixgemm.specs import Raster, parse_name
+from mixgemm import bench
+from mixgemm.ops import dense as ops
+from mixgemm.jit.specs import Raster, parse_name
 
 
 def main(argv=None) -> int:

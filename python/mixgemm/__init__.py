@@ -11,13 +11,13 @@ stays light and ``mixgemm.nn`` works without its own import statement.
 """
 import importlib as _importlib
 from ._version import __version__
-from .types import ActType, PackedWeight, QuantizedWeight, WeightType, LAYOUT_VERSION
-from .layout import prepack, unpack
-from .quantize import quantize, dequantize_reference
-from .io import save, load
-from .ops import gemm, dequantize, supports
-from .norm import rms_norm
-from .rotary import rotary_kv_cache
+from .weights.types import ActType, PackedWeight, QuantizedWeight, WeightType, LAYOUT_VERSION
+from .weights.layout import prepack, unpack
+from .weights.quantize import quantize, dequantize_reference
+from .weights.io import save, load
+from .ops.dense import gemm, dequantize, supports
+from .ops.norm import rms_norm
+from .ops.rotary import rotary_kv_cache
 
 __all__ = ["__version__", "ActType", "PackedWeight", "QuantizedWeight", "WeightType", "LAYOUT_VERSION",
            "prepack", "unpack", "quantize", "dequantize_reference", "save", "load", "gemm", "dequantize",
@@ -25,15 +25,19 @@ __all__ = ["__version__", "ActType", "PackedWeight", "QuantizedWeight", "WeightT
 
 #: submodules imported on first attribute access (``mixgemm.nn``): the public ones that
 #: ``import mixgemm`` does not load itself
-_LAZY_SUBMODULES = frozenset({"bench", "build", "formats", "hf", "moe", "nn", "prebuild", "specs",
-                              "tensor_parallel"})
+_LAZY_SUBMODULES = frozenset({"aot", "bench", "dispatch", "formats", "hf", "jit", "moe", "nn"})
+#: documented attribute paths of modules that moved into a subpackage: ``mixgemm.prebuild.build_for``
+_MOVED = {"build": "jit.build", "prebuild": "aot.prebuild", "specs": "jit.specs",
+          "tensor_parallel": "nn.parallel"}
 
 
 def __getattr__(name: str):
     if name in _LAZY_SUBMODULES:   # the import binds the submodule on the package: called once per name
         return _importlib.import_module(f"{__name__}.{name}")
+    if name in _MOVED:
+        return _importlib.import_module(f"{__name__}.{_MOVED[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | _LAZY_SUBMODULES)
+    return sorted(set(globals()) | _LAZY_SUBMODULES | set(_MOVED))

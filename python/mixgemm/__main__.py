@@ -1,6 +1,6 @@
 """``python -m mixgemm``: the same command line as the ``mixgemm`` script."""
 import sys
 
-from .cli import main
+from .cli.main import main
 
 sys.exit(main())

@@ -5,7 +5,7 @@ Every class derives from :class:`MixgemmError` and from the builtin exception a 
 expect for that kind of problem (``ValueError`` for bad input, ``RuntimeError`` for a failed
 build or driver call), so ``except ValueError`` keeps working where it did.
 
-The command line (:mod:`mixgemm.cli`) prints a :class:`MixgemmError` as one line on stderr and
+The command line (:mod:`mixgemm.cli.main`) prints a :class:`MixgemmError` as one line on stderr and
 exits with status 1 (2 for a :class:`UsageError`); any other exception is a bug and gets a
 traceback only with ``--debug``.
 """
@@ -40,7 +40,7 @@ class BenchError(UserError):
 
 
 class OutputPathError(MixgemmError, OSError):
-    """A path that a writer refuses before any work (:func:`mixgemm.atomic.check_target`): an empty
+    """A path that a writer refuses before any work (:func:`mixgemm.utils.atomic.check_target`): an empty
     one, one ending in ``/``, one in a missing directory, a directory, an existing thing that is not
     a regular file (a device node, a FIFO, a socket), or an existing file without ``--force``."""
 

@@ -37,7 +37,7 @@ KINDS = ("awq", "ct-sym", "mixgemm")
 def reference_forward(self, x):
     import torch.nn.functional as F
 
-    from mixgemm.quantize import GATE_UP_STRIPE, dequantize_reference
+    from mixgemm.weights.quantize import GATE_UP_STRIPE, dequantize_reference
 
     if self.perm is not None:
         x = x.index_select(-1, self.perm)

@@ -8,8 +8,8 @@ import sys
 import torch
 
 import mixgemm
-from mixgemm import ops
-from mixgemm.codegen import ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS
+from mixgemm.ops import dense as ops
+from mixgemm.jit.render import ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS
 
 
 def main() -> int:

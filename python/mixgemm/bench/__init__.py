@@ -10,7 +10,7 @@ Every implementation runs in one process, on the same GPU, on the same random in
   ``gemlite.helper.A16Wn``), asymmetric 4- and 2-bit.
 * ``mixgemm-<wt>`` for wt in s8, u8, s4, u4, s2, u2: :func:`mixgemm.ops.gemm` (the heuristic's
   kernel); with ``--all-configs`` also ``mixgemm-<wt>@<label>``, one per
-  :data:`mixgemm.codegen.TILE_CONFIGS` entry, through :func:`mixgemm.ops.gemm_with_spec`.
+  :data:`mixgemm.jit.catalog.TILE_CONFIGS` entry, through :func:`mixgemm.ops.gemm_with_spec`.
 
 One module per concern:
 
@@ -37,7 +37,7 @@ One module per concern:
 
 Everything that needs no GPU (byte counting, bandwidth, speedups, the best-peer choice, the
 tables, the JSON, the plots, the decoder layer's math) is a pure function of its inputs, tested
-on the CPU. The package never imports :mod:`mixgemm.cli`; its errors come from
+on the CPU. The package never imports :mod:`mixgemm.cli.main`; its errors come from
 :mod:`mixgemm.errors`.
 """
 from ..errors import BenchError, CliError

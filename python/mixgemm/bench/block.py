@@ -40,8 +40,8 @@ def bench_block(device: torch.device, ms: Sequence[int], iters: int, warmup: int
     kernels' alone."""
     from torch import nn
 
-    from ..nn import QuantLinear
-    from ..quantize import deinterleave_rows, dequantize_reference
+    from ..nn.linear import QuantLinear
+    from ..weights.quantize import deinterleave_rows, dequantize_reference
 
     torch.manual_seed(seed)
     dtype = torch.bfloat16

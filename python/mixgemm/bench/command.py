@@ -199,7 +199,7 @@ def list_kernels(args: argparse.Namespace) -> list[str]:
         specs = host_kernel_specs() + run_kernel_specs(cfg, [PRESETS[p] for p in cfg.presets])
     elif args.block or getattr(args, "generate", None) is not None:
         raise BenchError("--list-kernels takes the grid, --model, --moe or --host (--generate builds its model's "
-                         "kernels itself, with mixgemm.prebuild.build_for)")
+                         "kernels itself, with mixgemm.aot.prebuild.build_for)")
     else:
         cfg = config_from_args(args)
         impls = make_impls(cfg.impls, cfg.group_size, QuantCache())

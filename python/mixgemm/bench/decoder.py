@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..rotary import rotary_kv_cache, rotate
+from ..ops.rotary import rotary_kv_cache, rotate
 from .grid import WEIGHT_STD
 
 
@@ -112,7 +112,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
     (the residual add fused in), else the add and ``F.rms_norm``. It computes in float32 and rounds
     once, where LLaMA's code rounds the normalized x before the weight multiplies it: at most an
     ulp apart. Every variant's layer runs it, so the comparisons between them are of the GEMMs."""
-    from ..norm import rms_norm as _rms_norm
+    from ..ops.norm import rms_norm as _rms_norm
 
     return _rms_norm(x, weight, eps, residual)
 

@@ -4,7 +4,7 @@
 One variant at a time (bf16, then each weight type with each ``fuse_layers`` setting): the
 model is built (a preset's shapes with random weights, seeded, so that every variant starts
 from the same bf16 weights) or loaded, quantized, its mixgemm kernels built in parallel
-(:func:`mixgemm.prebuild.build_for`) so that no nvcc run falls in a timed region, measured, and
+(:func:`mixgemm.aot.prebuild.build_for`) so that no nvcc run falls in a timed region, measured, and
 freed (with Dynamo's caches) before the next: an 8B bf16 model and its int4 copy never share
 the GPU.
 
@@ -83,7 +83,7 @@ def build_preset_model(preset: ModelPreset, layers: Optional[int], device, seed:
 def fuse_support() -> dict[str, bool]:
     """Whether ``mixgemm.nn.quantize_model`` and ``mixgemm.hf.from_pretrained`` take ``fuse_layers``."""
     from .. import hf
-    from ..nn import quantize_model
+    from ..nn.linear import quantize_model
 
     return {"quantize_model": accepts_keyword(quantize_model, "fuse_layers"),
             "from_pretrained": accepts_keyword(hf.from_pretrained, "fuse_layers")}
@@ -105,7 +105,7 @@ def load_model(cfg: GenerateConfig, run: RunVariant, device: torch.device, suppo
     else:
         model = build_preset_model(PRESETS[cfg.name], cfg.layers, device, cfg.seed)
     if run.weight_type is not None:
-        from ..nn import quantize_model
+        from ..nn.linear import quantize_model
 
         kwargs = dict(bits=run.weight_type.bits, group_size=cfg.group_size, symmetric=run.weight_type.signed,
                       progress=False)
@@ -117,9 +117,9 @@ def load_model(cfg: GenerateConfig, run: RunVariant, device: torch.device, suppo
 
 def prebuild_model(model, cfg: GenerateConfig, log: Log) -> Optional[str]:
     """Build (or find cached) every mixgemm kernel the model can launch up to the prompt's token
-    count, in parallel (:func:`mixgemm.prebuild.build_for`, default jobs: half the cores); the
+    count, in parallel (:func:`mixgemm.aot.prebuild.build_for`, default jobs: half the cores); the
     failure in words, or None."""
-    from ..prebuild import build_for
+    from ..aot.prebuild import build_for
 
     t0 = time.perf_counter()
     try:

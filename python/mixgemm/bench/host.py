@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ..types import WeightType
+from ..weights.types import WeightType
 from .grid import ERROR, OK, WEIGHT_STD
 from .model import ModelConfig, ModelPoint, analyze_model, format_model_table
 from .preset_report import point_to_dict
@@ -241,10 +241,10 @@ def measure_host(fn: Callable[[], Any], impl: str, m: int, n: int, k: int, cycle
 def host_callables(w_float: torch.Tensor, impls: Sequence[str]) -> dict[str, Callable[[torch.Tensor], Any]]:
     """``{impl: f}`` with ``f(x)`` one call on ``x``, for the implementations of :data:`HOST_IMPLS`
     named in ``impls``; the weight ``w_float`` is quantized (u4 g128) and packed once here."""
-    from ..layout import prepack
-    from ..nn import QuantLinear
-    from ..ops import gemm
-    from ..quantize import quantize
+    from ..weights.layout import prepack
+    from ..nn.linear import QuantLinear
+    from ..ops.dense import gemm
+    from ..weights.quantize import quantize
     from .peer_formats import torch_int4_mm, torch_int4_pack
 
     out: dict[str, Callable[[torch.Tensor], Any]] = {}
@@ -269,13 +269,13 @@ def chain_callables(device: torch.device, seed: int,
     op, each on the previous one's output where the shapes allow (the rotary op writes the same
     tokens again), at M = 1, for the implementations of :data:`CHAIN_IMPLS` named in ``impls``;
     ``kernels``: the mixgemm kernels they launch."""
-    from ..norm import norm_spec
-    from ..prebuild import specs_for
-    from ..rotary import rope_spec
-    from ..nn import QuantLinear, QuantMoE
-    from ..norm import rms_norm
-    from ..ops import gemm
-    from ..rotary import rotary_kv_cache
+    from ..ops.norm import norm_spec
+    from ..aot.prebuild import specs_for
+    from ..ops.rotary import rope_spec
+    from ..nn.linear import QuantLinear, QuantMoE
+    from ..ops.norm import rms_norm
+    from ..ops.dense import gemm
+    from ..ops.rotary import rotary_kv_cache
 
     n, k = HOST_SHAPE
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -381,9 +381,9 @@ def run_host_modes(device: torch.device, modes: Sequence[str], iters: int, warmu
 
 def host_kernel_specs(ms: Sequence[int] = HOST_MS) -> list:
     """The mixgemm kernels of the per-call part (the step's come from :mod:`.model_run`)."""
-    from ..ops import select_tile
-    from ..specs import Activation
-    from ..types import ActType
+    from ..ops.dense import select_tile
+    from ..jit.specs import Activation
+    from ..weights.types import ActType
 
     n, k = HOST_SHAPE
     return list({s.name: s for s in (select_tile(m, n, k).spec(ActType.BF16, HOST_WEIGHT, Activation.NONE)

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from ..moe import combine, fused_moe, fused_moe_reference, route
-from ..quantize import interleave_rows
-from ..types import ActType
+from ..weights.quantize import interleave_rows
+from ..weights.types import ActType
 from .grid import relative_error
 from .moe import MOE_PRESETS, MoeConfig, MoeMeasurement, MoePreset, expert_counts, make_routing
 from .peer_formats import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
@@ -159,7 +159,7 @@ class TorchInt4Layer(MoeLayer):
     impl = "per-expert loop of aten._weight_int4pack_mm"
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, group_size: int):
-        from ..quantize import quantize
+        from ..weights.quantize import quantize
 
         if group_size not in TORCH_INT4_GROUP_SIZES:
             raise ImplUnavailable(f"tinygemm supports group sizes {TORCH_INT4_GROUP_SIZES}, not {group_size}")
@@ -195,8 +195,8 @@ class MixgemmLayer(MoeLayer):
     impl = "mixgemm.moe.fused_moe"
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, variant: Variant, group_size: int):
-        from ..experts import PackedExperts
-        from ..quantize import quantize
+        from ..weights.experts import PackedExperts
+        from ..weights.quantize import quantize
 
         wt = variant.weight_type
         q = lambda w: quantize(w, wt.bits, group_size, symmetric=wt.signed, dtype=torch.bfloat16)  # noqa: E731
@@ -210,7 +210,7 @@ class MixgemmLayer(MoeLayer):
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
 
     def reference_weights(self):
-        from ..quantize import dequantize_reference
+        from ..weights.quantize import dequantize_reference
 
         return (PerExpert(lambda e: dequantize_reference(self.w13.expert(e))),
                 PerExpert(lambda e: dequantize_reference(self.w2.expert(e))))
@@ -231,8 +231,8 @@ def moe_kernel_specs(preset: MoePreset, variant: Variant, tokens: Sequence[int])
     """The mixgemm kernels ``variant`` launches at these token counts (none for the others): the
     grouped kernels, then the routing and combine kernels (int64 ids, float32 weights)."""
     from ..moe import plan_fused_moe
-    from ..moe_routing import routing_specs
-    from ..specs import MoeLayoutSpec
+    from ..moe.routing import routing_specs
+    from ..jit.specs import MoeLayoutSpec
 
     if variant.kind is not VariantKind.MIXGEMM:
         return []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..types import QuantizedWeight
+from ..weights.types import QuantizedWeight
 
 class ImplUnavailable(Exception):
     """An implementation cannot run this configuration (dtype, group size, shape); the

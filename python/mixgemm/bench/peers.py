@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..codegen import TILE_CONFIGS
-from ..types import ActType, PackedWeight, QuantizedWeight, WeightType
+from ..jit.render import TILE_CONFIGS
+from ..weights.types import ActType, PackedWeight, QuantizedWeight, WeightType
 from .peer_formats import (TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES, ImplUnavailable,
                            gemlite_dequant, torch_int4_dequant, torch_int4_mm, torch_int4_pack, torch_int4_params)
 
@@ -37,7 +37,7 @@ def mixgemm_available() -> tuple[bool, str]:
     if cap != (9, 0):
         return False, f"mixgemm's kernels need an sm_90 GPU, this one is sm_{cap[0]}{cap[1]}"
     try:
-        from .. import ops  # noqa: F401
+        from ..ops import dense as ops  # noqa: F401
     except Exception as e:
         return False, f"mixgemm.ops is not importable: {type(e).__name__}: {e}"
     return True, ""
@@ -121,7 +121,7 @@ class QuantCache:
     def quantized(self, w: torch.Tensor, bits: int, symmetric: bool, group_size: int,
                   dtype: torch.dtype) -> QuantizedWeight:
         """:func:`mixgemm.quantize` of ``w`` (cached)."""
-        from ..quantize import quantize
+        from ..weights.quantize import quantize
 
         return self._get(w, ("q", bits, symmetric, group_size, dtype),
                          lambda: quantize(w, bits, group_size, symmetric=symmetric, dtype=dtype))
@@ -129,7 +129,7 @@ class QuantCache:
     def packed(self, w: torch.Tensor, bits: int, symmetric: bool, group_size: int,
                dtype: torch.dtype) -> PackedWeight:
         """:func:`mixgemm.prepack` of the quantized ``w`` (cached)."""
-        from ..layout import prepack
+        from ..weights.layout import prepack
 
         return self._get(w, ("p", bits, symmetric, group_size, dtype),
                          lambda: prepack(self.quantized(w, bits, symmetric, group_size, dtype)))
@@ -137,7 +137,7 @@ class QuantCache:
     def dequantized(self, w: torch.Tensor, bits: int, symmetric: bool, group_size: int,
                     dtype: torch.dtype) -> torch.Tensor:
         """:func:`mixgemm.dequantize_reference` of the quantized ``w`` (cached)."""
-        from ..quantize import dequantize_reference
+        from ..weights.quantize import dequantize_reference
 
         return self._get(w, ("d", bits, symmetric, group_size, dtype),
                          lambda: dequantize_reference(self.quantized(w, bits, symmetric, group_size, dtype)))
@@ -339,7 +339,7 @@ class MixgemmImpl(Impl):
     def kernel_specs(self, x_dtype: torch.dtype, ms: Optional[Sequence[int]] = None) -> list:
         """The GEMM kernel specs this implementation may launch for ``ms`` tokens (all token
         counts if None), to build them up front."""
-        from ..ops import tile_labels
+        from ..ops.dense import tile_labels
 
         act = ActType.from_torch(x_dtype)
         if self.tile_label is None and ms is not None:
@@ -361,7 +361,7 @@ class MixgemmImpl(Impl):
             self._spec = self.kernel_specs(x_dtype)[0]
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        from .. import ops
+        from ..ops import dense as ops
 
         if self._spec is None:
             return ops.gemm(x, self._packed)
@@ -399,9 +399,9 @@ def prebuild_kernels(specs: Sequence[Any], log: Callable[[str], None]) -> Option
     if not specs:
         return None
     try:
-        from .. import build
+        from ..jit import build
     except Exception as e:  # pragma: no cover - depends on the environment
-        return f"mixgemm.build is not importable: {e}"
+        return f"mixgemm.jit.build is not importable: {e}"
     try:
         build.build_many(specs, progress=True)
         return None
@@ -414,7 +414,7 @@ def kernel_is_cached(spec: Any) -> tuple[bool, str]:
     """Whether ``spec`` is in the kernel cache; ``(False, reason)`` when it is not or the check
     fails."""
     try:
-        from .. import build
+        from ..jit import build
         if build.is_cached(spec):
             return True, ""
         return False, f"kernel {spec.name} failed to build (see the log above)"

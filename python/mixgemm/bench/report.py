@@ -15,14 +15,14 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from .._version import __version__
-from ..tuning import gpu_slug
+from ..dispatch.tuning import gpu_slug
 from .grid import OK, UNAVAILABLE, PointResult
 
 #: JSON schema tag of the grid's report.
 JSON_SCHEMA = "mixgemm.bench/1"
 
 #: A folder name for a GPU name: ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``, the
-#: same name the measured tuning tables use (mixgemm.tuning).
+#: same name the measured tuning tables use (mixgemm.dispatch.tuning).
 slugify = gpu_slug
 
 

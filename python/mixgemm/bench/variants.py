@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..types import ActType, WeightType
+from ..weights.types import ActType, WeightType
 from .decoder import DenseProjections, ModelPreset, Projections, dense_projections, float_weight, qkv_bias
 from .peer_formats import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
 
@@ -264,8 +264,8 @@ def mixgemm_layer(preset: ModelPreset, layer: int, seed: int, device: torch.devi
                   group_size: int, dtype: torch.dtype = torch.bfloat16) -> tuple[MixgemmProjections, DenseProjections]:
     """``layer``'s mixgemm projections (quantized with :func:`mixgemm.quantize`, on ``device``)
     and the dense projections of their dequantized weights (the reference)."""
-    from ..nn import QuantLinear
-    from ..quantize import deinterleave_rows, dequantize_reference
+    from ..nn.linear import QuantLinear
+    from ..weights.quantize import deinterleave_rows, dequantize_reference
 
     bits, sym = weight_type.bits, weight_type.signed
     bias = qkv_bias(preset, layer, seed, device, dtype)
@@ -290,8 +290,8 @@ def torch_int4_layer(preset: ModelPreset, layer: int, seed: int, device: torch.d
                      dtype: torch.dtype = torch.bfloat16) -> tuple[TorchInt4Projections, DenseProjections]:
     """``layer``'s tinygemm projections (asymmetric int4, mixgemm's round-to-nearest codes) and
     the dense projections of tinygemm's own dequantized weights (the reference)."""
-    from ..quantize import quantize
-    from ..types import QuantizedWeight
+    from ..weights.quantize import quantize
+    from ..weights.types import QuantizedWeight
 
     if dtype != torch.bfloat16:
         raise ImplUnavailable("_weight_int4pack_mm takes bf16 activations only")
@@ -329,13 +329,13 @@ def build_layer(preset: ModelPreset, variant: Variant, layer: int, seed: int, de
 
 def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: ActType = ActType.BF16) -> list:
     """The mixgemm kernels a ``variant`` step of ``m`` tokens launches, for every ``m`` in ``ms``
-    (the heuristic's choices on any GPU, :func:`mixgemm.heuristic.configs_any_gpu`, per linear;
+    (the heuristic's choices on any GPU, :func:`mixgemm.dispatch.heuristic.configs_any_gpu`, per linear;
     the gate/up linear with the swiglu epilogue), and the RMSNorm and rotary / KV-cache kernels of the layer (every
     variant's layer launches them on an sm_90 GPU; built with the mixgemm variants'). Empty for the
     other variants."""
-    from ..codegen import layer_specs
-    from ..heuristic import configs_any_gpu
-    from ..specs import Activation
+    from ..jit.render import layer_specs
+    from ..dispatch.heuristic import configs_any_gpu
+    from ..jit.specs import Activation
 
     if variant.kind is not VariantKind.MIXGEMM:
         return []

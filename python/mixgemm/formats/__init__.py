@@ -15,7 +15,7 @@ One module per format, named after it; everything is importable from this packag
 * ``formats.common``: what the converters share (:class:`ImportedLayer`, the checks).
 
 Each converter turns one layer of a source format into mixgemm's logical
-:class:`~mixgemm.types.QuantizedWeight` **without re-quantizing**: the integer codes, scales
+:class:`~mixgemm.weights.types.QuantizedWeight` **without re-quantizing**: the integer codes, scales
 and zero points are carried over as they are; only their packing and, where necessary, their
 sign convention change. mixgemm dequantizes::
 

@@ -9,8 +9,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
-from ..layout import prepack
-from ..types import PackedWeight
+from ..weights.layout import prepack
+from ..weights.types import PackedWeight
 from .awq import from_awq
 from ..errors import UnsupportedLayerError
 from .common import DTypeLike, ImportedLayer, _err, _key, _shard_imported
@@ -215,7 +215,7 @@ def _refuse_fp8(tensors: Mapping[str, torch.Tensor]) -> None:
     """An fp8 tensor (a compressed-tensors "float-quantized" layer's weight, with its
     ``weight_scale``; any other): refused by name, never copied through as if it were a plain
     weight."""
-    from ..quantize import FLOAT8_DTYPES
+    from ..weights.quantize import FLOAT8_DTYPES
 
     for key, value in tensors.items():
         if isinstance(value, torch.Tensor) and value.dtype in FLOAT8_DTYPES:
@@ -253,7 +253,7 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
     -------
     dict
         In the input's order: for each quantized layer ``P``, ``"P.weight"`` ->
-        :class:`~mixgemm.types.PackedWeight` (in place of its packed tensors, scales, zeros,
+        :class:`~mixgemm.weights.types.PackedWeight` (in place of its packed tensors, scales, zeros,
         ``g_idx`` and meta data) and, for act-order layers whose groups are not contiguous,
         ``"P.perm"`` -> int64 ``[K]`` (apply ``x[..., perm]`` to the layer's input); every
         other tensor (biases, norms, embeddings, ...) unchanged, as the same object.

@@ -1,6 +1,6 @@
 """What the checkpoint importers share: :class:`ImportedLayer`, the activation-dtype type and
 the checks and conversions every converter uses (unpacking 32-bit words, act-order groups, the
-final :class:`~mixgemm.types.QuantizedWeight`). The conventions they follow are documented in
+final :class:`~mixgemm.weights.types.QuantizedWeight`). The conventions they follow are documented in
 :mod:`mixgemm.formats`.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from ..errors import FormatError, ShardError, UnsupportedLayerError
-from ..layout import ATOM_K, ATOM_N
-from ..types import SUPPORTED_GROUP_SIZES, ActType, QuantizedWeight
+from ..weights.layout import ATOM_K, ATOM_N
+from ..weights.types import SUPPORTED_GROUP_SIZES, ActType, QuantizedWeight
 
 DTypeLike = Union[torch.dtype, ActType, str, None]
 
@@ -66,7 +66,7 @@ class ImportedLayer:
         rank, world_size : int
         sections : sequence of int, optional
             ``dim=0``: the rows of a fused layer's sections (e.g. ``(q, k, v)``), each sliced
-            on its own (:func:`mixgemm.layout.shard`).
+            on its own (:func:`mixgemm.weights.layout.shard`).
         name : str
             For error messages.
 

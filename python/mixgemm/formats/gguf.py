@@ -16,7 +16,7 @@ re-quantizing; each block holds 32 consecutive elements of a row (K), little end
 * Q4_0: symmetric int4 (``s4``), codes ``q - 8``, scale ``d``. llama.cpp's quantizer writes
   ``d = max / -8``, so about half of the scales are negative; the kernels only multiply by them.
 * Q4_1: asymmetric ``u4`` with an integer zero point and a float32 offset per (row, group)
-  (:attr:`~mixgemm.types.QuantizedWeight.zero_offsets`, the fractional-zero path of
+  (:attr:`~mixgemm.weights.types.QuantizedWeight.zero_offsets`, the fractional-zero path of
   :func:`~mixgemm.formats.from_hqq`): ``z = clamp(round(-m / d), 0, 15)`` and ``o = m + z * d``
   (computed in float64 with the fp16 ``d``, then float32), so that ``q * d + m = (q - z) * d +
   o`` exactly and ``|o| <= |d| / 2`` unless ``z`` was clamped. The kernels compute ``(q - z) *
@@ -75,8 +75,8 @@ import numpy as np
 import torch
 
 from ..errors import FormatError, UnsupportedLayerError
-from ..layout import ATOM_K, ATOM_N
-from ..types import QuantizedWeight
+from ..weights.layout import ATOM_K, ATOM_N
+from ..weights.types import QuantizedWeight
 from .common import DTypeLike, _finalize, _resolve_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -229,7 +229,7 @@ def undo_llama_rope_permutation(weight: Weight, num_heads: int) -> Weight:
     ----------
     weight : QuantizedWeight or torch.Tensor
         ``[N, ...]`` rows first: a dense weight ``[N, K]``, a bias ``[N]``, or a
-        :class:`~mixgemm.types.QuantizedWeight` (its codes, scales, zeros and offsets are
+        :class:`~mixgemm.weights.types.QuantizedWeight` (its codes, scales, zeros and offsets are
         permuted together: rows are independent).
     num_heads : int
         ``llama.attention.head_count`` for ``attn_q``, ``llama.attention.head_count_kv`` for
@@ -341,7 +341,7 @@ def from_gguf(path: Union[str, os.PathLike], dtype: DTypeLike = None, *,
     Returns
     -------
     dict
-        In the file's order, name -> :class:`~mixgemm.types.QuantizedWeight` ``[N, K]``
+        In the file's order, name -> :class:`~mixgemm.weights.types.QuantizedWeight` ``[N, K]``
         (group size 32; ``int8`` codes for Q8_0 and Q4_0, ``uint8`` with zeros and float32
         ``zero_offsets`` for Q4_1) or -> ``torch.Tensor`` (non-quantized tensors unchanged, in
         their own dtype and shape; ``dense`` ones in ``dtype``). :func:`mixgemm.prepack` packs

@@ -15,7 +15,7 @@ import torch
 from ..errors import FormatError
 from ..formats import GPTQCheckpointFormat
 from ..formats.gptq import _GPTQ_V1_OFFSET
-from .config import LayerScheme, QuantMethod
+from ..formats.config import LayerScheme, QuantMethod
 
 __all__ = ["dequantize_layer"]
 

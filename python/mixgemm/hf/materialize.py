@@ -12,9 +12,9 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from ..blocks import FusedQKVAttention, GatedMLP
-from ..nn import QuantLinear
-from ..tensor_parallel import ColumnParallelQuantLinear, RowParallelLinear, RowParallelQuantLinear
+from ..nn.blocks import FusedQKVAttention, GatedMLP
+from ..nn.linear import QuantLinear
+from ..nn.parallel import ColumnParallelQuantLinear, RowParallelLinear, RowParallelQuantLinear
 from .plan import Plan
 
 __all__ = ["FusedQKVAttention", "GatedMLP", "LoadSummary", "materialize", "summary"]
@@ -49,7 +49,7 @@ class LoadSummary:
         The attentions whose q, k and v projections were fused into one layer
         (:class:`FusedQKVAttention`; ``fuse_projections``).
     fused_layers : list of str
-        The decoder layers replaced by :class:`mixgemm.blocks.FusedDecoderLayer`
+        The decoder layers replaced by :class:`mixgemm.nn.blocks.FusedDecoderLayer`
         (``fuse_layers``).
     """
 

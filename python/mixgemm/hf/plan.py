@@ -20,12 +20,12 @@ from torch import nn
 
 from ..errors import CheckpointError, ShardError, UnsupportedLayerError
 from ..formats import ImportedLayer, import_layer
-from .. import blocks as _blocks
-from ..blocks import find_attentions, find_gated_mlps
-from ..layout import prepack, unpack
-from ..quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
-from ..types import ActType, PackedWeight, QuantizedWeight
-from .config import LayerScheme, QuantizationConfig, QuantMethod, parse_quantization_config
+from ..nn import blocks as _blocks
+from ..nn.blocks import find_attentions, find_gated_mlps
+from ..weights.layout import prepack, unpack
+from ..weights.quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
+from ..weights.types import ActType, PackedWeight, QuantizedWeight
+from ..formats.config import LayerScheme, QuantizationConfig, QuantMethod, parse_quantization_config
 from .dequant import dequantize_layer
 from .parallel import TensorParallel, check_linears, shard_config
 from .shards import Shards

@@ -10,9 +10,9 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from .. import io as mio
+from ..weights import io as mio
 from ..errors import CheckpointError
-from ..types import PackedWeight
+from ..weights.types import PackedWeight
 
 __all__ = ["Shards", "INDEX"]
 

@@ -1,0 +1,343 @@
+"""Building ahead of time exactly the kernels a model can run, so that no call waits for nvcc.
+
+Which kernel a GEMM launches (:func:`mixgemm.dispatch.heuristic.select_spec`) depends on the weight's
+shape ``N x K``, its types (weight and activation), the activation the call fuses, and the token
+count M only through M's bucket (:data:`mixgemm.dispatch.heuristic.TOKEN_BUCKETS`: the heuristic's choice
+is constant within a bucket up to 512 tokens; above, it picks one of two configs by M and the
+GPU's SM count). So the kernels a weight can ever need are ``select_spec(m, w, activation)`` for
+one M per bucket, and both configs above 512 tokens
+(:func:`mixgemm.dispatch.heuristic.select_specs_any_gpu`); a model's are the union over its weights:
+:func:`specs_for`. :func:`build_for` builds them in
+parallel (:func:`mixgemm.jit.build.build_many`, with a progress bar) together with the compiled
+launcher that every planned call uses.
+
+What is a "weight use" (:class:`WeightUse`)
+------------------------------------------
+A :class:`~mixgemm.nn.QuantLinear` gives its packed weight (``N`` is twice ``out_features``
+for a swiglu layer) and its ``activation``; a bare :class:`~mixgemm.PackedWeight` is taken
+without an activation. A weight with zero offsets (HQQ imports) runs its activation after the
+kernel, in torch (:func:`mixgemm.gemm`), so it needs the kernel without one. Files and model
+directories are read by :mod:`mixgemm.aot.checkpoint` (headers only, no tensor data).
+
+A :class:`~mixgemm.nn.moe.QuantMoE` inside an ``nn.Module``, or an :class:`ExpertsUse` (a
+checkpoint's stacked experts, :mod:`mixgemm.aot.checkpoint`), adds the kernels a MoE layer
+can launch (:func:`moe_specs_for`): the grouped kernels of its two GEMMs at every row count, the
+layout kernel, and the routing and combine kernels. A :class:`~mixgemm.nn.RMSNorm` inside one
+adds the RMSNorm kernel of its dtype.
+
+The dequantizer kernels (:func:`mixgemm.dequantize`) are not on the GEMM path and are not
+included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterable as _Iterable
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from ..jit.specs import Activation, KernelSpec
+from ..weights.types import ActType, PackedWeight, WeightType
+
+__all__ = ["WeightUse", "ExpertsUse", "token_counts", "uses_of", "specs_for", "moe_specs_for", "build_for"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightUse:
+    """One packed weight as the GEMM sees it: what decides its kernels.
+
+    Attributes
+    ----------
+    n, k : int
+        The packed weight's shape ``[N, K]`` (a swiglu weight's N holds gate and up).
+    weight_type : WeightType
+    act : ActType
+        Activation dtype (bf16 / fp16).
+    activation : Activation
+        What the calls fuse (``QuantLinear.activation``).
+    zero_offsets : bool
+        Whether the weight has zero offsets (then its activation runs after the kernel).
+    name : str
+        Where it comes from (messages only; not compared).
+    """
+
+    n: int
+    k: int
+    weight_type: WeightType
+    act: ActType
+    activation: Activation = Activation.NONE
+    zero_offsets: bool = False
+    name: str = dataclasses.field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        self.meta_weight()   # the PackedWeight checks: N % 16, K % 64, ...
+
+    @property
+    def kernel_activation(self) -> Activation:
+        """The activation the kernel itself fuses (none when zero offsets come first)."""
+        return Activation.NONE if self.zero_offsets else self.activation
+
+    def meta_weight(self) -> PackedWeight:
+        """A PackedWeight of this shape and types on the meta device (no memory): what
+        :func:`mixgemm.ops.select_spec` reads."""
+        from ..weights.layout import atom_bytes
+
+        where = f" ({self.name})" if self.name else ""
+        if self.n <= 0 or self.k <= 0 or self.n % 16 or self.k % 64:
+            raise ValueError(f"a packed weight needs N % 16 == 0 and K % 64 == 0, got N={self.n}, K={self.k}{where}")
+        meta = torch.device("meta")
+        dtype = self.act.torch_dtype
+        scales = torch.empty((1, self.n), dtype=dtype, device=meta)
+        return PackedWeight(
+            qdata=torch.empty((self.n // 16, self.k // 64, atom_bytes(self.weight_type.bits)), dtype=torch.uint8,
+                              device=meta),
+            scales=scales, zeros=torch.empty_like(scales) if self.weight_type.has_zero else None,
+            weight_type=self.weight_type, group_size=self.k, n=self.n, k=self.k)
+
+    @classmethod
+    def of_packed(cls, w: PackedWeight, activation: Union[str, Activation] = "none", name: str = "") -> "WeightUse":
+        return cls(w.n, w.k, w.weight_type, w.act_type, Activation(activation), w.zero_offsets is not None, name)
+
+
+def token_counts(max_tokens: Optional[int] = None) -> list[int]:
+    """One token count per bucket of :data:`mixgemm.dispatch.heuristic.TOKEN_BUCKETS` (its smallest M) and
+    513, the first M above the table, up to ``max_tokens`` (every bucket when None):
+    ``[1, 9, 17, 33, 65, 129, 257, 513]`` today."""
+    from ..dispatch.heuristic import TOKEN_BUCKETS
+
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
+    firsts, seen = [], set()
+    for m in range(1, len(TOKEN_BUCKETS)):
+        if TOKEN_BUCKETS[m] not in seen:
+            seen.add(TOKEN_BUCKETS[m])
+            firsts.append(m)
+    firsts.append(len(TOKEN_BUCKETS))   # the first M above the table (heuristic.token_bucket)
+    return [m for m in firsts if max_tokens is None or m <= max_tokens]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsUse:
+    """A MoE layer's stacked experts as the grouped kernels see them: ``num_experts`` experts of
+    gate/up ``[2 * intermediate, hidden]`` (interleaved, swiglu) and down ``[hidden, intermediate]``,
+    of one weight type and activation dtype. ``name``: where they come from (messages only)."""
+
+    num_experts: int
+    hidden: int
+    intermediate: int
+    weight_type: WeightType
+    act: ActType
+    name: str = dataclasses.field(default="", compare=False)
+
+    @classmethod
+    def of_layer(cls, layer, name: str = "") -> "ExpertsUse":
+        """From a :class:`~mixgemm.nn.moe.QuantMoE`."""
+        w13 = layer.experts("w13")
+        return cls(layer.num_experts, layer.hidden_size, layer.intermediate_size, w13.weight_type, w13.act_type, name)
+
+
+Item = Union[WeightUse, ExpertsUse, PackedWeight, torch.nn.Module]
+
+
+def uses_of(items: Union[Item, Iterable[Item]]) -> list[WeightUse]:
+    """The :class:`WeightUse` of each item: a WeightUse as is; a PackedWeight without an
+    activation; every :class:`~mixgemm.nn.QuantLinear` inside an ``nn.Module`` (the module
+    itself included; tensor-parallel layers hold one) with its activation. Repeats are kept."""
+    from ..nn.linear import QuantLinear
+
+    if isinstance(items, (WeightUse, PackedWeight, torch.nn.Module)):
+        items = [items]
+    elif not isinstance(items, _Iterable) or isinstance(items, (str, bytes)):
+        raise TypeError(f"expected PackedWeights, QuantLinear layers, nn.Modules or WeightUses, got "
+                        f"{type(items).__name__}")
+    out: list[WeightUse] = []
+    for item in items:
+        if isinstance(item, ExpertsUse):
+            continue                     # the grouped kernels: moe_specs_for
+        if isinstance(item, WeightUse):
+            out.append(item)
+        elif isinstance(item, PackedWeight):
+            out.append(WeightUse.of_packed(item))
+        elif isinstance(item, torch.nn.Module):
+            for name, mod in item.named_modules():
+                if isinstance(mod, QuantLinear):
+                    out.append(WeightUse.of_packed(mod.packed, mod.activation, name))
+        else:
+            raise TypeError(f"expected a PackedWeight, a QuantLinear layer, an nn.Module or a WeightUse, got "
+                            f"{type(item).__name__}")
+    return out
+
+
+def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = None) -> list[KernelSpec]:
+    """Every kernel the GEMMs of ``items`` can select, at any token count up to ``max_tokens``
+    (every count when None).
+
+    Parameters
+    ----------
+    items : PackedWeight, QuantLinear, nn.Module, WeightUse, or an iterable of them
+        See :func:`uses_of`.
+    max_tokens : int, optional
+        The largest M the model will be called with (tokens per call: batch x sequence).
+
+    Returns
+    -------
+    list of KernelSpec
+        Without repeats, sorted by name: ``{select_spec(m, w, activation)}`` for every weight
+        and one M per token bucket, on any GPU (:func:`mixgemm.dispatch.heuristic.select_specs_any_gpu`).
+    """
+    from ..dispatch.heuristic import select_specs_any_gpu
+
+    ms = token_counts(max_tokens)
+    specs: dict[str, KernelSpec] = {}
+    for use in set(uses_of(items)):
+        w = use.meta_weight()
+        activation = use.kernel_activation
+        for m in ms:
+            specs.update((spec.name, spec) for spec in
+                         select_specs_any_gpu(m, w, None if activation is Activation.NONE else activation.value))
+    for use in _experts_uses(items):
+        specs.update((spec.name, spec) for spec in moe_specs_for(use, max_tokens))
+    specs.update((spec.name, spec) for spec in _norm_specs(items))
+    specs.update((spec.name, spec) for spec in _rope_specs(items))
+    return [specs[name] for name in sorted(specs)]
+
+
+def _norm_specs(items) -> list[KernelSpec]:
+    """The RMSNorm kernels of the :class:`~mixgemm.nn.RMSNorm` modules inside the nn.Modules
+    among ``items`` (bf16 / fp16 weights: what their forward launches)."""
+    from ..ops.norm import RMSNorm, norm_spec
+
+    items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
+    dtypes = {mod.weight.dtype for item in items if isinstance(item, torch.nn.Module)
+              for mod in item.modules() if isinstance(mod, RMSNorm)}
+    return [norm_spec(d, False) for d in sorted(dtypes, key=str) if d in (torch.bfloat16, torch.float16)]
+
+
+def _rope_specs(items) -> list[KernelSpec]:
+    """The kernels of the fused decoder layers (:mod:`mixgemm.nn.blocks`) inside the nn.Modules among
+    ``items``: the rotary / KV-cache kernel of their :class:`~mixgemm.nn.blocks.RopeTable` and the
+    RMSNorm with the residual add (bf16 / fp16)."""
+    from ..nn.blocks import FusedDecoderLayer, RopeTable
+    from ..ops.norm import norm_spec
+    from ..ops.rotary import rope_spec
+
+    items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
+    modules = [mod for item in items if isinstance(item, torch.nn.Module) for mod in item.modules()]
+    half = (torch.bfloat16, torch.float16)
+    ropes = {mod.cos.dtype for mod in modules if isinstance(mod, RopeTable)}
+    norms = {mod.post_attention_layernorm.weight.dtype for mod in modules if isinstance(mod, FusedDecoderLayer)}
+    return ([rope_spec(d) for d in sorted(ropes, key=str) if d in half]
+            + [norm_spec(d, True) for d in sorted(norms, key=str) if d in half])
+
+
+def _experts_uses(items) -> list[ExpertsUse]:
+    """The ExpertsUses among ``items`` and of every QuantMoE inside their nn.Modules."""
+    from ..nn.moe import QuantMoE
+
+    items = [items] if isinstance(items, (torch.nn.Module, ExpertsUse)) or not isinstance(items, _Iterable) else items
+    out = [item for item in items if isinstance(item, ExpertsUse)]
+    out += [ExpertsUse.of_layer(mod, name) for item in items if isinstance(item, torch.nn.Module)
+            for name, mod in item.named_modules() if isinstance(mod, QuantMoE)]
+    return out
+
+
+def moe_specs_for(use: Union[ExpertsUse, torch.nn.Module], max_tokens: Optional[int] = None) -> list[KernelSpec]:
+    """Every kernel a MoE layer (an :class:`ExpertsUse`, or a :class:`~mixgemm.nn.moe.QuantMoE`)
+    can launch for up to ``max_tokens`` tokens (any number when None): for every row count
+    ``T * topk`` (at most ``max_tokens * E``), the grouped kernel of gate/up (swiglu) and of down
+    (:func:`mixgemm.moe.grouped_spec_for`: QuantMoE's forward) and those of
+    :func:`mixgemm.moe.plan_fused_moe` (both piecewise constant in the rows per expert, so one
+    row count per piece is enough), the layout kernel where the grouped GEMM runs, and the routing
+    kernels (int32 and int64 ids) and combine kernels (float32, bf16 and fp16 routing weights) of
+    its activation type. Sorted by name, without repeats."""
+    from .. import moe
+    from ..moe.routing import routing_specs
+    from ..jit.specs import KernelKind, MoeLayoutSpec
+
+    if not isinstance(use, ExpertsUse):
+        use = ExpertsUse.of_layer(use)
+    e, h, i = use.num_experts, use.hidden, use.intermediate
+    from ..moe.layer import SPLIT_FROM_ROWS
+
+    per_expert = {1, SPLIT_FROM_ROWS, moe.TILES_FROM_ROWS_LONG_K, moe.TILES_FROM_ROWS, moe.TILE128_FROM_ROWS,
+                  moe.TILE256_FROM_ROWS}
+    rows = set(range(1, 17)) | {e * r for r in per_expert}
+    if max_tokens is not None:
+        rows = {r for r in rows if r <= max_tokens * e} or {1}
+    specs: dict[str, KernelSpec] = {}
+    for r in sorted(rows):
+        # QuantMoE's forward (one grouped_gemm per GEMM) and fused_moe's plans
+        chosen = [moe.grouped_spec_for(r, use.act, use.weight_type, activation, e, n, k)
+                  for activation, n, k in (("swiglu", 2 * i, h), (None, h, i))]
+        for spec in chosen + list(moe.plan_fused_moe(r, use.act, use.weight_type, e, h, i).specs):
+            specs[spec.name] = spec
+            if spec.kind is KernelKind.GROUPED_GEMM:
+                specs[MoeLayoutSpec().name] = MoeLayoutSpec()
+    for ids in (torch.int32, torch.int64):
+        for weights in (torch.float32, torch.bfloat16, torch.float16):
+            specs.update((spec.name, spec) for spec in routing_specs(use.act, ids, weights))
+    return [specs[name] for name in sorted(specs)]
+
+
+def build_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = None, *, jobs: Optional[int] = None,
+              progress: bool = True, force: bool = False, launcher: bool = True) -> list:
+    """Build (or find in the cache) every kernel of :func:`specs_for` in parallel, and the
+    compiled launcher, before the first call needs them.
+
+    Parameters
+    ----------
+    items, max_tokens
+        As for :func:`specs_for` (``from_pretrained(..., prebuild=True)`` passes the model).
+    jobs : int, optional
+        Parallel nvcc builds (default: half the CPU cores; a GEMM kernel's build takes about
+        5 GB of memory and 65-100 s).
+    progress : bool
+        A progress bar over the kernels.
+    force : bool
+        Rebuild even what is cached.
+    launcher : bool
+        Also build the compiled launcher (``csrc/launcher.cpp``), unless ``MIXGEMM_LAUNCHER``
+        is ``python``; it builds while the kernels do.
+
+    Returns
+    -------
+    list of mixgemm.jit.build.Artifacts
+        The kernels' cache entries, in :func:`specs_for`'s order.
+
+    Raises
+    ------
+    mixgemm.errors.BuildError
+        A kernel failed to build (after the others finished), or the launcher did while
+        ``MIXGEMM_LAUNCHER=compiled``; with ``auto`` a launcher that does not build is a
+        warning (calls then launch from Python), as at run time.
+    """
+    from ..jit import build
+    from ..jit import launcher as launcher_mod
+    from ..errors import BuildError
+
+    specs = specs_for(items, max_tokens)
+    outcome: dict[str, Any] = {}
+    thread = None
+    mode = launcher_mod.mode()
+    if launcher and mode != "python":
+        def build_launcher() -> None:
+            try:
+                outcome["path"] = launcher_mod.build_compiled()
+            except (BuildError, OSError) as e:
+                outcome["error"] = e
+
+        thread = threading.Thread(target=build_launcher, name="mixgemm-launcher-build", daemon=True)
+        thread.start()
+    try:
+        arts = build.build_many(specs, jobs=jobs, force=force, progress=progress) if specs else []
+    finally:
+        if thread is not None:
+            thread.join()
+    if "error" in outcome:
+        if mode == "compiled":
+            raise BuildError(f"the kernels are built, but not the compiled launcher: {outcome['error']}")
+        build.log.warning("mixgemm: the compiled launcher did not build (%s); calls will launch from Python",
+                          str(outcome["error"]).splitlines()[0])
+    return arts

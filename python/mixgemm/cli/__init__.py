@@ -1,0 +1,1 @@
+"""The ``mixgemm`` command line: :mod:`.main` parses, one module per command."""

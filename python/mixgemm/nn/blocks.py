@@ -1,0 +1,479 @@
+"""A transformers decoder made of mixgemm's launches: fused projections, fused layers, and
+:func:`quantize_model`, which builds them.
+
+A transformers LLaMA-style decoder layer runs seven projections (q, k, v, o, gate, up, down),
+each a launch of its own, and a few dozen small torch ops around them. This module regroups
+them, keeping the model a transformers model (``generate()``, caches, attention backends,
+``torch.compile`` all work as before):
+
+* :class:`FusedQKVAttention`: the model's attention with q, k and v in **one** GEMM (their
+  weights stacked along N: ``[q; k; v]``), the rest as transformers computes it (rotary
+  embedding, ``cache.update``, the model's attention function, ``o_proj``);
+* :class:`GatedMLP`: gate and up in one GEMM with the ``silu(gate) * up`` epilogue, then down;
+* :class:`FusedDecoderLayer` (``fuse_layers=True``): the whole decoder layer in mixgemm's
+  launches -- RMSNorm, the qkv GEMM, rotary embedding and the KV-cache write in one launch
+  (:func:`mixgemm.ops.rotary.rotary_kv_cache`) into transformers' static cache, the model's
+  attention function over that cache, o, the residual add with the second RMSNorm in one launch,
+  gate/up with swiglu, down, and the residual add.
+
+The families recognized are those whose attention is LLaMA's (LLaMA, Mistral, Mixtral, Qwen2,
+Qwen3 and their MoE variants: :data:`ATTENTIONS`); elsewhere :func:`quantize_model` replaces
+each linear layer alone and logs that it did.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import warnings
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from .linear import QuantizeSummary, QuantLinear, unsupported_reason
+from ..ops.norm import LLAMA_STYLE_NORMS, RMSNorm, rms_norm
+from ..ops.rotary import rotary_kv_cache
+
+__all__ = ["ATTENTIONS", "FusedQKVAttention", "GatedMLP", "FusedDecoderLayer", "RopeTable", "find_attentions",
+           "find_gated_mlps", "quantize_model"]
+
+_log = logging.getLogger("mixgemm")
+
+#: transformers attention classes whose forward is LLaMA's: ``q/k/v/o_proj`` linears, the model
+#: module's ``apply_rotary_pos_emb``, ``cache.update``, the attention function of
+#: ``config._attn_implementation`` (Qwen3's add a per-head RMSNorm of q and k, Qwen2's and
+#: Mistral's pass their ``sliding_window``)
+ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention",
+                        "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention"})
+
+#: rotary embeddings whose cos / sin depend on the position alone (a table serves every call)
+_STATIC_ROPE = frozenset({"default", "llama3", "linear"})
+
+#: the longest rotary table :class:`RopeTable` makes (caches longer than it take torch's path)
+MAX_ROPE_TABLE = 32768
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the parts
+# ---------------------------------------------------------------------------------------------
+def find_gated_mlps(model: nn.Module) -> dict[str, nn.Module]:
+    """MLP modules of the LLaMA kind: ``gate_proj``, ``up_proj``, ``down_proj`` linears and a SiLU
+    ``act_fn``, nothing else, computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+    found = {}
+    for name, mod in model.named_modules():
+        kids = dict(mod.named_children())
+        if set(kids) != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+            continue
+        if not all(isinstance(kids[k], nn.Linear) for k in ("gate_proj", "up_proj", "down_proj")):
+            continue
+        if isinstance(kids["act_fn"], nn.SiLU) or type(kids["act_fn"]).__name__ in ("SiLUActivation", "SiLU"):
+            found[name] = mod
+    return found
+
+
+def find_attentions(model: nn.Module) -> dict[str, nn.Module]:
+    """Attention modules of :data:`ATTENTIONS` with ``q_proj``, ``k_proj``, ``v_proj`` and
+    ``o_proj`` linears."""
+    found = {}
+    for name, mod in model.named_modules():
+        if type(mod).__name__ not in ATTENTIONS:
+            continue
+        if all(isinstance(getattr(mod, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj", "o_proj")):
+            found[name] = mod
+    return found
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), attr
+
+
+# ---------------------------------------------------------------------------------------------
+# The modules
+# ---------------------------------------------------------------------------------------------
+class GatedMLP(nn.Module):
+    """A gated MLP with its gate and up projections fused: ``down_proj(gate_up(x))``.
+
+    Parameters
+    ----------
+    gate_up : QuantLinear or ColumnParallelQuantLinear
+        ``activation="swiglu"``: returns ``silu(x @ gate.T + b_g) * (x @ up.T + b_u)``,
+        ``[..., I]`` for ``x`` ``[..., H]`` (with tensor parallelism, the rank's features of
+        it: a ``ColumnParallelQuantLinear`` that does not gather).
+    down_proj : nn.Module
+        ``[..., I] -> [..., H]`` (a QuantLinear, or an ``nn.Linear`` kept in full precision).
+    """
+
+    def __init__(self, gate_up: nn.Module, down_proj: nn.Module):
+        super().__init__()
+        if getattr(gate_up, "activation", None) != "swiglu":
+            raise TypeError("gate_up must be a QuantLinear (or ColumnParallelQuantLinear) with activation='swiglu'")
+        self.gate_up = gate_up
+        self.down_proj = down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up(x))
+
+
+class RopeTable(nn.Module):
+    """The cos / sin tables ``[P, D]`` of a model's rotary embedding at positions ``0 .. P-1``,
+    for :func:`mixgemm.ops.rotary.rotary_kv_cache` (one table for all of a model's layers).
+
+    Built from the model's own rotary module (``model.model.rotary_emb``), so the values are the
+    model's, its ``attention_scaling`` included; only for rotary kinds whose values depend on
+    the position alone (``rope_type`` default, llama3 or linear)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        super().__init__()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    @classmethod
+    def from_rotary(cls, rotary: nn.Module, positions: int, dtype: torch.dtype,
+                    device: torch.device) -> Optional["RopeTable"]:
+        """The table of ``rotary`` (a transformers rotary-embedding module), or None when its
+        kind is not static."""
+        if getattr(rotary, "rope_type", None) not in _STATIC_ROPE:
+            return None
+        pos = torch.arange(positions, device=device)[None]
+        with torch.no_grad():
+            cos, sin = rotary(torch.empty(1, dtype=dtype, device=device), pos)
+        return cls(cos[0].to(dtype).contiguous(), sin[0].to(dtype).contiguous())
+
+    @property
+    def positions(self) -> int:
+        return self.cos.shape[0]
+
+
+def _cache_of(kwargs: dict, past_key_values):
+    """The cache a transformers layer was given (``past_key_values=``, or ``cache=`` in newer
+    transformers), removed from ``kwargs``."""
+    cache = kwargs.pop("cache", None)
+    return past_key_values if past_key_values is not None else cache
+
+
+class FusedQKVAttention(nn.Module):
+    """A transformers attention of :data:`ATTENTIONS` with its q, k and v projections in one GEMM.
+
+    Parameters
+    ----------
+    attention : nn.Module
+        The model's attention module: its configuration, layer index, head size, scaling,
+        sliding window, q/k norms (Qwen3) and ``o_proj`` are taken over; its q, k and v are not.
+    qkv_proj : nn.Module
+        ``[..., H] -> [..., (heads + 2 kv_heads) * D]``, the q rows, then k's, then v's (a
+        QuantLinear of the stacked weights).
+
+    Notes
+    -----
+    ``forward`` is the model's: it takes and returns what the model's attention does
+    (``(output, attention weights or None)``). With a :class:`RopeTable` in ``rope`` (set by
+    :func:`quantize_model` with ``fuse_layers=True``), a call of one sequence (batch 1, where
+    positions and cache slots agree) whose cache layer is transformers' static layer takes the
+    rotary embedding and the KV-cache write in one launch (:func:`rotary_kv_cache`); any other
+    call runs transformers' rotary embedding and ``cache.update``.
+    """
+
+    def __init__(self, attention: nn.Module, qkv_proj: nn.Module):
+        super().__init__()
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS   # (the model's library: loaded)
+
+        modeling = sys.modules[type(attention).__module__]
+        self.config = attention.config
+        self.layer_idx = attention.layer_idx
+        self.head_dim = attention.head_dim
+        self.num_key_value_groups = attention.num_key_value_groups
+        self.scaling = attention.scaling
+        self.attention_dropout = attention.attention_dropout
+        self.is_causal = getattr(attention, "is_causal", True)
+        self.heads = attention.config.num_attention_heads
+        self.kv_heads = attention.config.num_key_value_heads
+        self.sliding_window = getattr(attention, "sliding_window", None)
+        self._passes_window = hasattr(attention, "sliding_window")
+        self.q_norm = getattr(attention, "q_norm", None)
+        self.k_norm = getattr(attention, "k_norm", None)
+        self.qkv_proj = qkv_proj
+        self.o_proj = attention.o_proj
+        d = self.head_dim
+        self.sections = (self.heads * d, self.kv_heads * d, self.kv_heads * d)
+        self._apply_rope = modeling.apply_rotary_pos_emb
+        self._eager = modeling.eager_attention_forward
+        self._functions = ALL_ATTENTION_FUNCTIONS
+        self.rope: Optional[RopeTable] = None
+        self.original_class = type(attention).__name__
+
+    def _attention_function(self):
+        impl = self.config._attn_implementation
+        if impl in (None, "eager"):
+            return self._eager
+        return self._functions[impl]
+
+    def _fast_qkv(self, qkv: torch.Tensor, cache, position_ids) -> Optional[tuple]:
+        """(q, keys, values) from one rotary_kv_cache launch into the cache's static layer, or
+        None where torch's path must run."""
+        rope = self.rope
+        if (rope is None or cache is None or position_ids is None or qkv.dim() != 3 or qkv.shape[0] != 1
+                or self.q_norm is not None or getattr(cache, "offloading", False)):
+            return None
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) <= self.layer_idx:
+            return None
+        layer = layers[self.layer_idx]
+        if type(layer).__name__ != "StaticLayer" or getattr(layer, "max_cache_len", 1 << 62) > rope.positions:
+            return None
+        b, t, _ = qkv.shape
+        if not getattr(layer, "is_initialized", False):
+            kv = qkv.new_empty(b, self.kv_heads, t, self.head_dim)
+            layer.lazy_initialization(kv, kv)
+        q = rotary_kv_cache(qkv, rope.cos, rope.sin, layer.keys, layer.values, position_ids, self.heads,
+                            self.kv_heads)
+        counter = getattr(layer, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.add_(t)
+        return q.transpose(1, 2), layer.keys, layer.values
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        cache = _cache_of(kwargs, past_key_values)
+        lead = hidden_states.shape[:-1]
+        qkv = self.qkv_proj(hidden_states)
+        fast = self._fast_qkv(qkv, cache, kwargs.get("position_ids"))
+        if fast is not None:
+            q, k, v = fast
+        else:
+            d = self.head_dim
+            q, k, v = qkv.split(self.sections, dim=-1)
+            q, k, v = q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            cos, sin = position_embeddings
+            q, k = self._apply_rope(q, k, cos, sin)
+            if cache is not None:   # (transformers 5's caches take their positions from their own state)
+                k, v = cache.update(k, v, self.layer_idx)
+        extra = {"sliding_window": self.sliding_window} if self._passes_window else {}
+        out, weights = self._attention_function()(
+            self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, **extra, **kwargs)
+        out = out.reshape(*lead, -1).contiguous()
+        return self.o_proj(out), weights
+
+    def extra_repr(self) -> str:
+        return f"{self.original_class}, heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}"
+
+
+class FusedDecoderLayer(nn.Module):
+    """A LLaMA-style decoder layer in mixgemm's launches (see the module docstring).
+
+    ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))``, where ``norm2`` and the add before it are
+    one launch (:func:`mixgemm.rms_norm` with its residual). Built by :func:`quantize_model`
+    with ``fuse_layers=True`` from a transformers decoder layer whose attention is a
+    :class:`FusedQKVAttention`, whose MLP is a :class:`GatedMLP` and whose norms are LLaMA's.
+    ``forward`` takes what the model's decoder layer takes and returns the hidden states.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        if not isinstance(layer.self_attn, FusedQKVAttention) or not isinstance(layer.mlp, GatedMLP):
+            raise TypeError("a FusedDecoderLayer needs a FusedQKVAttention and a GatedMLP")
+        self.self_attn = layer.self_attn
+        self.mlp = layer.mlp
+        self.input_layernorm = _mixgemm_norm(layer.input_layernorm)
+        self.post_attention_layernorm = _mixgemm_norm(layer.post_attention_layernorm)
+        self.original_class = type(layer).__name__
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
+        cache = _cache_of(kwargs, past_key_values)
+        h = self.input_layernorm(hidden_states)
+        a, _ = self.self_attn(h, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                              past_key_values=cache, position_ids=position_ids, use_cache=use_cache, **kwargs)
+        norm = self.post_attention_layernorm
+        if a.dtype == norm.weight.dtype:
+            h, residual = rms_norm(a, norm.weight, norm.variance_epsilon, residual=hidden_states)
+        else:
+            residual = hidden_states + a
+            h = norm(residual)
+        return residual + self.mlp(h)
+
+    def extra_repr(self) -> str:
+        return self.original_class
+
+
+def _mixgemm_norm(norm: nn.Module) -> RMSNorm:
+    return norm if isinstance(norm, RMSNorm) else RMSNorm.from_module(norm)
+
+
+def _fusable_layer(layer: nn.Module) -> bool:
+    return (isinstance(getattr(layer, "self_attn", None), FusedQKVAttention)
+            and isinstance(getattr(layer, "mlp", None), GatedMLP)
+            and all(isinstance(getattr(layer, n, None), RMSNorm) or type(getattr(layer, n, None)).__name__
+                    in LLAMA_STYLE_NORMS for n in ("input_layernorm", "post_attention_layernorm"))
+            and set(dict(layer.named_children())) == {"self_attn", "mlp", "input_layernorm",
+                                                      "post_attention_layernorm"})
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize_model
+# ---------------------------------------------------------------------------------------------
+def _stacked_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose weight (and bias) stacks the parts' along the output features."""
+    first = parts[0]
+    w = torch.cat([p.weight.detach() for p in parts])
+    lin = nn.Linear(first.in_features, w.shape[0], bias=first.bias is not None, device="meta")
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    if first.bias is not None:
+        lin.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+    return lin
+
+
+def _qkv_reason(attn: nn.Module, names: list[str], patterns, group_size: int) -> Optional[str]:
+    """Why an attention's q, k and v are not fused, or None."""
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+    if any(p.search(n) for n in names for p in patterns):
+        return "one of q/k/v matches skip"
+    if len({(p.in_features, p.bias is None, p.weight.dtype, p.weight.device) for p in parts}) != 1:
+        return "q, k and v differ in input size, bias, dtype or device"
+    for part in parts:
+        why = unsupported_reason(part, group_size)
+        if why:
+            return why
+    return None
+
+
+def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symmetric: bool = False,
+                   skip: Iterable[str] = ("lm_head",), device=None, dtype: Optional[torch.dtype] = None,
+                   progress: bool = True, fuse_projections: bool = True,
+                   fuse_layers: bool = False) -> QuantizeSummary:
+    """Replace the model's ``nn.Linear`` layers by :class:`~mixgemm.nn.QuantLinear`, in place.
+
+    Parameters
+    ----------
+    model : nn.Module
+    bits, group_size, symmetric :
+        As for :func:`mixgemm.quantize`.
+    skip : iterable of str
+        Regular expressions; a layer whose qualified name matches one (``re.search``) is kept.
+    device : torch.device, optional
+        Where the quantized layers live (default: where each linear's weight is).
+    dtype : torch.dtype, optional
+        Activation dtype (default: each linear's dtype if bf16/fp16, else bf16).
+    progress : bool
+        Show a progress bar over layers.
+    fuse_projections : bool, default True
+        In a transformers model of a recognized family (:data:`ATTENTIONS`), the attention's q, k
+        and v become one GEMM (:class:`FusedQKVAttention`) and a gated MLP's gate and up one GEMM
+        with the swiglu epilogue (:class:`GatedMLP`): four GEMM launches per decoder layer
+        instead of seven. Each part is quantized as it would be alone (the codes, scales and zero
+        points are the same). A model with no recognized part keeps per-layer replacement (and
+        the ``mixgemm`` logger says so).
+    fuse_layers : bool, default False
+        Also replace each decoder layer of the LLaMA kind by :class:`FusedDecoderLayer` (needs
+        ``fuse_projections``), and make transformers' static cache the model's default for
+        ``generate()`` (``generation_config.cache_implementation = "static"``), the cache whose
+        layers the fused rotary / KV-cache launch writes.
+
+    Returns
+    -------
+    QuantizeSummary
+        Replaced layer names (a fused layer is ``"<attention>.qkv_proj"`` or ``"<mlp>.gate_up"``),
+        skipped layers with the reason, weight bytes before and after, and the fused modules. A
+        layer whose shape the kernels cannot take stays an ``nn.Linear``, with a warning that says
+        why; it is never silently wrong.
+    """
+    from tqdm import tqdm   # (deferred: the progress bar is the only user)
+
+    if fuse_layers and not fuse_projections:
+        raise ValueError("fuse_layers=True needs fuse_projections=True (a fused layer runs the fused projections)")
+    patterns = [re.compile(p) for p in skip]
+    summary = QuantizeSummary([], {}, 0, 0)
+    attentions = find_attentions(model) if fuse_projections else {}
+    mlps = find_gated_mlps(model) if fuse_projections else {}
+    jobs = len(attentions) + len(mlps) + sum(isinstance(m, nn.Linear) for m in model.modules())
+    bar = tqdm(total=jobs, desc="mixgemm quantize", unit="layer", disable=not progress or None)
+
+    def place(layer: QuantLinear) -> QuantLinear:
+        return layer if device is None else layer.to(device)
+
+    def count(parts: list[nn.Linear], q: QuantLinear) -> None:
+        summary.bytes_before += sum(p.weight.numel() * p.weight.element_size() for p in parts)
+        summary.bytes_after += q.packed.nbytes
+
+    for name, attn in attentions.items():
+        bar.update(1)
+        names = [f"{name}.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        why = _qkv_reason(attn, names, patterns, group_size)
+        if why:
+            _log.info("mixgemm.quantize_model: %s: q, k and v not fused: %s", name, why)
+            continue
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        q = place(QuantLinear.from_linear(_stacked_linear(parts), bits, group_size, symmetric, dtype))
+        count(parts, q)
+        parent, attr = _parent(model, name)
+        setattr(parent, attr, FusedQKVAttention(attn, q))
+        summary.replaced.append(f"{name}.qkv_proj")
+        summary.fused.append(name)
+    for name, mlp in mlps.items():
+        bar.update(1)
+        names = [f"{name}.gate_proj", f"{name}.up_proj"]
+        why = ("gate or up matches skip" if any(p.search(n) for n in names for p in patterns)
+               else unsupported_reason(mlp.gate_proj, group_size) or unsupported_reason(mlp.up_proj, group_size))
+        if why:
+            _log.info("mixgemm.quantize_model: %s: gate and up not fused: %s", name, why)
+            continue
+        q = place(QuantLinear.from_gate_up(mlp.gate_proj, mlp.up_proj, bits, group_size, symmetric, dtype))
+        count([mlp.gate_proj, mlp.up_proj], q)
+        parent, attr = _parent(model, name)
+        setattr(parent, attr, GatedMLP(q, mlp.down_proj))
+        summary.replaced.append(f"{name}.gate_up")
+        summary.fused.append(name)
+    if fuse_projections and not summary.fused:
+        _log.info("mixgemm.quantize_model: %s has no attention or gated MLP of a recognized family: "
+                  "each linear layer is replaced alone", type(model).__name__)
+    for name, linear in [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        bar.update(1)
+        if any(p.search(name) for p in patterns):
+            summary.skipped[name] = "matches skip"
+            continue
+        why = unsupported_reason(linear, group_size)
+        if why:
+            warnings.warn(f"mixgemm.quantize_model: keeping {name} as nn.Linear: {why}", stacklevel=2)
+            summary.skipped[name] = why
+            continue
+        q = place(QuantLinear.from_linear(linear, bits, group_size, symmetric, dtype))
+        count([linear], q)
+        parent, attr = _parent(model, name)
+        setattr(parent, attr, q)
+        summary.replaced.append(name)
+    bar.close()
+    if fuse_layers:
+        fuse_decoder_layers(model)
+    return summary
+
+
+def fuse_decoder_layers(model: nn.Module) -> list[str]:
+    """Replace every decoder layer of ``model`` that :func:`quantize_model` fused the projections
+    of (a :class:`FusedQKVAttention`, a :class:`GatedMLP` and two LLaMA-style norms) by a
+    :class:`FusedDecoderLayer`, give their attentions the model's :class:`RopeTable`, and make
+    the static cache ``generate()``'s default; the names of the replaced layers."""
+    targets = [(name, mod) for name, mod in model.named_modules() if _fusable_layer(mod)]
+    done = []
+    table = None
+    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
+    for name, layer in targets:
+        if table is None and rotary is not None:
+            ref = layer.input_layernorm.weight     # the model's dtype and device
+            positions = min(int(getattr(layer.self_attn.config, "max_position_embeddings", MAX_ROPE_TABLE)),
+                            MAX_ROPE_TABLE)
+            table = RopeTable.from_rotary(rotary, positions, ref.dtype, ref.device)
+        layer.self_attn.rope = table
+        parent, attr = _parent(model, name)
+        setattr(parent, attr, FusedDecoderLayer(layer))
+        done.append(name)
+    if not done:
+        _log.info("mixgemm.quantize_model: %s has no decoder layer to fuse", type(model).__name__)
+    config = getattr(model, "generation_config", None)
+    if done and config is not None:
+        config.cache_implementation = "static"
+    return done

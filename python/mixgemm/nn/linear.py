@@ -1,0 +1,361 @@
+"""PyTorch integration: :class:`QuantLinear` and :func:`quantize_model`.
+
+Under ``torch.compile`` (``fullgraph=True`` included) a :class:`QuantLinear` calls the
+``torch.ops.mixgemm.gemm`` operator (:func:`mixgemm.ops.gemm_op`, registered by
+:mod:`mixgemm.ops.library` with a fake implementation for tracing), so that the compiled graph
+launches the GEMM through one Python kernel; CUDA graphs, plain or torch.compile's
+``mode="reduce-overhead"``, capture it (after a warm-up call has loaded the kernel: loading never
+happens during capture).
+
+In eager mode :meth:`QuantLinear.forward` runs the GEMM's cached launch plan directly
+(:mod:`mixgemm.dispatch.plans`) instead of going through the operator's dispatch, whenever nothing needs
+the operator -- no tracing (``torch.compiler.is_compiling()``), no tensor subclass, meta tensor or
+dispatch mode (fake tensors, FlopCounterMode, ...), no autograd recording. Both run the same
+kernel with the same arguments.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..dispatch import plans
+from ..errors import UnsupportedLayerError
+from ..weights.layout import ATOM_K, ATOM_N, prepack
+from ..ops.norm import RMSNorm
+from ..ops.dense import TOKEN_BUCKETS, gemm_op, gemm_tensors_full
+from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
+from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
+
+
+# ---------------------------------------------------------------------------------------------
+# QuantLinear
+# ---------------------------------------------------------------------------------------------
+def _packed_shapes(in_features: int, out_features: int, bits: int, group_size: int):
+    g = in_features // group_size
+    return ((out_features // ATOM_N, in_features // ATOM_K, ATOM_N * ATOM_K * bits // 8), (g, out_features))
+
+
+class QuantLinear(nn.Module):
+    """A linear layer with a prepacked low-bit weight: ``y = x @ dequant(W).T + b``.
+
+    Parameters
+    ----------
+    in_features, out_features : int
+        K and N; need ``out_features % 16 == 0`` and ``in_features % 64 == 0``.
+    bits : int
+        8, 4 or 2.
+    group_size : int
+        32, 64, 128, 256 or ``in_features`` (per-channel).
+    symmetric : bool
+        Signed codes without zero points (True) or unsigned codes with zero points (False).
+    bias : bool
+        Whether the layer has a bias (shape ``[out_features]``, in ``dtype``).
+    dtype : torch.dtype
+        Activation dtype, bf16 or fp16 (scales, zeros, bias and output use it too).
+    device : torch.device, optional
+
+    Notes
+    -----
+    The weight lives in three buffers in the sm90a prepacked layout (see
+    :mod:`mixgemm.weights.layout`): ``qdata`` uint8 ``[N/16, K/64, 128*bits]``, ``scales`` ``[G, N]`` and,
+    when asymmetric, ``zeros`` ``[G, N]``. An optional ``perm`` buffer (int64 ``[K]``) permutes the
+    input features first (GPTQ act-order checkpoints). The state dict carries the metadata
+    (bits, group size, symmetry, activation, layout version) as extra state and refuses a mismatch.
+
+    ``activation`` ("none", "silu", "gelu" or "swiglu") is fused into the GEMM's epilogue (see
+    :func:`mixgemm.gemm`). A "swiglu" layer (:meth:`from_gate_up`) holds a gated MLP's gate and up
+    projections as one ``[2 * out_features, in_features]`` weight, interleaved in 8-row stripes,
+    and returns ``silu(x @ gate.T + b_g) * (x @ up.T + b_u)`` from one kernel launch at any M.
+    Its state records the stripe; a state saved by mixgemm 0.1 (16-row stripes) is re-striped
+    on load.
+    """
+
+    activation = "none"
+
+    def __init__(self, in_features: int, out_features: int, bits: int = 4, group_size: int = 128,
+                 symmetric: bool = False, bias: bool = True, dtype: torch.dtype = torch.bfloat16,
+                 device=None, activation: str = "none"):
+        super().__init__()
+        if activation not in ("none", "silu", "gelu", "swiglu"):
+            raise ValueError(f"activation must be none, silu, gelu or swiglu, got {activation!r}")
+        self.activation = activation
+        if out_features % ATOM_N or in_features % ATOM_K:
+            raise ValueError(f"QuantLinear needs out_features % {ATOM_N} == 0 and in_features % {ATOM_K} == 0, "
+                             f"got {out_features} x {in_features}")
+        check_group_size(group_size, in_features)
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_type = WeightType.of(bits, symmetric)
+        self.group_size = group_size
+        rows = out_features * (2 if activation == "swiglu" else 1)
+        qshape, sshape = _packed_shapes(in_features, rows, bits, group_size)
+        self.register_buffer("qdata", torch.zeros(qshape, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.ones(sshape, dtype=dtype, device=device))
+        self.register_buffer("zeros", None if symmetric else torch.zeros(sshape, dtype=dtype, device=device))
+        self.register_buffer("perm", None)
+        self.register_buffer("zero_offsets", None)   # fractional zero points (HQQ imports)
+        self.bias = nn.Parameter(torch.zeros(rows, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
+
+    @property
+    def bits(self) -> int:
+        return self.weight_type.bits
+
+    @property
+    def symmetric(self) -> bool:
+        return self.weight_type.signed
+
+    @property
+    def weight_rows(self) -> int:
+        """N of the packed weight: out_features, or twice that for a swiglu (gate + up) layer."""
+        return self.out_features * (2 if self.activation == "swiglu" else 1)
+
+    @property
+    def packed(self) -> PackedWeight:
+        return PackedWeight(self.qdata, self.scales, self.zeros, self.weight_type, self.group_size,
+                            self.weight_rows, self.in_features, zero_offsets=self.zero_offsets)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._forward_op(x)
+        # (attributes read without nn.Module.__getattr__: this is the hot path)
+        params = self._parameters
+        bias = params["bias"] if "bias" in params else self.bias
+        if (type(x) is not torch.Tensor or x.is_meta or torch._C._len_torch_dispatch_stack()
+                or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
+            return self._forward_op(x)   # a subclass, meta or a dispatch mode sees the op; autograd records it
+        buffers = self._buffers
+        perm = buffers.get("perm")
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        activation = None if self.activation == "none" else self.activation
+        qdata, scales, zeros = buffers["qdata"], buffers["scales"], buffers["zeros"]
+        offsets = buffers.get("zero_offsets")
+        n = self.weight_rows
+        y = plans.run(x, qdata, scales, zeros, offsets, bias, None, self.weight_type, self.group_size, n,
+                      self.in_features, activation, TOKEN_BUCKETS)
+        if y is None:   # no plan yet, or something unusual: the full path (checks, errors, a new plan)
+            y = gemm_tensors_full(x, qdata, scales, zeros, offsets, bias, self.weight_type, self.group_size, n,
+                                  self.in_features, activation)
+        return y
+
+    def _forward_op(self, x: torch.Tensor) -> torch.Tensor:
+        """forward through the custom op (what torch.compile traces)."""
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return torch.ops.mixgemm.gemm(x, self.qdata, self.scales, self.zeros, self.zero_offsets, self.bias,
+                                      self.weight_type.value, self.group_size, self.weight_rows,
+                                      self.in_features, self.activation)
+
+    def extra_repr(self) -> str:
+        act = "" if self.activation == "none" else f", activation={self.activation}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, symmetric={self.symmetric}, bias={self.bias is not None}, "
+                f"dtype={self.scales.dtype}{act}, layout=sm90a/v{LAYOUT_VERSION}")
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_packed(cls, packed: PackedWeight, bias: Optional[torch.Tensor] = None,
+                    perm: Optional[torch.Tensor] = None) -> "QuantLinear":
+        """Wrap an existing PackedWeight (no copy of its tensors)."""
+        if not isinstance(packed, PackedWeight):
+            raise TypeError(f"expected a PackedWeight, got {type(packed).__name__}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = packed.k, packed.n
+        layer.weight_type, layer.group_size = packed.weight_type, packed.group_size
+        layer.register_buffer("qdata", packed.qdata)
+        layer.register_buffer("scales", packed.scales)
+        layer.register_buffer("zeros", packed.zeros)
+        layer.register_buffer("zero_offsets", packed.zero_offsets)
+        if perm is not None and (perm.shape != (packed.k,) or perm.dtype != torch.int64):
+            raise ValueError(f"perm must be int64 of shape [{packed.k}]")
+        layer.register_buffer("perm", perm)
+        if bias is not None:
+            if bias.shape != (packed.n,):
+                raise ValueError(f"bias must have shape [{packed.n}], got {list(bias.shape)}")
+            bias = nn.Parameter(bias.to(packed.dtype), requires_grad=False)
+        layer.bias = bias
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int = 128, symmetric: bool = False,
+                    dtype: Optional[torch.dtype] = None) -> "QuantLinear":
+        """Quantize (round-to-nearest, :func:`mixgemm.quantize`) and prepack an ``nn.Linear``.
+        ``dtype`` defaults to the linear's dtype if it is bf16/fp16, else bf16. A layer the
+        kernels cannot take (``out_features % 16``, ``in_features % 64``, a group size that does
+        not divide ``in_features``) raises :class:`mixgemm.errors.UnsupportedLayerError` (a
+        ValueError)."""
+        why = unsupported_reason(linear, group_size)
+        if why:
+            raise UnsupportedLayerError(f"QuantLinear.from_linear: {why} (mixgemm's kernels need "
+                                        f"out_features % {ATOM_N} == 0 and in_features % {ATOM_K} == 0; "
+                                        f"quantize_model keeps such a layer as nn.Linear)")
+        w = linear.weight.detach()
+        if dtype is None:
+            dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        qw = quantize(w, bits, group_size, symmetric=symmetric, dtype=dtype)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        return cls.from_packed(prepack(qw), bias=bias)
+
+    @classmethod
+    def from_gate_up(cls, gate: nn.Linear, up: nn.Linear, bits: int = 4, group_size: int = 128,
+                     symmetric: bool = False, dtype: Optional[torch.dtype] = None) -> "QuantLinear":
+        """A fused gated-MLP input layer: ``silu(gate(x)) * up(x)`` in one GEMM launch.
+
+        ``gate`` and ``up`` are ``nn.Linear(K, I)`` each (``I % 8 == 0``); each is quantized on
+        its own (the same result as quantizing it alone), then their rows are interleaved in
+        8-row stripes (:func:`mixgemm.weights.quantize.interleave_gate_up`) and prepacked as one
+        ``[2I, K]`` weight. The layer's ``out_features`` is ``I``.
+        """
+        from ..weights.quantize import interleave_gate_up
+
+        if gate.in_features != up.in_features or gate.out_features != up.out_features:
+            raise ValueError("gate and up must have the same shape")
+        if (gate.bias is None) != (up.bias is None):
+            raise ValueError("gate and up must both have a bias or both have none")
+        w = gate.weight.detach()
+        if dtype is None:
+            dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        qg = quantize(w, bits, group_size, symmetric=symmetric, dtype=dtype)
+        qu = quantize(up.weight.detach(), bits, group_size, symmetric=symmetric, dtype=dtype)
+        bias = None
+        if gate.bias is not None:
+            bias = interleave_rows(gate.bias.detach().to(dtype), up.bias.detach().to(dtype))
+        layer = cls.from_packed(prepack(interleave_gate_up(qg, qu)), bias=bias)
+        layer.activation = "swiglu"
+        layer.out_features = gate.out_features
+        return layer
+
+    # -- state dict metadata ----------------------------------------------------------------
+    def get_extra_state(self):
+        state = {"format": "mixgemm.QuantLinear", "weight_type": self.weight_type.value,
+                 "group_size": self.group_size, "in_features": self.in_features,
+                 "out_features": self.out_features, "activation": self.activation,
+                 "layout_version": LAYOUT_VERSION, "arch": "sm90a"}
+        if self.activation == "swiglu":
+            state["gate_up_stripe"] = GATE_UP_STRIPE
+        return state
+
+    def set_extra_state(self, state) -> None:
+        mine = self.get_extra_state()
+        if not isinstance(state, dict) or state.get("format") != mine["format"]:
+            raise ValueError("not a mixgemm QuantLinear state")
+        if state.get("layout_version", 0) > LAYOUT_VERSION:
+            raise ValueError(f"state has layout version {state['layout_version']}; upgrade mixgemm to read it")
+        # absent keys: mixgemm 0.1's states (_load_from_state_dict re-stripes a 0.1 swiglu state
+        # and records today's stripe before this runs)
+        default = {"activation": "none", "gate_up_stripe": 16}
+        diff = {k: (state.get(k, default.get(k)), v) for k, v in mine.items() if state.get(k, default.get(k)) != v}
+        if diff:
+            raise ValueError(f"QuantLinear metadata mismatch (state, module): {diff}")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # The act-order permutation and the zero offsets are optional: create the buffers to
+        # match the state.
+        for name in ("perm", "zero_offsets"):
+            key = prefix + name
+            if key in state_dict and getattr(self, name) is None:
+                self.register_buffer(name, torch.empty_like(state_dict[key], device=self.qdata.device))
+        extra = state_dict.get(prefix + "_extra_state")
+        # mixgemm 0.1's 16-row stripes are re-striped; any other stripe meets the mismatch error
+        if (self.activation == "swiglu" and isinstance(extra, dict) and extra.get("activation") == "swiglu"
+                and _state_stripe(extra) == 16 != GATE_UP_STRIPE):
+            _restripe_state(state_dict, prefix, self, 16)
+            state_dict[prefix + "_extra_state"] = {**extra, "gate_up_stripe": GATE_UP_STRIPE}
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _state_stripe(extra: dict) -> int:
+    """The gate/up stripe of a swiglu layer's saved state: mixgemm 0.1 had 16 and did not say."""
+    return int(extra.get("gate_up_stripe", 16))
+
+
+def _restripe_state(state_dict: dict, prefix: str, layer: "QuantLinear", old: int) -> None:
+    """Re-interleave a swiglu layer's saved tensors from ``old``-row stripes to GATE_UP_STRIPE,
+    in ``state_dict`` (exact: unpack, permute the rows, prepack)."""
+    from ..weights.layout import unpack
+
+    def restripe(t: torch.Tensor) -> torch.Tensor:   # rows are dim 0
+        return interleave_rows(*deinterleave_rows(t, old)).contiguous()
+
+    def get(name):
+        return state_dict.get(prefix + name)
+
+    if get("qdata") is None or get("scales") is None:
+        return   # an incomplete state: the usual missing-key error follows
+    packed = PackedWeight(get("qdata"), get("scales"), get("zeros"), layer.weight_type, layer.group_size,
+                          layer.weight_rows, layer.in_features, zero_offsets=get("zero_offsets"))
+    qw = unpack(packed)
+    qw = QuantizedWeight(restripe(qw.qweight), restripe(qw.scales),
+                         None if qw.zeros is None else restripe(qw.zeros), qw.bits, qw.group_size,
+                         qw.symmetric, None if qw.zero_offsets is None else restripe(qw.zero_offsets))
+    repacked = prepack(qw)
+    for name in ("qdata", "scales", "zeros", "zero_offsets"):
+        if get(name) is not None:
+            state_dict[prefix + name] = getattr(repacked, name)
+    if get("bias") is not None:
+        state_dict[prefix + "bias"] = restripe(get("bias"))
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize_model
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class QuantizeSummary:
+    """What :func:`quantize_model` did: the QuantLinear layers it made, the linear layers it kept
+    (with the reason), the weight bytes before and after, and the modules whose projections it
+    fused."""
+
+    replaced: list[str]
+    skipped: dict[str, str]
+    bytes_before: int
+    bytes_after: int
+    fused: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        ratio = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
+        return (f"replaced {len(self.replaced)} Linear layers, skipped {len(self.skipped)}; weight bytes "
+                f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB ({ratio:.2f}x)")
+
+
+def unsupported_reason(linear: nn.Linear, group_size: int) -> Optional[str]:
+    """Why mixgemm's kernels cannot take this layer's shape, or None."""
+    n, k = linear.out_features, linear.in_features
+    if n % ATOM_N:
+        return f"out_features={n} is not a multiple of {ATOM_N}"
+    if k % ATOM_K:
+        return f"in_features={k} is not a multiple of {ATOM_K}"
+    try:
+        check_group_size(group_size, k)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+#: the tensor-parallel layers live in mixgemm.nn.parallel (which imports this module)
+_PARALLEL = ("ColumnParallelQuantLinear", "RowParallelQuantLinear")
+_MOE = ("QuantMoE",)
+#: quantize_model lives in mixgemm.nn.blocks (with the fused modules it builds), which imports this module
+_BLOCKS = ("quantize_model",)
+
+
+def __getattr__(name: str):
+    if name in _PARALLEL:
+        from . import parallel as tensor_parallel
+        return getattr(tensor_parallel, name)
+    if name in _BLOCKS:
+        from . import blocks
+        return getattr(blocks, name)
+    if name in _MOE:   # the MoE layer lives in its own module (mixgemm.nn.moe), which imports this one
+        from . import moe as nn_moe
+        return getattr(nn_moe, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["QuantLinear", "QuantizeSummary", "gemm_op", "unsupported_reason", "RMSNorm",
+           *_BLOCKS, *_MOE, *_PARALLEL]

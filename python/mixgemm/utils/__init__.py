@@ -1,0 +1,1 @@
+"""Small helpers with no mixgemm dependency: atomic file writes, child processes, progress."""

@@ -1,0 +1,380 @@
+"""Core data model: the element types, the logical quantized weight and the prepacked weight.
+
+Two weight objects exist, and everything else converts between them:
+
+* :class:`QuantizedWeight` is the *logical* form: integer codes ``q[N, K]`` in nn.Linear's
+  layout, group-wise ``scales[N, G]`` and (asymmetric only) ``zeros[N, G]``. It is what the
+  quantizer and the checkpoint importers produce, and what the reference dequantizer reads.
+* :class:`PackedWeight` is the *kernel* form: the same codes swizzled into the layout that the
+  sm90a kernels read (see :mod:`mixgemm.weights.layout`), with scales and zeros transposed to
+  ``[G, N]`` (N contiguous, the order the kernels' TMA loads them in).
+
+The dequantization formula is the same for both and for every kernel (see
+:func:`mixgemm.weights.quantize.dequantize_reference`)::
+
+    symmetric:   w[n, k] = q[n, k] * s[n, g]                 q signed,   in [-2^(b-1), 2^(b-1)-1]
+    asymmetric:  w[n, k] = (q[n, k] - z[n, g]) * s[n, g]     q unsigned, in [0, 2^b - 1]
+
+with ``g = k // group_size``, evaluated in the activation dtype: ``q - z`` is an exact small
+integer, so the only rounding is the final product, rounded to nearest even once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+import torch
+
+#: Version of the prepacked layout. Bump it whenever the byte layout of PackedWeight changes;
+#: files and objects with a newer version are refused.
+LAYOUT_VERSION = 1
+
+#: The only architecture the prepacked layout targets today.
+SUPPORTED_ARCHS = ("sm90a",)
+
+#: The prepacked layout's atom: 16 weight rows (N) x 64 columns (K), one MMA fragment's worth
+#: for 32 lanes (mixgemm.weights.layout documents the (n, k) -> (lane, value) map inside it).
+ATOM_N = 16
+ATOM_K = 64
+
+
+def atom_bytes(bits: int) -> int:
+    """Bytes in one 16x64 atom of ``bits``-bit codes (32 lanes x 32 values)."""
+    return ATOM_N * ATOM_K * bits // 8
+
+
+class ActType(enum.Enum):
+    """Activation (and scale, zero, output) element type."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self is ActType.BF16 else torch.float16
+
+    @classmethod
+    def from_torch(cls, dtype: torch.dtype) -> "ActType":
+        if dtype == torch.bfloat16:
+            return cls.BF16
+        if dtype == torch.float16:
+            return cls.FP16
+        raise TypeError(f"activation dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+
+    @classmethod
+    def parse(cls, value: "ActType | torch.dtype | str") -> "ActType":
+        if isinstance(value, ActType):
+            return value
+        if isinstance(value, torch.dtype):
+            return cls.from_torch(value)
+        aliases = {"bf16": cls.BF16, "bfloat16": cls.BF16, "fp16": cls.FP16, "float16": cls.FP16,
+                   "half": cls.FP16, "f16": cls.FP16}
+        try:
+            return aliases[str(value).lower()]
+        except KeyError:
+            raise ValueError(f"unknown activation dtype {value!r}; use bf16 or fp16") from None
+
+
+class WeightType(enum.Enum):
+    """Integer weight element type. Symmetric quantization uses the signed types (no zero
+    point), asymmetric quantization the unsigned ones (with a zero point)."""
+
+    S8 = "s8"
+    U8 = "u8"
+    S4 = "s4"
+    U4 = "u4"
+    S2 = "s2"
+    U2 = "u2"
+
+    @property
+    def bits(self) -> int:
+        return int(self.value[1:])
+
+    @property
+    def signed(self) -> bool:
+        return self.value[0] == "s"
+
+    @property
+    def has_zero(self) -> bool:
+        return not self.signed
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.bits - 1)) if self.signed else 0
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1 if self.signed else (1 << self.bits) - 1
+
+    @classmethod
+    def of(cls, bits: int, symmetric: bool) -> "WeightType":
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (8, 4, 2):
+            raise ValueError(f"bits must be 8, 4 or 2, got {bits!r}")
+        return cls(("s" if symmetric else "u") + str(bits))
+
+
+SUPPORTED_BITS = (8, 4, 2)
+#: Group sizes the kernels are generated and tested for; ``group_size == K`` (per-channel) is
+#: always allowed too.
+SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def check_group_size(group_size: int, k: int) -> None:
+    """Raise ValueError unless ``group_size`` is one of the supported sizes (or K) and divides K."""
+    if not isinstance(group_size, int) or isinstance(group_size, bool):
+        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    if group_size != k and group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES} or K (={k}) for "
+                         f"per-channel scales, got {group_size}")
+    if k % group_size != 0:
+        raise ValueError(f"K={k} is not divisible by group_size={group_size}")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QuantizedWeight:
+    """A group-wise quantized weight in its logical (unpacked) form.
+
+    Attributes
+    ----------
+    qweight : torch.Tensor
+        Integer codes, shape ``[N, K]`` (nn.Linear's ``[out_features, in_features]``).
+        dtype ``torch.int8`` with values in ``[-2^(b-1), 2^(b-1)-1]`` when symmetric,
+        ``torch.uint8`` with values in ``[0, 2^b-1]`` when asymmetric.
+    scales : torch.Tensor
+        Shape ``[N, K // group_size]``, in the activation dtype (bf16 or fp16), positive.
+    zeros : torch.Tensor or None
+        Asymmetric only: shape ``[N, K // group_size]``, activation dtype, integer-valued in
+        ``[0, 2^b-1]``. ``None`` when symmetric.
+    bits : int
+        8, 4 or 2.
+    group_size : int
+        Number of consecutive K elements sharing one scale (and zero); ``K`` means per-channel.
+    symmetric : bool
+        True: ``w = q*s``. False: ``w = (q - z)*s``.
+    zero_offsets : torch.Tensor or None
+        Asymmetric only, optional: float32 ``[N, K // group_size]``, for checkpoints whose zero
+        points are not integers (HQQ). The weight is then ``w = (q - z)*s + o`` with the integer
+        ``z`` above and ``o = (z - z_float)*s`` (see :func:`mixgemm.formats.from_hqq`).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor]
+    bits: int
+    group_size: int
+    symmetric: bool
+    zero_offsets: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        wt = WeightType.of(self.bits, self.symmetric)
+        q = self.qweight
+        if q.dim() != 2:
+            raise ValueError(f"qweight must be 2-D [N, K], got shape {tuple(q.shape)}")
+        want = torch.int8 if wt.signed else torch.uint8
+        if q.dtype != want:
+            raise TypeError(f"qweight for {'symmetric' if self.symmetric else 'asymmetric'} "
+                            f"{self.bits}-bit weights must be {want}, got {q.dtype}")
+        n, k = q.shape
+        check_group_size(self.group_size, k)
+        g = k // self.group_size
+        ActType.from_torch(self.scales.dtype)
+        if tuple(self.scales.shape) != (n, g):
+            raise ValueError(f"scales must have shape [N, K/group_size] = {[n, g]}, "
+                             f"got {list(self.scales.shape)}")
+        if wt.has_zero:
+            if self.zeros is None:
+                raise ValueError("asymmetric weights need zeros")
+            if tuple(self.zeros.shape) != (n, g) or self.zeros.dtype != self.scales.dtype:
+                raise ValueError(f"zeros must have shape {[n, g]} and dtype {self.scales.dtype}, "
+                                 f"got {list(self.zeros.shape)} {self.zeros.dtype}")
+        elif self.zeros is not None:
+            raise ValueError("symmetric weights have no zeros")
+        _check_zero_offsets(self.zero_offsets, wt, (n, g))
+        devices = {t.device for t in (q, self.scales, self.zeros, self.zero_offsets) if t is not None}
+        if len(devices) != 1:
+            raise ValueError(f"qweight, scales and zeros must be on one device, got {devices}")
+
+    def shard(self, dim: int, rank: int, world_size: int, sections=None) -> "QuantizedWeight":
+        """The ``rank``-th of ``world_size`` tensor-parallel slices of this logical weight, by the
+        rules of :meth:`PackedWeight.shard` (whole 16-row atoms along N, whole 64-column atoms
+        and groups along K), so that ``prepack(qw.shard(...)) == prepack(qw).shard(...)``. See
+        :func:`mixgemm.weights.layout.shard_logical`."""
+        from .layout import shard_logical  # local: layout imports this module
+
+        return shard_logical(self, dim, rank, world_size, sections)
+
+    @property
+    def weight_type(self) -> WeightType:
+        return WeightType.of(self.bits, self.symmetric)
+
+    @property
+    def n(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.qweight.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def to(self, device) -> "QuantizedWeight":
+        return dataclasses.replace(
+            self, qweight=self.qweight.to(device), scales=self.scales.to(device),
+            zeros=None if self.zeros is None else self.zeros.to(device),
+            zero_offsets=None if self.zero_offsets is None else self.zero_offsets.to(device))
+
+
+def _check_zero_offsets(offsets: Optional[torch.Tensor], wt: "WeightType", shape: tuple) -> None:
+    if offsets is None:
+        return
+    if not wt.has_zero:
+        raise ValueError("zero_offsets belong to asymmetric weights (fractional zero points)")
+    if offsets.dtype != torch.float32 or tuple(offsets.shape) != shape:
+        raise ValueError(f"zero_offsets must be float32 of shape {list(shape)}, got "
+                         f"{offsets.dtype} {list(offsets.shape)}")
+
+
+class PackedProperties:
+    """What a prepacked weight (:class:`PackedWeight`) and a stack of them
+    (:class:`mixgemm.weights.experts.PackedExperts`) derive alike from their ``weight_type``, ``qdata``,
+    ``scales``, ``k`` and ``group_size``."""
+
+    @property
+    def bits(self) -> int:
+        return self.weight_type.bits
+
+    @property
+    def symmetric(self) -> bool:
+        return self.weight_type.signed
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def act_type(self) -> ActType:
+        return ActType.from_torch(self.scales.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qdata.device
+
+    @property
+    def num_groups(self) -> int:
+        return self.k // self.group_size
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedWeight(PackedProperties):
+    """A quantized weight prepacked for the sm90a kernels.
+
+    Attributes
+    ----------
+    qdata : torch.Tensor
+        ``torch.uint8``, shape ``[N/16, K/64, 128*bits]``: one 16x64 atom of codes per
+        ``(n // 16, k // 64)``, in the order documented in :mod:`mixgemm.weights.layout`.
+    scales : torch.Tensor
+        Shape ``[G, N]`` (N contiguous), activation dtype, ``G = K // group_size``.
+    zeros : torch.Tensor or None
+        Shape ``[G, N]``, activation dtype, integer-valued; asymmetric types only.
+    weight_type : WeightType
+        Element type of the codes (signed = symmetric, unsigned = asymmetric with zeros).
+    group_size : int
+        K elements per group (``K`` for per-channel).
+    n, k : int
+        Logical weight shape ``[N, K]`` (out_features, in_features).
+    arch : str
+        Target architecture of the layout (``"sm90a"``).
+    layout_version : int
+        Version of the byte layout (:data:`LAYOUT_VERSION`).
+    zero_offsets : torch.Tensor or None
+        Optional, asymmetric only: float32 ``[G, N]`` added to the dequantized weight of each
+        (group, row), for checkpoints with fractional zero points (HQQ):
+        ``w = (q - z)*s + o``. :func:`mixgemm.gemm` adds ``x_groupsum @ o`` to the kernel's
+        result (see :attr:`QuantizedWeight.zero_offsets`).
+    """
+
+    qdata: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor]
+    weight_type: WeightType
+    group_size: int
+    n: int
+    k: int
+    arch: str = "sm90a"
+    layout_version: int = LAYOUT_VERSION
+    zero_offsets: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"PackedWeight is for arch {self.arch!r}; this mixgemm supports "
+                             f"{SUPPORTED_ARCHS}")
+        if self.layout_version != LAYOUT_VERSION:
+            hint = ("upgrade mixgemm to read it" if self.layout_version > LAYOUT_VERSION
+                    else "prepack the weight again")
+            raise ValueError(f"PackedWeight has layout version {self.layout_version}; this mixgemm "
+                             f"reads version {LAYOUT_VERSION} ({hint})")
+        if self.n % ATOM_N or self.k % ATOM_K:
+            raise ValueError(f"N must be a multiple of {ATOM_N} and K of {ATOM_K}, got N={self.n} K={self.k}")
+        check_group_size(self.group_size, self.k)
+        want = (self.n // ATOM_N, self.k // ATOM_K, atom_bytes(self.weight_type.bits))
+        if self.qdata.dtype != torch.uint8 or tuple(self.qdata.shape) != want:
+            raise ValueError(f"qdata must be uint8 of shape {list(want)}, got "
+                             f"{self.qdata.dtype} {list(self.qdata.shape)}")
+        g = self.k // self.group_size
+        ActType.from_torch(self.scales.dtype)
+        if tuple(self.scales.shape) != (g, self.n):
+            raise ValueError(f"scales must have shape [G, N] = {[g, self.n]}, got {list(self.scales.shape)}")
+        if self.weight_type.has_zero:
+            if self.zeros is None or tuple(self.zeros.shape) != (g, self.n) or self.zeros.dtype != self.scales.dtype:
+                raise ValueError(f"{self.weight_type.value} weights need zeros of shape {[g, self.n]} "
+                                 f"and dtype {self.scales.dtype}")
+        elif self.zeros is not None:
+            raise ValueError(f"{self.weight_type.value} (symmetric) weights have no zeros")
+        _check_zero_offsets(self.zero_offsets, self.weight_type, (g, self.n))
+        devices = {t.device for t in (self.qdata, self.scales, self.zeros, self.zero_offsets) if t is not None}
+        if len(devices) != 1:
+            raise ValueError(f"qdata, scales and zeros must be on one device, got {devices}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qdata, self.scales, self.zeros, self.zero_offsets) if t is not None)
+
+    def to(self, device) -> "PackedWeight":
+        return dataclasses.replace(
+            self, qdata=self.qdata.to(device), scales=self.scales.to(device),
+            zeros=None if self.zeros is None else self.zeros.to(device),
+            zero_offsets=None if self.zero_offsets is None else self.zero_offsets.to(device))
+
+    def shard(self, dim: int, rank: int, world_size: int, sections=None) -> "PackedWeight":
+        """The ``rank``-th of ``world_size`` tensor-parallel slices of this weight, along N
+        (``dim=0``, column parallel: whole 16-row atoms) or K (``dim=1``, row parallel: whole
+        64-column atoms and whole groups), without re-quantizing: equal to ``prepack`` of the
+        same slice of the logical weight. See :func:`mixgemm.weights.layout.shard` (``sections``:
+        a fused q/k/v weight's row sections, each sliced on its own)."""
+        from .layout import shard  # local: layout imports this module
+
+        return shard(self, dim, rank, world_size, sections)
+
+    def metadata(self) -> dict:
+        """String metadata describing this weight (stored in safetensors headers)."""
+        return {
+            "format": "mixgemm.packed",
+            "weight_type": self.weight_type.value,
+            "bits": str(self.bits),
+            "symmetric": str(self.symmetric).lower(),
+            "group_size": str(self.group_size),
+            "dtype": self.act_type.value,
+            "n": str(self.n),
+            "k": str(self.k),
+            "arch": self.arch,
+            "layout_version": str(self.layout_version),
+        }
