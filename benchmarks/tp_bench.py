@@ -141,7 +141,7 @@ def weight_uses(preset, weight_type, tp: int) -> list:
 
 def decode_specs(preset, weight_type, tp: int) -> list:
     """The decode kernels of both splits, and the layer's RMSNorm and rotary / KV-cache kernels."""
-    from mixgemm.jit.render import layer_specs
+    from mixgemm.jit.catalog import layer_specs
     from mixgemm.aot.prebuild import specs_for
     from mixgemm.weights.types import ActType
 
@@ -417,7 +417,7 @@ def main(argv=None) -> int:
                 print(s.name)
             return 0
         from mixgemm.jit import build
-        from mixgemm.jit.render import layer_specs
+        from mixgemm.jit.catalog import layer_specs
         from mixgemm.aot.prebuild import build_for
         from mixgemm.weights.types import ActType
 

@@ -30,7 +30,9 @@ import torch
 
 from mixgemm.jit import build, render as codegen, launcher, loader as runtime
 from mixgemm.dispatch import heuristic, plans
-from mixgemm.ops import dense as ops
+from mixgemm.jit import driver
+from mixgemm.ops import checks, dense as ops
+from mixgemm.errors import KernelError
 from mixgemm.jit.specs import HELPER_KINDS
 
 GPU_NAME = "NVIDIA H100 80GB HBM3"
@@ -50,8 +52,8 @@ def build_helper(spec, directory: Path) -> Path:
     return out
 
 
-_PREPARE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(runtime.GemmArgs), ctypes.c_void_p, ctypes.c_uint32,
-                            ctypes.POINTER(runtime.Launch), ctypes.c_void_p, ctypes.c_int)
+_PREPARE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(driver.GemmArgs), ctypes.c_void_p, ctypes.c_uint32,
+                            ctypes.POINTER(driver.Launch), ctypes.c_void_p, ctypes.c_int)
 
 
 class FakeHelper:
@@ -65,7 +67,7 @@ class FakeHelper:
     def __init__(self, spec, workspace: Callable = lambda a: 0, zero_bytes: int = 0xFFFFFFFF,
                  refuse: Callable = lambda a: None, locks: Callable = lambda a: 0):
         self.name = spec.name
-        self.params_size = ctypes.sizeof(runtime.GemmArgs)
+        self.params_size = ctypes.sizeof(driver.GemmArgs)
         self.smem_size = 1024
         self.workspace, self.zero_bytes, self.refuse, self.locks = workspace, zero_bytes, refuse, locks
         self.calls = 0
@@ -107,19 +109,19 @@ class FakeHelper:
     def lock_bytes(self, args) -> int:
         return self.locks(args)
 
-    def prepare(self, args):   # runtime.HostHelper.prepare's contract (the reference path uses it)
+    def prepare(self, args):   # driver.HostHelper.prepare's contract (the reference path uses it)
         buf = ctypes.create_string_buffer(self.params_size)
-        launch = runtime.Launch()
+        launch = driver.Launch()
         err = ctypes.create_string_buffer(512)
         if self._prepare(ctypes.pointer(args), ctypes.addressof(buf), self.params_size, ctypes.pointer(launch),
                          ctypes.addressof(err), len(err)):
-            raise runtime.KernelError(f"{self.name}: {err.value.decode()}")
+            raise KernelError(f"{self.name}: {err.value.decode()}")
         return buf, launch
 
 
-def launched_args(launch: dict) -> runtime.GemmArgs:
+def launched_args(launch: dict) -> driver.GemmArgs:
     """The GemmArgs a FakeHelper's launch carried (its params)."""
-    return runtime.GemmArgs.from_buffer_copy(launch["params"])
+    return driver.GemmArgs.from_buffer_copy(launch["params"])
 
 
 class FakeKernels(runtime.KernelCache):
@@ -138,13 +140,13 @@ class FakeKernels(runtime.KernelCache):
         self.loads += 1
         function = drv.CUfunction(function_handle(spec))
         if not isinstance(spec, HELPER_KINDS):   # plain-argument kernels (dequant, MoE routing): no helper
-            return runtime.LoadedKernel(spec, device, None, function, None, None)
+            return driver.LoadedKernel(spec, device, None, function, None, None)
         if self.helpers == "real":
-            helper = runtime.HostHelper(str(build_helper(spec, self.helper_dir)), spec.name)
+            helper = driver.HostHelper(str(build_helper(spec, self.helper_dir)), spec.name)
             helper.bind_driver()   # (as runtime.KernelCache._load does: the fake driver's encoder)
         else:
             helper = FakeHelper(spec) if self.helpers == "fake" else self.helpers(spec)
-        return runtime.LoadedKernel(spec, device, None, function, helper, None)
+        return driver.LoadedKernel(spec, device, None, function, helper, None)
 
 
 def function_handle(spec) -> int:
@@ -167,10 +169,11 @@ class FakeGpu(contextlib.ExitStack):
         self.driver = fake_driver.load(self.directory / "driver")
         self.driver.reset()
         patch = self.enter_context
-        patch(mock.patch.object(ops, "_device_ok", lambda d: None if d.type == "cpu" else f"not the fake GPU: {d}"))
+        patch(mock.patch.object(checks, "device_problem", lambda d: None if d.type == "cpu" else f"not the fake GPU: {d}"))
         patch(mock.patch.object(heuristic, "sm_count", lambda index: SM_COUNT))
         patch(mock.patch.object(ops, "_gpu_name", lambda index: GPU_NAME))
         patch(mock.patch.object(runtime, "KERNELS", self.kernels))
+        patch(mock.patch.object(driver, "current_stream", lambda index: self.stream))
         patch(mock.patch.object(plans, "current_stream", lambda index: self.stream))
         patch(mock.patch.object(plans, "capturing", lambda: self.capturing))
         patch(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: self.capturing))

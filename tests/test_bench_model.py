@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixgemm.jit.render import TILE_CONFIGS
+from mixgemm.jit.catalog import TILE_CONFIGS
 from mixgemm.jit.specs import Activation
 from mixgemm.weights.types import ActType, WeightType
 

@@ -299,15 +299,15 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
     grouped = [n for n in names if n not in routing and n != "mixgemm_moe_layout"]
     assert routing | {"mixgemm_moe_layout"} <= set(names)
     # every preset at 1..4096 tokens: the grouped decode kernels and the grouped GEMMs the plans name
-    from mixgemm.jit import render as codegen
+    from mixgemm.jit import catalog
     from mixgemm.bench.moe import DEFAULT_TOKENS, MOE_PRESETS
     from mixgemm.moe import plan_fused_moe
     want = {s.name for p in MOE_PRESETS.values() for t in DEFAULT_TOKENS for wt in (WeightType.U4, WeightType.U2, WeightType.S8)
             for s in plan_fused_moe(t * p.topk, ActType.BF16, wt, p.experts, p.hidden, p.intermediate).specs}
     assert set(grouped) == want
     assert any(n.startswith("mixgemm_ggemm_bf16_") for n in grouped)
-    assert set(grouped) <= {s.name for s in codegen.grouped_specs() + codegen.grouped_gemm_specs()}
-    assert set(names) <= {s.name for s in codegen.default_specs()}
+    assert set(grouped) <= {s.name for s in catalog.grouped_specs() + catalog.grouped_gemm_specs()}
+    assert set(names) <= {s.name for s in catalog.default_specs()}
     specs = R.moe_kernel_specs(SMALL, U2, (1, 64))
     plans = [plan_fused_moe(t * 2, ActType.BF16, WeightType.U2, 6, 128, 128) for t in (1, 64)]
     want = list(dict.fromkeys(s.name for p in plans for s in p.specs + ((MoeLayoutSpec(),) if p.kind != "each" else ())))

@@ -51,7 +51,7 @@ def test_overrides_parse():
 
 
 def test_all_configs_adds_every_tile_config():
-    from mixgemm.jit.render import TILE_CONFIGS
+    from mixgemm.jit.catalog import TILE_CONFIGS
 
     cfg = bench.config_from_args(parse("--all-configs", "--impls", "mixgemm-s4"))
     assert cfg.impls == ("cublas", "mixgemm-s4") + tuple(f"mixgemm-s4@{tc.label}" for tc in TILE_CONFIGS)

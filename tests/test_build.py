@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from mixgemm.jit import catalog
 from mixgemm.jit import build, render as codegen, env as paths
+from mixgemm.errors import KernelError
 from mixgemm.jit.specs import Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Scheduler
 from mixgemm.weights.types import ActType, WeightType
 
@@ -239,10 +241,11 @@ def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
     assert cubin[:4] == b"\x7fELF", "a cubin is an ELF image"
     assert spec.name.encode() in cubin, "the kernel symbol is the spec name"
 
+    from mixgemm.jit import driver
     from mixgemm.jit import loader as runtime
-    helper = runtime.HostHelper(str(art.helper_path), spec.name)    # loads without a GPU
+    helper = driver.HostHelper(str(art.helper_path), spec.name)    # loads without a GPU
     assert helper.params_size > 0 and helper.smem_size > 48 * 1024
-    args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=8, n=4096, k=4096, group_size=128,
+    args = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=8, n=4096, k=4096, group_size=128,
                             sm_count=132, splits=0, raster=0, weight=1 << 20, scales=2 << 20, zeros=0,
                             x=3 << 20, bias=0, y=4 << 20, workspace=0, ldx=4096, ldy=4096)
     assert helper.check(args) is None
@@ -251,7 +254,7 @@ def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
     # forced split-K: every one of the 32 x 1 tiles of 128 x 64 is split, so the workspace holds
     # one float32 tile of partials per tile and nothing else, and the locks (one int32 per tile
     # and consumer warp group, in 128-byte lines) are apart
-    split = runtime.GemmArgs.from_buffer_copy(args)
+    split = driver.GemmArgs.from_buffer_copy(args)
     split.splits = 3
     assert helper.workspace_size(split) == 32 * 128 * 64 * 4
     assert helper.lock_bytes(split) == 32 * 2 * 4
@@ -260,29 +263,30 @@ def test_real_kernel_and_helper_build(tmp_path, monkeypatch):
                               ("ldx", 4100, "row stride"), ("abi_version", 99, "ABI"),
                               ("activation", 3, "swiglu"), ("activation", 9, "unknown activation"),
                               ("swizzle", 3, "swizzle must be 1, 2, 4 or 8"), ("raster", 3, "raster order")):
-        bad = runtime.GemmArgs.from_buffer_copy(args)
+        bad = driver.GemmArgs.from_buffer_copy(args)
         setattr(bad, field, value)
         why = helper.check(bad)
         assert why is not None and msg in why, (field, why)
     for field, value in (("swizzle", 2), ("swizzle", 8), ("raster", 1), ("raster", 2)):   # launch choices
-        ok = runtime.GemmArgs.from_buffer_copy(args)
+        ok = driver.GemmArgs.from_buffer_copy(args)
         setattr(ok, field, value)
         assert helper.check(ok) is None, (field, value)
     for act in (Activation.SILU, Activation.GELU):   # chosen per call: the same kernel takes them
-        ok = runtime.GemmArgs.from_buffer_copy(args)
+        ok = driver.GemmArgs.from_buffer_copy(args)
         ok.activation = act.abi
         assert helper.check(ok) is None, act
-    with pytest.raises(runtime.KernelError):
-        runtime.HostHelper(str(art.helper_path), "some_other_kernel")
+    with pytest.raises(KernelError):
+        driver.HostHelper(str(art.helper_path), "some_other_kernel")
 
 
 def _grouped_launch(helper, args, experts: int):
     """The grouped decode helper's launch plan for ``args`` over ``experts`` experts (an offsets
     pointer that is never read), as :func:`_decode_launch`."""
+    from mixgemm.jit import driver
     from mixgemm.jit import loader as runtime
     from mixgemm.moe.grouped import _prepare_fn
 
-    launch = runtime.Launch()
+    launch = driver.Launch()
     buf = ctypes.create_string_buffer(helper.params_size)
     err = ctypes.create_string_buffer(512)
     rc = _prepare_fn(helper.lib)(ctypes.byref(args), 7 << 20, experts, buf, helper.params_size, ctypes.byref(launch),
@@ -296,9 +300,10 @@ def _decode_launch(helper, args):
     scale rows' TMA descriptors, which needs the driver's encoder (handed over when the runtime
     loads a kernel, :meth:`mixgemm.jit.loader.HostHelper.bind_driver`): without it the call is
     refused for that reason alone and the plan is still read."""
+    from mixgemm.jit import driver
     from mixgemm.jit import loader as runtime
 
-    launch = runtime.Launch()
+    launch = driver.Launch()
     buf = ctypes.create_string_buffer(helper.params_size)
     err = ctypes.create_string_buffer(512)
     rc = helper.lib.mixgemm_gemm_prepare(ctypes.byref(args), buf, helper.params_size, ctypes.byref(launch), err,
@@ -315,15 +320,16 @@ def test_real_decode_kernel_with_an_x_ring(tmp_path, monkeypatch):
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    from mixgemm.jit import driver
     from mixgemm.jit import loader as runtime
     helpers = {}
     for xs in (0, 4):
         spec = DecodeSpec(ActType.BF16, WeightType.U4, tokens=16, x_stages=xs)
         art = build.build(spec)
         assert spec.name.encode() in art.read_cubin()
-        helpers[xs] = runtime.HostHelper(str(art.helper_path), spec.name)
+        helpers[xs] = driver.HostHelper(str(art.helper_path), spec.name)
     assert helpers[4].params_size == helpers[0].params_size + 128   # + the x descriptor
-    args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=16, n=4096, k=16384, group_size=128,
+    args = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=16, n=4096, k=16384, group_size=128,
                             sm_count=132, splits=1, raster=0, weight=1 << 20, scales=2 << 20, zeros=5 << 20,
                             x=3 << 20, bias=0, y=4 << 20, workspace=6 << 20, ldx=16384, ldy=4096)
     assert "shared memory" in helpers[0].check(args)
@@ -348,9 +354,10 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
     art = build.build(spec)
     assert spec.name.encode() in art.read_cubin()
 
+    from mixgemm.jit import driver
     from mixgemm.jit import loader as runtime
-    helper = runtime.HostHelper(str(art.helper_path), spec.name)
-    args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=16, n=4096, k=4096, group_size=128,
+    helper = driver.HostHelper(str(art.helper_path), spec.name)
+    args = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=16, n=4096, k=4096, group_size=128,
                             sm_count=132, splits=0, raster=0, weight=1 << 20, scales=2 << 20, zeros=5 << 20,
                             x=3 << 20, bias=0, y=4 << 20, workspace=6 << 20, ldx=4096, ldy=4096)
     assert helper.check(args) is None
@@ -365,14 +372,14 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
     assert launch.workspace_bytes == 0 and helper.workspace_size(args) == 0
     assert launch.smem_bytes <= 227 * 1024
     # a big layer needs far fewer splits
-    big = runtime.GemmArgs.from_buffer_copy(args)
+    big = driver.GemmArgs.from_buffer_copy(args)
     big.n, big.k, big.m, big.ldx, big.ldy = 57344, 8192, 1, 8192, 57344
     launch = _decode_launch(helper, big)
     assert launch.grid[1] < splits and launch.workspace_bytes == 0
     assert tuple(launch.cluster) == (1, launch.grid[1], 1)
     # an explicit split factor wins; beyond a cluster's 8, the splits reduce through a global
     # workspace: the counters (zeroed) and the float32 partials of the real tokens
-    forced = runtime.GemmArgs.from_buffer_copy(args)
+    forced = driver.GemmArgs.from_buffer_copy(args)
     forced.splits = 3
     launch = _decode_launch(helper, forced)
     assert launch.grid[1] == 3 and tuple(launch.cluster) == (1, 3, 1) and launch.workspace_bytes == 0
@@ -383,7 +390,7 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
     assert launch.workspace_bytes == launch.workspace_zero_bytes + 16 * 4096 * 16 * 4
     assert helper.workspace_size(forced) == launch.workspace_bytes
     # long K with a full token tile: the x tile caps a CTA's k-range, so the planner goes past 8
-    long_k = runtime.GemmArgs.from_buffer_copy(args)
+    long_k = driver.GemmArgs.from_buffer_copy(args)
     long_k.k = long_k.ldx = 131072
     launch = _decode_launch(helper, long_k)
     assert launch.grid[1] > 8 and tuple(launch.cluster) == (1, 1, 1) and launch.workspace_bytes > 0
@@ -392,7 +399,7 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
                               ("x", (3 << 20) + 2, "16-byte aligned"), ("ldx", 4100, "row stride"),
                               ("zeros", 0, "zero points"), ("abi_version", 99, "ABI"),
                               ("activation", Activation.SILU.abi, "different activation")):
-        bad = runtime.GemmArgs.from_buffer_copy(args)
+        bad = driver.GemmArgs.from_buffer_copy(args)
         setattr(bad, field, value)
         why = helper.check(bad)
         assert why is not None and msg in why, (field, why)
@@ -414,12 +421,13 @@ def test_decode_planner_picks_against_the_measured_sweeps(tmp_path, monkeypatch,
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    from mixgemm.jit import driver
     from mixgemm.jit import loader as runtime
     from mixgemm.dispatch import tuning
 
-    tc = next(t for t in codegen.TILE_CONFIGS if t.label == label)
+    tc = next(t for t in catalog.TILE_CONFIGS if t.label == label)
     spec = tc.spec(ActType.BF16, WeightType.U4)
-    helper = runtime.HostHelper(str(build.build(spec).helper_path), spec.name)
+    helper = driver.HostHelper(str(build.build(spec).helper_path), spec.name)
     m = 1 if label == "dec8" else 16
     times: dict = {}
     for name in ("sweep-decode-m16-x4-s19.json", "sweep-decode-held-s20.json"):
@@ -429,7 +437,7 @@ def test_decode_planner_picks_against_the_measured_sweeps(tmp_path, monkeypatch,
     assert len(times) >= (18 if m == 1 else 34)
     regrets = []
     for (n, k), by_factor in times.items():
-        args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=m, n=n, k=k, group_size=128, sm_count=132,
+        args = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=m, n=n, k=k, group_size=128, sm_count=132,
                                 splits=0, raster=0, weight=1 << 20, scales=2 << 20, zeros=5 << 20, x=3 << 20,
                                 bias=0, y=4 << 20, workspace=6 << 20, ldx=k, ldy=n)
         picked = _decode_launch(helper, args).grid[1]
@@ -457,6 +465,7 @@ def test_grouped_decode_planner_picks_against_the_measured_splits(tmp_path, monk
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    from mixgemm.jit import driver
     from mixgemm.jit import loader as runtime
     from mixgemm.moe.grouped import decode_spec_for
 
@@ -470,9 +479,9 @@ def test_grouped_decode_planner_picks_against_the_measured_splits(tmp_path, monk
         for part, (n, k, activation) in (("gate_up", (2 * inter, hidden, "swiglu")), ("down", (hidden, inter, None))):
             spec = decode_spec_for(row["rows"], ActType.BF16, WeightType.U4, activation, experts)
             if spec.name not in helpers:
-                helpers[spec.name] = runtime.HostHelper(str(build.build(spec).helper_path), spec.name)
+                helpers[spec.name] = driver.HostHelper(str(build.build(spec).helper_path), spec.name)
             helper = helpers[spec.name]
-            args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=row["rows"], n=n, k=k, group_size=128,
+            args = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=row["rows"], n=n, k=k, group_size=128,
                                     sm_count=132, splits=0, raster=0,
                                     activation=Activation(activation or "none").abi, weight=1 << 20,
                                     scales=2 << 20, zeros=5 << 20, x=3 << 20, bias=0, y=4 << 20, workspace=0,
@@ -496,13 +505,14 @@ def test_grouped_decode_planner_on_a_short_k(tmp_path, monkeypatch, wt):
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    from mixgemm.jit import driver
     from mixgemm.jit import loader as runtime
     from mixgemm.moe.grouped import decode_spec_for
 
     spec = decode_spec_for(32, ActType.BF16, wt, "swiglu", 2)
     assert spec.tokens == 16
-    helper = runtime.HostHelper(str(build.build(spec).helper_path), spec.name)
-    args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=32, n=256, k=256, group_size=128, sm_count=132,
+    helper = driver.HostHelper(str(build.build(spec).helper_path), spec.name)
+    args = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=32, n=256, k=256, group_size=128, sm_count=132,
                             splits=0, raster=0, activation=Activation.SWIGLU.abi, weight=1 << 20, scales=2 << 20,
                             zeros=0 if wt.signed else 5 << 20, x=3 << 20, bias=0, y=4 << 20, workspace=0, ldx=256,
                             ldy=128)
@@ -541,15 +551,16 @@ def test_gated_gemm_kernel_and_helper(tmp_path, monkeypatch):
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
-    spec = codegen.TILE_CONFIGS[3].spec(ActType.BF16, WeightType.U4, Activation.SWIGLU)
+    spec = catalog.TILE_CONFIGS[3].spec(ActType.BF16, WeightType.U4, Activation.SWIGLU)
     assert spec.epilogue is Epilogue.SWIGLU
     art = build.build(spec)
     assert spec.name.encode() in art.read_cubin()
 
+    from mixgemm.jit import driver
     from mixgemm.jit import loader as runtime
-    helper = runtime.HostHelper(str(art.helper_path), spec.name)
+    helper = driver.HostHelper(str(art.helper_path), spec.name)
     assert helper.smem_size <= 227 * 1024
-    args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=64, n=4096, k=4096, group_size=128,
+    args = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=64, n=4096, k=4096, group_size=128,
                             sm_count=132, splits=0, raster=0, activation=Activation.SWIGLU.abi,
                             weight=1 << 20, scales=2 << 20, zeros=5 << 20, x=3 << 20, bias=0, y=4 << 20,
                             workspace=0, ldx=4096, ldy=2048)
@@ -558,7 +569,7 @@ def test_gated_gemm_kernel_and_helper(tmp_path, monkeypatch):
                               ("activation", Activation.SILU.abi, "swiglu only"),
                               ("n", 4104, "N % 16"), ("ldy", 2040, "N/2 outputs"),
                               ("y", (4 << 20) + 4, "16-byte aligned")):
-        bad = runtime.GemmArgs.from_buffer_copy(args)
+        bad = driver.GemmArgs.from_buffer_copy(args)
         setattr(bad, field, value)
         why = helper.check(bad)
         assert why is not None and msg in why, (field, why)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from mixgemm.jit import build, render as codegen, env as paths
+from mixgemm.jit import catalog
+from mixgemm.jit import build, env as paths
 from mixgemm.jit.specs import DecodeSpec, DequantSpec, GemmSpec
 from mixgemm.weights.types import ActType, WeightType
 
@@ -148,8 +149,8 @@ def test_a_truncated_artifact_is_rebuilt(counted, artifact, pin_case, caplog):
     assert len(path.read_bytes()) > len(data) // 2
     assert cubin[:4] == b"\x7fELF" and build.is_cached(spec)
     if artifact == "helper.so":
-        from mixgemm.jit import loader as runtime
-        helper = runtime.HostHelper(str(art2.helper_path), spec.name)     # loads without a GPU
+        from mixgemm.jit import driver
+        helper = driver.HostHelper(str(art2.helper_path), spec.name)     # loads without a GPU
         assert helper.params_size > 0
     assert list((cache / "tmp").iterdir()) == []
     pin_case("Kernel cache", f"a truncated cached {artifact}", f"load_artifacts({spec.name})",
@@ -234,7 +235,7 @@ def test_a_live_builders_temporary_is_kept(counted, tmp_path):
 def test_the_first_use_line_says_how_long_each_kind_of_kernel_takes():
     """A GEMM kernel (CUTLASS's sm90 collective) takes about a minute to build, a decode or dequant
     kernel seconds: the first-use log line says which (README's first-token table)."""
-    gemm = next(s for s in codegen.default_specs() if isinstance(s, GemmSpec))
-    dec = next(s for s in codegen.default_specs() if isinstance(s, DecodeSpec))
+    gemm = next(s for s in catalog.default_specs() if isinstance(s, GemmSpec))
+    dec = next(s for s in catalog.default_specs() if isinstance(s, DecodeSpec))
     assert build.build_time_hint(gemm) == "this takes about a minute"
     assert build.build_time_hint(dec) == build.build_time_hint(DEQ) == "this takes a few seconds"

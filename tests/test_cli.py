@@ -525,8 +525,8 @@ def test_demo_runs_the_gemm_on_hopper(capsys, monkeypatch, requires_gpu):
 
 
 def test_generate_lists_the_grouped_moe_kernels(capsys):
-    """`mixgemm generate --list` covers the grouped (MoE) decode kernels of codegen.grouped_specs()."""
-    from mixgemm.jit import render as codegen
+    """`mixgemm generate --list` covers the grouped (MoE) decode kernels of catalog.grouped_specs()."""
+    from mixgemm.jit import catalog
 
     rc, out, _ = run(capsys, "generate", "--list", "--kernels", "_gdecode_")
-    assert rc == 0 and out.split() == [s.name for s in codegen.grouped_specs()] and len(out.split()) == 48
+    assert rc == 0 and out.split() == [s.name for s in catalog.grouped_specs()] and len(out.split()) == 48

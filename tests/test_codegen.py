@@ -5,8 +5,10 @@ import dataclasses
 
 import pytest
 
+from mixgemm.jit import catalog
 from mixgemm.jit import render as codegen
-from mixgemm.jit.render import ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS, TileConfig, default_specs, render
+from mixgemm.jit.render import render
+from mixgemm.jit.catalog import ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS, TileConfig, default_specs
 from mixgemm.jit.specs import (Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Raster, Schedule, Scheduler,
                            parse_name)
 from mixgemm.weights.types import ActType, WeightType
@@ -26,8 +28,8 @@ def test_every_type_has_every_kernel():
             assert DequantSpec(act, wt).name in names
     assert len(names) == len(SPECS), "kernel names must be unique"
     # the grouped (MoE) decode kernels: `mixgemm generate --list / --build` covers them
-    assert {s.name for s in codegen.grouped_specs()} <= names
-    assert len(codegen.grouped_specs()) == 2 * 6 * 2 * 2          # acts x weights x (dec8, dec16) x (none, swiglu)
+    assert {s.name for s in catalog.grouped_specs()} <= names
+    assert len(catalog.grouped_specs()) == 2 * 6 * 2 * 2          # acts x weights x (dec8, dec16) x (none, swiglu)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -156,7 +158,7 @@ def test_render_cluster_shape():
     assert "cute::Shape<cute::_2, cute::_1, cute::_1>" not in render(one)
     assert "cute::Shape<cute::_1, cute::_1, cute::_1>" in render(one)
     # the grouped GEMM's scheduler runs without clusters: its kernels never take one
-    assert all(s.dense.cluster_m == 1 for s in codegen.grouped_gemm_specs())
+    assert all(s.dense.cluster_m == 1 for s in catalog.grouped_gemm_specs())
 
 
 def test_render_dequant():
@@ -195,7 +197,8 @@ def test_gemm_specs_fuse_the_runtime_activation():
     """The default GEMM kernels are, per tile config and type, one with the bias + runtime-activation
     epilogue (none, silu and gelu) and one with the gated (swiglu) epilogue; the bias-only epilogue
     stays renderable."""
-    from mixgemm.jit.render import default_specs, render
+    from mixgemm.jit.render import render
+    from mixgemm.jit.catalog import default_specs
     from mixgemm.jit.specs import Epilogue, GemmSpec
 
     gemms = [s for s in default_specs() if isinstance(s, GemmSpec)]
@@ -258,7 +261,7 @@ def test_heuristic_by_tokens_and_output_tiles():
 def test_launch_order_follows_the_tile_config():
     """A GEMM kernel launches with its config's tile order; a kernel outside the configs (or a
     decode kernel) with CUTLASS's defaults."""
-    from mixgemm.jit.render import TILE_CONFIGS, launch_order
+    from mixgemm.jit.catalog import TILE_CONFIGS, launch_order
     from mixgemm.jit.specs import SWIZZLES
 
     for tc in TILE_CONFIGS:

@@ -18,7 +18,7 @@ import torch
 
 import mixgemm
 from mixgemm.ops import dense as ops
-from mixgemm.jit.render import ALL_ACTS, ALL_WEIGHTS, default_specs
+from mixgemm.jit.catalog import ALL_ACTS, ALL_WEIGHTS, default_specs
 from mixgemm.weights.quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
 from mixgemm.jit.specs import GEMM_KINDS, Activation, DecodeSpec, Epilogue, GemmSpec, Scheduler
 from mixgemm.weights.types import ActType, WeightType

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mixgemm import moe
-from mixgemm.jit.render import ALL_ACTS, ALL_WEIGHTS
+from mixgemm.jit.catalog import ALL_ACTS, ALL_WEIGHTS
 from mixgemm.weights.experts import PackedExperts
 from mixgemm.weights.quantize import interleave_gate_up, quantize
 from moe_graph import capture_fused_moe, replay_matches_eager
@@ -96,7 +96,7 @@ def test_grouped_decode_forced_splits(requires_gpu, wt, splits):
     """Every forced split-K factor of the grouped decode kernels (one cluster of up to 8 CTAs per
     row block) on both token tiles, against the float64 reference; K = 1280 (20 atoms: 3, 5 and 8
     split it unevenly)."""
-    from mixgemm.jit.render import TILE_CONFIGS
+    from mixgemm.jit.catalog import TILE_CONFIGS
     from mixgemm.jit.specs import Activation, GroupedDecodeSpec
     from mixgemm.weights.types import ActType
 
@@ -122,7 +122,7 @@ def test_row_loop_on_a_compacted_grid(requires_gpu, wt, label):
     """Fewer rows than experts (z ranks the experts with rows), some experts with more rows than
     the token tile (each CTA runs its expert's tiles one after another), past the first pass of
     256 experts' offsets, with 1 and 2 splits on both token tiles."""
-    from mixgemm.jit.render import TILE_CONFIGS
+    from mixgemm.jit.catalog import TILE_CONFIGS
     from mixgemm.jit.specs import Activation, GroupedDecodeSpec
     from mixgemm.weights.types import ActType
 

@@ -16,7 +16,7 @@ import torch
 
 from mixgemm import moe
 from mixgemm.moe import layer as moe_layer
-from mixgemm.jit.render import ALL_ACTS, ALL_WEIGHTS, grouped_specs
+from mixgemm.jit.catalog import ALL_ACTS, ALL_WEIGHTS, grouped_specs
 from mixgemm.moe.grouped import ROUTED_MAX_ASSIGNMENTS
 from mixgemm.jit.specs import KernelKind
 from test_gpu_moe import _experts, _tolerance

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixgemm.jit import render as codegen
+from mixgemm.jit import catalog
 from mixgemm import moe
 from mixgemm.weights.experts import PackedExperts
 from mixgemm.weights.quantize import interleave_gate_up, quantize
@@ -44,7 +44,7 @@ def _check_spec(spec, x, ex, deq, counts, activation):
     assert err <= _tolerance(ex.k, x.dtype), f"{spec.name} counts {counts}: relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("spec", codegen.grouped_gemm_specs(), ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", catalog.grouped_gemm_specs(), ids=lambda s: s.name)
 @pytest.mark.parametrize("group", (32, 128, "K"))
 def test_every_grouped_gemm_kernel(requires_gpu, spec, group):
     e, n, k = 8, 256, 512
@@ -58,7 +58,7 @@ def test_every_grouped_gemm_kernel(requires_gpu, spec, group):
 
 @pytest.mark.parametrize("activation", (None, "silu", "gelu"))
 def test_grouped_gemm_activations(requires_gpu, activation):
-    spec = GroupedGemmSpec(ActType.BF16, WeightType.S4, *codegen.GROUPED_GEMM_TILES["g64"])
+    spec = GroupedGemmSpec(ActType.BF16, WeightType.S4, *catalog.GROUPED_GEMM_TILES["g64"])
     ex, deq = _experts(ActType.BF16, WeightType.S4, 4, 128, 256, 64)
     counts = [70, 0, 5, 64]
     x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
@@ -73,9 +73,9 @@ def test_grouped_gemm_activations(requires_gpu, activation):
 
 
 @pytest.mark.parametrize("e", (1, 256))
-@pytest.mark.parametrize("label", tuple(codegen.GROUPED_GEMM_TILES))
+@pytest.mark.parametrize("label", tuple(catalog.GROUPED_GEMM_TILES))
 def test_one_and_many_experts(requires_gpu, e, label):
-    spec = GroupedGemmSpec(ActType.BF16, WeightType.U4, *codegen.GROUPED_GEMM_TILES[label])
+    spec = GroupedGemmSpec(ActType.BF16, WeightType.U4, *catalog.GROUPED_GEMM_TILES[label])
     ex, deq = _experts(ActType.BF16, WeightType.U4, e, 128, 256, 64)
     g = torch.Generator().manual_seed(e)
     counts = [77] if e == 1 else torch.randint(0, 40, (e,), generator=g).tolist()
@@ -103,7 +103,7 @@ def _moe_weights(act, bits, symmetric, e, h, inter):
     return w13, w2
 
 
-@pytest.mark.parametrize("act", codegen.ALL_ACTS, ids=lambda a: a.value)
+@pytest.mark.parametrize("act", catalog.ALL_ACTS, ids=lambda a: a.value)
 @pytest.mark.parametrize("bits,symmetric", [(4, False), (2, True), (8, True)])
 @pytest.mark.parametrize("t,topk,e", [(256, 2, 8), (1024, 2, 8), (333, 4, 16), (2048, 8, 64)])
 def test_fused_moe_on_grouped_gemm_against_unfused(requires_gpu, act, bits, symmetric, t, topk, e):
@@ -150,7 +150,7 @@ def _skewed_ids(t, topk, e, kind, generator_seed=0):
     return ids
 
 
-@pytest.mark.parametrize("act", codegen.ALL_ACTS, ids=lambda a: a.value)
+@pytest.mark.parametrize("act", catalog.ALL_ACTS, ids=lambda a: a.value)
 @pytest.mark.parametrize("bits,symmetric", [(4, False), (2, True), (8, True)])
 @pytest.mark.parametrize("kind", ("uniform", "one-hot-expert", "two-experts"))
 def test_fused_moe_split_against_unfused(requires_gpu, act, bits, symmetric, kind):

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import mixgemm
-from mixgemm.jit import render as codegen, launcher, loader as runtime
+from mixgemm.jit import catalog
+from mixgemm.jit import driver
+from mixgemm.jit import launcher, loader as runtime
 from mixgemm.dispatch import heuristic, plans
 from mixgemm.ops import dense as ops
 from mixgemm.nn import QuantLinear
@@ -36,12 +38,12 @@ def reference(x, w, spec, bias=None, activation=None, splits=0):
     """The launch as mixgemm made it before the plans: GemmArgs filled field by field, then
     runtime.launch_gemm (helper.prepare into new buffers, cuda-python objects made per call, a
     workspace from torch's allocator)."""
-    raster, swizzle = codegen.launch_order(spec)
+    raster, swizzle = catalog.launch_order(spec)
     m = x.shape[0]
     n_out = w.n // 2 if activation == "swiglu" else w.n
     y = torch.empty(m, n_out, device=x.device, dtype=x.dtype)
-    args = runtime.GemmArgs()
-    args.abi_version = runtime.ABI_VERSION
+    args = driver.GemmArgs()
+    args.abi_version = driver.ABI_VERSION
     args.m, args.n, args.k, args.group_size = m, w.n, w.k, w.group_size
     args.sm_count = heuristic.sm_count(x.device.index)
     args.splits, args.raster, args.swizzle = splits, raster.abi, swizzle
@@ -263,7 +265,7 @@ def _stream_k_chain(dev):
     units), the 256 x 64 tile at M = 64 on 4096 x 4096 (16 tiles over every SM: ~8 splits per
     tile, so many slots per tile), M = 300 on 4096 x 14336 (128 x 256 tiles), and forced split-K
     (3 and 7 splits: every tile is split, so every lock is used)."""
-    from mixgemm.jit.render import TILE_CONFIGS
+    from mixgemm.jit.catalog import TILE_CONFIGS
 
     cases = []
     for i, (n, k, m, splits, label) in enumerate([(4096, 4096, 64, 0, None), (4096, 14336, 300, 0, None),

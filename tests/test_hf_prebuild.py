@@ -19,6 +19,7 @@ pytest.importorskip("transformers", reason="mixgemm.hf needs transformers (pip i
 
 import hf_checkpoints as hc  # noqa: E402
 from mixgemm import hf
+from mixgemm.jit import driver
 from mixgemm.jit import loader as runtime  # noqa: E402
 from mixgemm.cli.main import main  # noqa: E402
 from mixgemm.aot.checkpoint import kernel_specs, weight_uses  # noqa: E402
@@ -52,7 +53,7 @@ def test_prebuild_builds_what_the_forward_asks_for(tmp_path, fake_env, monkeypat
     # the forward, on the fake GPU, asks for exactly these
     asked = set()
     with FakeGpu(tmp_path / "fake", launcher_mode="python", helpers="fake") as gpu:
-        gpu.driver.reset(params_size=ctypes.sizeof(runtime.GemmArgs))
+        gpu.driver.reset(params_size=ctypes.sizeof(driver.GemmArgs))
         get = gpu.kernels.get
 
         def recording_get(spec, device):

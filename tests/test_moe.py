@@ -11,10 +11,12 @@ import torch
 import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
-from mixgemm.jit import render as codegen, env as paths, loader as runtime
+from mixgemm.jit import catalog
+from mixgemm.jit.render import render
+from mixgemm.jit import driver
+from mixgemm.jit import env as paths
 from mixgemm import moe
 from mixgemm.moe import grouped as moe_grouped
-from mixgemm.jit.render import render
 from mixgemm.weights.experts import PackedExperts
 from mixgemm.weights.quantize import interleave_gate_up, quantize
 from mixgemm.jit.specs import Activation, DecodeSpec, GroupedDecodeSpec, KernelKind, parse_name
@@ -195,7 +197,7 @@ def test_grouped_launch_through_the_real_helper(tmp_path, monkeypatch, bits, sym
     offsets = torch.tensor([0, 2, 2, 5, 6, 6], dtype=torch.int32)
     with FakeGpu(tmp_path / "fake") as gpu:
         spec = moe.select_grouped_spec(t, ex, activation)
-        helper_size = runtime.HostHelper(str(__import__("fake_gpu").build_helper(spec, gpu.kernels.helper_dir)),
+        helper_size = driver.HostHelper(str(__import__("fake_gpu").build_helper(spec, gpu.kernels.helper_dir)),
                                          spec.name).params_size
         assert helper_size == _PARAMS.size
         gpu.driver.reset(params_size=helper_size)
@@ -247,7 +249,7 @@ def test_routed_launch_through_the_real_helper(tmp_path, monkeypatch, ids_dtype,
     ids = torch.tensor([[0, 3], [3, 4], [1, 7]], dtype=ids_dtype)   # 7: out of range, dropped
     with FakeGpu(tmp_path / "fake") as gpu:
         spec = moe.decode_spec_for(t * topk, ActType.BF16, WeightType.U4, None, e)
-        helper_size = runtime.HostHelper(str(__import__("fake_gpu").build_helper(spec, gpu.kernels.helper_dir)),
+        helper_size = driver.HostHelper(str(__import__("fake_gpu").build_helper(spec, gpu.kernels.helper_dir)),
                                          spec.name).params_size
         assert helper_size == _PARAMS.size
         gpu.driver.reset(params_size=helper_size)
@@ -272,11 +274,11 @@ def test_routed_helper_refuses_what_the_kernel_cannot_rank(tmp_path):
     from fake_gpu import build_helper
 
     spec = GroupedDecodeSpec(ActType.BF16, WeightType.U4, 16)
-    helper = runtime.HostHelper(str(build_helper(spec, tmp_path)), spec.name)
+    helper = driver.HostHelper(str(build_helper(spec, tmp_path)), spec.name)
     prepare = moe_grouped._routed_prepare_fn(helper.lib)
 
     def refusal(experts=4, ids=64, ids_bytes=8, topk=2, **fields):
-        a = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=40, n=64, k=256, group_size=64, sm_count=132,
+        a = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=40, n=64, k=256, group_size=64, sm_count=132,
                              weight=256, scales=256, zeros=256, x=256, y=256, ldx=256, ldy=64)
         for key, value in fields.items():
             setattr(a, key, value)
@@ -284,7 +286,7 @@ def test_routed_helper_refuses_what_the_kernel_cannot_rank(tmp_path):
         buf = ctypes.create_string_buffer(helper.params_size)
         err = ctypes.create_string_buffer(256)
         rc = prepare(ctypes.byref(a), ctypes.byref(routed), experts, buf, helper.params_size,
-                     ctypes.byref(runtime.Launch()), err, 256)
+                     ctypes.byref(driver.Launch()), err, 256)
         return err.value.decode() if rc else None
 
     assert refusal() is None
@@ -371,17 +373,17 @@ def test_grouped_helper_refuses_what_the_kernel_cannot_run(tmp_path, monkeypatch
     from fake_gpu import build_helper
 
     spec = GroupedDecodeSpec(ActType.BF16, WeightType.U4, 16)
-    helper = runtime.HostHelper(str(build_helper(spec, tmp_path)), spec.name)
+    helper = driver.HostHelper(str(build_helper(spec, tmp_path)), spec.name)
     prepare = moe_grouped._prepare_fn(helper.lib)
 
     def refusal(offsets=64, experts=4, **fields):
-        a = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=40, n=64, k=256, group_size=64, sm_count=132,
+        a = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=40, n=64, k=256, group_size=64, sm_count=132,
                              weight=256, scales=256, zeros=256, x=256, y=256, ldx=256, ldy=64)
         for key, value in fields.items():
             setattr(a, key, value)
         buf = ctypes.create_string_buffer(helper.params_size)
         err = ctypes.create_string_buffer(256)
-        rc = prepare(ctypes.byref(a), offsets, experts, buf, helper.params_size, ctypes.byref(runtime.Launch()),
+        rc = prepare(ctypes.byref(a), offsets, experts, buf, helper.params_size, ctypes.byref(driver.Launch()),
                      err, 256)
         return err.value.decode() if rc else None
 
@@ -395,7 +397,7 @@ def test_grouped_helper_refuses_what_the_kernel_cannot_run(tmp_path, monkeypatch
     assert "zero points" in refusal(zeros=0)
     assert "K must be" in refusal(k=100)
     assert "must be >= 1" in refusal(m=0)
-    assert helper.check(runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=1, n=64, k=256, group_size=64,
+    assert helper.check(driver.GemmArgs(abi_version=driver.ABI_VERSION, m=1, n=64, k=256, group_size=64,
                                          weight=256, scales=256, zeros=256, x=256, y=256, ldx=256, ldy=64)) is None
 
 
@@ -462,7 +464,7 @@ def test_quant_moe_forward_is_one_fused_moe_op(monkeypatch):
 
 
 def test_grouped_specs_cover_what_grouped_gemm_picks():
-    specs = set(codegen.grouped_specs())
+    specs = set(catalog.grouped_specs())
     assert len(specs) == 2 * 6 * 2 * 2
     for act in ActType:
         for wt in WeightType:

@@ -11,10 +11,12 @@ import torch
 import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
-from mixgemm.jit import render as codegen, env as paths
+from mixgemm.jit import catalog
+from mixgemm.jit import env as paths
 from mixgemm import moe
 from mixgemm.moe import routing as moe_routing
-from mixgemm.jit.render import default_specs, render
+from mixgemm.jit.catalog import default_specs
+from mixgemm.jit.render import render
 from mixgemm.jit.specs import (HELPER_KINDS, IndexType, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, RoutingWeightType,
                            parse_name)
 from mixgemm.weights.types import ActType
@@ -22,7 +24,7 @@ from mixgemm.weights.types import ActType
 
 # ---------------------------------------------------------------------------------------------- specs
 def test_specs_name_every_field_and_parse_back():
-    specs = codegen.moe_specs()
+    specs = catalog.moe_specs()
     assert len(specs) == 2 + 2 * 3 + 1                 # int32 / int64 ids; 2 acts x 3 weight types; the layout kernel
     assert len({s.name for s in specs}) == len(specs)
     for s in specs:
@@ -61,7 +63,7 @@ def test_generate_lists_them(capsys):
     from mixgemm.cli.main import main
 
     assert main(["generate", "--list", "--kernels", "_moe_"]) == 0
-    assert capsys.readouterr().out.split() == [s.name for s in codegen.moe_specs()]
+    assert capsys.readouterr().out.split() == [s.name for s in catalog.moe_specs()]
 
 
 def test_spec_selection():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mixgemm.jit import catalog
 from mixgemm.jit import render as codegen
 from mixgemm import moe
 from mixgemm.moe.routing import Routing, _combine_torch, route
@@ -92,12 +93,12 @@ def test_combine_reads_a_padded_layout_through_inv():
 
 
 def test_grouped_gemm_specs_cover_every_type_tile_and_epilogue():
-    specs = codegen.grouped_gemm_specs()
-    assert len(specs) == len(codegen.ALL_ACTS) * len(codegen.ALL_WEIGHTS) * len(codegen.GROUPED_GEMM_TILES) * 2
+    specs = catalog.grouped_gemm_specs()
+    assert len(specs) == len(catalog.ALL_ACTS) * len(catalog.ALL_WEIGHTS) * len(catalog.GROUPED_GEMM_TILES) * 2
     assert len({s.name for s in specs}) == len(specs)
     for s in specs:
         assert parse_name(s.name) == s
-    assert set(specs) <= set(codegen.default_specs())
+    assert set(specs) <= set(catalog.default_specs())
 
 
 def test_grouped_gemm_source_names_the_grouped_scheduler():

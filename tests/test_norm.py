@@ -14,9 +14,11 @@ import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
 import mixgemm
-from mixgemm.jit import render as codegen, env as paths
+from mixgemm.jit import catalog
+from mixgemm.jit import env as paths
 from mixgemm.ops import norm
-from mixgemm.jit.render import default_specs, render
+from mixgemm.jit.catalog import default_specs
+from mixgemm.jit.render import render
 from mixgemm.jit.specs import HELPER_KINDS, NormSpec, parse_name
 from mixgemm.weights.types import ActType
 
@@ -31,7 +33,7 @@ def reference(x, weight, eps, residual=None):
 
 # ---------------------------------------------------------------------------------------------- specs
 def test_specs_name_every_field_and_parse_back():
-    specs = codegen.norm_specs()
+    specs = catalog.norm_specs()
     assert [s.name for s in specs] == ["mixgemm_rmsnorm_bf16", "mixgemm_add_rmsnorm_bf16",
                                        "mixgemm_rmsnorm_fp16", "mixgemm_add_rmsnorm_fp16"]
     for s in specs:
@@ -60,7 +62,7 @@ def test_generate_lists_them(capsys):
     from mixgemm.cli.main import main
 
     assert main(["generate", "--list", "--kernels", "rmsnorm"]) == 0
-    assert capsys.readouterr().out.split() == [s.name for s in codegen.norm_specs()]
+    assert capsys.readouterr().out.split() == [s.name for s in catalog.norm_specs()]
 
 
 # ---------------------------------------------------------------------------------------------- torch path
@@ -148,7 +150,7 @@ def test_the_kernels_build(tmp_path, monkeypatch):
     from mixgemm.jit import build
 
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
-    for spec in codegen.norm_specs():
+    for spec in catalog.norm_specs():
         art = build.build(spec)
         cubin = art.read_cubin()
         assert cubin[:4] == b"\x7fELF" and spec.name.encode() in cubin

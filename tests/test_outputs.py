@@ -249,11 +249,11 @@ def test_the_target_changing_during_the_write_is_refused(tmp_path):
 def test_generate_removes_the_temporaries_of_a_dead_process(capsys, tmp_path):
     import re
 
-    from mixgemm.jit import render as codegen
+    from mixgemm.jit import catalog
     dead = _dead_pid()
     out = tmp_path / "src"
     out.mkdir()
-    spec = [s for s in codegen.default_specs() if re.search("dequant_bf16_u4$", s.name)][0]
+    spec = [s for s in catalog.default_specs() if re.search("dequant_bf16_u4$", s.name)][0]
     left = out / f".{spec.name}.cu.{dead}.abc.tmp"
     live = out / f".{spec.name}.cu.{os.getppid()}.def.tmp"
     left.write_text("partial")

@@ -20,6 +20,7 @@ import fake_driver
 from fake_gpu import SM_COUNT, FakeGpu, FakeHelper, function_handle, launched_args
 
 import mixgemm
+from mixgemm.jit import driver
 from mixgemm.jit import build, launcher, env as paths, loader as runtime
 from mixgemm.dispatch import heuristic, plans
 from mixgemm.ops import dense as ops
@@ -54,7 +55,7 @@ def fake_gpu(fake_dir, session_cache, monkeypatch, request):
         pytest.skip("nvcc not found")
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(session_cache))
     with FakeGpu(fake_dir, launcher_mode=backend, helpers="fake") as gpu:
-        gpu.driver.reset(params_size=ctypes.sizeof(runtime.GemmArgs))
+        gpu.driver.reset(params_size=ctypes.sizeof(driver.GemmArgs))
         yield gpu
 
 
@@ -63,7 +64,7 @@ def _weight(n=256, k=512, bits=4, group=128, symmetric=False, dtype=torch.bfloat
     return mixgemm.prepack(mixgemm.quantize(torch.randn(n, k) * 0.02, bits, group, symmetric=symmetric, dtype=dtype))
 
 
-def _last_args(gpu: FakeGpu, since: int = 0) -> runtime.GemmArgs:
+def _last_args(gpu: FakeGpu, since: int = 0) -> driver.GemmArgs:
     launches = gpu.launches(since)
     assert launches, "nothing was launched"
     return launched_args(launches[-1])
@@ -565,7 +566,7 @@ def test_real_helper_launches_equal_the_reference_bit_for_bit(fake_dir, session_
             else:
                 mixgemm.gemm(x, w, bias=bias, out=y)
             ours = gpu.driver.calls(n0)
-            args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=3, n=4096, k=4096, group_size=128,
+            args = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=3, n=4096, k=4096, group_size=128,
                                     sm_count=132, splits=splits, raster=Raster.HEURISTIC.abi, swizzle=1,
                                     activation=0, weight=w.qdata.data_ptr(), scales=w.scales.data_ptr(),
                                     zeros=w.zeros.data_ptr(), x=x.data_ptr(), bias=bias.data_ptr(), y=y.data_ptr(),

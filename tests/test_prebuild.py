@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from mixgemm.jit import build, loader as runtime
+from mixgemm.jit import driver
+from mixgemm.jit import build
 from mixgemm.dispatch import heuristic
 from mixgemm.ops import dense as ops
 from mixgemm.aot import prebuild
@@ -124,7 +125,7 @@ def test_the_runtime_asks_for_exactly_these_kernels(tmp_path, monkeypatch):
     model = Tiny()
     asked = set()
     with FakeGpu(tmp_path / "fake", launcher_mode="python", helpers="fake") as gpu:
-        gpu.driver.reset(params_size=ctypes.sizeof(runtime.GemmArgs))
+        gpu.driver.reset(params_size=ctypes.sizeof(driver.GemmArgs))
         get = gpu.kernels.get
 
         def recording_get(spec, device):

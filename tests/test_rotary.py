@@ -14,9 +14,11 @@ import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
 import mixgemm
-from mixgemm.jit import render as codegen, env as paths
+from mixgemm.jit import catalog
+from mixgemm.jit import env as paths
 from mixgemm.ops import rotary
-from mixgemm.jit.render import default_specs, render
+from mixgemm.jit.catalog import default_specs
+from mixgemm.jit.render import render
 from mixgemm.jit.specs import HELPER_KINDS, RopeSpec, parse_name
 from mixgemm.weights.types import ActType
 
@@ -64,7 +66,7 @@ def inputs(b, t, heads, kv_heads, d, length, dtype, device=None, batch_cache=Non
 
 # ---------------------------------------------------------------------------------------------- specs
 def test_specs_name_every_field_and_parse_back():
-    specs = codegen.rope_specs()
+    specs = catalog.rope_specs()
     assert [s.name for s in specs] == ["mixgemm_rope_kv_bf16", "mixgemm_rope_kv_fp16"]
     for s in specs:
         assert parse_name(s.name) == s
@@ -205,7 +207,7 @@ def test_the_kernels_build(tmp_path, monkeypatch):
     from mixgemm.jit import build
 
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
-    for spec in codegen.rope_specs():
+    for spec in catalog.rope_specs():
         art = build.build(spec)
         assert art.read_cubin()[:4] == b"\x7fELF" and spec.name.encode() in art.read_cubin()
         assert art.helper_path is None

@@ -10,7 +10,8 @@ import itertools
 import pytest
 import torch
 
-from mixgemm.weights.layout import prepack, shard, unpack
+from mixgemm.weights.layout import prepack, unpack
+from mixgemm.weights.types import shard
 from mixgemm.weights.quantize import dequantize_reference, interleave_gate_up
 from mixgemm.weights.types import PackedWeight, QuantizedWeight, WeightType
 

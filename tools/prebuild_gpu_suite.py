@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     for s in (norm_spec(bf16.torch_dtype, False), norm_spec(bf16.torch_dtype, True), rope_spec(bf16.torch_dtype)):
         specs[s.name] = s
     if args.all_u4:
-        from mixgemm.jit.render import default_specs
+        from mixgemm.jit.catalog import default_specs
 
         specs.update((s.name, s) for s in default_specs([bf16], [WeightType.U4]))
     specs = [specs[k] for k in sorted(specs)]

@@ -79,17 +79,18 @@ def gpu_time(fn, iters: int = 200) -> float:
 def reference_gemm(x, w, bias=None):
     """mixgemm.gemm as it was before the launch plans: every check and choice on every call,
     then runtime.launch_gemm (new params, Launch, CUlaunchConfig and attribute objects)."""
-    from mixgemm.jit import render as codegen, loader as runtime
+    from mixgemm.jit import catalog
+    from mixgemm.jit import loader as runtime
     from mixgemm.ops import dense as ops
 
     ops._check_gemm_inputs(x, w, bias, None, None)
     m = x.shape[0]
     spec = ops.select_spec(m, w)
     splits = ops._tuned_splits(spec, w, x.device)
-    raster, swizzle = codegen.launch_order(spec)
+    raster, swizzle = catalog.launch_order(spec)
     y = torch.empty((m, w.n), dtype=x.dtype, device=x.device)
-    args = runtime.GemmArgs()
-    args.abi_version = runtime.ABI_VERSION
+    args = driver.GemmArgs()
+    args.abi_version = driver.ABI_VERSION
     args.m, args.n, args.k, args.group_size = m, w.n, w.k, w.group_size
     args.sm_count = ops._sm_count(x.device.index)
     args.splits, args.raster, args.swizzle = splits, raster.abi, swizzle
@@ -125,6 +126,7 @@ def launcher_mode(mode: str):
 
 def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
     import mixgemm
+    from mixgemm.jit import driver
     from mixgemm.jit import render as codegen, loader as runtime
     from mixgemm.ops import dense as ops
     from mixgemm.dispatch import plans
@@ -206,24 +208,24 @@ def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
         t("steps", "ref: _check_gemm_inputs", lambda: ops._check_gemm_inputs(x, packed, bias, None, None))
         t("steps", "ref: select_spec", lambda: ops.select_spec(1, packed))
         t("steps", "ref: _tuned_splits", lambda: ops._tuned_splits(spec, packed, x.device))
-        t("steps", "ref: launch_order", lambda: codegen.launch_order(spec))
+        t("steps", "ref: launch_order", lambda: catalog.launch_order(spec))
         t("steps", "ref: spec.name (KernelCache key)", lambda: spec.name)
         t("steps", "ref: KERNELS.get", lambda: runtime.KERNELS.get(spec, x.device))
         t("steps", "ref: PackedWeight(...) (the op's implementation)",
           lambda: mixgemm.PackedWeight(layer.qdata, layer.scales, layer.zeros, packed.weight_type, 128, n, k))
-        args = runtime.GemmArgs(abi_version=runtime.ABI_VERSION, m=1, n=n, k=k, group_size=128, sm_count=132,
+        args = driver.GemmArgs(abi_version=driver.ABI_VERSION, m=1, n=n, k=k, group_size=128, sm_count=132,
                                 splits=plan.splits, weight=packed.qdata.data_ptr(), scales=packed.scales.data_ptr(),
                                 zeros=packed.zeros.data_ptr(), x=xp, bias=bp, y=yp, ldx=k, ldy=n)
         t("steps", "ref: helper.workspace_size (ctypes)", lambda: kernel.helper.workspace_size(args))
         t("steps", "ref: helper.prepare (ctypes, new buffers)", lambda: kernel.helper.prepare(args))
         t("steps", "ref: CUlaunchConfig + 2 attribute objects", _config_objects(kernel, args))
-        t("steps", "ref: torch.cuda.current_stream -> CUstream", lambda: runtime._stream_handle(kernel.device))
-        drv = runtime._driver()
+        t("steps", "ref: torch.cuda.current_stream -> CUstream", lambda: runtime.stream_handle(kernel.device))
+        drv = driver.cuda_driver()
 
         def workspace():   # what launch_gemm does for a stream-K launch (64 KiB here)
             ws = torch.empty(1 << 16, dtype=torch.uint8, device=dev)
-            runtime.check(drv.cuMemsetD8Async(drv.CUdeviceptr(ws.data_ptr()), 0, 1 << 16,
-                                              runtime._stream_handle(kernel.device)), "memset")
+            driver.check(drv.cuMemsetD8Async(drv.CUdeviceptr(ws.data_ptr()), 0, 1 << 16,
+                                              runtime.stream_handle(kernel.device)), "memset")
         t("steps", "ref: workspace torch.empty + cuMemsetD8Async (cuda-python)", workspace)
         t("steps", "ref: runtime.launch_gemm (whole launch)", lambda: runtime.launch_gemm(kernel, args))
         t("steps", "custom op dispatch alone (same schema, body returns a tensor)", _noop_op(x, layer, n, k))
@@ -261,9 +263,9 @@ class _LegacyQuantLinear(torch.nn.Module):
 
 
 def _config_objects(kernel, args):
-    from mixgemm.jit.loader import _driver
+    from mixgemm.jit.driver import cuda_driver
 
-    drv = _driver()
+    drv = cuda_driver()
     _, launch = kernel.helper.prepare(args)
 
     def make():

@@ -29,7 +29,7 @@ import mixgemm
 from mixgemm.jit import build
 from mixgemm.ops import dense as ops
 from mixgemm.dispatch import tuning
-from mixgemm.jit.render import TILE_CONFIGS, DecodeConfig
+from mixgemm.jit.catalog import TILE_CONFIGS, DecodeConfig
 from mixgemm.weights.types import ActType, WeightType
 
 #: the decoder-layer GEMM shapes (N x K) of llama3-8b, llama3-70b, qwen2.5-7b, qwen2.5-32b

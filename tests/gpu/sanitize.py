@@ -9,7 +9,7 @@ import torch
 
 import mixgemm
 from mixgemm.ops import dense as ops
-from mixgemm.jit.render import ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS
+from mixgemm.jit.catalog import ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..jit.render import TILE_CONFIGS
+from ..jit.catalog import TILE_CONFIGS
 from ..weights.types import ActType, PackedWeight, QuantizedWeight, WeightType
 from .peer_formats import (TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES, ImplUnavailable,
                            gemlite_dequant, torch_int4_dequant, torch_int4_mm, torch_int4_pack, torch_int4_params)

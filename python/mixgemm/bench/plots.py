@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..jit.render import TILE_CONFIGS
+from ..jit.catalog import TILE_CONFIGS
 from .generate import GEN_MODES
 from .grid import OK, PointResult
 from .peers import BASELINE, base_name

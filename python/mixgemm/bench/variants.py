@@ -333,7 +333,7 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
     the gate/up linear with the swiglu epilogue), and the RMSNorm and rotary / KV-cache kernels of the layer (every
     variant's layer launches them on an sm_90 GPU; built with the mixgemm variants'). Empty for the
     other variants."""
-    from ..jit.render import layer_specs
+    from ..jit.catalog import layer_specs
     from ..dispatch.heuristic import configs_any_gpu
     from ..jit.specs import Activation
 

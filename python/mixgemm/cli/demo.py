@@ -14,6 +14,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..errors import BuildError, UserError
+from .args import fmt_bytes
 
 N = K = 4096
 #: Tokens of the GEMM the demo runs.
@@ -25,13 +26,6 @@ GEMM_RTOL = 2e-2
 NO_GPU_MESSAGE = "the GEMM needs an NVIDIA Hopper (sm_90) GPU; none found, skipping it"
 #: What the first use of a kernel costs, as the README says.
 COMPILE_TIME_HINT = "65-100 s for a GEMM kernel, once per machine"
-
-
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit} ({n:,} B)"
-    return f"{n:,} B"
 
 
 def half_ulp(x: torch.Tensor) -> torch.Tensor:

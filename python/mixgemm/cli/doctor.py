@@ -111,7 +111,8 @@ def check_package() -> Finding:
 
 def check_headers() -> Finding:
     """Where the headers come from, and whether every kernel's include closure resolves."""
-    from ..jit import build, render as codegen, env as paths
+    from ..jit import build, catalog, env as paths
+    from ..jit.render import render
 
     try:
         root = paths.source_root()
@@ -126,11 +127,11 @@ def check_headers() -> Finding:
         origin = "source checkout"
     files = sum(1 for d in ("cutlass_ext", "converters") for p in (root / d).rglob("*") if p.is_file())
     try:
-        specs = codegen.default_specs()
+        specs = catalog.default_specs()
         broken = {}
         for spec in specs:
             try:
-                build.headers_digest(codegen.render(spec))
+                build.headers_digest(render(spec))
             except build.BuildError as e:
                 broken[spec.name] = str(e)
     except Exception as e:  # rendering needs cutlass_library: reported by the CUTLASS check too

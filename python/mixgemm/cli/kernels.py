@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .main import EXIT_ERROR, EXIT_OK, PROG, _fmt_bytes, _positive_int, _regex_arg
+from .args import EXIT_ERROR, EXIT_OK, PROG, fmt_bytes, positive_int, regex_arg
 from ..errors import UsageError
 
 
@@ -24,7 +24,7 @@ def add_generate_for(p) -> None:
         "See mixgemm.aot.checkpoint.")
     g.add_argument("--for", dest="for_path", metavar="MODEL", default=None,
                    help="a mixgemm .safetensors file or a model directory")
-    g.add_argument("--max-tokens", type=_positive_int, default=None, metavar="M",
+    g.add_argument("--max-tokens", type=positive_int, default=None, metavar="M",
                    help="the most tokens per call the model will see (default: any number)")
     g.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
                    help="activation dtype (default: as from_pretrained: the config's torch_dtype if bf16/fp16, else bf16; "
@@ -61,11 +61,11 @@ def add_cache(subparsers) -> None:
     )
     actions = p.add_subparsers(dest="cache_action", metavar="ACTION")
     ls = actions.add_parser("list", help="the cache's entries: current, stale, corrupt or foreign, build seconds")
-    ls.add_argument("--kernels", metavar="REGEX", default=None, type=_regex_arg,
+    ls.add_argument("--kernels", metavar="REGEX", default=None, type=regex_arg,
                     help="only entries whose name matches REGEX")
     ex = actions.add_parser("export", help="write the current entries to FILE (a .tar.gz)")
     ex.add_argument("file", metavar="FILE")
-    ex.add_argument("--kernels", metavar="REGEX", default=None, type=_regex_arg,
+    ex.add_argument("--kernels", metavar="REGEX", default=None, type=regex_arg,
                     help="only entries whose name matches REGEX")
     ex.add_argument("--force", action="store_true", help="replace an existing FILE")
     im = actions.add_parser(
@@ -80,7 +80,7 @@ def add_cache(subparsers) -> None:
     im.add_argument("--trust-host-code", action="store_true",
                     help="take FILE's host libraries (helper.so, launcher.so) as they are instead of compiling "
                          "them here; they run in every process that uses the cache")
-    im.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="N",
+    im.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
                     help="host libraries compiled at a time (default: half the CPU cores)")
     p.set_defaults(func=_run_cache)
 
@@ -95,7 +95,7 @@ def _run_cache(args: argparse.Namespace) -> int:
         for e in entries:
             seconds = f"{e.build_seconds:7.1f} s" if e.build_seconds is not None else "      -  "
             detail = f"  ({e.detail})" if e.detail else ""
-            print(f"{e.state:9s} {seconds} {_fmt_bytes(e.nbytes):>10s}  {e.kind}/{e.directory.name}{detail}")
+            print(f"{e.state:9s} {seconds} {fmt_bytes(e.nbytes):>10s}  {e.kind}/{e.directory.name}{detail}")
         counts = {s: sum(e.state == s for e in entries) for s in ("current", "stale", "corrupt", "foreign",
                                                                    "unchecked")}
         summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
@@ -104,7 +104,7 @@ def _run_cache(args: argparse.Namespace) -> int:
         return 0
     if args.cache_action == "export":
         report = cache_archive.export_cache(args.file, args.kernels, force=args.force)
-        print(f"exported {len(report.exported)} entries ({_fmt_bytes(report.nbytes)}) to {report.path}"
+        print(f"exported {len(report.exported)} entries ({fmt_bytes(report.nbytes)}) to {report.path}"
               + (f"; skipped {len(report.skipped)} stale, corrupt or foreign" if report.skipped else ""))
         return 0
     report = cache_archive.import_cache(args.file, trust_host_code=args.trust_host_code, jobs=args.jobs)

@@ -19,55 +19,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import signal
 import sys
 from types import MappingProxyType
 from typing import Callable, Optional, Sequence
 
+from . import kernels, prepack
 from ..errors import CliError, MixgemmError, UsageError
-
-PROG = "mixgemm"
-#: Exit statuses (see the module docstring).
-EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
-EXIT_INTERRUPTED = 128 + signal.SIGINT
-EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
-
-
-def _fmt_bytes(n: int) -> str:
-    from .demo import fmt_bytes
-    return fmt_bytes(n)
-
-
-def _group_size_arg(text: str):
-    if text.lower() in ("channel", "per-channel", "k"):
-        return "channel"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer (32, 64, 128, 256) or 'channel', got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _regex_arg(text: str) -> "re.Pattern[str]":
-    try:
-        return re.compile(text)
-    except re.error as e:
-        raise argparse.ArgumentTypeError(f"bad regular expression {text!r}: {e}") from None
-
+from .args import (EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, PROG, group_size_arg,
+                   positive_int, regex_arg)
 
 # ---------------------------------------------------------------------------------- prepack
 
@@ -95,7 +54,7 @@ def _add_demo(subparsers) -> None:
                      f"GEMM kernel ({demo.COMPILE_TIME_HINT}; cached)."),
     )
     p.add_argument("--bits", type=int, choices=(8, 4, 2), default=4, help="bits per code (default 4)")
-    p.add_argument("--group-size", type=_group_size_arg, default=128, metavar="N",
+    p.add_argument("--group-size", type=group_size_arg, default=128, metavar="N",
                    help="32, 64, 128 (default), 256 or 'channel'")
     p.add_argument("--symmetric", action="store_true",
                    help="signed codes without zero points (default: asymmetric)")
@@ -147,11 +106,11 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--out", metavar="DIR", default=None,
                    help="write the .cu files here (default: don't write sources unless --build is not given, "
                         "then ./mixgemm_kernels)")
-    p.add_argument("--kernels", metavar="REGEX", default=None, type=_regex_arg,
+    p.add_argument("--kernels", metavar="REGEX", default=None, type=regex_arg,
                    help="only kernels whose name matches REGEX")
     p.add_argument("--list", action="store_true", help="print the kernel names and exit")
     p.add_argument("--build", action="store_true", help="compile into the kernel cache (ahead of time)")
-    p.add_argument("--jobs", "-j", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
                    help="parallel nvcc builds (default: half the CPU cores; each needs ~5 GB of memory)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     from .kernels import add_generate_for
@@ -165,7 +124,7 @@ def _write_sources(out: str, specs: Sequence) -> None:
     regular file is replaced, anything else there is refused)."""
     from pathlib import Path
 
-    from ..jit import render as codegen
+    from ..jit.render import render
     from ..utils.atomic import check_target, replacing
 
     if not out:
@@ -184,12 +143,12 @@ def _write_sources(out: str, specs: Sequence) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for s in specs:
         with replacing(out_dir / f"{s.name}.cu") as tmp, open(tmp, "w") as f:
-            f.write(codegen.render(s))
+            f.write(render(s))
     print(f"wrote {len(specs)} kernel sources to {out_dir}/")
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from ..jit import render as codegen
+    from ..jit import catalog
 
     if args.for_path is None and (args.max_tokens is not None or args.dtype is not None or args.no_fuse_gate_up
                                   or args.no_fuse_norms):
@@ -198,7 +157,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         from .kernels import model_specs
         specs = model_specs(args)
     else:
-        specs = codegen.default_specs()
+        specs = catalog.default_specs()
     if args.kernels:
         specs = [s for s in specs if args.kernels.search(s.name)]
         if not specs:

@@ -9,7 +9,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
-from .main import _fmt_bytes, _group_size_arg, _regex_arg
+from .args import fmt_bytes, group_size_arg, regex_arg
 from ..errors import CliError, OutputPathError, OverflowQuantizeError, UsageError
 
 #: Tensors prepack quantizes by default: names ending in ``.weight``...
@@ -71,7 +71,7 @@ def add_prepack(subparsers) -> None:
                         "checkpoint_format of a quantize_config.json/config.json next to IN")
     p.add_argument("--bits", type=int, choices=(8, 4, 2), default=None,
                    help="bits per weight code (required unless --from)")
-    p.add_argument("--group-size", type=_group_size_arg, default=None, metavar="N",
+    p.add_argument("--group-size", type=group_size_arg, default=None, metavar="N",
                    help="K elements per scale: 32, 64, 128, 256, or 'channel' (one per row); "
                         "required unless --from")
     p.add_argument("--symmetric", action="store_true",
@@ -79,10 +79,10 @@ def add_prepack(subparsers) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default=None,
                    help="activation dtype of scales/zeros (default: the weight's dtype if "
                         "bf16/fp16, else bf16)")
-    p.add_argument("--include", metavar="REGEX", action="append", default=None, type=_regex_arg,
+    p.add_argument("--include", metavar="REGEX", action="append", default=None, type=regex_arg,
                    help=f"select names matching REGEX (repeatable; replaces the default "
                         f"{DEFAULT_INCLUDE!r})")
-    p.add_argument("--exclude", metavar="REGEX", action="append", default=None, type=_regex_arg,
+    p.add_argument("--exclude", metavar="REGEX", action="append", default=None, type=regex_arg,
                    help="skip names matching REGEX (repeatable; added to the default excludes)")
     p.add_argument("--no-default-exclude", action="store_true",
                    help="do not apply the default exclude regex")
@@ -203,7 +203,7 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
     if experts_line:
         print(experts_line)
     print(f"converted {len(packed)} {args.from_format} layers ({perms} with an act-order permutation), "
-          f"copied {len(out) - len(packed) - perms} tensors; {_fmt_bytes(before)} -> {_fmt_bytes(after)}; "
+          f"copied {len(out) - len(packed) - perms} tensors; {fmt_bytes(before)} -> {fmt_bytes(after)}; "
           f"wrote {dst}")
     return 0
 
@@ -261,7 +261,7 @@ def _run_prepack_gguf(args: argparse.Namespace) -> int:
         raise CliError(f"cannot write {dst}: {e}") from None
     packed = sum(kinds.values())
     print(f"converted {packed} gguf tensors ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))}), "
-          f"copied {len(out) - packed} tensors; {_fmt_bytes(src.stat().st_size)} -> {_fmt_bytes(after)}; "
+          f"copied {len(out) - packed} tensors; {fmt_bytes(src.stat().st_size)} -> {fmt_bytes(after)}; "
           f"wrote {dst}")
     return 0
 
@@ -414,9 +414,9 @@ def _run_prepack(args: argparse.Namespace) -> int:
         print(experts_line)
     print(f"tensors: {n_packed} packed ({args.bits}-bit, group size {args.group_size}, "
           f"{'symmetric' if args.symmetric else 'asymmetric'}), {n_copied} copied unchanged")
-    print(f"packed tensors: {_fmt_bytes(packed_before)} -> {_fmt_bytes(packed_after)} "
+    print(f"packed tensors: {fmt_bytes(packed_before)} -> {fmt_bytes(packed_after)} "
           f"({packed_before / max(packed_after, 1):.2f}x smaller)")
-    print(f"total: {_fmt_bytes(bytes_before)} -> {_fmt_bytes(bytes_after)} "
+    print(f"total: {fmt_bytes(bytes_before)} -> {fmt_bytes(bytes_after)} "
           f"(ratio {bytes_after / max(bytes_before, 1):.3f})")
     return 0
 

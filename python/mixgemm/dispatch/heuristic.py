@@ -12,7 +12,7 @@ import functools
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # codegen and specs are imported lazily: `import mixgemm` stays cheap
-    from ..jit.render import DecodeConfig, TileConfig
+    from ..jit.catalog import DecodeConfig, TileConfig
     from ..jit.specs import DecodeSpec, GemmSpec
     from ..weights.types import PackedWeight
 
@@ -102,7 +102,7 @@ def select_tile(m: int, n: int, k: int, sm_count: int = DEFAULT_SM_COUNT) -> "Ti
     ``k`` matters through the layer's size ``n * k`` (and above 512 tokens through its k-tiles),
     ``n`` also through its own bound.
     """
-    from ..jit.render import TILE_CONFIGS
+    from ..jit.catalog import TILE_CONFIGS
 
     label = next(lab for m_max, size_max, lab, rows_min in _HEURISTIC
                  if (m_max is None or m <= m_max) and (size_max is None or n * k <= size_max)
@@ -204,7 +204,7 @@ def configs_any_gpu(m: int, n: int, k: int) -> list:
     """Every kernel config :func:`select_tile` may pick for ``m`` tokens on an ``n`` x ``k``
     layer, on any GPU: the one config up to 512 tokens; above, "xlp" and "xl"
     (:func:`xl_evens_waves` picks between them by M and the SM count)."""
-    from ..jit.render import TILE_CONFIGS
+    from ..jit.catalog import TILE_CONFIGS
 
     if m < len(TOKEN_BUCKETS):
         return [select_tile(m, n, k)]

@@ -35,16 +35,16 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Optional
 
 import torch
 
 from . import heuristic
+from ..jit import launcher
+from ..jit.driver import ABI_VERSION, GemmArgs, LoadedKernel, capturing, check, cuda_driver, current_stream
+from ..jit.specs import Activation, Raster
 from ..weights.types import PackedWeight, WeightType
 
-if TYPE_CHECKING:   # imported when the first plan is made: `import mixgemm` stays cheap
-    from ..jit.loader import LoadedKernel
-    from ..jit.specs import Raster
 
 _Tensor = torch.Tensor
 
@@ -52,25 +52,6 @@ _Tensor = torch.Tensor
 def _no_tensor():
     """The "weak reference" of an absent tensor (zeros of a symmetric weight, no offsets)."""
     return None
-
-
-def _stream_function() -> Callable[[int], int]:
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None and torch.cuda._is_compiled():
-        return raw
-    return lambda index: torch.cuda.current_stream(index).cuda_stream
-
-
-def _capture_function() -> Callable[[], bool]:
-    if torch.cuda._is_compiled():
-        return torch._C._cuda_isCurrentStreamCapturing
-    return lambda: False
-
-
-#: the raw handle (int) of torch's current stream on a device index
-current_stream: Callable[[int], int] = _stream_function()
-#: whether torch's current stream is capturing a CUDA graph
-capturing: Callable[[], bool] = _capture_function()
 
 
 class LaunchPlan:
@@ -102,9 +83,6 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
               capturing: bool, key: Optional[tuple] = None) -> LaunchPlan:
     """A plan for ``w`` on ``kernel``, from decisions already made and checked by the caller
     (:mod:`mixgemm.ops`): ``activation`` is the one the kernel applies."""
-    from ..jit import launcher
-    from ..jit.loader import ABI_VERSION, GemmArgs
-    from ..jit.specs import Activation
 
     p = LaunchPlan()
     p.key, p.spec, p.kernel = key, spec, kernel
@@ -212,9 +190,8 @@ class DeviceBuffer:
     __slots__ = ("ptr", "nbytes", "device", "__weakref__")
 
     def __init__(self, device: torch.device, nbytes: int):
-        from ..jit.loader import _driver, check
 
-        drv = _driver()
+        drv = cuda_driver()
         self.device, self.nbytes = device, int(nbytes)
         if device.type == "cuda":
             with torch.cuda.device(device):   # the device's primary context, current
@@ -224,17 +201,15 @@ class DeviceBuffer:
 
     def zero(self, stream: int) -> None:
         """Queue ``memset(0)`` of the whole buffer on ``stream``."""
-        from ..jit.loader import _driver, check
 
-        drv = _driver()
+        drv = cuda_driver()
         check(drv.cuMemsetD8Async(drv.CUdeviceptr(self.ptr), 0, self.nbytes, drv.CUstream(stream)),
               "cuMemsetD8Async")
 
     def read(self) -> bytes:
         """The buffer's bytes (synchronizes the device: for tests)."""
-        from ..jit.loader import _driver, check
 
-        drv = _driver()
+        drv = cuda_driver()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         host = bytearray(self.nbytes)
@@ -243,11 +218,10 @@ class DeviceBuffer:
 
     def free(self) -> None:
         """Give the memory back (the caller makes sure nothing still uses it)."""
-        from ..jit.loader import _driver, check
 
         if self.ptr:
             ptr, self.ptr = self.ptr, 0
-            check(_driver().cuMemFree(_driver().CUdeviceptr(ptr)), "cuMemFree")
+            check(cuda_driver().cuMemFree(cuda_driver().CUdeviceptr(ptr)), "cuMemFree")
 
 
 class StreamArenas:
@@ -395,7 +369,6 @@ def _launch_with_memory(plan: LaunchPlan, rc: int, m: int, x_ptr: int, y_ptr: in
     stream's grown buffer (:class:`StreamArenas`), or under graph capture memory from torch's
     allocator in the graph's pool (the locks zeroed by a memset queued before the launch), held
     only until the launch is queued. Any other answer raises its error."""
-    from ..jit import launcher
 
     held = []
 

@@ -66,7 +66,7 @@ class ImportedLayer:
         rank, world_size : int
         sections : sequence of int, optional
             ``dim=0``: the rows of a fused layer's sections (e.g. ``(q, k, v)``), each sliced
-            on its own (:func:`mixgemm.weights.layout.shard`).
+            on its own (:func:`mixgemm.weights.types.shard`).
         name : str
             For error messages.
 

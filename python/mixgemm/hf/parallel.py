@@ -6,7 +6,7 @@ The split is Megatron-LM's, over the LLaMA-family layer names:
   ``gate_proj``, ``up_proj``. Rank ``r`` computes heads ``r*H/P ..`` of the queries, heads
   ``r*KV/P ..`` of the keys and values, and features ``r*I/P ..`` of the MLP; a fused gate/up
   layer is built from the rank's gate and up rows, so its 8-row gate/up stripe pairs stay on
-  one rank (:func:`mixgemm.weights.layout.shard`, Notes);
+  one rank (:func:`mixgemm.weights.types.shard`, Notes);
 * row parallel (columns, :data:`ROW`): ``o_proj`` and ``down_proj`` read the rank's heads or
   features and sum the ranks' partial products with one all-reduce each; a bias is added once,
   after it;

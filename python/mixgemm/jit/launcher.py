@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import BuildError, KernelError
-from .loader import ABI_VERSION, GemmArgs, Launch, LoadedKernel, check, driver_entry_point
+from .driver import ABI_VERSION, GemmArgs, Launch, LoadedKernel, check, cuda_driver, driver_entry_point
 
 log = logging.getLogger("mixgemm")
 
@@ -115,14 +115,12 @@ def _new_call() -> tuple[LaunchCall, int]:
 def raise_for(result: int, kernel: LoadedKernel) -> None:
     """Raise the error a failed launch (REFUSED or DRIVER_ERROR) stands for, with the message
     :func:`mixgemm.jit.loader.launch_gemm` gives."""
-    from .loader import _driver
-
     call = current_call()
     if result == LaunchResult.REFUSED:
         raise KernelError(f"{kernel.spec.name}: {call.message.decode(errors='replace')}")
     if result == LaunchResult.DRIVER_ERROR:
         what = f"cuLaunchKernelEx({kernel.spec.name})" if call.failed_call == 2 else "cuMemsetD8Async(workspace)"
-        check(_driver().CUresult(call.cuda_error), what)
+        check(cuda_driver().CUresult(call.cuda_error), what)
     raise RuntimeError(f"mixgemm launch of {kernel.spec.name} ended with {result!r}")
 
 
@@ -139,9 +137,7 @@ class DriverEntryPoints:
     CUDA_VERSION = 12000
 
     def __init__(self):
-        from .loader import _driver
-
-        drv = _driver()
+        drv = cuda_driver()
         flags = drv.CUdriverProcAddress_flags
         per_thread = os.environ.get("CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM", "0") not in ("", "0")
         flag = flags.CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM if per_thread \
@@ -221,9 +217,7 @@ def python_launch(kernel: LoadedKernel, args: GemmArgs) -> Callable[..., int]:
     """:meth:`CompiledLauncher.bind`'s launch, in Python: the helper through ctypes, the driver
     through cuda-python, with the argument, params and launch buffers and the ``CUlaunchConfig``
     and attribute objects made once here and reused (under a lock: they are shared)."""
-    from .loader import _driver
-
-    drv = _driver()
+    drv = cuda_driver()
     helper = kernel.helper
     a = GemmArgs.from_buffer_copy(args)
     params = ctypes.create_string_buffer(helper.params_size)

@@ -16,161 +16,17 @@
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import threading
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
-from ..dispatch import plans as _plans
-from .build import Artifacts, load_artifacts
-from ..errors import BuildError, CudaError, KernelError
+from . import driver
+from .build import load_artifacts
+from .launcher import entry_points
+from .driver import GemmArgs, HostHelper, Launch, LoadedKernel, check, cuda_driver
 from .specs import HELPER_KINDS, KernelSpec
-
-ABI_VERSION = 5  # cutlass_ext/mixgemm/abi.hpp kAbiVersion
-
-
-def _driver():
-    from cuda.bindings import driver
-    return driver
-
-
-def check(result: Any, what: str):
-    """Unwrap a cuda.bindings result ``(err, *values)``; raise CudaError if err is not success."""
-    drv = _driver()
-    if isinstance(result, tuple):
-        err, values = result[0], result[1:]
-    else:
-        err, values = result, ()
-    if err != drv.CUresult.CUDA_SUCCESS:
-        _, name = drv.cuGetErrorName(err)
-        _, desc = drv.cuGetErrorString(err)
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        desc = desc.decode() if isinstance(desc, bytes) else str(desc)
-        raise CudaError(f"{what}: {name} ({desc})")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
-
-
-# ---------------------------------------------------------------------------------------------
-# The C ABI of the host helpers (mirrors cutlass_ext/mixgemm/abi.hpp)
-# ---------------------------------------------------------------------------------------------
-class GemmArgs(ctypes.Structure):
-    _fields_ = [
-        ("abi_version", ctypes.c_int32),
-        ("m", ctypes.c_int32),
-        ("n", ctypes.c_int32),
-        ("k", ctypes.c_int32),
-        ("group_size", ctypes.c_int32),
-        ("sm_count", ctypes.c_int32),
-        ("splits", ctypes.c_int32),
-        ("raster", ctypes.c_int32),
-        ("activation", ctypes.c_int32),  # specs.Activation's index: none, silu, gelu, swiglu
-        ("swizzle", ctypes.c_int32),     # the tile scheduler's max_swizzle_size (0: 1)
-        ("weight", ctypes.c_uint64),
-        ("scales", ctypes.c_uint64),
-        ("zeros", ctypes.c_uint64),
-        ("x", ctypes.c_uint64),
-        ("bias", ctypes.c_uint64),
-        ("y", ctypes.c_uint64),
-        ("workspace", ctypes.c_uint64),
-        ("ldx", ctypes.c_int64),
-        ("ldy", ctypes.c_int64),
-        ("locks", ctypes.c_uint64),      # zeroed lock memory the kernel leaves zeroed (stream-K), or 0
-    ]
-
-
-class Launch(ctypes.Structure):
-    _fields_ = [
-        ("grid", ctypes.c_uint32 * 3),
-        ("block", ctypes.c_uint32 * 3),
-        ("cluster", ctypes.c_uint32 * 3),
-        ("smem_bytes", ctypes.c_uint32),
-        ("params_bytes", ctypes.c_uint32),
-        ("workspace_zero_bytes", ctypes.c_uint32),  # UINT32_MAX: all
-        ("workspace_bytes", ctypes.c_uint64),
-        ("lock_bytes", ctypes.c_uint64),   # zeroed locks the launch needs at GemmArgs.locks, left zeroed
-    ]
-
-
-def driver_entry_point(name: str, flag: Any = None, cuda_version: int = 12000) -> int:
-    """The CUDA driver's function ``name`` for the ABI of ``cuda_version``, from
-    ``cuGetProcAddress`` through cuda-python (the driver that cuda-python opened and that owns
-    the contexts); ``flag``: a ``CUdriverProcAddress_flags`` (default: ``CU_GET_PROC_ADDRESS_DEFAULT``)."""
-    drv = _driver()
-    if flag is None:
-        flag = drv.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-    pfn, status = check(drv.cuGetProcAddress(name.encode(), cuda_version, flag), f"cuGetProcAddress({name})")
-    if status != drv.CUdriverProcAddressQueryResult.CU_GET_PROC_ADDRESS_SUCCESS or not pfn:
-        raise BuildError(f"the CUDA driver has no {name} for CUDA {cuda_version // 1000}.0 ({status!r})")
-    return int(pfn)
-
-
-class HostHelper:
-    """ctypes wrapper of a GEMM kernel's helper.so."""
-
-    def __init__(self, path: str, kernel_name: str):
-        self.lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
-        lib = self.lib
-        lib.mixgemm_abi_version.restype = ctypes.c_int32
-        lib.mixgemm_kernel_name.restype = ctypes.c_char_p
-        lib.mixgemm_params_size.restype = ctypes.c_uint32
-        lib.mixgemm_smem_size.restype = ctypes.c_uint32
-        lib.mixgemm_gemm_check.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_char_p, ctypes.c_int]
-        lib.mixgemm_gemm_check.restype = ctypes.c_int
-        lib.mixgemm_gemm_workspace_size.argtypes = [ctypes.POINTER(GemmArgs)]
-        lib.mixgemm_gemm_workspace_size.restype = ctypes.c_uint64
-        lib.mixgemm_gemm_prepare.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_void_p, ctypes.c_uint32,
-                                             ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
-        lib.mixgemm_gemm_prepare.restype = ctypes.c_int
-        self._lock_bytes = getattr(lib, "mixgemm_gemm_lock_bytes", None)   # GEMM helpers only
-        if self._lock_bytes is not None:
-            self._lock_bytes.argtypes = [ctypes.POINTER(GemmArgs)]
-            self._lock_bytes.restype = ctypes.c_uint64
-        if lib.mixgemm_abi_version() != ABI_VERSION:
-            raise KernelError(f"{path}: helper ABI {lib.mixgemm_abi_version()} != runtime ABI {ABI_VERSION}")
-        name = lib.mixgemm_kernel_name().decode()
-        if name != kernel_name:
-            raise KernelError(f"{path}: helper is for {name}, expected {kernel_name}")
-        self.name = kernel_name
-        self.params_size = int(lib.mixgemm_params_size())
-        self.smem_size = int(lib.mixgemm_smem_size())
-
-    def bind_driver(self) -> None:
-        """Hand the helper the driver functions it calls itself: the decode kernels' helpers
-        encode their scale rows' TMA descriptors on every call (cuTensorMapEncodeTiled). A no-op
-        for the other helpers."""
-        setter = getattr(self.lib, "mixgemm_set_tensor_map_encoder", None)
-        if setter is not None:
-            setter.argtypes = [ctypes.c_void_p]
-            setter.restype = None
-            setter(driver_entry_point("cuTensorMapEncodeTiled"))
-
-    def check(self, args: GemmArgs) -> Optional[str]:
-        err = ctypes.create_string_buffer(512)
-        rc = self.lib.mixgemm_gemm_check(ctypes.byref(args), err, len(err))
-        return None if rc == 0 else err.value.decode()
-
-    def workspace_size(self, args: GemmArgs) -> int:
-        return int(self.lib.mixgemm_gemm_workspace_size(ctypes.byref(args)))
-
-    def lock_bytes(self, args: GemmArgs) -> int:
-        """The zeroed lock memory a stream-K launch needs apart from its workspace (0: none; the
-        decode kernels' helpers have no such function)."""
-        fn = self._lock_bytes
-        return 0 if fn is None else int(fn(ctypes.byref(args)))
-
-    def prepare(self, args: GemmArgs) -> tuple[ctypes.Array, Launch]:
-        buf = ctypes.create_string_buffer(self.params_size)
-        launch = Launch()
-        err = ctypes.create_string_buffer(512)
-        rc = self.lib.mixgemm_gemm_prepare(ctypes.byref(args), buf, self.params_size, ctypes.byref(launch),
-                                          err, len(err))
-        if rc != 0:
-            raise KernelError(f"{self.name}: {err.value.decode()}")
-        return buf, launch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +34,7 @@ class HostHelper:
 # ---------------------------------------------------------------------------------------------
 def _ensure_context(device: torch.device) -> None:
     """Make torch's (primary) context of ``device`` current on this thread for driver calls."""
-    drv = _driver()
+    drv = cuda_driver()
     torch.cuda.init()
     with torch.cuda.device(device):
         torch.cuda.current_stream(device)  # forces torch to make the device's context current
@@ -187,16 +43,6 @@ def _ensure_context(device: torch.device) -> None:
             dev = check(drv.cuDeviceGet(device.index), "cuDeviceGet")
             ctx = check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
             check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-
-
-@dataclasses.dataclass
-class LoadedKernel:
-    spec: KernelSpec
-    device: torch.device
-    module: Any
-    function: Any
-    helper: Optional[HostHelper]
-    artifacts: Artifacts
 
 
 class KernelCache:
@@ -240,7 +86,7 @@ class KernelCache:
 
     @staticmethod
     def _load(spec: KernelSpec, device: torch.device) -> LoadedKernel:
-        drv = _driver()
+        drv = cuda_driver()
         art, cubin = load_artifacts(spec)  # builds on first use (JIT), under the entry's lock
         helper = HostHelper(str(art.helper_path), spec.name) if isinstance(spec, HELPER_KINDS) else None
         _ensure_context(device)
@@ -261,17 +107,17 @@ KERNELS = KernelCache()
 
 
 def current_stream_ptr(device: torch.device) -> int:
-    """torch's current stream on ``device`` as an integer handle (:data:`mixgemm.dispatch.plans.current_stream`:
+    """torch's current stream on ``device`` as an integer handle (:data:`mixgemm.jit.driver.current_stream`:
     one C call where the installed torch has it; ``torch.cuda.current_stream`` builds a Stream
     object, a few us of an eager launch's host time on the GPU machine, NOTES 28e)."""
     index = device.index
     if index is None:
         index = torch.cuda.current_device() if device.type == "cuda" else 0
-    return int(_plans.current_stream(index))
+    return int(driver.current_stream(index))
 
 
-def _stream_handle(device: torch.device):
-    drv = _driver()
+def stream_handle(device: torch.device):
+    drv = cuda_driver()
     return drv.CUstream(current_stream_ptr(device))
 
 
@@ -281,7 +127,7 @@ def launch_gemm(kernel: LoadedKernel, args: GemmArgs) -> None:
     counters of the decode kernels) is zeroed on the same stream by a driver memset. A stream-K
     launch's locks are a fresh zeroed tensor (this reference path does not reuse them; the call
     path of :mod:`mixgemm.dispatch.plans` does, with no memset)."""
-    drv = _driver()
+    drv = cuda_driver()
     helper = kernel.helper
     assert helper is not None
     workspace = locks = None
@@ -336,16 +182,15 @@ class _LaunchConfig(ctypes.Structure):
 def _plain_launch_entry() -> tuple[Callable[..., int], int]:
     """The driver's ``cuLaunchKernelEx`` as a ctypes function (the entry point cuda-python's
     driver gives, :func:`mixgemm.jit.launcher.entry_points`), and the PDL attribute's id."""
-    from .launcher import entry_points
 
     proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-    pdl = int(_driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    pdl = int(cuda_driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
     return proto(entry_points().launch_kernel_ex), pdl
 
 
 @functools.lru_cache(maxsize=None)
 def _cluster_attribute_id() -> int:
-    return int(_driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    return int(cuda_driver().CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
 
 
 def _launch_config(kernel: LoadedKernel, grid, block, stream: int, smem: int = 0,
@@ -374,7 +219,7 @@ def _launch_with(kernel: LoadedKernel, config: _LaunchConfig, argv: ctypes.Array
     launch_ex, _ = _plain_launch_entry()
     rc = launch_ex(ctypes.addressof(config), int(kernel.function), ctypes.addressof(argv), None)
     if rc:
-        check(_driver().CUresult(rc), f"cuLaunchKernelEx({kernel.spec.name})")
+        check(cuda_driver().CUresult(rc), f"cuLaunchKernelEx({kernel.spec.name})")
 
 
 def launch_kernel(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, args: tuple) -> None:
@@ -412,7 +257,7 @@ class PlainLaunch:
             self._config.stream = stream
             rc = self._launch_ex(self._addrs[0], self._function, self._addrs[1], None)
         if rc:
-            check(_driver().CUresult(rc), f"cuLaunchKernelEx({self.kernel.spec.name})")
+            check(cuda_driver().CUresult(rc), f"cuLaunchKernelEx({self.kernel.spec.name})")
 
 
 def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -425,13 +270,13 @@ def aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def launch_dequant(kernel: LoadedKernel, qdata: int, scales: int, zeros: int, out: int,
                    n: int, k: int, group_size: int) -> None:
-    drv = _driver()
+    drv = cuda_driver()
     threads = 128
     atoms = (n // 16) * (k // 64)
     blocks = (atoms * 32 + threads - 1) // threads
     args = ((qdata, scales, zeros, out, n, k, group_size),
             (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_int, ctypes.c_int, ctypes.c_int))
-    check(drv.cuLaunchKernel(kernel.function, blocks, 1, 1, threads, 1, 1, 0, _stream_handle(kernel.device),
+    check(drv.cuLaunchKernel(kernel.function, blocks, 1, 1, threads, 1, 1, 0, stream_handle(kernel.device),
                              args, 0), f"cuLaunchKernel({kernel.spec.name})")
 

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from ..dispatch import heuristic
+from ..ops import checks
 from ..ops.library import custom_op
 from ..weights.experts import PackedExperts
 from ..jit.loader import aligned_contiguous
@@ -89,7 +90,7 @@ def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: O
     their N and K alone (no weights needed: e.g. to list or build a run's kernels beforehand). The
     grouped GEMM needs N to be a multiple of its 128-row weight tile (a tile must not straddle
     two experts); without ``n`` that is assumed."""
-    from ..jit.render import GROUPED_GEMM_TILES
+    from ..jit.catalog import GROUPED_GEMM_TILES
     from ..jit.specs import Epilogue, GroupedGemmSpec
 
     per_expert = rows / max(1, min(num_experts, rows))
@@ -108,7 +109,7 @@ def decode_spec_for(rows: int, act_type, weight_type: WeightType, activation: Op
     codes, at most :data:`DEC8_ROWS_PER_EXPERT` rows per expert with rows (``rows / min(E, rows)``),
     else the 16-row tile. (An expert with more rows than the tile streams its weights once per
     tile.)"""
-    from ..jit.render import TILE_CONFIGS
+    from ..jit.catalog import TILE_CONFIGS
     from ..jit.specs import Activation, GroupedDecodeSpec
 
     per_expert = rows / max(1, min(num_experts, rows))
@@ -144,7 +145,7 @@ def _check(x, experts, expert_offsets, out, activation, rows: Optional[int] = No
                          f"{expert_offsets.dtype} {list(expert_offsets.shape)}")
     if activation == "swiglu" and experts.n % 16:
         raise ValueError(f"activation='swiglu' needs gate/up interleaved experts with N % 16 == 0, got N={experts.n}")
-    why = ops._device_ok(experts.device)
+    why = checks.device_problem(experts.device)
     if why:
         raise ValueError(why)
     for name, t in (("x", x), ("expert_offsets", expert_offsets)):
@@ -252,6 +253,7 @@ def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, ac
     for swiglu), or writes ``out`` of that shape; its padding rows hold whatever the kernel
     computed from the padding rows of x, the spare row is not written. Nothing is read back
     from the GPU."""
+    from ..jit import driver
     from ..jit import loader as runtime
     from ..errors import KernelError
     from ..jit.specs import Activation
@@ -270,8 +272,8 @@ def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, ac
     xp = aligned_contiguous(xp)
     kernel = runtime.KERNELS.get(spec, xp.device)
     helper = kernel.helper
-    a = runtime.GemmArgs()
-    a.abi_version = runtime.ABI_VERSION
+    a = driver.GemmArgs()
+    a.abi_version = driver.ABI_VERSION
     a.m, a.n, a.k, a.group_size = tiles.capacity, experts.n, experts.k, experts.group_size
     a.sm_count = heuristic.sm_count(xp.get_device())
     a.activation = Activation(activation or "none").abi
@@ -282,7 +284,7 @@ def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, ac
     a.x, a.y = xp.data_ptr(), yp.data_ptr()
     a.ldx, a.ldy = experts.k, n_out
     params = ctypes.create_string_buffer(helper.params_size)
-    launch = runtime.Launch()
+    launch = driver.Launch()
     err = ctypes.create_string_buffer(512)
     prepare = _prepare_symbol(helper.lib, "mixgemm_grouped_gemm_prepare")
     rc = prepare(ctypes.byref(a), tiles.table.data_ptr(), experts.num_experts, params, helper.params_size,
@@ -402,7 +404,7 @@ def _prepare_symbol(lib_handle, symbol: str):
     grouped decode kernels: the device offsets) or ``mixgemm_grouped_gemm_prepare`` (the grouped
     GEMM: the device token-tile table), both ``(GemmArgs*, uint64 device pointer, int32 experts,
     params, capacity, Launch*, err, errlen) -> int``."""
-    from ..jit.loader import GemmArgs, Launch
+    from ..jit.driver import GemmArgs, Launch
 
     f = getattr(lib_handle, symbol)
     f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_uint64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_uint32,
@@ -420,7 +422,7 @@ def _prepare_fn(lib_handle):
 def _routed_prepare_fn(lib_handle):
     """The grouped decode kernels' routed prepare function: ``(GemmArgs*, Routed*, int32 experts,
     params, capacity, Launch*, err, errlen) -> int``."""
-    from ..jit.loader import GemmArgs, Launch
+    from ..jit.driver import GemmArgs, Launch
 
     f = lib_handle.mixgemm_grouped_routed_prepare
     f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.POINTER(_Routed), ctypes.c_int32, ctypes.c_void_p,
@@ -442,8 +444,8 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     x = aligned_contiguous(x)
     kernel = runtime.KERNELS.get(spec, x.device)
     helper = kernel.helper
-    a = runtime.GemmArgs()
-    a.abi_version = runtime.ABI_VERSION
+    a = driver.GemmArgs()
+    a.abi_version = driver.ABI_VERSION
     a.m, a.n, a.k, a.group_size = (rows if routed is not None else x.shape[0]), n, k, group_size
     a.sm_count = heuristic.sm_count(x.get_device())
     a.splits = splits
@@ -453,7 +455,7 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     a.x, a.y = x.data_ptr(), y.data_ptr()
     a.ldx, a.ldy = k, y.shape[1]
     params = ctypes.create_string_buffer(helper.params_size)
-    launch = runtime.Launch()
+    launch = driver.Launch()
     err = ctypes.create_string_buffer(512)
     if routed is not None:
         rc = _routed_prepare_fn(helper.lib)(ctypes.byref(a), ctypes.byref(routed), qdata.shape[0], params,

@@ -29,7 +29,7 @@ from ..weights.experts import PackedExperts
 from ..ops.library import custom_op
 from .routing import combine, combine_by_assignment, route_and_gather
 from .tiles import split_layout, token_tiles
-from ..jit.render import GROUPED_GEMM_TILES
+from ..jit.catalog import GROUPED_GEMM_TILES
 from ..jit.specs import Epilogue, GroupedGemmSpec, KernelKind
 from ..weights.types import WeightType
 

@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..dispatch import heuristic
+from ..ops import checks
 from ..ops.library import custom_op
 from ..jit.loader import aligned_contiguous
 
@@ -87,13 +88,6 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> Routing:
 # ---------------------------------------------------------------------------------------------
 # The kernels
 # ---------------------------------------------------------------------------------------------
-def _sm90(device: torch.device) -> bool:
-    """Whether mixgemm's kernels run on ``device`` (a CUDA device of compute capability 9.0)."""
-    from ..ops import dense as ops
-
-    return ops._device_ok(device) is None
-
-
 def route_spec(topk_ids: torch.Tensor):
     """The routing kernel for ``topk_ids``' dtype (int32 or int64), or None for other dtypes."""
     from ..jit.specs import IndexType, MoeRouteSpec
@@ -182,7 +176,7 @@ def route_and_gather(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) 
         raise ValueError(f"x is on {x.device} but topk_ids is on {topk_ids.device}")
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    if _sm90(x.device):
+    if checks.on_sm90(x.device):
         spec = route_spec(topk_ids)
         if _route_kernel_takes(x, topk_ids, num_experts, spec):
             return _launch_route(spec, x, topk_ids, num_experts)
@@ -272,7 +266,7 @@ def combine_by_assignment(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if t.device != y.device:
             raise ValueError(f"{name} is on {t.device} but y is on {y.device}")
-    if (_sm90(y.device) and y.dtype in (torch.bfloat16, torch.float16) and (y.shape[1] * 2) % 16 == 0
+    if (checks.on_sm90(y.device) and y.dtype in (torch.bfloat16, torch.float16) and (y.shape[1] * 2) % 16 == 0
             and topk_weights.shape[0] <= COMBINE_MAX_TOKENS):
         return _launch_combine(y, None, topk_weights, topk_ids, num_experts)
     t, topk = topk_weights.shape
@@ -318,7 +312,7 @@ def combine(y_sorted: torch.Tensor, routing: Routing, topk_weights: torch.Tensor
     for name, t in (("topk_weights", topk_weights), ("routing.order", routing.order), ("routing.inv", routing.inv)):
         if t is not None and t.device != y_sorted.device:
             raise ValueError(f"{name} is on {t.device} but y_sorted is on {y_sorted.device}")
-    if (routing.inv is not None and _sm90(y_sorted.device) and y_sorted.dtype in (torch.bfloat16, torch.float16)
+    if (routing.inv is not None and checks.on_sm90(y_sorted.device) and y_sorted.dtype in (torch.bfloat16, torch.float16)
             and (y_sorted.shape[1] * 2) % 16 == 0
             and topk_weights.shape[0] <= COMBINE_MAX_TOKENS):
         return _launch_combine(y_sorted, routing.inv, topk_weights)

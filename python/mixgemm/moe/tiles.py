@@ -27,6 +27,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..ops import checks
+
 __all__ = ["TokenTiles", "SplitLayout", "capacity_tiles", "token_tiles", "split_layout", "LAYOUT_MAX_EXPERTS"]
 
 
@@ -103,11 +105,10 @@ def split_layout(expert_offsets: torch.Tensor, rows: int, tile: int, hot_from: i
 
 def _layout(expert_offsets, rows, tile, hot_from, hot_base, inv, cold: bool):
     """(cold_offsets or None, table, positions, inv through them or None, capacity in tiles)."""
-    from .routing import _sm90
 
     e = expert_offsets.numel() - 1
     cap_tiles = capacity_tiles(rows, e, tile)
-    if expert_offsets.device.type == "cuda" and e <= LAYOUT_MAX_EXPERTS and _sm90(expert_offsets.device):
+    if expert_offsets.device.type == "cuda" and e <= LAYOUT_MAX_EXPERTS and checks.on_sm90(expert_offsets.device):
         return (*_layout_kernel(expert_offsets, rows, tile, hot_from, hot_base, inv, cold, cap_tiles), cap_tiles)
     return (*_layout_torch(expert_offsets, rows, tile, hot_from, hot_base, inv, cold, cap_tiles), cap_tiles)
 

@@ -24,7 +24,6 @@ from torch import nn
 from ..dispatch import plans
 from ..errors import UnsupportedLayerError
 from ..weights.layout import ATOM_K, ATOM_N, prepack
-from ..ops.norm import RMSNorm
 from ..ops.dense import TOKEN_BUCKETS, gemm_op, gemm_tensors_full
 from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
 from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
@@ -337,25 +336,4 @@ def unsupported_reason(linear: nn.Linear, group_size: int) -> Optional[str]:
     return None
 
 
-#: the tensor-parallel layers live in mixgemm.nn.parallel (which imports this module)
-_PARALLEL = ("ColumnParallelQuantLinear", "RowParallelQuantLinear")
-_MOE = ("QuantMoE",)
-#: quantize_model lives in mixgemm.nn.blocks (with the fused modules it builds), which imports this module
-_BLOCKS = ("quantize_model",)
-
-
-def __getattr__(name: str):
-    if name in _PARALLEL:
-        from . import parallel as tensor_parallel
-        return getattr(tensor_parallel, name)
-    if name in _BLOCKS:
-        from . import blocks
-        return getattr(blocks, name)
-    if name in _MOE:   # the MoE layer lives in its own module (mixgemm.nn.moe), which imports this one
-        from . import moe as nn_moe
-        return getattr(nn_moe, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["QuantLinear", "QuantizeSummary", "gemm_op", "unsupported_reason", "RMSNorm",
-           *_BLOCKS, *_MOE, *_PARALLEL]
+__all__ = ["QuantLinear", "QuantizeSummary", "unsupported_reason"]

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # codegen and specs are imported lazily: `import mixgemm` sta
     from ..jit.specs import DecodeSpec, GemmSpec, Raster
 
 from ..dispatch import heuristic, plans
+from . import checks
 from .library import custom_op
 from ..dispatch.heuristic import TOKEN_BUCKETS, select_spec, select_tile, tile_labels, token_bucket  # noqa: F401 (the API)
 from ..weights.types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, WeightType
@@ -39,32 +40,10 @@ def _tuned_splits(spec, w: PackedWeight, device: torch.device) -> int:
     return tuning.decode_splits(_gpu_name(device.index), w.n, w.k, spec.tokens, spec.weight.bits)
 
 
-def _device_ok(device: torch.device) -> Optional[str]:
-    if device.type != "cuda":
-        return f"mixgemm kernels run on CUDA tensors, got a tensor on {device}"
-    if device.index is None:
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _cuda_device_problem(device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_device_problem(index: int) -> Optional[str]:
-    """:func:`_device_ok` of CUDA device ``index``, once per process (torch's capability query
-    took ~20 us of every eager launch's host time on the GPU machine, NOTES 28e)."""
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    cap = torch.cuda.get_device_capability(index)
-    if cap != (9, 0):
-        return f"mixgemm's kernels need an sm_90 (Hopper) GPU; cuda:{index} is sm_{cap[0]}{cap[1]}"
-    return None
-
-
 def _weight_problem(w) -> Optional[str]:
     if not isinstance(w, PackedWeight):
         return f"w must be a mixgemm.PackedWeight (see mixgemm.prepack), got {type(w).__name__}"
-    why = _device_ok(w.device)       # first: without a usable GPU, nothing else matters
+    why = checks.device_problem(w.device)       # first: without a usable GPU, nothing else matters
     if why:
         return why
     if w.arch not in SUPPORTED_ARCHS:
@@ -285,7 +264,7 @@ def _gemm_planned(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optio
         n_out = w.n // 2 if activation == "swiglu" else w.n
         return out if out is not None else torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
     from ..jit import loader as runtime
-    from ..jit.render import launch_order
+    from ..jit.catalog import launch_order
 
     capturing = plans.capturing()
     key = plans.plan_key(w.qdata, token_bucket(m, w.n, w.k, sms), activation, x.dtype, x.device)
@@ -336,9 +315,9 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     silu / gelu per call. ``splits``: 0 lets the kernel choose; ``>= 1`` forces a decode
     kernel's split-K factor, ``> 1`` a stream-K GEMM's. ``raster`` (a :class:`specs.Raster`)
     and ``swizzle`` (one of ``specs.SWIZZLES``) override a GEMM kernel's tile order (default:
-    its tile config's, :func:`codegen.launch_order`); the decode kernels ignore them."""
+    its tile config's, :func:`mixgemm.jit.catalog.launch_order`); the decode kernels ignore them."""
     from ..jit import loader as runtime
-    from ..jit.render import launch_order
+    from ..jit.catalog import launch_order
     from ..jit.specs import GEMM_KINDS, SWIZZLES, Activation, Epilogue, Raster
 
     if not isinstance(spec, GEMM_KINDS):
@@ -414,7 +393,7 @@ def dequantize(w: PackedWeight, dtype: Optional[torch.dtype] = None) -> torch.Te
     from ..jit import loader as runtime
     from ..jit.specs import DequantSpec
 
-    why = _weight_problem(w) or _device_ok(w.device)
+    why = _weight_problem(w) or checks.device_problem(w.device)
     if why:
         raise ValueError(why)
     if dtype is not None and dtype != w.dtype:

@@ -19,6 +19,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from . import checks
+from ..jit import driver
 from .library import custom_op
 from ..weights.types import ActType
 
@@ -60,10 +62,9 @@ def _check(x, weight, eps, residual) -> None:
 
 
 def _kernel_takes(x: torch.Tensor) -> bool:
-    from .dense import _device_ok
 
     return (x.dtype in _KERNEL_DTYPES and (x.shape[-1] * x.element_size()) % 16 == 0 and x.shape[-1] > 0
-            and _device_ok(x.device) is None)
+            and checks.device_problem(x.device) is None)
 
 
 #: the argument types of MIXGEMM_RMS_NORM_ENTRY: x, residual, weight, out, sum_out, row_vecs, eps
@@ -71,7 +72,6 @@ _ARG_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int, ctypes.c_float)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor]):
-    from ..dispatch.plans import current_stream
     from ..jit.loader import KERNELS, aligned_contiguous
 
     h = x.shape[-1]
@@ -86,7 +86,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
     launch = KERNELS.plain_launch(norm_spec(x.dtype, residual is not None), x.device, _ARG_TYPES, _THREADS)
     rows = x.numel() // h
     if rows:
-        launch(rows, current_stream(x.device.index), x.data_ptr(), res_ptr, w.data_ptr(), out.data_ptr(), sums_ptr,
+        launch(rows, driver.current_stream(x.device.index), x.data_ptr(), res_ptr, w.data_ptr(), out.data_ptr(), sums_ptr,
                h // 8, eps)
     return out if residual is None else (out, sums)
 

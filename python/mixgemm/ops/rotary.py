@@ -18,6 +18,8 @@ from typing import Optional, Union
 
 import torch
 
+from . import checks
+from ..jit import driver
 from .library import custom_op
 from ..weights.types import ActType
 
@@ -88,9 +90,8 @@ def _check(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads) -> tuple
 
 
 def _kernel_takes(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: int) -> bool:
-    from .dense import _device_ok
 
-    if qkv.dtype not in _KERNEL_DTYPES or d % 16 or _device_ok(qkv.device) is not None:
+    if qkv.dtype not in _KERNEL_DTYPES or d % 16 or checks.device_problem(qkv.device) is not None:
         return False
     strides = k_cache.stride()
     return (strides == v_cache.stride() and strides[3] == 1 and all(s % 8 == 0 for s in strides[:3])
@@ -103,7 +104,6 @@ _ARG_TYPES = (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 3 + (ctypes.c_int32,) 
 
 
 def _launch(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d) -> torch.Tensor:
-    from ..dispatch.plans import current_stream
     from ..jit.loader import KERNELS, aligned_contiguous
 
     qkv, cos, sin = aligned_contiguous(qkv), aligned_contiguous(cos), aligned_contiguous(sin)
@@ -116,7 +116,7 @@ def _launch(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d
     launch = KERNELS.plain_launch(rope_spec(qkv.dtype), qkv.device, _ARG_TYPES, _THREADS)
     if b * t:
         sb, sh, sl, _ = k_cache.stride()
-        launch(b * t, current_stream(qkv.device.index), qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), table_ptr,
+        launch(b * t, driver.current_stream(qkv.device.index), qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), table_ptr,
                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), sb, sh, sl, t, heads, kv_heads, d,
                cos.shape[0], k_cache.shape[2], pos0)
     return q

@@ -199,9 +199,7 @@ class QuantizedWeight:
         """The ``rank``-th of ``world_size`` tensor-parallel slices of this logical weight, by the
         rules of :meth:`PackedWeight.shard` (whole 16-row atoms along N, whole 64-column atoms
         and groups along K), so that ``prepack(qw.shard(...)) == prepack(qw).shard(...)``. See
-        :func:`mixgemm.weights.layout.shard_logical`."""
-        from .layout import shard_logical  # local: layout imports this module
-
+        :func:`shard_logical`."""
         return shard_logical(self, dim, rank, world_size, sections)
 
     @property
@@ -358,10 +356,8 @@ class PackedWeight(PackedProperties):
         """The ``rank``-th of ``world_size`` tensor-parallel slices of this weight, along N
         (``dim=0``, column parallel: whole 16-row atoms) or K (``dim=1``, row parallel: whole
         64-column atoms and whole groups), without re-quantizing: equal to ``prepack`` of the
-        same slice of the logical weight. See :func:`mixgemm.weights.layout.shard` (``sections``:
+        same slice of the logical weight. See :func:`shard` (``sections``:
         a fused q/k/v weight's row sections, each sliced on its own)."""
-        from .layout import shard  # local: layout imports this module
-
         return shard(self, dim, rank, world_size, sections)
 
     def metadata(self) -> dict:
@@ -378,3 +374,187 @@ class PackedWeight(PackedProperties):
             "arch": self.arch,
             "layout_version": str(self.layout_version),
         }
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel shards
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ShardSlice:
+    """Where one tensor-parallel shard of an ``[N, K]`` weight lies (see :func:`shard_slice`).
+
+    Attributes
+    ----------
+    dim : int
+        0 (rows, N) or 1 (columns, K).
+    rows : tuple of (int, int)
+        ``dim=0``: the row ranges ``[r0, r1)`` of the whole weight, concatenated in order (one
+        per section).
+    k0, k_local : int
+        ``dim=1``: the shard's first column and its width.
+    group_size : int
+        The shard's group size (a per-channel weight stays per-channel: ``k_local``).
+    g0, g1 : int
+        ``dim=1``: the whole weight's groups ``[g0, g1)`` the shard holds.
+    """
+
+    dim: int
+    rows: tuple = ()
+    k0: int = 0
+    k_local: int = 0
+    group_size: int = 0
+    g0: int = 0
+    g1: int = 0
+
+
+def shard_slice(n: int, k: int, group_size: int, dim: int, rank: int, world_size: int,
+                sections: "tuple[int, ...] | list[int] | None" = None) -> ShardSlice:
+    """The rows or columns of the ``rank``-th of ``world_size`` shards of an ``[N, K]`` weight
+    with groups of ``group_size`` (``K``: per-channel), checked: whole 16-row atoms along N,
+    whole 64-column atoms and whole groups along K. The rules of :func:`shard`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arguments, or a split that would cut an atom or a group (the message says which).
+    """
+    for name, v in (("rank", rank), ("world_size", world_size), ("dim", dim)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if dim not in (0, 1, -2, -1):
+        raise ValueError(f"dim must be 0 (N, column parallel) or 1 (K, row parallel), got {dim}")
+    dim %= 2
+    if sections is not None and dim != 0:
+        raise ValueError("sections slice the output rows: they need dim=0")
+    if dim == 0:
+        sections = tuple(sections) if sections is not None else (n,)
+        if any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in sections) or sum(sections) != n:
+            raise ValueError(f"sections must be positive ints summing to N={n}, got {list(sections)}")
+        rows = []
+        start = 0
+        for s in sections:
+            if s % (ATOM_N * world_size):
+                what = f"section of {s} rows" if len(sections) > 1 else f"N={s}"
+                raise ValueError(f"cannot split {what} into {world_size} shards of whole {ATOM_N}-row atoms: "
+                                 f"need N / world_size to be a multiple of {ATOM_N}")
+            part = s // world_size
+            rows.append((start + rank * part, start + (rank + 1) * part))
+            start += s
+        return ShardSlice(0, rows=tuple(rows), group_size=group_size)
+    g = group_size
+    if k % world_size or (k // world_size) % ATOM_K:
+        raise ValueError(f"cannot split K={k} into {world_size} shards of whole {ATOM_K}-column atoms: "
+                         f"need K / world_size to be a multiple of {ATOM_K}")
+    k_local = k // world_size
+    per_channel = g == k
+    if not per_channel and k_local % g:
+        raise ValueError(f"cannot split K={k} into {world_size} shards of whole groups of {g}: "
+                         f"K / world_size = {k_local} is not a multiple of the group size")
+    k0 = rank * k_local
+    g0, g1 = (0, 1) if per_channel else (k0 // g, (k0 + k_local) // g)
+    return ShardSlice(1, k0=k0, k_local=k_local, group_size=k_local if per_channel else g, g0=g0, g1=g1)
+
+
+def shard(packed: PackedWeight, dim: int, rank: int, world_size: int,
+          sections: "tuple[int, ...] | list[int] | None" = None) -> PackedWeight:
+    """The ``rank``-th of ``world_size`` slices of a packed weight, without re-quantizing.
+
+    Parameters
+    ----------
+    packed : PackedWeight
+        The whole weight ``[N, K]`` (any device).
+    dim : int
+        ``0``: slice the output features N (column parallel): rows
+        ``rank * N/W .. (rank+1) * N/W``; ``N/W`` must be a multiple of 16 (whole 16-row atoms).
+        ``1``: slice the input features K (row parallel): columns ``rank * K/W ..``; ``K/W``
+        must be a multiple of 64 (whole atoms) and of the group size (whole groups). A
+        per-channel weight (``group_size == K``) keeps its scales and becomes per-channel over
+        its slice (``group_size = K/W``): each shard's partial product is exact, and their sum
+        is the whole product.
+    rank, world_size : int
+        ``0 <= rank < world_size``.
+    sections : sequence of int, optional
+        ``dim=0`` only: the weight's rows are consecutive sections (a fused q/k/v projection:
+        ``(q_rows, k_rows, v_rows)``, summing to N); each section is sliced on its own and the
+        rank's slices are concatenated (``[q_r; k_r; v_r]``). Every section divided by
+        ``world_size`` must be a multiple of 16.
+
+    Returns
+    -------
+    PackedWeight
+        ``[N/W, K]`` or ``[N, K/W]``, owning its tensors (copies, contiguous), equal tensor for
+        tensor to ``prepack`` of the same slice of ``unpack(packed)``. Scales, zeros and zero
+        offsets (``[G, N]``) are sliced along the same rows, or the same groups.
+
+    Notes
+    -----
+    A swiglu (gate/up interleaved) weight alternates 8 gate rows and 8 up rows in each 16-row
+    atom, so a slice at 16-row boundaries holds the matching gate and up rows: it is the
+    interleaved weight of the gate's and up's own slices (rows ``rank * I/W ..`` of each), and
+    its outputs are features ``rank * I/W .. (rank+1) * I/W`` of the whole layer's.
+    """
+    if not isinstance(packed, PackedWeight):
+        raise TypeError(f"shard expects a PackedWeight, got {type(packed).__name__}")
+    sl = shard_slice(packed.n, packed.k, packed.group_size, dim, rank, world_size, sections)
+    if sl.dim == 0:
+        return _take_rows(packed, list(sl.rows))
+    a0, a1 = sl.k0 // ATOM_K, (sl.k0 + sl.k_local) // ATOM_K
+
+    def groups(t):
+        return None if t is None else t[sl.g0:sl.g1].clone()
+
+    return PackedWeight(
+        qdata=packed.qdata[:, a0:a1].clone(memory_format=torch.contiguous_format), scales=groups(packed.scales),
+        zeros=groups(packed.zeros), weight_type=packed.weight_type, group_size=sl.group_size, n=packed.n,
+        k=sl.k_local, arch=packed.arch, layout_version=packed.layout_version, zero_offsets=groups(packed.zero_offsets))
+
+
+def shard_logical(qw: QuantizedWeight, dim: int, rank: int, world_size: int,
+                  sections: "tuple[int, ...] | list[int] | None" = None) -> QuantizedWeight:
+    """:func:`shard` of a logical weight: the same slice, by the same rules (whole 16-row
+    atoms, whole 64-column atoms and groups), so that ``prepack(shard_logical(qw, ...))``
+    equals ``shard(prepack(qw), ...)``. Codes, scales, zeros and zero offsets (``[N, G]``) are
+    copied (contiguous), never re-quantized.
+
+    Parameters
+    ----------
+    qw : QuantizedWeight
+        The whole weight ``[N, K]``.
+    dim, rank, world_size, sections
+        As for :func:`shard`.
+
+    Returns
+    -------
+    QuantizedWeight
+        ``[N/W, K]`` or ``[N, K/W]``.
+    """
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"shard_logical expects a QuantizedWeight, got {type(qw).__name__}")
+    sl = shard_slice(qw.n, qw.k, qw.group_size, dim, rank, world_size, sections)
+    if sl.dim == 0:
+        def rows(t):
+            return None if t is None else torch.cat([t[r0:r1] for r0, r1 in sl.rows]).contiguous()
+
+        return dataclasses.replace(qw, qweight=rows(qw.qweight), scales=rows(qw.scales), zeros=rows(qw.zeros),
+                                   zero_offsets=rows(qw.zero_offsets))
+
+    def groups(t):
+        return None if t is None else t[:, sl.g0:sl.g1].contiguous()
+
+    return dataclasses.replace(qw, qweight=qw.qweight[:, sl.k0:sl.k0 + sl.k_local].contiguous(),
+                               scales=groups(qw.scales), zeros=groups(qw.zeros),
+                               zero_offsets=groups(qw.zero_offsets), group_size=sl.group_size)
+
+
+def _take_rows(packed: PackedWeight, rows: "list[tuple[int, int]]") -> PackedWeight:
+    """The weight made of the row ranges ``rows`` (each on 16-row atom boundaries), in order."""
+    def cols(t):
+        return None if t is None else torch.cat([t[:, r0:r1] for r0, r1 in rows], dim=1)
+
+    qdata = torch.cat([packed.qdata[r0 // ATOM_N:r1 // ATOM_N] for r0, r1 in rows])   # a new tensor
+    return PackedWeight(
+        qdata=qdata, scales=cols(packed.scales), zeros=cols(packed.zeros), weight_type=packed.weight_type,
+        group_size=packed.group_size, n=sum(r1 - r0 for r0, r1 in rows), k=packed.k, arch=packed.arch,
+        layout_version=packed.layout_version, zero_offsets=cols(packed.zero_offsets))
