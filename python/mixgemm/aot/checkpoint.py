@@ -73,12 +73,17 @@ from pathlib import Path
 from typing import Dict, Optional, Union
 
 import torch
+from safetensors import safe_open
 
 from ..errors import CheckpointError, UserError
-from .prebuild import WeightUse
-from ..weights.quantize import GATE_UP_STRIPE
+from ..formats.config import QuantMethod
+from ..hf.plan import resolve_dtype
 from ..jit.specs import Activation
+from ..ops.norm import norm_spec
+from ..weights import io as mio
+from ..weights.quantize import GATE_UP_STRIPE
 from ..weights.types import ActType, WeightType
+from .prebuild import ExpertsUse, WeightUse, specs_for
 
 __all__ = ["weight_uses"]
 
@@ -204,8 +209,6 @@ def norm_specs(path: Union[str, os.PathLike], dtype: Optional[str] = None) -> li
     one :class:`~mixgemm.jit.specs.NormSpec` of the activation dtype for a LLaMA-style model type
     (:data:`LLAMA_STYLE_MODEL_TYPES`) with a ``quantization_config``; none otherwise (a mixgemm
     file, another architecture)."""
-    from ..ops.norm import norm_spec
-
     path = Path(path)
     config = path / "config.json"
     if not path.is_dir() or not config.is_file():
@@ -213,7 +216,6 @@ def norm_specs(path: Union[str, os.PathLike], dtype: Optional[str] = None) -> li
     raw = _read_json(config)
     if "quantization_config" not in raw or str(raw.get("model_type", "")) not in LLAMA_STYLE_MODEL_TYPES:
         return []
-    from ..hf.plan import resolve_dtype
 
     return [norm_spec(resolve_dtype(dtype, raw), False)]
 
@@ -224,8 +226,6 @@ def kernel_specs(path: Union[str, os.PathLike], dtype: Optional[str] = None, fus
     GEMMs' (:func:`mixgemm.aot.prebuild.specs_for` of :func:`weight_uses`, up to ``max_tokens`` tokens
     per call) and, with ``fuse_norms``, its RMSNorm kernel (:func:`norm_specs`); sorted by name.
     ``dtype``, ``fuse_gate_up`` and ``fuse_projections`` as for :func:`weight_uses`."""
-    from .prebuild import specs_for
-
     specs = specs_for(weight_uses(path, dtype=dtype, fuse_gate_up=fuse_gate_up, fuse_projections=fuse_projections),
                       max_tokens=max_tokens)
     if fuse_norms:
@@ -237,8 +237,6 @@ def _experts_uses(stacked: Dict[str, _Layer], path) -> list:
     """One :class:`~mixgemm.aot.prebuild.ExpertsUse` per MoE layer: its stacked ``<prefix>.w13``
     (gate/up interleaved, ``[2I, H]``) and ``<prefix>.w2`` (``[H, I]``), as ``mixgemm prepack``
     writes them and :func:`mixgemm.moe.fused_moe` takes them."""
-    from .prebuild import ExpertsUse
-
     out = []
     for name in sorted(stacked):
         prefix, _, part = name.rpartition(".")
@@ -313,8 +311,6 @@ def _kept(layers: Dict[str, _Layer], layer: _Layer) -> None:
 # ---------------------------------------------------------------------------------------------
 def _headers(path: Path) -> tuple[dict, dict]:
     """(header metadata, {tensor name: (shape, safetensors dtype)}) without reading tensor data."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = dict(f.metadata() or {})
@@ -332,9 +328,6 @@ def _strip(name: str, suffix: str) -> str:
 
 
 def _mixgemm_layers(files: list, act: Optional[ActType]) -> Dict[str, _Layer]:
-    from safetensors import safe_open
-
-    from ..weights import io as mio
 
     layers: Dict[str, _Layer] = {}
     for f in files:
@@ -360,8 +353,6 @@ def _mixgemm_layers(files: list, act: Optional[ActType]) -> Dict[str, _Layer]:
 
 
 def _hf_layers(files: list, qconfig, act: ActType) -> Dict[str, _Layer]:
-    from ..formats.config import QuantMethod
-
     tensors: dict = {}
     where: dict = {}
     for f in files:
@@ -399,8 +390,6 @@ def _perm_of(path: Path, key: str, k: int, group_size: Optional[int]) -> Optiona
     """The identity of the act-order permutation a group index gives (the index itself), or None
     when its groups are runs of ``group_size`` consecutive columns (then the import permutes
     nothing). ``-1`` entries are compressed-tensors' "no act-order" placeholder."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt", device="cpu") as f:
         g_idx = f.get_tensor(key).flatten()
     if g_idx.numel() != k:
@@ -433,8 +422,6 @@ def _bits(bits: int) -> int:
 
 
 def _awq_or_gptq(prefix: str, tensors: dict, qconfig, scheme, act: ActType) -> _Layer:
-    from ..formats.config import QuantMethod
-
     raw = qconfig.raw
     q = _shape(tensors, f"{prefix}.qweight", 2)
     s = _shape(tensors, f"{prefix}.scales", 2)

@@ -37,7 +37,19 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from ..jit.specs import Activation, KernelSpec
+from .. import moe
+from ..dispatch.heuristic import select_specs_any_gpu, TOKEN_BUCKETS
+from ..errors import BuildError
+from ..jit import build, launcher as launcher_mod
+from ..jit.specs import Activation, KernelKind, KernelSpec, MoeLayoutSpec
+from ..moe.layer import SPLIT_FROM_ROWS
+from ..moe.routing import routing_specs
+from ..nn.blocks import FusedDecoderLayer, RopeTable
+from ..nn.linear import QuantLinear
+from ..nn.moe import QuantMoE
+from ..ops.norm import norm_spec, RMSNorm
+from ..ops.rotary import rope_spec
+from ..weights.layout import atom_bytes
 from ..weights.types import ActType, PackedWeight, WeightType
 
 __all__ = ["WeightUse", "ExpertsUse", "token_counts", "uses_of", "specs_for", "moe_specs_for", "build_for"]
@@ -81,8 +93,6 @@ class WeightUse:
     def meta_weight(self) -> PackedWeight:
         """A PackedWeight of this shape and types on the meta device (no memory): what
         :func:`mixgemm.ops.select_spec` reads."""
-        from ..weights.layout import atom_bytes
-
         where = f" ({self.name})" if self.name else ""
         if self.n <= 0 or self.k <= 0 or self.n % 16 or self.k % 64:
             raise ValueError(f"a packed weight needs N % 16 == 0 and K % 64 == 0, got N={self.n}, K={self.k}{where}")
@@ -104,8 +114,6 @@ def token_counts(max_tokens: Optional[int] = None) -> list[int]:
     """One token count per bucket of :data:`mixgemm.dispatch.heuristic.TOKEN_BUCKETS` (its smallest M) and
     513, the first M above the table, up to ``max_tokens`` (every bucket when None):
     ``[1, 9, 17, 33, 65, 129, 257, 513]`` today."""
-    from ..dispatch.heuristic import TOKEN_BUCKETS
-
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
                                    or max_tokens < 1):
         raise ValueError(f"max_tokens must be a positive int or None, got {max_tokens!r}")
@@ -145,8 +153,6 @@ def uses_of(items: Union[Item, Iterable[Item]]) -> list[WeightUse]:
     """The :class:`WeightUse` of each item: a WeightUse as is; a PackedWeight without an
     activation; every :class:`~mixgemm.nn.QuantLinear` inside an ``nn.Module`` (the module
     itself included; tensor-parallel layers hold one) with its activation. Repeats are kept."""
-    from ..nn.linear import QuantLinear
-
     if isinstance(items, (WeightUse, PackedWeight, torch.nn.Module)):
         items = [items]
     elif not isinstance(items, _Iterable) or isinstance(items, (str, bytes)):
@@ -187,8 +193,6 @@ def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
         Without repeats, sorted by name: ``{select_spec(m, w, activation)}`` for every weight
         and one M per token bucket, on any GPU (:func:`mixgemm.dispatch.heuristic.select_specs_any_gpu`).
     """
-    from ..dispatch.heuristic import select_specs_any_gpu
-
     ms = token_counts(max_tokens)
     specs: dict[str, KernelSpec] = {}
     for use in set(uses_of(items)):
@@ -207,8 +211,6 @@ def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
 def _norm_specs(items) -> list[KernelSpec]:
     """The RMSNorm kernels of the :class:`~mixgemm.nn.RMSNorm` modules inside the nn.Modules
     among ``items`` (bf16 / fp16 weights: what their forward launches)."""
-    from ..ops.norm import RMSNorm, norm_spec
-
     items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
     dtypes = {mod.weight.dtype for item in items if isinstance(item, torch.nn.Module)
               for mod in item.modules() if isinstance(mod, RMSNorm)}
@@ -219,9 +221,6 @@ def _rope_specs(items) -> list[KernelSpec]:
     """The kernels of the fused decoder layers (:mod:`mixgemm.nn.blocks`) inside the nn.Modules among
     ``items``: the rotary / KV-cache kernel of their :class:`~mixgemm.nn.blocks.RopeTable` and the
     RMSNorm with the residual add (bf16 / fp16)."""
-    from ..nn.blocks import FusedDecoderLayer, RopeTable
-    from ..ops.norm import norm_spec
-    from ..ops.rotary import rope_spec
 
     items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
     modules = [mod for item in items if isinstance(item, torch.nn.Module) for mod in item.modules()]
@@ -234,8 +233,6 @@ def _rope_specs(items) -> list[KernelSpec]:
 
 def _experts_uses(items) -> list[ExpertsUse]:
     """The ExpertsUses among ``items`` and of every QuantMoE inside their nn.Modules."""
-    from ..nn.moe import QuantMoE
-
     items = [items] if isinstance(items, (torch.nn.Module, ExpertsUse)) or not isinstance(items, _Iterable) else items
     out = [item for item in items if isinstance(item, ExpertsUse)]
     out += [ExpertsUse.of_layer(mod, name) for item in items if isinstance(item, torch.nn.Module)
@@ -252,14 +249,10 @@ def moe_specs_for(use: Union[ExpertsUse, torch.nn.Module], max_tokens: Optional[
     row count per piece is enough), the layout kernel where the grouped GEMM runs, and the routing
     kernels (int32 and int64 ids) and combine kernels (float32, bf16 and fp16 routing weights) of
     its activation type. Sorted by name, without repeats."""
-    from .. import moe
-    from ..moe.routing import routing_specs
-    from ..jit.specs import KernelKind, MoeLayoutSpec
 
     if not isinstance(use, ExpertsUse):
         use = ExpertsUse.of_layer(use)
     e, h, i = use.num_experts, use.hidden, use.intermediate
-    from ..moe.layer import SPLIT_FROM_ROWS
 
     per_expert = {1, SPLIT_FROM_ROWS, moe.TILES_FROM_ROWS_LONG_K, moe.TILES_FROM_ROWS, moe.TILE128_FROM_ROWS,
                   moe.TILE256_FROM_ROWS}
@@ -313,9 +306,6 @@ def build_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
         ``MIXGEMM_LAUNCHER=compiled``; with ``auto`` a launcher that does not build is a
         warning (calls then launch from Python), as at run time.
     """
-    from ..jit import build
-    from ..jit import launcher as launcher_mod
-    from ..errors import BuildError
 
     specs = specs_for(items, max_tokens)
     outcome: dict[str, Any] = {}

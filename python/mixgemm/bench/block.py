@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from torch import nn
 
+from ..nn.linear import QuantLinear
+from ..weights.quantize import deinterleave_rows, dequantize_reference
 from .grid import DEFAULT_MS, WEIGHT_STD, BenchConfig, relative_error
 from .report import align, atomic_write_text
 from .timing import flush_size, time_cuda
@@ -38,10 +41,6 @@ def bench_block(device: torch.device, ms: Sequence[int], iters: int, warmup: int
     down: two launches at any M), each captured in a CUDA graph and replayed, L2 flushed before
     every replay. The bf16 block uses the very weights mixgemm dequantizes to, so the error is the
     kernels' alone."""
-    from torch import nn
-
-    from ..nn.linear import QuantLinear
-    from ..weights.quantize import deinterleave_rows, dequantize_reference
 
     torch.manual_seed(seed)
     dtype = torch.bfloat16

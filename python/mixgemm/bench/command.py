@@ -30,9 +30,13 @@ from ..errors import BenchError, CliError
 from .block import run_block_cli
 from .decoder import PRESETS
 from .generate import GenerateConfig, GenerateReport, analyze_generate, format_generate_table, model_description
+from .generate_run import run_generate
 from .grid import FAIL, BenchConfig, analyze, run_benchmark
+from .host import format_host_table, HOST_CALLS, HOST_CHAIN, host_kernel_specs, HOST_MODES, HOST_MS, HOST_REPEATS, HOST_SHAPE, HostReport, run_host, run_host_modes, write_host_json
 from .model import ModelConfig, ModelReport, analyze_model, format_model_table
+from .model_run import run_kernel_specs, run_model
 from .moe import MOE_PRESETS, MoeConfig, MoeReport, analyze_moe, format_moe_table
+from .moe_run import run_moe
 from .options import (build_parser, config_from_args, generate_config_from_args, host_step_config,
                       model_config_from_args, moe_config_from_args)
 from .peers import QuantCache, make_impls
@@ -183,8 +187,6 @@ def _merge_cli(args: argparse.Namespace, log: Log) -> int:
 
 def list_kernels(args: argparse.Namespace) -> list[str]:
     """The names of the mixgemm kernels the run that ``args`` describe would launch."""
-    from .host import host_kernel_specs
-    from .model_run import run_kernel_specs
 
     if getattr(args, "moe", None):
         from .moe_run import run_kernel_specs as moe_kernel_specs
@@ -218,8 +220,6 @@ def _ceilings(device: torch.device, iters: int, warmup: int, log: Log, read: boo
 
 
 def run_model_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int:
-    from .model_run import run_model
-
     try:
         cfg = model_config_from_args(args)
     except BenchError as e:
@@ -238,8 +238,6 @@ def run_model_cli(args: argparse.Namespace, device: torch.device, log: Log) -> i
 
 
 def run_moe_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int:
-    from .moe_run import run_moe
-
     try:
         cfg = moe_config_from_args(args)
     except BenchError as e:
@@ -258,9 +256,6 @@ def run_moe_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int
 
 
 def run_host_cli(args: argparse.Namespace, device: torch.device, log: Log) -> int:
-    from .host import (HOST_CALLS, HOST_CHAIN, HOST_MODES, HOST_MS, HOST_REPEATS, HOST_SHAPE, HostReport,
-                       format_host_table, run_host, run_host_modes, write_host_json)
-
     try:
         step = host_step_config(args)
     except BenchError as e:
@@ -287,8 +282,6 @@ def run_host_cli(args: argparse.Namespace, device: torch.device, log: Log) -> in
 
 def run_generate_cli(cfg: GenerateConfig, device: torch.device, log: Log) -> int:
     """``--generate`` with its validated options: run, report, write; the exit status."""
-    from .generate_run import run_generate
-
     log(f"mixgemm bench --generate {cfg.name} on {torch.cuda.get_device_name(device)}: "
         f"{cfg.layers or 'all'} layers, batch {','.join(map(str, cfg.batches))}, prompt {cfg.prompt_tokens}, "
         f"{cfg.new_tokens} new tokens; {', '.join(r.label for r in cfg.runs())}; {', '.join(cfg.modes)}; median of "

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..ops.norm import rms_norm as _rms_norm
 from ..ops.rotary import rotary_kv_cache, rotate
 from .grid import WEIGHT_STD
 
@@ -112,8 +113,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Option
     (the residual add fused in), else the add and ``F.rms_norm``. It computes in float32 and rounds
     once, where LLaMA's code rounds the normalized x before the weight multiplies it: at most an
     ulp apart. Every variant's layer runs it, so the comparisons between them are of the GEMMs."""
-    from ..ops.norm import rms_norm as _rms_norm
-
     return _rms_norm(x, weight, eps, residual)
 
 

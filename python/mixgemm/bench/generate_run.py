@@ -36,6 +36,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
+from .. import hf
+from ..aot.prebuild import build_for
+from ..nn.blocks import quantize_model
+from . import peers
 from .decoder import PRESETS, ModelPreset
 from .generate import (HF_DIR, HOST_STEP_REPEATS, STEP_MAX_SLEEP_US, PRESET_MODELS, QUANTIZED_DIR, WARMUP_GENERATES,
                        GenerateConfig, GenMeasurement, RunVariant, accepts_keyword, fuse_note, generate_kwargs,
@@ -82,8 +86,6 @@ def build_preset_model(preset: ModelPreset, layers: Optional[int], device, seed:
 
 def fuse_support() -> dict[str, bool]:
     """Whether ``mixgemm.nn.quantize_model`` and ``mixgemm.hf.from_pretrained`` take ``fuse_layers``."""
-    from .. import hf
-    from ..nn.linear import quantize_model
 
     return {"quantize_model": accepts_keyword(quantize_model, "fuse_layers"),
             "from_pretrained": accepts_keyword(hf.from_pretrained, "fuse_layers")}
@@ -105,8 +107,6 @@ def load_model(cfg: GenerateConfig, run: RunVariant, device: torch.device, suppo
     else:
         model = build_preset_model(PRESETS[cfg.name], cfg.layers, device, cfg.seed)
     if run.weight_type is not None:
-        from ..nn.linear import quantize_model
-
         kwargs = dict(bits=run.weight_type.bits, group_size=cfg.group_size, symmetric=run.weight_type.signed,
                       progress=False)
         if support.get("quantize_model"):
@@ -119,8 +119,6 @@ def prebuild_model(model, cfg: GenerateConfig, log: Log) -> Optional[str]:
     """Build (or find cached) every mixgemm kernel the model can launch up to the prompt's token
     count, in parallel (:func:`mixgemm.aot.prebuild.build_for`, default jobs: half the cores); the
     failure in words, or None."""
-    from ..aot.prebuild import build_for
-
     t0 = time.perf_counter()
     try:
         arts = build_for(model, max(cfg.batches) * cfg.prompt_tokens, jobs=None, progress=True)
@@ -447,11 +445,9 @@ def measure_variant(model, run: RunVariant, cfg: GenerateConfig, ctx: RunContext
 def run_generate(cfg: GenerateConfig, device: torch.device, log: Log = print) -> tuple[list[GenMeasurement], dict]:
     """Every point of ``cfg``, and what the report's config adds: the transformers version, whether
     the loaders take ``fuse_layers``, the ``CompileConfig`` that ``static`` used."""
-    from .peers import mixgemm_available
-
     transformers = import_transformers()
     support = fuse_support()
-    mixgemm = mixgemm_available()
+    mixgemm = peers.mixgemm_available()
     layers = model_description(cfg)["layers"]
     info: dict = {"transformers_version": transformers.__version__, "fuse_layers_supported": support,
                   "static_compile_config": None}

@@ -363,7 +363,7 @@ def run_benchmark(cfg: BenchConfig, impls: Sequence[Impl], device: torch.device,
     (on :func:`check_rows`' rows; the whole output for NaN/inf), then :func:`time_cuda`
     times it. Exceptions are recorded, never raised.
     """
-    from tqdm import tqdm
+    from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
 
     dtype = cfg.torch_dtype
     l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))

@@ -36,10 +36,25 @@ import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+from torch._dynamo.utils import counters
 
-from ..weights.types import WeightType
+from ..aot.prebuild import specs_for
+from ..jit.specs import Activation
+from ..nn.linear import QuantLinear
+from ..nn.moe import QuantMoE
+from ..ops import dense, rotary
+from ..ops.dense import select_tile
+from ..ops.norm import norm_spec, rms_norm
+from ..ops.rotary import rope_spec
+from ..weights import quantize
+from ..weights.layout import prepack
+from ..weights.types import ActType, WeightType
+from . import peers
 from .grid import ERROR, OK, WEIGHT_STD
 from .model import ModelConfig, ModelPoint, analyze_model, format_model_table
+from .model_run import run_model
+from .peer_formats import torch_int4_mm, torch_int4_pack
+from .peers import prebuild_kernels, torch_int4_available
 from .preset_report import point_to_dict
 from .report import MachineInfo, align, fmt, gpu_line, machine_line, write_json_doc
 from .timing import device_flush_size, time_cuda
@@ -241,14 +256,9 @@ def measure_host(fn: Callable[[], Any], impl: str, m: int, n: int, k: int, cycle
 def host_callables(w_float: torch.Tensor, impls: Sequence[str]) -> dict[str, Callable[[torch.Tensor], Any]]:
     """``{impl: f}`` with ``f(x)`` one call on ``x``, for the implementations of :data:`HOST_IMPLS`
     named in ``impls``; the weight ``w_float`` is quantized (u4 g128) and packed once here."""
-    from ..weights.layout import prepack
-    from ..nn.linear import QuantLinear
-    from ..ops.dense import gemm
-    from ..weights.quantize import quantize
-    from .peer_formats import torch_int4_mm, torch_int4_pack
 
     out: dict[str, Callable[[torch.Tensor], Any]] = {}
-    qw = quantize(w_float, HOST_WEIGHT.bits, HOST_GROUP_SIZE, symmetric=HOST_WEIGHT.signed, dtype=torch.bfloat16)
+    qw = quantize.quantize(w_float, HOST_WEIGHT.bits, HOST_GROUP_SIZE, symmetric=HOST_WEIGHT.signed, dtype=torch.bfloat16)
     if "F.linear" in impls:
         dense = w_float.to(torch.bfloat16)
         out["F.linear"] = lambda x: torch.nn.functional.linear(x, dense)
@@ -258,7 +268,7 @@ def host_callables(w_float: torch.Tensor, impls: Sequence[str]) -> dict[str, Cal
     if "mixgemm.gemm" in impls or "QuantLinear" in impls:
         packed = prepack(qw)
         layer = QuantLinear.from_packed(packed)
-        out["mixgemm.gemm"] = lambda x: gemm(x, packed)
+        out["mixgemm.gemm"] = lambda x: dense.gemm(x, packed)
         out["QuantLinear"] = layer
     return {name: f for name, f in out.items() if name in impls}
 
@@ -269,13 +279,6 @@ def chain_callables(device: torch.device, seed: int,
     op, each on the previous one's output where the shapes allow (the rotary op writes the same
     tokens again), at M = 1, for the implementations of :data:`CHAIN_IMPLS` named in ``impls``;
     ``kernels``: the mixgemm kernels they launch."""
-    from ..ops.norm import norm_spec
-    from ..aot.prebuild import specs_for
-    from ..ops.rotary import rope_spec
-    from ..nn.linear import QuantLinear, QuantMoE
-    from ..ops.norm import rms_norm
-    from ..ops.dense import gemm
-    from ..ops.rotary import rotary_kv_cache
 
     n, k = HOST_SHAPE
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -302,7 +305,7 @@ def chain_callables(device: torch.device, seed: int,
         layer = QuantLinear.from_linear(lin, HOST_WEIGHT.bits, HOST_GROUP_SIZE, HOST_WEIGHT.signed)
         packed = layer.packed
         out["QuantLinear"] = (chained(layer), (x,))
-        out["mixgemm.gemm"] = (chained(lambda h: gemm(h, packed)), (x,))
+        out["mixgemm.gemm"] = (chained(lambda h: dense.gemm(h, packed)), (x,))
     if "QuantMoE" in impls:
         e, i, topk = CHAIN_MOE["experts"], CHAIN_MOE["intermediate"], CHAIN_MOE["topk"]
         mlps = []
@@ -329,7 +332,7 @@ def chain_callables(device: torch.device, seed: int,
         positions = torch.full((1, 1), 7, device=device, dtype=torch.int64)
 
         def rope(q):    # q is only threaded through: every call rotates the same token
-            return rotary_kv_cache(qkv, cos, sin, caches[0], caches[1], positions, heads, kv)
+            return rotary.rotary_kv_cache(qkv, cos, sin, caches[0], caches[1], positions, heads, kv)
         out["rotary_kv_cache"] = (chained(rope), (qkv,))
     modules = [m for m in (locals().get("layer"), locals().get("moe")) if m is not None]
     kernels = (specs_for(modules, max_tokens=1) if modules else []) + [norm_spec(bf16, False), rope_spec(bf16)]
@@ -340,9 +343,6 @@ def run_host_modes(device: torch.device, modes: Sequence[str], iters: int, warmu
                    log: Callable[[str], None] = print, impls: Sequence[str] = CHAIN_IMPLS) -> list[HostPoint]:
     """The chained ops (:func:`chain_callables`) in each of ``modes`` (:data:`HOST_MODES`):
     per-call host and GPU times (the chain's divided by its length)."""
-    from torch._dynamo.utils import counters
-
-    from .peers import prebuild_kernels
 
     chains, kernels = chain_callables(device, seed, impls)
     prebuild_kernels(kernels, log)
@@ -381,9 +381,6 @@ def run_host_modes(device: torch.device, modes: Sequence[str], iters: int, warmu
 
 def host_kernel_specs(ms: Sequence[int] = HOST_MS) -> list:
     """The mixgemm kernels of the per-call part (the step's come from :mod:`.model_run`)."""
-    from ..ops.dense import select_tile
-    from ..jit.specs import Activation
-    from ..weights.types import ActType
 
     n, k = HOST_SHAPE
     return list({s.name: s for s in (select_tile(m, n, k).spec(ActType.BF16, HOST_WEIGHT, Activation.NONE)
@@ -394,10 +391,8 @@ def run_host(device: torch.device, step_cfg: Optional[ModelConfig], iters: int, 
              read_bw_gbps: Optional[float], log: Callable[[str], None] = print,
              ms: Sequence[int] = HOST_MS, impls: Sequence[str] = HOST_IMPLS) -> tuple[list[HostPoint], list[ModelPoint]]:
     """The calls' points and the step's (None ``step_cfg``: no step)."""
-    from .model_run import run_model
-    from .peers import mixgemm_available, prebuild_kernels, torch_int4_available
 
-    mix_ok, mix_why = mixgemm_available()
+    mix_ok, mix_why = peers.mixgemm_available()
     i4_ok, i4_why = torch_int4_available()
     unavailable = {**({} if mix_ok else {"mixgemm.gemm": mix_why, "QuantLinear": mix_why}),
                    **({} if i4_ok else {"torch-int4": i4_why})}

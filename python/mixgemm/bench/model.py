@@ -43,7 +43,8 @@ from .preset_report import (ERR, ITERS, PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, STATU
                             PresetTable, failed, first_seen, megabytes, split_by_preset, write_report_json)
 from .report import MachineInfo, fmt
 from .timing import TimingStats, floor_us
-from .variants import ELEMENT_BYTES, BF16, DEFAULT_VARIANTS, NO_GEMM, Variant, parse_variants
+from .variants import (BF16, DEFAULT_VARIANTS, ELEMENT_BYTES, NO_GEMM, Variant, layer_weight_bytes, parse_variant,
+                       parse_variants)
 
 MODEL_SCHEMA = "mixgemm.bench.model/1"
 DEFAULT_LAYERS = 8
@@ -303,8 +304,6 @@ def analyze_model(measurements: Iterable[StepMeasurement], read_bw_gbps: Optiona
     bandwidth) for the ok points of every variant but no-gemm, from the ok bf16 and no-gemm
     points of the same preset, step and mode (see the module docstring); the weight bytes are
     the measured ones, else the formula's (:func:`.variants.layer_weight_bytes`)."""
-    from .variants import layer_weight_bytes, parse_variant
-
     meas = list(measurements)
     status = {id(m): classify_step(m, max_error) for m in meas}
 

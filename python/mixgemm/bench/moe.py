@@ -44,7 +44,8 @@ from .preset_report import (ERR, ITERS, PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, STATU
                             PresetTable, failed, first_seen, megabytes, split_by_preset, write_report_json)
 from .report import MachineInfo, fmt
 from .timing import TimingStats, floor_us
-from .variants import BF16, DEFAULT_VARIANTS, ELEMENT_BYTES, Variant, parse_variants, projection_weight_bytes
+from .variants import (BF16, DEFAULT_VARIANTS, ELEMENT_BYTES, Variant, parse_variant, parse_variants,
+                       projection_weight_bytes)
 
 MOE_SCHEMA = "mixgemm.bench.moe/1"
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096)
@@ -325,8 +326,6 @@ def analyze_moe(measurements: Iterable[MoeMeasurement], read_bw_gbps: Optional[f
     """Every reported number from the raw measurements (same order). Speedups for ok points over
     the ok bf16 point of the same preset, routing and tokens; the expert bytes are the measured
     ones, else the formula's (:func:`expert_weight_bytes`)."""
-    from .variants import parse_variant
-
     meas = list(measurements)
     status = {id(m): classify_moe(m, max_error) for m in meas}
     base: dict[tuple, float] = {}

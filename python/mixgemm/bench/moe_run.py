@@ -30,8 +30,12 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..moe import combine, fused_moe, fused_moe_reference, route
-from ..weights.quantize import interleave_rows
+from ..jit.specs import MoeLayoutSpec
+from ..moe import combine, fused_moe, fused_moe_reference, plan_fused_moe, route
+from ..moe.routing import routing_specs
+from ..weights import quantize
+from ..weights.experts import PackedExperts
+from ..weights.quantize import dequantize_reference, interleave_rows
 from ..weights.types import ActType
 from .grid import relative_error
 from .moe import MOE_PRESETS, MoeConfig, MoeMeasurement, MoePreset, expert_counts, make_routing
@@ -159,12 +163,10 @@ class TorchInt4Layer(MoeLayer):
     impl = "per-expert loop of aten._weight_int4pack_mm"
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, group_size: int):
-        from ..weights.quantize import quantize
-
         if group_size not in TORCH_INT4_GROUP_SIZES:
             raise ImplUnavailable(f"tinygemm supports group sizes {TORCH_INT4_GROUP_SIZES}, not {group_size}")
         self.base13, self.base2, self.group_size = w13, w2, group_size
-        self._quantize = lambda w: quantize(w, 4, group_size, symmetric=False, dtype=torch.bfloat16)
+        self._quantize = lambda w: quantize.quantize(w, 4, group_size, symmetric=False, dtype=torch.bfloat16)
         self.w13 = [torch_int4_pack(self._quantize(w13[e])) for e in range(w13.shape[0])]
         self.w2 = [torch_int4_pack(self._quantize(w2[e])) for e in range(w2.shape[0])]
         self.expert_bytes = sum(t.numel() * t.element_size() for t in (*self.w13[0], *self.w2[0]))
@@ -195,11 +197,9 @@ class MixgemmLayer(MoeLayer):
     impl = "mixgemm.moe.fused_moe"
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, variant: Variant, group_size: int):
-        from ..weights.experts import PackedExperts
-        from ..weights.quantize import quantize
 
         wt = variant.weight_type
-        q = lambda w: quantize(w, wt.bits, group_size, symmetric=wt.signed, dtype=torch.bfloat16)  # noqa: E731
+        q = lambda w: quantize.quantize(w, wt.bits, group_size, symmetric=wt.signed, dtype=torch.bfloat16)  # noqa: E731
         self.w13 = PackedExperts.from_quantized([q(_interleaved(w13[e])) for e in range(w13.shape[0])])
         self.w2 = PackedExperts.from_quantized([q(w2[e]) for e in range(w2.shape[0])])
         if self.w13.weight_type is not wt:
@@ -210,8 +210,6 @@ class MixgemmLayer(MoeLayer):
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
 
     def reference_weights(self):
-        from ..weights.quantize import dequantize_reference
-
         return (PerExpert(lambda e: dequantize_reference(self.w13.expert(e))),
                 PerExpert(lambda e: dequantize_reference(self.w2.expert(e))))
 
@@ -230,9 +228,6 @@ def build_layer(variant: Variant, w13: torch.Tensor, w2: torch.Tensor, group_siz
 def moe_kernel_specs(preset: MoePreset, variant: Variant, tokens: Sequence[int]) -> list:
     """The mixgemm kernels ``variant`` launches at these token counts (none for the others): the
     grouped kernels, then the routing and combine kernels (int64 ids, float32 weights)."""
-    from ..moe import plan_fused_moe
-    from ..moe.routing import routing_specs
-    from ..jit.specs import MoeLayoutSpec
 
     if variant.kind is not VariantKind.MIXGEMM:
         return []

@@ -3,6 +3,7 @@ a bad option is reported before anything else)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 from typing import Callable, Optional, Sequence
 
@@ -14,6 +15,7 @@ from .generate import (DEFAULT_FUSE, DEFAULT_GEN_BATCHES, DEFAULT_NEW_TOKENS, DE
                        GenerateConfig, parse_gen_modes, parse_types, resolve_target)
 from .grid import (DEFAULT_CHECK_ROWS, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ERROR, DEFAULT_MS, DEFAULT_PEER_MAX_ERROR,
                    DEFAULT_SEED, DEFAULT_SHAPES, DEFAULT_WARMUP, MIN_ITERS, QUICK_ITERS, QUICK_WARMUP, BenchConfig)
+from .host import STEP_PRESET, STEP_VARIANTS
 from .model import (DEFAULT_BATCHES, DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_MODEL_MAX_ERROR, DEFAULT_POINT_BUDGET_S,
                     DEFAULT_MODES, DEFAULT_PREFILL, MODEL_ITERS, MODEL_WARMUP, MODES, ModelConfig)
 from .moe import (DEFAULT_MOE_MAX_ERROR, DEFAULT_MOE_POINT_BUDGET_S, DEFAULT_TOKENS, MOE_ITERS, MOE_PRESETS,
@@ -437,8 +439,6 @@ def generate_config_from_args(args: argparse.Namespace) -> GenerateConfig:
         a directory or beyond the preset's; ``--types`` for a quantized directory; too few step
         replays without ``--quick``; fp16 activations; an option of another mode.
     """
-    import importlib.util
-
     _check_model_only(args)
     iters, warmup, quick = _iterations(args, STEP_ITERS, STEP_WARMUP)
     if args.dtype != "bf16":
@@ -476,8 +476,6 @@ def generate_config_from_args(args: argparse.Namespace) -> GenerateConfig:
 def host_step_config(args: argparse.Namespace) -> ModelConfig:
     """The decode step of ``--host``: llama3-8b, batch 1 (or ``--batch``), no prefill, bf16 and
     mixgemm int4 (or ``--variants``), both modes."""
-    from .host import STEP_PRESET, STEP_VARIANTS
-
     return model_config_from_args(args, presets=(STEP_PRESET,), default_batches=(1,), default_prefill=0,
                                   default_variants=[v.name for v in STEP_VARIANTS])
 

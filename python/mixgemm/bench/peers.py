@@ -15,6 +15,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..jit.catalog import TILE_CONFIGS
+from ..ops import dense as ops
+from ..ops.dense import tile_labels
+from ..weights import quantize
+from ..weights.layout import prepack
+from ..weights.quantize import dequantize_reference
 from ..weights.types import ActType, PackedWeight, QuantizedWeight, WeightType
 from .peer_formats import (TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES, ImplUnavailable,
                            gemlite_dequant, torch_int4_dequant, torch_int4_mm, torch_int4_pack, torch_int4_params)
@@ -121,24 +126,18 @@ class QuantCache:
     def quantized(self, w: torch.Tensor, bits: int, symmetric: bool, group_size: int,
                   dtype: torch.dtype) -> QuantizedWeight:
         """:func:`mixgemm.quantize` of ``w`` (cached)."""
-        from ..weights.quantize import quantize
-
         return self._get(w, ("q", bits, symmetric, group_size, dtype),
-                         lambda: quantize(w, bits, group_size, symmetric=symmetric, dtype=dtype))
+                         lambda: quantize.quantize(w, bits, group_size, symmetric=symmetric, dtype=dtype))
 
     def packed(self, w: torch.Tensor, bits: int, symmetric: bool, group_size: int,
                dtype: torch.dtype) -> PackedWeight:
         """:func:`mixgemm.prepack` of the quantized ``w`` (cached)."""
-        from ..weights.layout import prepack
-
         return self._get(w, ("p", bits, symmetric, group_size, dtype),
                          lambda: prepack(self.quantized(w, bits, symmetric, group_size, dtype)))
 
     def dequantized(self, w: torch.Tensor, bits: int, symmetric: bool, group_size: int,
                     dtype: torch.dtype) -> torch.Tensor:
         """:func:`mixgemm.dequantize_reference` of the quantized ``w`` (cached)."""
-        from ..weights.quantize import dequantize_reference
-
         return self._get(w, ("d", bits, symmetric, group_size, dtype),
                          lambda: dequantize_reference(self.quantized(w, bits, symmetric, group_size, dtype)))
 
@@ -286,7 +285,7 @@ class GemliteImpl(Impl):
         return True, ""
 
     def prepare(self, w_float: torch.Tensor, x_dtype: torch.dtype) -> None:
-        from gemlite.helper import A16Wn
+        from gemlite.helper import A16Wn   # deferred: optional dependency (a peer to measure against)
 
         qw = self._cache.quantized(w_float, self.bits, False, self.group_size, x_dtype)
         try:
@@ -339,8 +338,6 @@ class MixgemmImpl(Impl):
     def kernel_specs(self, x_dtype: torch.dtype, ms: Optional[Sequence[int]] = None) -> list:
         """The GEMM kernel specs this implementation may launch for ``ms`` tokens (all token
         counts if None), to build them up front."""
-        from ..ops.dense import tile_labels
-
         act = ActType.from_torch(x_dtype)
         if self.tile_label is None and ms is not None:
             labels = set().union(*(tile_labels(m) for m in ms))   # the choice also depends on the layer's size
@@ -361,8 +358,6 @@ class MixgemmImpl(Impl):
             self._spec = self.kernel_specs(x_dtype)[0]
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        from ..ops import dense as ops
-
         if self._spec is None:
             return ops.gemm(x, self._packed)
         return ops.gemm_with_spec(x, self._packed, self._spec)

@@ -31,7 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..weights.types import ActType, WeightType
+from ..dispatch.heuristic import configs_any_gpu
+from ..jit.catalog import layer_specs
+from ..jit.specs import Activation
+from ..nn.linear import QuantLinear
+from ..weights import quantize
+from ..weights.quantize import deinterleave_rows, dequantize_reference
+from ..weights.types import ActType, QuantizedWeight, WeightType
 from .decoder import DenseProjections, ModelPreset, Projections, dense_projections, float_weight, qkv_bias
 from .peer_formats import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
 
@@ -264,8 +270,6 @@ def mixgemm_layer(preset: ModelPreset, layer: int, seed: int, device: torch.devi
                   group_size: int, dtype: torch.dtype = torch.bfloat16) -> tuple[MixgemmProjections, DenseProjections]:
     """``layer``'s mixgemm projections (quantized with :func:`mixgemm.quantize`, on ``device``)
     and the dense projections of their dequantized weights (the reference)."""
-    from ..nn.linear import QuantLinear
-    from ..weights.quantize import deinterleave_rows, dequantize_reference
 
     bits, sym = weight_type.bits, weight_type.signed
     bias = qkv_bias(preset, layer, seed, device, dtype)
@@ -290,8 +294,6 @@ def torch_int4_layer(preset: ModelPreset, layer: int, seed: int, device: torch.d
                      dtype: torch.dtype = torch.bfloat16) -> tuple[TorchInt4Projections, DenseProjections]:
     """``layer``'s tinygemm projections (asymmetric int4, mixgemm's round-to-nearest codes) and
     the dense projections of tinygemm's own dequantized weights (the reference)."""
-    from ..weights.quantize import quantize
-    from ..weights.types import QuantizedWeight
 
     if dtype != torch.bfloat16:
         raise ImplUnavailable("_weight_int4pack_mm takes bf16 activations only")
@@ -300,7 +302,7 @@ def torch_int4_layer(preset: ModelPreset, layer: int, seed: int, device: torch.d
     packs, deq = {}, {}
     for name, parts in (("qkv", ("q", "k", "v")), ("o", ("o",)), ("gate_up", ("gate", "up")), ("down", ("down",))):
         # each projection quantized alone (gate and up too), then stacked: the codes mixgemm has
-        qs = [quantize(float_weight(preset, p, layer, seed, device), 4, group_size, symmetric=False, dtype=dtype)
+        qs = [quantize.quantize(float_weight(preset, p, layer, seed, device), 4, group_size, symmetric=False, dtype=dtype)
               for p in parts]
         qw = qs[0] if len(qs) == 1 else QuantizedWeight(
             torch.cat([q.qweight for q in qs]), torch.cat([q.scales for q in qs]), torch.cat([q.zeros for q in qs]),
@@ -333,9 +335,6 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
     the gate/up linear with the swiglu epilogue), and the RMSNorm and rotary / KV-cache kernels of the layer (every
     variant's layer launches them on an sm_90 GPU; built with the mixgemm variants'). Empty for the
     other variants."""
-    from ..jit.catalog import layer_specs
-    from ..dispatch.heuristic import configs_any_gpu
-    from ..jit.specs import Activation
 
     if variant.kind is not VariantKind.MIXGEMM:
         return []

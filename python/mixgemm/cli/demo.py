@@ -14,7 +14,14 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..errors import BuildError, UserError
+from ..jit import build
+from ..ops.dense import select_spec
+from ..utils.progress import Elapsed
+from ..weights import quantize
+from ..weights.layout import prepack, unpack
+from ..weights.quantize import dequantize_reference
 from .args import fmt_bytes
+import mixgemm
 
 N = K = 4096
 #: Tokens of the GEMM the demo runs.
@@ -49,8 +56,6 @@ def find_gpu() -> tuple[Optional[torch.device], str]:
 def run(bits: int = 4, group_size: Union[int, str] = 128, symmetric: bool = False,
         out: Callable[[str], None] = print) -> int:
     """Run the demo; ``out`` receives the report's lines. Returns 0; raises UserError."""
-    from ..weights.layout import prepack, unpack
-    from ..weights.quantize import dequantize_reference, quantize
 
     n, k = N, K
     group_size = k if group_size == "channel" else group_size
@@ -60,7 +65,7 @@ def run(bits: int = 4, group_size: Union[int, str] = 128, symmetric: bool = Fals
     out(f"example layer: weight [N={n}, K={k}] bf16, seeded random (seed {SEED}), "
         f"{fmt_bytes(w.numel() * w.element_size())}")
     try:
-        qw = quantize(w, bits, group_size, symmetric=symmetric)
+        qw = quantize.quantize(w, bits, group_size, symmetric=symmetric)
     except (TypeError, ValueError) as e:
         raise UserError(str(e)) from None
     out(f"quantized: int{bits} {kind} ({qw.weight_type.value}), group size {group_size}, "
@@ -106,8 +111,6 @@ def ensure_built(spec, out: Callable[[str], None] = print, stream=None) -> bool:
     """Build ``spec`` into the kernel cache unless it is there, saying so with a progress
     indicator on ``stream`` (default stderr). Returns True if it compiled the kernel.
     Raises UserError when the kernel cannot be built (no nvcc, a failed build)."""
-    from ..jit import build
-    from ..utils.progress import Elapsed
 
     try:
         if build.is_cached(spec):
@@ -125,8 +128,6 @@ def ensure_built(spec, out: Callable[[str], None] = print, stream=None) -> bool:
 def run_gemm(packed, deq: torch.Tensor, gen: torch.Generator, device: torch.device, name: str,
              out: Callable[[str], None] = print) -> int:
     """The demo's GPU part: ``mixgemm.gemm`` on ``M`` tokens, checked against float64."""
-    import mixgemm
-    from ..ops.dense import select_spec
 
     out(f"found {name} (sm_90): running the GEMM via mixgemm.gemm(x, packed), "
         f"x [M={M}, K={packed.k}] {deq.dtype}")

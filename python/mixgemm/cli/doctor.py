@@ -18,11 +18,23 @@ import dataclasses
 import enum
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+
 from .._version import __version__
+from ..errors import BuildError
+from ..jit import build, catalog, env as paths, toolchain
+from ..jit.render import render
+from ..ops import dense
+from ..ops.dense import select_spec
+from ..utils.progress import Elapsed
+from ..weights import quantize
+from ..weights.layout import prepack
+from ..weights.quantize import dequantize_reference
 
 #: The oldest nvcc that builds mixgemm's sm_90a kernels.
 MIN_NVCC = (12, 4)
@@ -111,8 +123,6 @@ def check_package() -> Finding:
 
 def check_headers() -> Finding:
     """Where the headers come from, and whether every kernel's include closure resolves."""
-    from ..jit import build, catalog, env as paths
-    from ..jit.render import render
 
     try:
         root = paths.source_root()
@@ -160,8 +170,6 @@ def _cutlass_header_version(include: Path) -> Optional[str]:
 
 
 def check_cutlass() -> Finding:
-    from ..jit import build, env as paths
-
     try:
         include = paths.cutlass_include_dir()
     except FileNotFoundError as e:
@@ -176,8 +184,6 @@ def check_cutlass() -> Finding:
 
 
 def check_nvcc() -> Finding:
-    from ..jit import env as paths, toolchain
-    from ..errors import BuildError
 
     fix = (f"install the CUDA toolkit >= {MIN_NVCC[0]}.{MIN_NVCC[1]} and set CUDA_HOME to it (or put its "
            f"bin/ on PATH)")
@@ -198,8 +204,6 @@ def check_nvcc() -> Finding:
 
 
 def check_gpu() -> Finding:
-    import torch
-
     gpu_fix = ("mixgemm's kernels need an NVIDIA Hopper GPU (H100/H200, sm_90); run on such a "
                "machine (quantize, prepack, save and load work anywhere)")
     if torch.version.cuda is None:
@@ -238,8 +242,6 @@ def check_cuda_bindings() -> Finding:
 
 
 def check_cache() -> Finding:
-    from ..jit import build
-
     root = build.cache_dir()
     if not root.exists():
         return Finding("kernel cache", Status.OK, f"{root}: does not exist yet (0 kernels)")
@@ -256,8 +258,6 @@ def check_cache() -> Finding:
 
 
 def check_cache_writable() -> Finding:
-    from ..jit import build
-
     root = build.cache_dir()
     fix = "set MIXGEMM_CACHE_DIR to a writable directory (kernels are built and locked there)"
     probe = root
@@ -269,7 +269,6 @@ def check_cache_writable() -> Finding:
         ok = os.access(probe, os.W_OK | os.X_OK)
         return Finding("cache writable", Status.OK if ok else Status.FAIL,
                        f"{'yes' if ok else 'no'}: {root} would be created under {probe}", "" if ok else fix)
-    import tempfile
     try:
         with tempfile.NamedTemporaryFile(dir=root, prefix=".doctor-"):
             pass
@@ -285,18 +284,11 @@ def check_cache_writable() -> Finding:
 def run_tiny_kernel(progress_stream=None) -> Finding:
     """Build (or load) the decode kernel of a tiny int4 layer, run ``mixgemm.gemm`` on one
     token and compare with the float reference; say how long each step took."""
-    import torch
-
-    from ..jit import build
-    from ..weights.layout import prepack
-    from ..ops.dense import gemm, select_spec
-    from ..utils.progress import Elapsed
-    from ..weights.quantize import dequantize_reference, quantize
 
     n, k, group = 256, 256, 128
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen, dtype=torch.float32).to(torch.bfloat16)
-    packed = prepack(quantize(w, 4, group))
+    packed = prepack(quantize.quantize(w, 4, group))
     spec = select_spec(1, packed)
     try:
         t0 = time.monotonic()
@@ -312,7 +304,7 @@ def run_tiny_kernel(progress_stream=None) -> Finding:
         x = torch.randn(1, k, generator=gen).to(torch.bfloat16).to(device)
         dev_w = packed.to(device)
         t1 = time.monotonic()
-        y = gemm(x, dev_w)
+        y = dense.gemm(x, dev_w)
         torch.cuda.synchronize(device)
         first = time.monotonic() - t1
         ref = x.double() @ dequantize_reference(dev_w).double().t()

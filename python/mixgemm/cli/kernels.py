@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .args import EXIT_ERROR, EXIT_OK, PROG, fmt_bytes, positive_int, regex_arg
 from ..errors import UsageError
+from .args import EXIT_ERROR, EXIT_OK, PROG, fmt_bytes, positive_int, regex_arg
 
 
 def add_generate_for(p) -> None:
@@ -37,7 +37,7 @@ def add_generate_for(p) -> None:
 
 def model_specs(args: argparse.Namespace) -> list:
     """The kernels of ``--for``'s model (the options that only go with --for are checked here)."""
-    from ..aot import checkpoint as checkpoint_weights
+    from ..aot import checkpoint as checkpoint_weights   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
 
     uses = checkpoint_weights.weight_uses(args.for_path, dtype=args.dtype, fuse_gate_up=not args.no_fuse_gate_up)
     specs = checkpoint_weights.kernel_specs(args.for_path, dtype=args.dtype, fuse_gate_up=not args.no_fuse_gate_up,
@@ -86,7 +86,7 @@ def add_cache(subparsers) -> None:
 
 
 def _run_cache(args: argparse.Namespace) -> int:
-    from ..jit import build, cache as cache_archive
+    from ..jit import build, cache as cache_archive   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
 
     if args.cache_action is None:
         raise UsageError("an action is required: list, export or import")

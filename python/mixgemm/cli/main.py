@@ -20,18 +20,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Optional, Sequence
 
-from . import kernels, prepack
+from .._version import __version__
 from ..errors import CliError, MixgemmError, UsageError
+from ..utils.atomic import check_target, replacing
+from . import kernels, prepack
 from .args import (EXIT_BROKEN_PIPE, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, PROG, group_size_arg,
                    positive_int, regex_arg)
+from .kernels import add_cache, add_generate_for
+from .prepack import add_prepack
 
 # ---------------------------------------------------------------------------------- prepack
 
 def _add_prepack(subparsers) -> None:
-    from .prepack import add_prepack
     add_prepack(subparsers)
 
 
@@ -42,7 +46,7 @@ NO_GPU_MESSAGE = "the GEMM needs an NVIDIA Hopper (sm_90) GPU; none found, skipp
 
 
 def _add_demo(subparsers) -> None:
-    from . import demo
+    from . import demo   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
 
     p = subparsers.add_parser(
         "demo",
@@ -62,7 +66,7 @@ def _add_demo(subparsers) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from . import demo   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
 
     return demo.run(args.bits, args.group_size, args.symmetric)
 
@@ -84,7 +88,7 @@ def _add_doctor(subparsers) -> None:
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
-    from . import doctor
+    from . import doctor   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
 
     report = doctor.diagnose(run_kernel=not args.no_kernel)
     print(report.format(verbose=args.debug))
@@ -113,7 +117,6 @@ def _add_generate(subparsers) -> None:
     p.add_argument("--jobs", "-j", type=positive_int, default=None, metavar="N",
                    help="parallel nvcc builds (default: half the CPU cores; each needs ~5 GB of memory)")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
-    from .kernels import add_generate_for
     add_generate_for(p)
     p.set_defaults(func=_run_generate)
 
@@ -122,10 +125,7 @@ def _write_sources(out: str, specs: Sequence) -> None:
     """``generate --out DIR``: one ``<name>.cu`` per spec in DIR (made if missing), each written
     atomically; every target is checked before the first is written (a source that exists as a
     regular file is replaced, anything else there is refused)."""
-    from pathlib import Path
-
-    from ..jit.render import render
-    from ..utils.atomic import check_target, replacing
+    from ..jit.render import render   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
 
     if not out:
         raise CliError("cannot write kernel sources to '': the --out directory is empty")
@@ -148,7 +148,7 @@ def _write_sources(out: str, specs: Sequence) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from ..jit import catalog
+    from ..jit import catalog   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
 
     if args.for_path is None and (args.max_tokens is not None or args.dtype is not None or args.no_fuse_gate_up
                                   or args.no_fuse_norms):
@@ -188,14 +188,13 @@ def _run_generate(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------- cache
 
 def _add_cache(subparsers) -> None:
-    from .kernels import add_cache
     add_cache(subparsers)
 
 
 # ------------------------------------------------------------------------------------- bench
 
 def _add_bench(subparsers) -> None:
-    from .. import bench
+    from .. import bench   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
 
     p = subparsers.add_parser(
         "bench",
@@ -233,8 +232,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mixgemm`` argument parser, with every subcommand of :data:`SUBCOMMANDS`."""
-    from .._version import __version__
-
     parser = _Parser(
         prog=PROG,
         description="mixgemm: mixed-input (bf16/fp16 x int8/int4/int2) GEMMs for NVIDIA Hopper.")

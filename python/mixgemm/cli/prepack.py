@@ -4,13 +4,18 @@ Part of the command line (:mod:`mixgemm.cli.main` registers it); the package nev
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
+from collections import Counter
+from pathlib import Path
 from typing import Optional, Sequence
 
-from .args import fmt_bytes, group_size_arg, regex_arg
+from .._version import __version__
 from ..errors import CliError, OutputPathError, OverflowQuantizeError, UsageError
+from ..utils.atomic import check_target
+from .args import fmt_bytes, group_size_arg, regex_arg
 
 #: Tensors prepack quantizes by default: names ending in ``.weight``...
 DEFAULT_INCLUDE = r"\.weight$"
@@ -93,9 +98,6 @@ def _check_output(dst: str, inputs: Sequence, force: bool) -> None:
     """Refuse an output path before any work (:func:`mixgemm.utils.atomic.check_target`: an empty path,
     a missing directory, a directory, a device node or FIFO, an existing file without ``force``),
     and one of the inputs."""
-    from pathlib import Path
-
-    from ..utils.atomic import check_target
 
     if dst and os.path.exists(dst) and any(Path(f).exists() and os.path.samefile(f, dst) for f in inputs):
         raise CliError(f"the output {dst} is the input file; write to another file")
@@ -115,8 +117,6 @@ def _refuse_gguf(path, remedy: str) -> None:
 
 def _gptq_checkpoint_format(src) -> Optional[str]:
     """checkpoint_format from a quantize_config.json / config.json beside (or in) the input."""
-    import json
-    from pathlib import Path
 
     root = Path(src) if Path(src).is_dir() else Path(src).parent
     for name in ("quantize_config.json", "quant_config.json", "config.json"):
@@ -136,14 +136,11 @@ def _gptq_checkpoint_format(src) -> Optional[str]:
 
 def _run_prepack_from(args: argparse.Namespace) -> int:
     """`prepack --from FORMAT`: convert a quantized checkpoint (file or shard directory)."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-    from tqdm import tqdm
+    from safetensors.torch import load_file   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
+    from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
 
     from .. import formats
     from ..weights import io as mio
-    from .._version import __version__
 
     src, dst = Path(args.input), args.output
     if args.bits is not None or args.group_size is not None or args.symmetric:
@@ -211,7 +208,7 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
 def _stack_experts(out: dict) -> tuple[dict, str]:
     """Per-expert packed weights stacked (:func:`mixgemm.weights.stacking.stack_experts`), and the
     metadata line describing them ("" when there are none); a bad expert set is a CliError."""
-    from ..weights.stacking import describe_stacked, stack_experts
+    from ..weights.stacking import describe_stacked, stack_experts   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
 
     try:
         out = stack_experts(out)
@@ -222,12 +219,9 @@ def _stack_experts(out: dict) -> tuple[dict, str]:
 
 def _run_prepack_gguf(args: argparse.Namespace) -> int:
     """`prepack --from gguf FILE.gguf`: import a llama.cpp file's Q8_0/Q4_0/Q4_1 tensors."""
-    from collections import Counter
-    from pathlib import Path
 
-    from .. import formats
+    from .. import formats   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
     from ..weights import io as mio
-    from .._version import __version__
     from ..weights.layout import prepack
     from ..weights.types import QuantizedWeight
 
@@ -273,12 +267,11 @@ def _run_prepack(args: argparse.Namespace) -> int:
         return _run_prepack_from(args)
     if args.bits is None or args.group_size is None:
         raise UsageError("--bits and --group-size are required (unless --from converts a quantized checkpoint)")
-    import torch
+    import torch   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
     from safetensors import safe_open
-    from tqdm import tqdm
+    from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
 
     from ..weights import io as mio
-    from .._version import __version__
     from ..weights.layout import ATOM_K, ATOM_N, prepack
     from ..weights.quantize import quantize
     from ..weights.types import check_group_size

@@ -11,6 +11,11 @@ import bisect
 import functools
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
+from ..jit.catalog import TILE_CONFIGS
+from ..jit.specs import Activation
+
 if TYPE_CHECKING:  # codegen and specs are imported lazily: `import mixgemm` stays cheap
     from ..jit.catalog import DecodeConfig, TileConfig
     from ..jit.specs import DecodeSpec, GemmSpec
@@ -102,8 +107,6 @@ def select_tile(m: int, n: int, k: int, sm_count: int = DEFAULT_SM_COUNT) -> "Ti
     ``k`` matters through the layer's size ``n * k`` (and above 512 tokens through its k-tiles),
     ``n`` also through its own bound.
     """
-    from ..jit.catalog import TILE_CONFIGS
-
     label = next(lab for m_max, size_max, lab, rows_min in _HEURISTIC
                  if (m_max is None or m <= m_max) and (size_max is None or n * k <= size_max)
                  and (rows_min is None or n >= rows_min))
@@ -184,7 +187,6 @@ def sm_count(device_index: int) -> int:
     CPU tensor's :meth:`~torch.Tensor.get_device`, which no launch plan is made for)."""
     if device_index < 0:
         return DEFAULT_SM_COUNT
-    import torch
 
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -194,8 +196,6 @@ def select_spec(m: int, w: "PackedWeight", activation: Optional[str] = None,
     """The kernel :func:`mixgemm.gemm` runs (on a GPU of ``sm_count`` SMs). The decode kernels fix
     their activation at compile time (so the spec names it); the sm90 GEMM kernels take none /
     silu / gelu per call, and swiglu has GEMM kernels of its own (the gated epilogue)."""
-    from ..jit.specs import Activation
-
     tc = select_tile(m, w.n, w.k, sm_count)
     return tc.spec(w.act_type, w.weight_type, Activation(activation or "none"))
 
@@ -204,8 +204,6 @@ def configs_any_gpu(m: int, n: int, k: int) -> list:
     """Every kernel config :func:`select_tile` may pick for ``m`` tokens on an ``n`` x ``k``
     layer, on any GPU: the one config up to 512 tokens; above, "xlp" and "xl"
     (:func:`xl_evens_waves` picks between them by M and the SM count)."""
-    from ..jit.catalog import TILE_CONFIGS
-
     if m < len(TOKEN_BUCKETS):
         return [select_tile(m, n, k)]
     return [tc for tc in TILE_CONFIGS if tc.label in _LARGE_M_LABELS]
@@ -214,7 +212,5 @@ def configs_any_gpu(m: int, n: int, k: int) -> list:
 def select_specs_any_gpu(m: int, w: "PackedWeight", activation: Optional[str] = None) -> list:
     """Every kernel :func:`select_spec` may return for ``m`` tokens on ``w``, on any GPU
     (:func:`configs_any_gpu`). What :func:`mixgemm.aot.prebuild.specs_for` builds."""
-    from ..jit.specs import Activation
-
     return [tc.spec(w.act_type, w.weight_type, Activation(activation or "none"))
             for tc in configs_any_gpu(m, w.n, w.k)]

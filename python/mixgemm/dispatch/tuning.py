@@ -26,6 +26,8 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
+from ..weights.types import WeightType
+
 TABLE_DIR = Path(__file__).resolve().parent / "configs"
 #: The split-K factors the sweep tries.
 SWEEP_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)   # up to 8 reduce in a cluster, beyond in global memory
@@ -79,8 +81,6 @@ def decode_splits(gpu_name: str, n: int, k: int, tokens: int, bits: int) -> int:
 def _keyed_rows(rows: Iterable[Mapping], stage_bytes: Optional[int], warps: int, stages: int):
     """(key, row) for the sweep rows of the given kernel config (``stage_bytes=None``: any) measured
     at a token tile's representative M."""
-    from ..weights.types import WeightType
-
     for r in rows:
         if stage_bytes is not None and (r["stage_bytes"], r.get("warps", 8), r["stages"]) != (stage_bytes, warps, stages):
             continue

@@ -9,10 +9,11 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
+from ..errors import UnsupportedLayerError
 from ..weights.layout import prepack
+from ..weights.quantize import FLOAT8_DTYPES
 from ..weights.types import PackedWeight
 from .awq import from_awq
-from ..errors import UnsupportedLayerError
 from .common import DTypeLike, ImportedLayer, _err, _key, _shard_imported
 from .compressed_tensors import from_compressed_tensors
 from .gptq import GPTQCheckpointFormat, from_gptq
@@ -215,8 +216,6 @@ def _refuse_fp8(tensors: Mapping[str, torch.Tensor]) -> None:
     """An fp8 tensor (a compressed-tensors "float-quantized" layer's weight, with its
     ``weight_scale``; any other): refused by name, never copied through as if it were a plain
     weight."""
-    from ..weights.quantize import FLOAT8_DTYPES
-
     for key, value in tensors.items():
         if isinstance(value, torch.Tensor) and value.dtype in FLOAT8_DTYPES:
             prefix, _ = _split(key)
@@ -299,7 +298,7 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
             raise _err(prefix, f"{key!r} belongs to a {'/'.join(f.value for f in owners)} "
                                f"layer, but there is no {wanted} (unrecognised or incomplete "
                                f"quantized layer)")
-    from tqdm import tqdm
+    from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
 
     out: Dict[str, Union[torch.Tensor, PackedWeight]] = {}
     with tqdm(total=len(layers), desc="mixgemm import", unit="layer", disable=not progress or None) as bar:

@@ -361,7 +361,7 @@ def from_gguf(path: Union[str, os.PathLike], dtype: DTypeLike = None, *,
         2-D, or of a shape the kernels do not take (N % 16, K % 64), unless ``dense`` selects
         it; a big-endian file.
     """
-    from tqdm import tqdm
+    from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
 
     path = os.fspath(path)
     act = _resolve_dtype("<gguf>", torch.float16 if dtype is None else dtype, torch.float16)

@@ -14,8 +14,9 @@ import torch
 
 from ..errors import FormatError
 from ..formats import GPTQCheckpointFormat
-from ..formats.gptq import _GPTQ_V1_OFFSET
+from ..formats.compressed_tensors import packed_words, packings
 from ..formats.config import LayerScheme, QuantMethod
+from ..formats.gptq import _GPTQ_V1_OFFSET
 
 __all__ = ["dequantize_layer"]
 
@@ -170,8 +171,6 @@ def _ct_layout(prefix: str, what: str, words: torch.Tensor, count: int, dim: int
     told apart by the word count and the padded layout's zero spare bits
     (:func:`mixgemm.formats.compressed_tensors.packings`); where both remain possible (as many
     words, and different contents), by ``packing`` (the config's version), else refused."""
-    from ..formats.compressed_tensors import packed_words, packings
-
     shape = list(words.shape)
     found = packings(words, count, bits, dim)
     if not found:

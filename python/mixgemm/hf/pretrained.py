@@ -80,9 +80,11 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ..nn.parallel import tp_rank_and_size
 from . import materialize as _step2
 from . import plan as _step1
 from .materialize import FusedQKVAttention, GatedMLP, LoadSummary
+from .parallel import TensorParallel
 
 __all__ = ["from_pretrained", "FusedQKVAttention", "GatedMLP", "LoadSummary"]
 
@@ -222,8 +224,6 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     if fuse_layers and not (fuse_projections and fuse_gate_up):
         raise ValueError("fuse_layers=True needs fuse_projections=True and the gate/up fusion (a fused layer runs "
                          "the fused projections)")
-    from ..nn.parallel import tp_rank_and_size
-    from .parallel import TensorParallel
 
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size, tp_group)
     tp = TensorParallel(tp_rank, tp_size, tp_group)

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
+from safetensors import safe_open
 
-from ..weights import io as mio
 from ..errors import CheckpointError
+from ..weights import io as mio
 from ..weights.types import PackedWeight
 
 __all__ = ["Shards", "INDEX"]
@@ -62,8 +63,6 @@ class Shards:
         return files
 
     def _open(self) -> None:
-        from safetensors import safe_open
-
         for path in self._files():
             try:
                 handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))

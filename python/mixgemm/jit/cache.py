@@ -52,10 +52,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from . import build
 from .._version import __version__
-from ..utils.atomic import check_target, replacing
 from ..errors import BuildError, UserError
+from ..utils.atomic import check_target, replacing
+from . import build, launcher
 
 __all__ = ["ARCHIVE_FORMAT", "CacheEntry", "ImportReport", "ExportReport", "list_entries", "export_cache",
            "import_cache"]
@@ -76,8 +76,6 @@ _KEY = re.compile(r"^[0-9a-f]{64}$")
 
 def _host_sources() -> dict[str, Callable[[], str]]:
     """mixgemm's host libraries (built by :func:`mixgemm.jit.build.load_host_library`): name -> source."""
-    from . import launcher
-
     return {"launcher": lambda: launcher.SOURCE.read_text()}
 
 

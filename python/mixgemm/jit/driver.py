@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def cuda_driver():
     """cuda-python's driver module, ``cuda.bindings.driver``."""
     # deferred: `mixgemm doctor` reports a missing or broken cuda-python instead of failing at import
-    from cuda.bindings import driver
+    from cuda.bindings import driver   # deferred: `mixgemm doctor` reports a missing cuda-python instead of failing at import
     return driver
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..errors import BuildError, KernelError
+from .build import load_host_library
 from .driver import ABI_VERSION, GemmArgs, Launch, LoadedKernel, check, cuda_driver, driver_entry_point
 
 log = logging.getLogger("mixgemm")
@@ -305,15 +306,11 @@ def mode() -> str:
 
 def build_compiled() -> Path:
     """Build the compiled launcher into the cache (if it is not there yet); its path."""
-    from .build import load_host_library
-
     return load_host_library("launcher", SOURCE.read_text(), lambda path: path)
 
 
 def load_compiled() -> CompiledLauncher:
     """Build (once per machine: it is cached like the kernels) and load the compiled launcher."""
-    from .build import load_host_library
-
     return load_host_library("launcher", SOURCE.read_text(), CompiledLauncher)
 
 

@@ -25,9 +25,9 @@ import enum
 from typing import Optional
 
 from .._version import __version__
+from ..weights.types import ActType, WeightType
 from .specs import (Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, GroupedDecodeSpec, GroupedGemmSpec,
                     KernelSpec, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, NormSpec, RopeSpec, Schedule, Scheduler)
-from ..weights.types import ActType, WeightType
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ _EPILOGUE_FUNCTOR = {Epilogue.BIAS: _MixgemmEpilogueFunctor.PerRowBias,
 def _cutlass_library():
     """Import cutlass_library and extend its tag tables with mixgemm's tags (idempotent: the
     entries are keyed by mixgemm's own enums, so registering twice changes nothing)."""
-    from cutlass_library import library
+    from cutlass_library import library   # deferred: heavy: loaded only when a kernel's C++ is rendered
     from cutlass_library import gemm_operation
 
     for table, entries in _TAGS.items():

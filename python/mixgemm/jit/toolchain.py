@@ -18,11 +18,12 @@ import json
 import os
 import re
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
-from . import env as paths
 from ..errors import BuildError
+from . import env as paths
 
 ARCH = "sm_90a"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
@@ -117,7 +118,6 @@ def headers_digest(source: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def cutlass_version() -> str:
-    from importlib import metadata
     try:
         return metadata.version("nvidia-cutlass")
     except metadata.PackageNotFoundError:

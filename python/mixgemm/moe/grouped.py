@@ -27,13 +27,17 @@ from typing import Optional
 import torch
 
 from ..dispatch import heuristic
-from ..ops import checks
+from ..errors import KernelError
+from ..jit import driver, loader as runtime
+from ..jit.catalog import GROUPED_GEMM_TILES, TILE_CONFIGS
+from ..jit.driver import GemmArgs, Launch
+from ..jit.loader import aligned_contiguous
+from ..jit.specs import Activation, Epilogue, GroupedDecodeSpec, GroupedGemmSpec, KernelKind, Raster
+from ..ops import checks, dense as ops
 from ..ops.library import custom_op
 from ..weights.experts import PackedExperts
-from ..jit.loader import aligned_contiguous
-from .tiles import TokenTiles, token_tiles
-from ..jit.specs import KernelKind, Raster
 from ..weights.types import WeightType
+from .tiles import TokenTiles, token_tiles
 
 __all__ = ["grouped_gemm", "grouped_gemm_with_spec", "grouped_gemm_op", "grouped_gemm_routed", "launch_tiles",
            "select_grouped_spec", "grouped_spec_for", "decode_spec_for", "routed_supports", "decode_ctas"]
@@ -90,8 +94,6 @@ def grouped_spec_for(rows: int, act_type, weight_type: WeightType, activation: O
     their N and K alone (no weights needed: e.g. to list or build a run's kernels beforehand). The
     grouped GEMM needs N to be a multiple of its 128-row weight tile (a tile must not straddle
     two experts); without ``n`` that is assumed."""
-    from ..jit.catalog import GROUPED_GEMM_TILES
-    from ..jit.specs import Epilogue, GroupedGemmSpec
 
     per_expert = rows / max(1, min(num_experts, rows))
     if per_expert >= tiles_from_rows(k) and (n is None or n % GROUPED_GEMM_TILES["g64"][0] == 0):
@@ -109,8 +111,6 @@ def decode_spec_for(rows: int, act_type, weight_type: WeightType, activation: Op
     codes, at most :data:`DEC8_ROWS_PER_EXPERT` rows per expert with rows (``rows / min(E, rows)``),
     else the 16-row tile. (An expert with more rows than the tile streams its weights once per
     tile.)"""
-    from ..jit.catalog import TILE_CONFIGS
-    from ..jit.specs import Activation, GroupedDecodeSpec
 
     per_expert = rows / max(1, min(num_experts, rows))
     # (8-bit codes: the 8-row tile is the k-sliced one, a stripe per CTA; by rows in all only)
@@ -124,8 +124,6 @@ def decode_spec_for(rows: int, act_type, weight_type: WeightType, activation: Op
 def _check(x, experts, expert_offsets, out, activation, rows: Optional[int] = None) -> int:
     """Every check of a grouped_gemm call; returns the output width. ``expert_offsets`` None: the
     routed mode (no offsets), whose output has ``rows`` rows (x's rows otherwise)."""
-    from ..ops import dense as ops
-
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
     if not isinstance(experts, PackedExperts):
@@ -212,8 +210,6 @@ def grouped_gemm_with_spec(x: torch.Tensor, experts: PackedExperts, expert_offse
     or :class:`mixgemm.jit.specs.GroupedGemmSpec`; None: :func:`select_grouped_spec`'s), e.g. to
     test or time every kernel. ``splits``: 0 lets the grouped decode kernel choose its split-K
     factor; 1-8 forces it (the splits of a row block are one cluster); the grouped GEMM takes 0 only."""
-    from ..jit.specs import Activation
-
     _check_splits(splits)
     n_out = _check(x, experts, expert_offsets, out, activation)
     if spec is None:
@@ -253,10 +249,6 @@ def launch_tiles(xp: torch.Tensor, experts: PackedExperts, tiles: TokenTiles, ac
     for swiglu), or writes ``out`` of that shape; its padding rows hold whatever the kernel
     computed from the padding rows of x, the spare row is not written. Nothing is read back
     from the GPU."""
-    from ..jit import driver
-    from ..jit import loader as runtime
-    from ..errors import KernelError
-    from ..jit.specs import Activation
 
     if spec.tile_n != tiles.tile:
         raise ValueError(f"{spec.name} takes token tiles of {spec.tile_n} rows, the layout has {tiles.tile}")
@@ -367,8 +359,6 @@ def grouped_gemm_routed(x: torch.Tensor, experts: PackedExperts, topk_ids: torch
     torch.Tensor
         ``[T * topk, N]`` (``N/2`` for swiglu), x's dtype.
     """
-    from ..jit.specs import Activation
-
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise ValueError("topk_ids must be a [T, topk] tensor")
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -404,8 +394,6 @@ def _prepare_symbol(lib_handle, symbol: str):
     grouped decode kernels: the device offsets) or ``mixgemm_grouped_gemm_prepare`` (the grouped
     GEMM: the device token-tile table), both ``(GemmArgs*, uint64 device pointer, int32 experts,
     params, capacity, Launch*, err, errlen) -> int``."""
-    from ..jit.driver import GemmArgs, Launch
-
     f = getattr(lib_handle, symbol)
     f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.c_uint64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_uint32,
                   ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
@@ -422,8 +410,6 @@ def _prepare_fn(lib_handle):
 def _routed_prepare_fn(lib_handle):
     """The grouped decode kernels' routed prepare function: ``(GemmArgs*, Routed*, int32 experts,
     params, capacity, Launch*, err, errlen) -> int``."""
-    from ..jit.driver import GemmArgs, Launch
-
     f = lib_handle.mixgemm_grouped_routed_prepare
     f.argtypes = [ctypes.POINTER(GemmArgs), ctypes.POINTER(_Routed), ctypes.c_int32, ctypes.c_void_p,
                   ctypes.c_uint32, ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
@@ -437,9 +423,6 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     """One grouped launch (checked arguments): the helper's params, then cuLaunchKernelEx on the
     current stream. Nothing is read back from the GPU. ``routed``: the routed mode (no offsets;
     ``rows`` assignments)."""
-    from ..jit import loader as runtime
-    from ..errors import KernelError
-    from ..jit.specs import Activation
 
     x = aligned_contiguous(x)
     kernel = runtime.KERNELS.get(spec, x.device)

@@ -24,14 +24,15 @@ from typing import Optional
 import torch
 
 from ..dispatch import heuristic
-from . import grouped
-from ..weights.experts import PackedExperts
-from ..ops.library import custom_op
-from .routing import combine, combine_by_assignment, route_and_gather
-from .tiles import split_layout, token_tiles
 from ..jit.catalog import GROUPED_GEMM_TILES
 from ..jit.specs import Epilogue, GroupedGemmSpec, KernelKind
+from ..ops.library import custom_op
+from ..weights.experts import PackedExperts
+from ..weights.quantize import deinterleave_rows
 from ..weights.types import WeightType
+from . import grouped
+from .routing import combine, combine_by_assignment, route_and_gather
+from .tiles import split_layout, token_tiles
 
 __all__ = ["MoePlan", "plan_fused_moe", "routed_plan", "routed_fits", "fused_moe", "fused_moe_op", "fused_moe_reference",
            "ROUTED_MAX_CTAS_PER_SM"]
@@ -252,8 +253,6 @@ def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     """The unfused MoE in torch, token by token and slot by slot, for tests: ``w13 [E, 2I, H]``
     gate/up interleaved in 8-row stripes, ``w2 [E, H, I]`` (dense, e.g. dequantized), the
     intermediate rounded to x's dtype as the fused path rounds it, float32 accumulation."""
-    from ..weights.quantize import deinterleave_rows
-
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
         gate, up = deinterleave_rows(w13[e])

@@ -30,9 +30,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..dispatch import heuristic
+from ..jit import loader as runtime
+from ..jit.loader import aligned_contiguous
+from ..jit.specs import IndexType, MoeCombineSpec, MoeRouteSpec, RoutingWeightType
 from ..ops import checks
 from ..ops.library import custom_op
-from ..jit.loader import aligned_contiguous
+from ..weights.types import ActType
 
 __all__ = ["Routing", "route", "route_and_gather", "combine", "combine_by_assignment", "routing_specs",
            "ROUTE_MAX_ASSIGNMENTS", "ROUTE_MAX_EXPERTS", "COMBINE_MAX_TOKENS"]
@@ -90,8 +93,6 @@ def route(topk_ids: torch.Tensor, num_experts: int) -> Routing:
 # ---------------------------------------------------------------------------------------------
 def route_spec(topk_ids: torch.Tensor):
     """The routing kernel for ``topk_ids``' dtype (int32 or int64), or None for other dtypes."""
-    from ..jit.specs import IndexType, MoeRouteSpec
-
     index = {torch.int32: IndexType.I32, torch.int64: IndexType.I64}.get(topk_ids.dtype)
     return None if index is None else MoeRouteSpec(index)
 
@@ -99,8 +100,6 @@ def route_spec(topk_ids: torch.Tensor):
 def combine_spec(y_sorted: torch.Tensor, topk_weights: torch.Tensor):
     """The combine kernel for ``y_sorted``'s dtype and ``topk_weights``' (float32, bfloat16 and
     float16 have their own; other float dtypes are converted to float32 first)."""
-    from ..jit.specs import MoeCombineSpec, RoutingWeightType
-    from ..weights.types import ActType
 
     weight = {torch.bfloat16: RoutingWeightType.BF16, torch.float16: RoutingWeightType.F16}.get(
         topk_weights.dtype, RoutingWeightType.F32)
@@ -117,8 +116,6 @@ def routing_specs(act_type, ids_dtype: torch.dtype = torch.int64, weights_dtype:
 
 
 def _launch_route(spec, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int):
-    from ..jit import loader as runtime
-
     t, topk = topk_ids.shape
     n, h = t * topk, x.shape[1]
     dev = x.device
@@ -208,8 +205,6 @@ def _launch_combine(y_sorted: torch.Tensor, inv: Optional[torch.Tensor], topk_we
                     topk_ids: Optional[torch.Tensor] = None, num_experts: int = 0) -> torch.Tensor:
     """The combine kernel: through ``inv`` (y's rows sorted, or padded), or without it (None) on y's
     rows by assignment, the slots whose ``topk_ids`` lie outside ``[0, num_experts)`` dropped."""
-    from ..jit import loader as runtime
-
     spec = combine_spec(y_sorted, topk_weights)
     t, topk = topk_weights.shape
     h = y_sorted.shape[1]

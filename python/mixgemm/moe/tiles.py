@@ -23,10 +23,13 @@ experts), elsewhere by the same arithmetic in torch ops.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple, Optional
 
 import torch
 
+from ..jit import loader as runtime
+from ..jit.specs import MoeLayoutSpec
 from ..ops import checks
 
 __all__ = ["TokenTiles", "SplitLayout", "capacity_tiles", "token_tiles", "split_layout", "LAYOUT_MAX_EXPERTS"]
@@ -114,10 +117,6 @@ def _layout(expert_offsets, rows, tile, hot_from, hot_base, inv, cold: bool):
 
 
 def _layout_kernel(expert_offsets, rows, tile, hot_from, hot_base, inv, cold, cap_tiles):
-    import ctypes
-
-    from ..jit import loader as runtime
-    from ..jit.specs import MoeLayoutSpec
 
     dev = expert_offsets.device
     e = expert_offsets.numel() - 1

@@ -23,9 +23,9 @@ from torch import nn
 
 from ..dispatch import plans
 from ..errors import UnsupportedLayerError
-from ..weights.layout import ATOM_K, ATOM_N, prepack
 from ..ops.dense import TOKEN_BUCKETS, gemm_op, gemm_tensors_full
-from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_rows, quantize
+from ..weights.layout import ATOM_K, ATOM_N, prepack, unpack
+from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_gate_up, interleave_rows, quantize
 from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
 
 
@@ -211,8 +211,6 @@ class QuantLinear(nn.Module):
         8-row stripes (:func:`mixgemm.weights.quantize.interleave_gate_up`) and prepacked as one
         ``[2I, K]`` weight. The layer's ``out_features`` is ``I``.
         """
-        from ..weights.quantize import interleave_gate_up
-
         if gate.in_features != up.in_features or gate.out_features != up.out_features:
             raise ValueError("gate and up must have the same shape")
         if (gate.bias is None) != (up.bias is None):
@@ -277,8 +275,6 @@ def _state_stripe(extra: dict) -> int:
 def _restripe_state(state_dict: dict, prefix: str, layer: "QuantLinear", old: int) -> None:
     """Re-interleave a swiglu layer's saved tensors from ``old``-row stripes to GATE_UP_STRIPE,
     in ``state_dict`` (exact: unpack, permute the rows, prepack)."""
-    from ..weights.layout import unpack
-
     def restripe(t: torch.Tensor) -> torch.Tensor:   # rows are dim 0
         return interleave_rows(*deinterleave_rows(t, old)).contiguous()
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .linear import QuantLinear
@@ -44,8 +45,6 @@ __all__ = ["ColumnParallelQuantLinear", "RowParallelQuantLinear", "RowParallelLi
 def tp_rank_and_size(tp_rank: Optional[int], tp_size: Optional[int], group=None) -> tuple[int, int]:
     """``(tp_rank, tp_size)``: the given values, else the process group's (``group``, default
     the world). Given values are checked against an initialized process group."""
-    import torch.distributed as dist
-
     initialized = dist.is_available() and dist.is_initialized()
     if tp_rank is None or tp_size is None:
         if not initialized:
@@ -369,8 +368,6 @@ def _all_gather_features(y: torch.Tensor, tp_size: int, local_sections: Sequence
 def _all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
     """``torch.distributed.all_gather_single`` (PyTorch >= 2.13), else its older name
     ``all_gather_into_tensor``: the ranks' inputs concatenated along dim 0."""
-    import torch.distributed as dist
-
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(output, input, group=group)
 

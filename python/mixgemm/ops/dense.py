@@ -15,11 +15,15 @@ import torch
 if TYPE_CHECKING:  # codegen and specs are imported lazily: `import mixgemm` stays cheap
     from ..jit.specs import DecodeSpec, GemmSpec, Raster
 
-from ..dispatch import heuristic, plans
+from ..dispatch import heuristic, plans, tuning
 from . import checks
 from .library import custom_op
 from ..dispatch.heuristic import TOKEN_BUCKETS, select_spec, select_tile, tile_labels, token_bucket  # noqa: F401 (the API)
 from ..weights.types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, WeightType
+from ..jit import loader as runtime
+from ..jit.catalog import launch_order
+from ..jit.specs import Activation, DequantSpec, Epilogue, GEMM_KINDS, Raster, SWIZZLES
+from ..weights.quantize import GATE_UP_STRIPE as S
 
 
 #: gemm's ``activation`` values
@@ -33,8 +37,6 @@ def _gpu_name(device_index: int) -> str:
 
 def _tuned_splits(spec, w: PackedWeight, device: torch.device) -> int:
     """The measured split-K factor of a decode launch (mixgemm.dispatch.tuning), else 0: the planner's."""
-    from ..dispatch import tuning
-
     if spec.max_tokens is None:
         return 0
     return tuning.decode_splits(_gpu_name(device.index), w.n, w.k, spec.tokens, spec.weight.bits)
@@ -263,8 +265,6 @@ def _gemm_planned(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optio
     if m == 0:
         n_out = w.n // 2 if activation == "swiglu" else w.n
         return out if out is not None else torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
-    from ..jit import loader as runtime
-    from ..jit.catalog import launch_order
 
     capturing = plans.capturing()
     key = plans.plan_key(w.qdata, token_bucket(m, w.n, w.k, sms), activation, x.dtype, x.device)
@@ -292,8 +292,6 @@ def _gemm_then_activate(x, w, spec, bias, out, activation, splits) -> torch.Tens
 def _activate(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     """The epilogue functions in torch, in float32 with one rounding (for the unfused paths);
     swiglu pairs the stripes of a gate/up interleaved weight."""
-    from ..weights.quantize import GATE_UP_STRIPE as S
-
     if activation is None:
         return y
     if activation == "swiglu":
@@ -316,9 +314,6 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
     kernel's split-K factor, ``> 1`` a stream-K GEMM's. ``raster`` (a :class:`specs.Raster`)
     and ``swizzle`` (one of ``specs.SWIZZLES``) override a GEMM kernel's tile order (default:
     its tile config's, :func:`mixgemm.jit.catalog.launch_order`); the decode kernels ignore them."""
-    from ..jit import loader as runtime
-    from ..jit.catalog import launch_order
-    from ..jit.specs import GEMM_KINDS, SWIZZLES, Activation, Epilogue, Raster
 
     if not isinstance(spec, GEMM_KINDS):
         raise TypeError(f"spec must be a GemmSpec or DecodeSpec, got {type(spec).__name__}")
@@ -390,8 +385,6 @@ def dequantize(w: PackedWeight, dtype: Optional[torch.dtype] = None) -> torch.Te
     torch.Tensor
         ``[N, K]`` in w's dtype: exactly :func:`mixgemm.dequantize_reference` of ``w``.
     """
-    from ..jit import loader as runtime
-    from ..jit.specs import DequantSpec
 
     why = _weight_problem(w) or checks.device_problem(w.device)
     if why:

@@ -19,10 +19,12 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from . import checks
-from ..jit import driver
-from .library import custom_op
+from ..jit import driver, loader
+from ..jit.loader import aligned_contiguous
+from ..jit.specs import NormSpec
 from ..weights.types import ActType
+from . import checks
+from .library import custom_op
 
 __all__ = ["rms_norm", "norm_spec", "RMSNorm", "replace_rms_norms", "LLAMA_STYLE_NORMS"]
 
@@ -34,8 +36,6 @@ _THREADS = 256   # norm_kernel.hpp's kNormThreads
 def norm_spec(dtype: torch.dtype, residual: bool):
     """The kernel :func:`rms_norm` launches for rows of ``dtype`` (bf16 or fp16), without or with
     the residual add."""
-    from ..jit.specs import NormSpec
-
     return NormSpec(ActType.from_torch(dtype), bool(residual))
 
 
@@ -72,8 +72,6 @@ _ARG_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int, ctypes.c_float)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor]):
-    from ..jit.loader import KERNELS, aligned_contiguous
-
     h = x.shape[-1]
     x, w = aligned_contiguous(x), aligned_contiguous(weight)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -83,7 +81,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optiona
         res_ptr, sums_ptr = residual.data_ptr(), sums.data_ptr()
     else:
         res_ptr = sums_ptr = None
-    launch = KERNELS.plain_launch(norm_spec(x.dtype, residual is not None), x.device, _ARG_TYPES, _THREADS)
+    launch = loader.KERNELS.plain_launch(norm_spec(x.dtype, residual is not None), x.device, _ARG_TYPES, _THREADS)
     rows = x.numel() // h
     if rows:
         launch(rows, driver.current_stream(x.device.index), x.data_ptr(), res_ptr, w.data_ptr(), out.data_ptr(), sums_ptr,

@@ -18,10 +18,12 @@ from typing import Optional, Union
 
 import torch
 
-from . import checks
-from ..jit import driver
-from .library import custom_op
+from ..jit import driver, loader
+from ..jit.loader import aligned_contiguous
+from ..jit.specs import RopeSpec
 from ..weights.types import ActType
+from . import checks
+from .library import custom_op
 
 __all__ = ["rotary_kv_cache", "rope_spec", "rotate"]
 
@@ -32,8 +34,6 @@ _THREADS = 256   # rope_kernel.hpp's kRopeThreads
 @functools.lru_cache(maxsize=None)
 def rope_spec(dtype: torch.dtype):
     """The kernel :func:`rotary_kv_cache` launches for a qkv of ``dtype`` (bf16 or fp16)."""
-    from ..jit.specs import RopeSpec
-
     return RopeSpec(ActType.from_torch(dtype))
 
 
@@ -104,8 +104,6 @@ _ARG_TYPES = (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 3 + (ctypes.c_int32,) 
 
 
 def _launch(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d) -> torch.Tensor:
-    from ..jit.loader import KERNELS, aligned_contiguous
-
     qkv, cos, sin = aligned_contiguous(qkv), aligned_contiguous(cos), aligned_contiguous(sin)
     q = torch.empty(b, t, heads, d, dtype=qkv.dtype, device=qkv.device)
     if isinstance(positions, torch.Tensor):
@@ -113,7 +111,7 @@ def _launch(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d
         table_ptr = table.data_ptr()
     else:
         table, table_ptr, pos0 = None, None, positions
-    launch = KERNELS.plain_launch(rope_spec(qkv.dtype), qkv.device, _ARG_TYPES, _THREADS)
+    launch = loader.KERNELS.plain_launch(rope_spec(qkv.dtype), qkv.device, _ARG_TYPES, _THREADS)
     if b * t:
         sb, sh, sl, _ = k_cache.stride()
         launch(b * t, driver.current_stream(qkv.device.index), qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), table_ptr,

@@ -33,7 +33,9 @@ import os
 from collections.abc import Mapping
 from typing import Dict, Optional, Union
 
+import safetensors.torch
 import torch
+from safetensors import safe_open
 
 from .._version import __version__
 from ..errors import MixgemmFormatError, ShardError
@@ -163,18 +165,15 @@ def save(path: Union[str, os.PathLike], tensors: Mapping[str, TensorOrPacked],
     """
     path = check_target(path)
     flat, header = _flatten(tensors, metadata)
-    from safetensors.torch import save_file  # noqa: PLC0415 (keep `import mixgemm` cheap)
 
     with replacing(path, directory=True) as tmp:
-        save_file(flat, tmp, metadata=header)
+        safetensors.torch.save_file(flat, tmp, metadata=header)
 
 
 # ---------------------------------------------------------------------------------- loading
 
 
 def _open(path: str):
-    from safetensors import safe_open  # noqa: PLC0415
-
     if not os.path.exists(path):
         raise MixgemmFormatError(f"{path}: no such file")
     if os.path.isdir(path):

@@ -27,6 +27,9 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
+from .experts import PackedExperts
+from .layout import prepack, unpack
+from .quantize import interleave_gate_up
 from .types import PackedWeight
 
 __all__ = ["EXPERT_NAME", "GATE", "UP", "DOWN", "stack_experts", "describe_stacked"]
@@ -102,9 +105,6 @@ def stack_experts(tensors: Mapping[str, Any]) -> dict:
         A missing expert, ids not contiguous from 0, experts of different shapes or types, an
         expert with fractional zero points, a projection packed for some experts only.
     """
-    from .experts import PackedExperts
-    from .layout import prepack, unpack
-    from .quantize import interleave_gate_up
 
     groups = _group(tensors)
     position = {name: i for i, name in enumerate(tensors)}
@@ -157,8 +157,6 @@ def stack_experts(tensors: Mapping[str, Any]) -> dict:
 
 def describe_stacked(tensors: Mapping[str, Any]) -> str:
     """One line for a file's metadata: the stacked tensors and the w13 convention."""
-    from .experts import PackedExperts
-
     names = [k for k, v in tensors.items() if isinstance(v, PackedExperts)]
     if not names:
         return ""
