@@ -76,8 +76,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, UserError
-from ..formats.config import QuantMethod
-from ..hf.plan import resolve_dtype
+from ..formats.config import QuantMethod, parse_quantization_config, resolve_dtype
 from ..jit.specs import Activation
 from ..ops.norm import norm_spec
 from ..weights import io as mio
@@ -173,9 +172,6 @@ def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
             raise UserError(f"{path} holds no *.safetensors file")
         silu = str(raw.get("hidden_act", "silu")) in ("silu", "swish")
         if "quantization_config" in raw:
-            from ..formats.config import QuantMethod, parse_quantization_config
-            from ..hf.plan import resolve_dtype
-
             try:
                 qconfig = parse_quantization_config(raw["quantization_config"], str(config))
             except CheckpointError as e:

@@ -36,7 +36,7 @@ from .host import format_host_table, HOST_CALLS, HOST_CHAIN, host_kernel_specs, 
 from .model import ModelConfig, ModelReport, analyze_model, format_model_table
 from .model_run import run_kernel_specs, run_model
 from .moe import MOE_PRESETS, MoeConfig, MoeReport, analyze_moe, format_moe_table
-from .moe_run import run_moe
+from .moe_run import run_kernel_specs as moe_kernel_specs, run_moe
 from .options import (build_parser, config_from_args, generate_config_from_args, host_step_config,
                       model_config_from_args, moe_config_from_args)
 from .peers import QuantCache, make_impls
@@ -189,8 +189,6 @@ def list_kernels(args: argparse.Namespace) -> list[str]:
     """The names of the mixgemm kernels the run that ``args`` describe would launch."""
 
     if getattr(args, "moe", None):
-        from .moe_run import run_kernel_specs as moe_kernel_specs
-
         cfg = moe_config_from_args(args)
         specs = moe_kernel_specs(cfg, [MOE_PRESETS[p] for p in cfg.presets])
     elif args.model:

@@ -53,7 +53,7 @@ from .timing import Clock, CudaEventClock, TimingStats, device_flush_size, time_
 def import_transformers():
     """The ``transformers`` module (ImportError that says what needs it when it is missing)."""
     try:
-        import transformers
+        import transformers   # deferred: optional dependency (mixgemm[hf])
     except ImportError as e:
         raise ImportError(f"mixgemm bench --generate needs transformers (pip install transformers): {e}") from None
     return transformers
@@ -97,7 +97,7 @@ def load_model(cfg: GenerateConfig, run: RunVariant, device: torch.device, suppo
     :func:`mixgemm.hf.from_pretrained`."""
     transformers = import_transformers()
     if cfg.source == QUANTIZED_DIR:
-        from .. import hf
+        from .. import hf   # deferred: needs transformers, an optional dependency
 
         kwargs = {"fuse_layers": bool(run.fuse)} if support.get("from_pretrained") else {}
         return hf.from_pretrained(cfg.target, device=device, dtype=torch.bfloat16, **kwargs)
@@ -243,7 +243,7 @@ def reset_compiled(model=None) -> None:
             vars(model).pop(name, None)
     torch._dynamo.reset()
     try:
-        from torch._inductor import cudagraph_trees
+        from torch._inductor import cudagraph_trees   # deferred: torch's compiler, only for the compiled modes
 
         cudagraph_trees.reset_cudagraph_trees()
     except Exception:

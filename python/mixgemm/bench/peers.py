@@ -394,7 +394,7 @@ def prebuild_kernels(specs: Sequence[Any], log: Callable[[str], None]) -> Option
     if not specs:
         return None
     try:
-        from ..jit import build
+        from ..jit import build   # deferred: probed, a run without a usable build still reports its peers
     except Exception as e:  # pragma: no cover - depends on the environment
         return f"mixgemm.jit.build is not importable: {e}"
     try:
@@ -409,7 +409,7 @@ def kernel_is_cached(spec: Any) -> tuple[bool, str]:
     """Whether ``spec`` is in the kernel cache; ``(False, reason)`` when it is not or the check
     fails."""
     try:
-        from ..jit import build
+        from ..jit import build   # deferred: probed, a run without a usable build still reports its peers
         if build.is_cached(spec):
             return True, ""
         return False, f"kernel {spec.name} failed to build (see the log above)"

@@ -18,7 +18,7 @@ from .variants import NO_GEMM
 def _matplotlib():
     """``(Figure, FigureCanvasAgg)``, or None when matplotlib is not installed."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.backends.backend_agg import FigureCanvasAgg   # deferred: optional dependency (mixgemm[bench])
         from matplotlib.figure import Figure
     except ImportError:
         return None

@@ -20,6 +20,7 @@ import os
 import re
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -231,7 +232,7 @@ def check_gpu() -> Finding:
 def check_cuda_bindings() -> Finding:
     try:
         from cuda.bindings import driver  # noqa: F401
-        import cuda.bindings as cb
+        import cuda.bindings as cb   # deferred: the check itself (is cuda-python importable)
     except ImportError as e:
         return Finding("cuda-bindings", Status.FAIL, f"not importable: {_first_line(e)}",
                        "pip install 'cuda-python>=13'")
@@ -310,7 +311,6 @@ def run_tiny_kernel(progress_stream=None) -> Finding:
         ref = x.double() @ dequantize_reference(dev_w).double().t()
         err = float((y.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
     except Exception as e:
-        import traceback
         return Finding("kernel run", Status.FAIL, f"{spec.name}: {_first_line(e)}",
                        "rerun with `mixgemm --debug doctor` for the whole error", more=traceback.format_exc())
     detail = (f"{spec.name}: {how}; load + first run {first * 1e3:.0f} ms, total "
@@ -333,7 +333,6 @@ def diagnose(run_kernel: bool = True, progress_stream=None,
         try:
             findings.append(check())
         except Exception as e:   # a check that breaks is a finding, not a crash
-            import traceback
             name = check.__name__.removeprefix("check_")
             findings.append(Finding(name, Status.FAIL, f"the check itself failed: {_first_line(e)}",
                                     "rerun with `mixgemm --debug doctor` and report it",

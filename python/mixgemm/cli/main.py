@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 from types import MappingProxyType
 from typing import Callable, Optional, Sequence
@@ -252,7 +253,6 @@ def _report_error(command: str, e: BaseException, debug: bool, bug: bool = False
         text = f"{e.filename}: {e.strerror or text}"
     first, more = text.splitlines()[0], len(text.splitlines()) > 1
     if debug:
-        import traceback
         traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
         if more:   # the whole message, also when the traceback shows only a wrapper's
             print(text, file=sys.stderr)
@@ -350,7 +350,6 @@ def _run(args: argparse.Namespace, command: str, debug: bool, watched: _WatchedS
         return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         if debug:
-            import traceback
             traceback.print_exc()
         print(f"{PROG} {command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

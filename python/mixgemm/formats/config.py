@@ -39,7 +39,10 @@ import re
 import warnings
 from typing import List, Mapping, Optional, Tuple
 
+import torch
+
 from ..errors import CheckpointError
+from ..weights.types import ActType
 from . import Format, GPTQCheckpointFormat
 
 __all__ = ["QuantMethod", "LayerScheme", "QuantizationConfig", "MIXGEMM_FORMAT_VERSION", "parse_quantization_config"]
@@ -261,3 +264,15 @@ def _parse_compressed_tensors(qc: Mapping, raw: dict, where: str) -> Quantizatio
         scheme = LayerScheme(bits=_int_or_none(weights, "num_bits"), group_size=group_size, packing=packing)
         rules.extend(_ct_rules(group.get("targets"), scheme))
     return QuantizationConfig(QuantMethod.COMPRESSED_TENSORS, raw, LayerScheme(quantized=False), tuple(rules))
+
+
+def resolve_dtype(dtype, raw_config: dict) -> torch.dtype:
+    """The activation dtype: ``dtype``, else config.json's ``dtype`` / ``torch_dtype`` if bf16 or
+    fp16, else bf16."""
+    if dtype is not None:
+        try:
+            return ActType.parse(dtype).torch_dtype
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16: {e}") from None
+    stored = raw_config.get("dtype") or raw_config.get("torch_dtype")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(stored), torch.bfloat16)

@@ -102,7 +102,7 @@ _MAGIC = b"GGUF"
 
 def _import_gguf() -> "_gguf_module":
     try:
-        import gguf
+        import gguf   # deferred: optional dependency (mixgemm[gguf])
     except ImportError as e:
         raise ImportError(f"reading GGUF files needs the 'gguf' package (by ggml-org): "
                           f"pip install 'mixgemm[gguf]' (or pip install gguf); {e}") from None

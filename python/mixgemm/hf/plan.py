@@ -24,13 +24,14 @@ from ..nn import blocks as _blocks
 from ..nn.blocks import find_attentions, find_gated_mlps
 from ..weights.layout import prepack, unpack
 from ..weights.quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
-from ..weights.types import ActType, PackedWeight, QuantizedWeight
-from ..formats.config import LayerScheme, QuantizationConfig, QuantMethod, parse_quantization_config
+from ..weights.types import PackedWeight, QuantizedWeight
+from ..formats.config import (LayerScheme, QuantizationConfig, QuantMethod, parse_quantization_config,
+                              resolve_dtype)
 from .dequant import dequantize_layer
 from .parallel import TensorParallel, check_linears, shard_config
 from .shards import Shards
 
-__all__ = ["Plan", "plan", "resolve_dtype"]
+__all__ = ["Plan", "plan"]
 
 _log = logging.getLogger("mixgemm.hf")
 
@@ -125,18 +126,6 @@ def _parameters_on_meta():
         yield
     finally:
         nn.Module.register_parameter = original
-
-
-def resolve_dtype(dtype, raw_config: dict) -> torch.dtype:
-    """The activation dtype: ``dtype``, else config.json's ``dtype`` / ``torch_dtype`` if bf16 or
-    fp16, else bf16."""
-    if dtype is not None:
-        try:
-            return ActType.parse(dtype).torch_dtype
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16: {e}") from None
-    stored = raw_config.get("dtype") or raw_config.get("torch_dtype")
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(stored), torch.bfloat16)
 
 
 def _read_config(model_dir: Path) -> dict:

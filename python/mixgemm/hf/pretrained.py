@@ -80,7 +80,11 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from ..aot import prebuild as _prebuild
+from ..formats.config import resolve_dtype
+from ..nn.blocks import fuse_decoder_layers
 from ..nn.parallel import tp_rank_and_size
+from ..ops.norm import replace_rms_norms
 from . import materialize as _step2
 from . import plan as _step1
 from .materialize import FusedQKVAttention, GatedMLP, LoadSummary
@@ -93,7 +97,7 @@ _log = logging.getLogger("mixgemm.hf")
 
 def _import_transformers():
     try:
-        import transformers
+        import transformers   # deferred: optional dependency (mixgemm[hf])
     except ImportError as e:
         raise ImportError("mixgemm.hf needs transformers: pip install 'mixgemm[hf]' "
                           "(or pip install transformers)") from e
@@ -217,7 +221,7 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={str(device)!r}, but CUDA is not available")
     if dtype is not None:
-        _step1.resolve_dtype(dtype, {})
+        resolve_dtype(dtype, {})
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ValueError(f"jobs must be a positive int, got {jobs!r}")
     fuse_gate_up = fuse_projections if fuse_gate_up is None else fuse_gate_up
@@ -243,18 +247,12 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
             warnings.warn(f"mixgemm.hf: ignoring {gen}: {e}", stacklevel=2)
     summary = _step2.summary(model, plan, model_dir, quantized)
     if fuse_norms:
-        from ..ops.norm import replace_rms_norms
-
         summary.norms = replace_rms_norms(model)
     if fuse_layers:
-        from ..nn.blocks import fuse_decoder_layers
-
         summary.fused_layers = fuse_decoder_layers(model)
     model.mixgemm_summary = summary
     _log.info("%s", summary)
     if prebuild:
-        from ..aot import prebuild as _prebuild
-
         arts = _prebuild.build_for(model, jobs=jobs, progress=True)   # (the fused layers' kernels included)
         _log.info("mixgemm.hf: %d kernels built or found in the cache", len(arts))
     return model

@@ -450,7 +450,7 @@ def build_many(specs: Iterable[KernelSpec], jobs: Optional[int] = None, *, force
     errors: list[str] = []
     bar = None
     if progress:
-        from tqdm import tqdm
+        from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
         bar = tqdm(total=len(specs), desc="mixgemm build", unit="kernel")
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         futs = {pool.submit(build, s, force=force, parallel_steps=False): s for s in specs}

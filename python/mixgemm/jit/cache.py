@@ -56,6 +56,8 @@ from .._version import __version__
 from ..errors import BuildError, UserError
 from ..utils.atomic import check_target, replacing
 from . import build, launcher
+from .render import render
+from .specs import parse_name
 
 __all__ = ["ARCHIVE_FORMAT", "CacheEntry", "ImportReport", "ExportReport", "list_entries", "export_cache",
            "import_cache"]
@@ -99,9 +101,6 @@ def _expected(kind: str, name: str, tc: build.Toolchain) -> _Expected:
     """This install's key, artifacts and source for the entry; ValueError if mixgemm has no
     kernel (or host library) of that name."""
     if kind == "kernels":
-        from .render import render
-        from .specs import parse_name
-
         spec = parse_name(name)          # ValueError for a name that is not a mixgemm kernel's
         if spec.name != name:
             raise ValueError(f"{name!r} is not the canonical name of a mixgemm kernel")

@@ -45,7 +45,7 @@ def cutlass_include_dir() -> Path:
     """CUTLASS 4.2's headers, as shipped by the ``nvidia-cutlass`` wheel
     (``cutlass_library/source/include``). The one place mixgemm looks them up."""
     try:
-        import cutlass_library
+        import cutlass_library   # deferred: heavy, and needed only to find the headers
     except ImportError as e:  # pragma: no cover - dependency of the package
         raise FileNotFoundError("the nvidia-cutlass package (cutlass_library) is not installed") from e
     inc = Path(cutlass_library.__file__).resolve().parent / "source" / "include"

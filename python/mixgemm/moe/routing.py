@@ -178,7 +178,6 @@ def route_and_gather(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) 
         if _route_kernel_takes(x, topk_ids, num_experts, spec):
             return _launch_route(spec, x, topk_ids, num_experts)
         if spec is not None:
-            from ..jit import loader as runtime
             runtime.KERNELS.get(spec, x.device)   # loaded for a later call under graph capture
     r = route(topk_ids, num_experts)
     n = r.order.numel()

@@ -282,9 +282,7 @@ class RowParallelQuantLinear(nn.Module):
             x = x.narrow(-1, self.tp_rank * k, k)
         y = self.linear(x)
         if self.tp_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(y, group=self.group)
+                dist.all_reduce(y, group=self.group)
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -333,9 +331,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.nn.functional.linear(x, self.weight)
         if self.tp_size > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(y, group=self.group)
+                dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

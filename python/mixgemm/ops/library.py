@@ -52,7 +52,7 @@ def _library(namespace: str) -> torch.library.Library:
 def _infer_schema(fn: Callable, mutates_args: Iterable[str]) -> str:
     infer = getattr(torch.library, "infer_schema", None)
     if infer is None:   # torch 2.4
-        from torch._library.infer_schema import infer_schema as infer
+        from torch._library.infer_schema import infer_schema as infer   # (torch 2.4 has it only here)
     return infer(fn, mutates_args=tuple(mutates_args))
 
 
