@@ -402,7 +402,7 @@ def run(args) -> int:
     if dry:
         dist.destroy_process_group()
     # with NCCL, no destroy_process_group: after collectives captured in CUDA graphs it waited
-    # for ever on the 2-GPU H200 machine (session 16); main() leaves with os._exit, which ends
+    # for ever on the 2-GPU H200 machine; main() leaves with os._exit, which ends
     # the communicator with the process
     return 0 if ok else 1
 

@@ -3,7 +3,7 @@
 A model's kernel path (the mixgemm kernels, or their emulation) is compared with other bf16
 computations of the same weights (:mod:`linear_numerics`: ONE_ROUNDING, F_LINEAR, BF16_OPS), each
 against the float32 model on those weights, over several prompts, in three ways. Why several: one
-prompt's logits amplify any bf16 rounding chaotically (benchmarks/NOTES.md 12b: on a 5-token
+prompt's logits amplify any bf16 rounding chaotically (docs/accuracy.md: on a 5-token
 prompt, equally exact bf16 paths land 2.3-4.9% from float32), so a bar on one prompt against one
 path measures the prompt, not the kernels.
 

@@ -155,7 +155,7 @@ def test_failed_build_leaves_nothing(fake_env, monkeypatch):
     assert not list(cache.glob("tmp/*")), "no leftover temporary directory"
 
 
-# ptxas's own wording (nvcc 13.0), as printed for a GEMM kernel before NOTES 7a.
+# ptxas's own wording (nvcc 13.0), as printed for a GEMM kernel with a serialized wgmma pipeline (docs/kernels.md).
 PTXAS_C7513 = ("ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are "
                "serialized due to non wgmma instructions defining input registers of a wgmma between start "
                "and end of the pipeline stage in the function 'mixgemm_gemm_bf16_u4_t128x128x64'")
@@ -412,11 +412,11 @@ SWEEPS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "nv
 @pytest.mark.parametrize("label", ("dec8", "dec16"))
 def test_decode_planner_picks_against_the_measured_sweeps(tmp_path, monkeypatch, label):
     """The decode helper's split-K planner (decode_plan.hpp, no table) on the layer shapes an H100
-    sweep timed at every factor: the 16 preset layers at M = 16 (the x-ring kernel, session 19) and
-    18 other models' layers at M = 1 and 16 (session 20), u4. Its pick, timed in the sweep, is
+    sweep timed at every factor: the 16 preset layers at M = 16 (the x-ring kernel) and
+    18 other models' layers at M = 1 and 16, u4. Its pick, timed in the sweep, is
     within 6% of the best timed factor on the geometric mean and 25% on the worst layer (the
-    session-19 model: 18% and 2.0x on the same points; without the cluster waves 4-6% and 1.33x;
-    benchmarks/NOTES.md sections 24 and 26), and it is one of the sweep's factors (a factor in
+    previous model: 18% and 2.0x on the same points; without the cluster waves 4-6% and 1.33x;
+    docs/decode.md), and it is one of the sweep's factors (a factor in
     between splits K unevenly and is not measured)."""
     if paths.find_nvcc() is None:
         pytest.skip("nvcc not found")
@@ -459,7 +459,7 @@ def test_decode_planner_picks_against_the_measured_sweeps(tmp_path, monkeypatch,
 def test_grouped_decode_planner_picks_against_the_measured_splits(tmp_path, monkeypatch):
     """The grouped decode helper's split-K pick for fused_moe's two launches (mixtral-8x7b and
     qwen3-30b-a3b, 1, 4 and 16 tokens, uniform routing, u4: the 8-row tile), timed at every factor
-    on an H100 (benchmarks/experiments/session20/moe_splits.py): the picks' total is within 3% of
+    on an H100 (docs/moe.md): the picks' total is within 3% of
     the best factors' (the rule before them, fewest splits for every SM: 16% over), and it beats
     that rule's pick on mixtral at one token (gate/up 2 splits, not 1: 61.8 against 71.3 us)."""
     if paths.find_nvcc() is None:
@@ -522,7 +522,7 @@ def test_grouped_decode_planner_on_a_short_k(tmp_path, monkeypatch, wt):
 
 @pytest.mark.nvcc
 def test_decode_phase_trace_build(tmp_path, monkeypatch):
-    """The decode kernel's phase trace (benchmarks/experiments/session17/trace.py) is compiled
+    """The decode kernel's phase trace (docs/decode.md) is compiled
     only with -DMIXGEMM_DECODE_TRACE in MIXGEMM_NVCC_FLAGS, which is part of the cache key: the
     traced cubin holds the trace buffers the script reads, the plain one does not, and the two
     live in different cache entries."""

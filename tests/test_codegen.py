@@ -97,7 +97,7 @@ def test_decode_x_ring_in_name_and_validated():
 
 def test_dec8_slices_only_8bit_codes():
     """The heuristic's 8-token decode kernel uses 8 k-slices for 8-bit codes (measured faster,
-    NOTES 9b) and one warp per stripe for 4- and 2-bit codes; the 16- and 32-token tiles never slice."""
+    docs/decode.md) and one warp per stripe for 4- and 2-bit codes; the 16- and 32-token tiles never slice."""
     by_label = {tc.label: tc for tc in TILE_CONFIGS}
     for wt in ALL_WEIGHTS:
         assert by_label["dec8"].spec(ActType.BF16, wt).kslices == (8 if wt.bits == 8 else 1)

@@ -267,7 +267,7 @@ def test_the_kernel_emulation_passes_the_bar(cpu_figures, capsys):
     """The kernels' numerics emulated on the CPU (linear_numerics.Numerics.MIXGEMM: the decode
     kernels' float32 sums of exact products, rounded, then the zero offsets' term and a second
     rounding) pass the GPU test's bar, with margin: the bar measures what the GPU test's real
-    kernels should reach. Prints the figures (benchmarks/NOTES.md 12c)."""
+    kernels should reach. Prints the figures (docs/accuracy.md)."""
     base, ref, figs = cpu_figures
     with capsys.disabled():
         print("\nthe CPU emulation, against float32 on the same weights\n" + sp.table(figs, PROMPTS))

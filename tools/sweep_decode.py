@@ -146,13 +146,14 @@ def main(argv=None) -> int:
     os.replace(tmp, a.out)
     if a.table:
         entries = tuning.table_from_sweep(rows, stage_bytes=None)
-        source = "tools/sweep_decode.py " + " ".join(sys.argv[1:])
+        # the command, with a path given whole shortened to its file name: the table names no machine's folders
+        command = "python tools/sweep_decode.py " + " ".join(os.path.basename(x) if os.path.isabs(x) else x
+                                                             for x in sys.argv[1:])
         if a.merge_into:
             with open(a.merge_into) as f:
                 old = json.load(f)
             entries = tuning.merge_entries(old["decode_splits"], entries, tuning.swept_keys(rows, stage_bytes=None))
-            source += f"; the entries of other shapes from {a.merge_into}: {old.get('source')}"
-        tuning.write_table(a.table, torch.cuda.get_device_name(dev), entries, source=source)
+        tuning.write_table(a.table, torch.cuda.get_device_name(dev), entries, command=command)
     return 0
 
 

@@ -159,7 +159,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: in
         before): one new token (decode) needs no mask, a prefill from position 0 is
         ``is_causal``, anything else gets an explicit mask. (Folding each KV head's query heads
         into the query length instead took twice the time at decode on an H100: one CTA per KV
-        head, benchmarks/NOTES.md section 9f.)
+        head, docs/benchmarking.md.)
     """
     b, heads, t, d = q.shape
     kv_heads, length = keys.shape[1], keys.shape[2]

@@ -123,7 +123,7 @@ class CudaEventClock:
     the same size, so that the timed run finds the L2 full of clean lines, as it would after the
     previous layer's weight reads. (A write alone leaves the L2 full of dirty lines, whose
     write-back the timed kernel then pays for: on an H100 that made a 4096x4096 cuBLAS GEMV 15%
-    slower, 22.3 against 18.8 us, benchmarks/NOTES.md section 9a.)
+    slower, 22.3 against 18.8 us, docs/benchmarking.md.)
 
     Parameters
     ----------

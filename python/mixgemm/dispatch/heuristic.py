@@ -2,7 +2,7 @@
 (:func:`select_tile`, :func:`select_spec`), and the token-count buckets that the launch plans are
 cached by (:func:`token_bucket`: every M of a bucket gets the same config on a given layer and GPU).
 
-The bounds below were measured (benchmarks/NOTES.md, the sections named beside each); above 512
+The bounds below were measured (docs/dispatch.md); above 512
 tokens the choice also follows the GPU's SM count (:func:`xl_evens_waves`).
 """
 from __future__ import annotations
@@ -23,13 +23,13 @@ if TYPE_CHECKING:  # codegen and specs are imported lazily: `import mixgemm` sta
 
 #: 16 < M <= 32 on a layer of at most this many weights (N x K) goes to the 32-token decode
 #: kernel ("dec32") instead of "mid". Measured on H100 at M = 32 (sweep-decode-m32.json against
-#: bench-m32.json, benchmarks/NOTES.md section 6c): dec32 at its best split factor took 0.75-0.84x
+#: bench-m32.json, docs/dispatch.md): dec32 at its best split factor took 0.75-0.84x
 #: the time of "mid" on 4096x4096 and 6144x4096 (u4, u2, s8), but 1.03-1.25x on every layer of
 #: 58M weights or more (4096x14336 up), where the GEMM's wide tiles stream better.
 _DEC32_MAX_WEIGHTS = 1 << 25
 #: 32 < M <= 128 (and 16 < M <= 32 above the dec32 bound): the 256-row stream-K tiles ("tall",
 #: 256x64, and "tall128", 256x128) on large layers, "mid" (128x64) on small ones. Measured on H200
-#: (NOTES 8a, sweep-gemm256*.json, u4 and u2, 9 layers): a 256-row weight tile converts each weight
+#: (docs/dispatch.md, sweep-gemm256*.json, u4 and u2, 9 layers): a 256-row weight tile converts each weight
 #: once per 64 (128) tokens for twice the tensor-core work of a 128-row one.
 #:   M <= 64: "tall" 1.17-1.35x faster than "mid" on every layer above 2**26 weights (10240x8192,
 #:            28672x4096, 8192x28672, 57344x8192); "mid" up to 1.2x faster at or below it
@@ -40,25 +40,25 @@ _DEC32_MAX_WEIGHTS = 1 << 25
 _MID_M64_MAX_WEIGHTS = 1 << 26
 _MID_M128_MAX_WEIGHTS = 1 << 25
 _TALL_M128_MAX_WEIGHTS = 60_000_000   # between 4096x14336 (58.7M) and 8192x8192 (67.1M)
-#: Above M = 128 the 128x256 stream-K tile ("xl"): measured on H100 (NOTES 7b,
-#: exp-gemm-sched.json) 1.04-1.6x faster than the persistent 128x128 and 128x256 tiles at
+#: Above M = 128 the 128x256 stream-K tile ("xl"): measured on H100 (docs/dispatch.md)
+#: 1.04-1.6x faster than the persistent 128x128 and 128x256 tiles at
 #: M = 256 on layers that make few 128x256 tiles (stream-K spreads them over every SM), within 4.5%
 #: of the best 128x256 variant (persistent or stream-K, any raster / swizzle) at every M from 128 to
 #: 16384, and 8% slower than 128x128 only on 6144x4096 at M = 256. The 256-row tiles lose there
-#: (NOTES 8a: up to 1.7x slower at M = 192-256).
+#: (docs/dispatch.md: up to 1.7x slower at M = 192-256).
 #: Except up to M = 256 on small layers: the persistent 128x128 tile ("large") was 3-18% faster than
 #: "xl" at M = 256 on the 6 preset layers of at most 36.7M weights (3584x3584 .. 7168x5120: e.g.
-#: 4608x3584 33.9 against 40.8 us, 6144x4096 37.5 against 42.8; H100, NOTES 9g,
-#: s9-tiles-small.json), and slower from 4096x14336 (58.7M weights: 107.9 against 67.8) up.
+#: 4608x3584 33.9 against 40.8 us, 6144x4096 37.5 against 42.8; H100, docs/dispatch.md),
+#: and slower from 4096x14336 (58.7M weights: 107.9 against 67.8) up.
 _LARGE_M256_MAX_WEIGHTS = 48_000_000   # between 7168x5120 (36.7M) and 4096x14336 (58.7M)
 #: Above M = 512 the same 128x256 tile, persistent, in 2x1 clusters that multicast the activation
-#: tile ("xlp"): measured on H100 (NOTES 30c, s24-xlp-boundary-*.json, s24-xl-*.json) 3-12% faster
+#: tile ("xlp"): measured on H100 (docs/dispatch.md) 3-12% faster
 #: than "xl" at every M from 640 to 2048 on 3584x3584, 4096x4096, 6144x4096 and 4096x14336, 2-5%
 #: at M = 4096 (also 28672x4096, u4 and s8); at M = 384-512 it lost on 4096x4096 (+5%) and
 #: 4096x14336 (+32-43%: 64 tiles of 224 k-tiles, half the SMs idle), where stream-K spreads the
 #: k-tiles. Above M = 512 a layer of N >= 3584 rows has at least 84 tiles of 128x256.
 #: Also from M = 257 on layers of at least 16384 rows (>= 256 tiles): 2-26% faster than "xl" at
-#: M = 384 and 512 on 28672x4096, 37888x3584, 55296x5120 and 57344x8192 (s24-xlp-large-n-*.json;
+#: M = 384 and 512 on 28672x4096, 37888x3584, 55296x5120 and 57344x8192 (docs/dispatch.md;
 #: at M = 384 "xl" runs 2 token tiles, the second half empty, 21-26% slower on the first two);
 #: on 10240x8192 (160 tiles) it lost 12-26%, on 8192x28672 it won 2%. At M = 192-256 the same
 #: layers were mixed (28672x4096 -7%, 57344x8192 +5%), so "xl" stays there.
@@ -66,7 +66,7 @@ _XLP_M512_MIN_ROWS = 16384
 #: Above M = 512, "xl" instead of "xlp" where stream-K evens out the waves that "xlp" leaves
 #: ragged (:func:`xl_evens_waves`): "xl" wins when CUTLASS's stream-K decomposition spreads its
 #: tiles' k-tiles over every SM and its waves (tiles / SMs) times this factor are fewer than the
-#: whole waves of "xlp". Measured on H100 (NOTES 32a, s26-xl-xlp-*.json and s26-m1024-*.json: 16
+#: whole waves of "xlp". Measured on H100 (docs/dispatch.md: 16
 #: preset layers x M = 640 .. 4096, 100 points): with 1.05 the rule picks the faster of the two, or
 #: one within 2% of it, at every point; e.g. 4608x3584 at M = 1024 83.5 -> 64.3 us, 5120x27648
 #: at M = 1024 535.1 -> 366.8, 3584x18944 at M = 1536 372.3 -> 271.5.

@@ -3,13 +3,13 @@
 The decode kernels' host helper plans a split-K factor from a cost model
 (``cutlass_ext/mixgemm/decode_plan.hpp`` ``Host::plan``, fitted to the H100 sweeps: its picks are
 ~3% slower than the best measured factor on layer shapes it was not fitted to, at most 1.2x;
-``benchmarks/NOTES.md`` sections 24 and 26). For the layer shapes that were measured on a GPU, the
+``docs/dispatch.md``). For the layer shapes that were measured on a GPU, the
 measured best factor is used instead: ``tools/sweep_decode.py`` times every factor in {1, 2, 3, 4,
 6, 8, 12, 16} next to the planner's own pick, and ``--table`` writes the winners to
 ``python/mixgemm/dispatch/configs/<gpu>.json``, committed with the sweep's JSON
 (``benchmarks/results/<gpu>/sweep-decode*.json``; H100 and H200 so far). Entries marked
-``"source": "planner-s19"`` keep the previous planner's pick for the preset layers where it had
-matched the best measured factor (``benchmarks/experiments/session20/freeze_tables.py``).
+``"source": "planner"`` keep the previous planner's pick for the preset layers where it had
+matched the best measured factor.
 
 A table entry is keyed by everything that decides the plan: the GPU's name, the layer's N and K,
 the kernel's token tile (8, 16 or 32) and the code width in bits; the activation dtype, group size and
@@ -19,6 +19,7 @@ the table, and other GPUs, use the planner.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 import os
@@ -127,11 +128,13 @@ def table_from_sweep(rows: Iterable[Mapping], stage_bytes: Optional[int] = 1024,
     return out
 
 
-def write_table(path: Path, gpu_name: str, entries: list[dict], source: Optional[str] = None) -> None:
-    """Write a table file atomically (temp file + rename)."""
+def write_table(path: Path, gpu_name: str, entries: list[dict], command: Optional[str] = None) -> None:
+    """Write a table file atomically (temp file + rename): the GPU, when and by which command it
+    was measured, and the entries."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"gpu": gpu_name, "source": source, "decode_splits": entries}
+    doc = {"gpu": gpu_name, "measured": {"date": datetime.date.today().isoformat(), "command": command},
+           "decode_splits": entries}
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, path)

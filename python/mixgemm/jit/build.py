@@ -158,7 +158,7 @@ def _valid(entry: Path, spec: KernelSpec, key: str) -> bool:
 
 # ptxas's notes that it serialized a kernel's wgmma pipeline (C7510 without NDEBUG; C7513/C7515
 # when registers a wgmma in flight reads are redefined): each wgmma then waits for the previous
-# one and the conversion no longer overlaps the tensor cores (measured 9-20% slower, NOTES 7a).
+# one and the conversion no longer overlaps the tensor cores (measured 9-20% slower, docs/kernels.md).
 _SERIALIZED_WGMMA = re.compile(r"^.*\(C75\d\d\).*wgmma\.mma_async instructions are serialized.*$", re.M)
 
 

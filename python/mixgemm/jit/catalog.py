@@ -84,23 +84,23 @@ class DecodeConfig:
 
 #: The kernel configs the heuristic (mixgemm.ops.select_tile) chooses from, by token count M:
 #:   M <= 8   : "dec8"    decode kernel, 8-token tile (8-bit codes: 8 k-slices, one stripe per CTA:
-#:                        measured 2-13% faster at M = 1 on 5 of 6 layers, NOTES 9b)
+#:                        measured 2-13% faster at M = 1 on 5 of 6 layers, docs/dispatch.md)
 #:   M <= 16  : "dec16"   decode kernel, 16-token tile, x streamed through 4 slots (an x ring: the
-#:                        resident 16-row x tile bounds the CTAs per SM; NOTES 23b)
+#:                        resident 16-row x tile bounds the CTAs per SM; docs/dispatch.md)
 #:   M <= 32  : "dec32"   decode kernel, 32-token tile, on layers of at most 2**25 weights
 #:   M <= 128 : "mid"     sm90 GEMM 128x64x64,  stream-K, on small layers (M <= 64: at most 2**26
 #:                        weights; M <= 128: at most 2**25)
 #:              "tall"    sm90 GEMM 256x64x64,  stream-K, on larger layers (M <= 64; M <= 128 below
 #:                        60M weights)
 #:              "tall128" sm90 GEMM 256x128x64, stream-K, on layers of 60M weights or more (M <= 128)
-#:   M <= 256 : "large"   sm90 GEMM 128x128x64, persistent, on layers of at most 48M weights (NOTES 9g;
-#:                        slower than "mid" at M = 128 and than "xl" on larger layers, NOTES 7b)
+#:   M <= 256 : "large"   sm90 GEMM 128x128x64, persistent, on layers of at most 48M weights (docs/dispatch.md;
+#:                        slower than "mid" at M = 128 and than "xl" on larger layers, docs/dispatch.md)
 #:   M <= 512 : "xl"      sm90 GEMM 128x256x64, stream-K, tiles walked along the weight rows in
 #:                        swizzled pairs (L2 reuse of the token blocks at large M), on the other layers
 #:   M >  512 : "xlp"     sm90 GEMM 128x256x64, persistent, in clusters of two weight tiles that share
 #:                        each activation tile (TMA multicast): 3-12% faster than "xl" at every M from
-#:                        640 to 2048 on 3584x3584 .. 4096x14336, 2-5% at M = 4096 (NOTES 30c); from
-#:                        M = 257 on layers of 16384 rows or more (NOTES 30f)
+#:                        640 to 2048 on 3584x3584 .. 4096x14336, 2-5% at M = 4096 (docs/dispatch.md); from
+#:                        M = 257 on layers of 16384 rows or more (docs/dispatch.md)
 #: The GEMM kernels fuse bias + none / silu / gelu (chosen per call), and each config has a second
 #: kernel with the gated epilogue for swiglu; the decode kernels fix their activation.
 TILE_CONFIGS = (

@@ -109,7 +109,7 @@ KERNELS = KernelCache()
 def current_stream_ptr(device: torch.device) -> int:
     """torch's current stream on ``device`` as an integer handle (:data:`mixgemm.jit.driver.current_stream`:
     one C call where the installed torch has it; ``torch.cuda.current_stream`` builds a Stream
-    object, a few us of an eager launch's host time on the GPU machine, NOTES 28e)."""
+    object, a few us of an eager launch's host time on the GPU machine, docs/host-overhead.md)."""
     index = device.index
     if index is None:
         index = torch.cuda.current_device() if device.type == "cuda" else 0
@@ -156,7 +156,7 @@ def launch_prepared(kernel: LoadedKernel, params: ctypes.Array, launch: Launch, 
     integer handle; default: torch's current stream), with its cluster shape and, where the
     kernel allows it, programmatic stream serialization. The driver's ``cuLaunchKernelEx`` is
     called through ctypes with a ``CUlaunchConfig`` built here (cuda-python's config and
-    attribute objects took ~100 us of host time per launch on the GPU machine, NOTES 28e)."""
+    attribute objects took ~100 us of host time per launch on the GPU machine, docs/host-overhead.md)."""
     if stream is None:
         stream = current_stream_ptr(kernel.device)
     # (the helper's cluster shape, (1, 1, 1) included)

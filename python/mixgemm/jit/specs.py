@@ -201,7 +201,7 @@ class DecodeSpec:
     sums are added in shared memory), so a CTA holds ``warps / kslices`` stripes; split-K across
     CTAs is chosen at launch. ``x_stages`` > 0: x streams through that many shared-memory slots
     (TMA boxes of a few atoms, refilled as the warps go) instead of the CTA's whole x[:, k-range]
-    resident, which at 16 tokens bounds the CTAs per SM (benchmarks/NOTES.md section 23b).
+    resident, which at 16 tokens bounds the CTAs per SM (docs/decode.md).
     """
 
     act: ActType

@@ -49,16 +49,16 @@ ACTIVATIONS = ("silu", "gelu", "swiglu")
 #: Rows per expert with rows (``rows / min(E, rows)``) from which the grouped sm90 GEMM replaces the
 #: grouped decode kernel (:data:`TILES_FROM_ROWS_LONG_K` when K is at least :data:`LONG_K`: a
 #: longer k-loop per tile), and from which it takes its 128- and 256-row token tiles. Measured on
-#: the three bench --moe presets (benchmarks/NOTES.md section 17).
+#: the three bench --moe presets (docs/moe.md).
 TILES_FROM_ROWS = 32
 #: Rows per expert with rows up to which the grouped decode kernel takes the 8-row token tile
 #: (above 8 rows in all). mixtral-8x7b at 16 tokens (32 rows, 4 an expert) and qwen3-30b-a3b at
 #: 4-16 tokens (1-2 an expert), uniform routing: fused_moe 15-22% faster than with the 16-row
-#: tile, whose second token tile only doubles the MMAs and the x tile (benchmarks/NOTES.md
-#: section 23a); under Zipf routing, where one expert takes more than 8 rows and streams its
+#: tile, whose second token tile only doubles the MMAs and the x tile (docs/moe.md);
+#: under Zipf routing, where one expert takes more than 8 rows and streams its
 #: weights twice, from 5% faster to 5% slower. Not for 8-bit codes, whose 8-row tile is the k-sliced
 #: kernel of one stripe per CTA: qwen3-30b-a3b at 16 tokens took 258 us with it against 155 with the
-#: 16-row tile (section 23c).
+#: 16-row tile (docs/moe.md).
 DEC8_ROWS_PER_EXPERT = 4
 TILES_FROM_ROWS_LONG_K = 16
 LONG_K = 4096
@@ -66,7 +66,7 @@ TILE128_FROM_ROWS = 64
 TILE256_FROM_ROWS = 192
 #: The grouped sm90 GEMM's walk of its tiles: weight-row tiles first, so that the CTAs running at
 #: once share a token tile's rows of x through L2 (token tiles first, the other order, measured
-#: 0-35% slower on every preset: NOTES section 17).
+#: 0-35% slower on every preset: docs/moe.md).
 TILES_RASTER = Raster.WEIGHT_ROWS
 
 

@@ -39,7 +39,7 @@ __all__ = ["MoePlan", "plan_fused_moe", "routed_plan", "routed_fits", "fused_moe
 
 #: Rows per expert with rows (mean) from which :func:`plan_fused_moe` splits the experts between the
 #: grouped decode kernel and the grouped GEMM, below the grouped GEMM's own threshold
-#: (benchmarks/NOTES.md section 17).
+#: (docs/moe.md).
 SPLIT_FROM_ROWS = 8
 
 
@@ -180,7 +180,7 @@ def fused_moe(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weigh
 
 
 #: The most CTAs per SM (the two grouped decode launches together, split-K aside) for which
-#: :func:`fused_moe` takes the routed path (benchmarks/NOTES.md section 27).
+#: :func:`fused_moe` takes the routed path (docs/moe.md).
 ROUTED_MAX_CTAS_PER_SM = 8
 
 
@@ -198,7 +198,7 @@ def routed_plan(plan: MoePlan, w13: PackedExperts, w2: PackedExperts, x: torch.T
     launch it saves (measured 2.3-4.2 us faster per call on qwen3-30b-a3b at 1 and 4 tokens and
     mixtral-8x7b at one token, 4 and 2-bit codes); with many, more (mixtral-8x7b at 4 and 16
     tokens, 1-2% slower; 8-bit codes at one token, whose k-sliced tile runs a CTA per 16 weight
-    rows, 5%; benchmarks/NOTES.md section 27)."""
+    rows, 5%; docs/moe.md)."""
     if not (x.is_cuda and topk_ids.dtype in (torch.int32, torch.int64) and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     return routed_fits(plan, topk_ids.numel(), w13.num_experts, w13.n, w2.n, heuristic.sm_count(x.get_device()))

@@ -26,7 +26,7 @@ def device_problem(device: torch.device) -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def _cuda_device_problem(index: int) -> Optional[str]:
     """:func:`device_problem` of CUDA device ``index``, once per process (torch's capability query
-    took ~20 us of every eager launch's host time on the GPU machine, NOTES 28e)."""
+    took ~20 us of every eager launch's host time on the GPU machine, docs/host-overhead.md)."""
     if not torch.cuda.is_available():
         return "CUDA is not available"
     cap = torch.cuda.get_device_capability(index)

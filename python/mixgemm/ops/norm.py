@@ -3,7 +3,7 @@
 A decoder layer at decode time normalizes one row of ``hidden`` values twice, and each time the
 row is the sum of the residual stream and a projection's output. torch runs that as an add and
 ``F.rms_norm``: two launches, and ``F.rms_norm``'s kernel takes 6-11 us on a single row on an
-H100 / H200 (one CTA that walks the row in small steps; benchmarks/NOTES.md section 20). On an
+H100 / H200 (one CTA that walks the row in small steps; docs/kernels.md). On an
 sm_90 GPU :func:`rms_norm` is one launch of mixgemm's kernel (:class:`mixgemm.jit.specs.NormSpec`,
 ``cutlass_ext/mixgemm/norm_kernel.hpp``): one CTA per row, the row read once into registers.
 Elsewhere it runs the same two torch ops. ``torch.ops.mixgemm.rms_norm`` and
