@@ -5,8 +5,8 @@ from typing import Optional
 
 import torch
 
-from .common import (_shard_imported, DTypeLike, ImportedLayer, _check_bits, _check_kernel_shape, _check_tensor,
-                     _err, _finalize, _resolve_dtype, _resolve_group_size, _unpack_words)
+from .common import (shard_imported, DTypeLike, ImportedLayer, check_bits, check_kernel_shape, check_tensor,
+                     layer_error, finalize_layer, layer_dtype, resolve_group_size, unpack_words)
 
 #: AutoAWQ's nibble order: nibble ``i`` (bits ``4i..4i+3``) of a packed word holds output
 #: column ``8*c + _AWQ_ORDER[i]`` of word column ``c``.
@@ -16,7 +16,7 @@ _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
     """int32 ``[R, C]`` in AWQ order -> uint8 ``[R, 8C]`` in natural column order."""
     r, c = packed.shape
-    nibbles = _unpack_words(packed, 4, dim=1).view(r, c, 8)  # in storage (nibble) order
+    nibbles = unpack_words(packed, 4, dim=1).view(r, c, 8)  # in storage (nibble) order
     # column p of a word sits in the nibble i with _AWQ_ORDER[i] == p
     inverse = torch.argsort(torch.tensor(_AWQ_ORDER, device=packed.device))
     return nibbles.index_select(2, inverse).reshape(r, 8 * c)
@@ -74,23 +74,23 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
     UnsupportedLayerError
         ``bits != 4``.
     """
-    _check_bits(name, bits, "AWQ GEMM", (4,))
-    _check_tensor(name, "qweight", qweight, 2, (torch.int32,))
-    _check_tensor(name, "qzeros", qzeros, 2, (torch.int32,))
-    _check_tensor(name, "scales", scales, 2, floating=True)
+    check_bits(name, bits, "AWQ GEMM", (4,))
+    check_tensor(name, "qweight", qweight, 2, (torch.int32,))
+    check_tensor(name, "qzeros", qzeros, 2, (torch.int32,))
+    check_tensor(name, "scales", scales, 2, floating=True)
     k, n = qweight.shape[0], scales.shape[1]
     if qweight.shape[1] * 8 != n:
-        raise _err(name, f"AWQ GEMM qweight must be [K, N/8] with N={n} from scales "
+        raise layer_error(name, f"AWQ GEMM qweight must be [K, N/8] with N={n} from scales "
                          f"{list(scales.shape)}, got {list(qweight.shape)}")
     num_groups = scales.shape[0]
     if tuple(qzeros.shape) != (num_groups, n // 8):
-        raise _err(name, f"qzeros must be [K/g, N/8] = {[num_groups, n // 8]} to match scales "
+        raise layer_error(name, f"qzeros must be [K/g, N/8] = {[num_groups, n // 8]} to match scales "
                          f"{list(scales.shape)}, got {list(qzeros.shape)}")
-    gs = _resolve_group_size(name, k, num_groups, group_size)
-    _check_kernel_shape(name, n, k, gs)
-    act = _resolve_dtype(name, dtype, scales.dtype)
+    gs = resolve_group_size(name, k, num_groups, group_size)
+    check_kernel_shape(name, n, k, gs)
+    act = layer_dtype(name, dtype, scales.dtype)
     q_u = _awq_unpack(qweight).t()           # [N, K]
     z_u = _awq_unpack(qzeros).t()            # [N, G]
-    qw = _finalize(name, q_u, z_u, scales.t(), bits=4, group_size=gs, symmetric=symmetric,
+    qw = finalize_layer(name, q_u, z_u, scales.t(), bits=4, group_size=gs, symmetric=symmetric,
                    act=act)
-    return _shard_imported(ImportedLayer(qweight=qw), name, tp_rank, tp_size, tp_dim)
+    return shard_imported(ImportedLayer(qweight=qw), name, tp_rank, tp_size, tp_dim)

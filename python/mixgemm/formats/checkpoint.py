@@ -14,10 +14,10 @@ from ..weights.layout import prepack
 from ..weights.quantize import FLOAT8_DTYPES
 from ..weights.types import PackedWeight
 from .awq import from_awq
-from .common import DTypeLike, ImportedLayer, _err, _key, _shard_imported
+from .common import DTypeLike, ImportedLayer, layer_error, tensor_key, shard_imported
 from .compressed_tensors import from_compressed_tensors
 from .gptq import GPTQCheckpointFormat, from_gptq
-from .hqq import _HQQ_META_KEYS, _hqq_meta_from, from_hqq
+from .hqq import HQQ_META_KEYS, hqq_meta_from, from_hqq
 
 
 class Format(str, enum.Enum):
@@ -63,7 +63,7 @@ _COMPANIONS = {
     Format.GPTQ: ("qweight", "qzeros", "scales", "g_idx"),
     Format.COMPRESSED_TENSORS: ("weight_packed", "weight_scale", "weight_shape",
                                 "weight_zero_point", "weight_g_idx"),
-    Format.HQQ: ("W_q", "scale", "zero") + _HQQ_META_KEYS,
+    Format.HQQ: ("W_q", "scale", "zero") + HQQ_META_KEYS,
 }
 #: Names that only occur next to a format's primary tensor: seen alone, they are an error.
 _ORPHANS = {
@@ -98,15 +98,15 @@ def detect_format(tensors: Mapping[str, torch.Tensor], prefix: str) -> Format:
     FormatError
         No quantized weight under ``prefix``, or a ``qweight`` whose shape fits neither.
     """
-    if _key(prefix, "W_q") in tensors:
+    if tensor_key(prefix, "W_q") in tensors:
         return Format.HQQ
-    if _key(prefix, "weight_packed") in tensors:
+    if tensor_key(prefix, "weight_packed") in tensors:
         return Format.COMPRESSED_TENSORS
-    qkey = _key(prefix, "qweight")
+    qkey = tensor_key(prefix, "qweight")
     if qkey in tensors:
-        skey = _key(prefix, "scales")
+        skey = tensor_key(prefix, "scales")
         if skey not in tensors:
-            raise _err(prefix, f"has {qkey!r} but no {skey!r}")
+            raise layer_error(prefix, f"has {qkey!r} but no {skey!r}")
         qweight, scales = tensors[qkey], tensors[skey]
         if isinstance(qweight, torch.Tensor) and isinstance(scales, torch.Tensor) \
                 and qweight.dim() == 2 and scales.dim() == 2:
@@ -115,10 +115,10 @@ def detect_format(tensors: Mapping[str, torch.Tensor], prefix: str) -> Format:
                 return Format.GPTQ
             if qweight.shape[1] * 8 == n:
                 return Format.AWQ
-        raise _err(prefix, f"qweight {_shape_of(qweight)} with scales {_shape_of(scales)} is "
+        raise layer_error(prefix, f"qweight {_shape_of(qweight)} with scales {_shape_of(scales)} is "
                            f"neither GPTQ ([K*bits/32, N]) nor AutoAWQ GEMM ([K, N/8])")
-    raise _err(prefix, "no quantized weight found: expected one of "
-                       f"{[_key(prefix, p) for p in ('qweight', 'weight_packed', 'W_q')]}")
+    raise layer_error(prefix, "no quantized weight found: expected one of "
+                       f"{[tensor_key(prefix, p) for p in ('qweight', 'weight_packed', 'W_q')]}")
 
 
 def _shape_of(t: Any) -> Any:
@@ -126,11 +126,11 @@ def _shape_of(t: Any) -> Any:
 
 
 def _get(tensors: Mapping, prefix: str, suffix: str, fmt: Format, required: bool = True):
-    key = _key(prefix, suffix)
+    key = tensor_key(prefix, suffix)
     if key in tensors:
         return tensors[key]
     if required:
-        raise _err(prefix, f"{fmt.value} layer is missing its companion tensor {key!r}")
+        raise layer_error(prefix, f"{fmt.value} layer is missing its companion tensor {key!r}")
     return None
 
 
@@ -186,7 +186,7 @@ def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tens
                          name=prefix)
     elif fmt is Format.GPTQ:
         if checkpoint_format is None:
-            raise _err(prefix, "GPTQ layers need checkpoint_format='gptq' (v1: zeros stored "
+            raise layer_error(prefix, "GPTQ layers need checkpoint_format='gptq' (v1: zeros stored "
                                "minus one; also when quantize_config.json has no "
                                "checkpoint_format) or 'gptq_v2'")
         layer = from_gptq(get("qweight"), get("qzeros"), get("scales"), get("g_idx", False),
@@ -199,12 +199,12 @@ def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tens
             get("weight_zero_point", False), get("weight_g_idx", False), bits=bits,
             group_size=group_size, dtype=dtype, symmetric=symmetric, name=prefix)
     else:
-        meta = _hqq_meta_from(tensors, prefix)
+        meta = hqq_meta_from(tensors, prefix)
         layer = from_hqq(get("W_q"), get("scale"), get("zero"), meta, dtype=dtype,
                          symmetric=symmetric, name=prefix)
-    bias = tensors.get(_key(prefix, "bias"))
+    bias = tensors.get(tensor_key(prefix, "bias"))
     layer = dataclasses.replace(layer, bias=bias) if bias is not None else layer
-    return _shard_imported(layer, prefix, tp_rank, tp_size, tp_dim, tp_sections)
+    return shard_imported(layer, prefix, tp_rank, tp_size, tp_dim, tp_sections)
 
 
 def _split(key: str) -> Tuple[str, str]:
@@ -219,10 +219,10 @@ def _refuse_fp8(tensors: Mapping[str, torch.Tensor]) -> None:
     for key, value in tensors.items():
         if isinstance(value, torch.Tensor) and value.dtype in FLOAT8_DTYPES:
             prefix, _ = _split(key)
-            scaled = any(_key(prefix, s) in tensors for s in ("weight_scale", "weight_scale_inv"))
+            scaled = any(tensor_key(prefix, s) in tensors for s in ("weight_scale", "weight_scale_inv"))
             what = ("an fp8 layer (compressed-tensors float-quantized, with a weight_scale)" if scaled
                     else "an fp8 tensor")
-            raise _err(prefix or key, f"{key!r} is {value.dtype}: {what}; mixgemm imports integer layers "
+            raise layer_error(prefix or key, f"{key!r} is {value.dtype}: {what}; mixgemm imports integer layers "
                                       f"(dequantize it by its scale and quantize that with `mixgemm prepack`, "
                                       f"or leave fp8 layers to an fp8 kernel)", UnsupportedLayerError)
 
@@ -283,19 +283,19 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
     consumed: Dict[str, str] = {}
     for prefix, f in layers.items():
         for suffix in _COMPANIONS[f]:
-            key = _key(prefix, suffix)
+            key = tensor_key(prefix, suffix)
             if key in tensors:
                 consumed[key] = prefix
         for suffix in ("weight", "perm"):
-            if _key(prefix, suffix) in tensors:
-                raise _err(prefix, f"has both a {f.value} quantized weight and a plain tensor "
-                                   f"{_key(prefix, suffix)!r}, which the import would replace")
+            if tensor_key(prefix, suffix) in tensors:
+                raise layer_error(prefix, f"has both a {f.value} quantized weight and a plain tensor "
+                                   f"{tensor_key(prefix, suffix)!r}, which the import would replace")
     for key in tensors:
         prefix, last = _split(key)
         owners = [f for f in formats if last in _ORPHANS[f]]
         if key not in consumed and owners:
-            wanted = " or ".join(sorted({repr(_key(prefix, _PRIMARY[f])) for f in owners}))
-            raise _err(prefix, f"{key!r} belongs to a {'/'.join(f.value for f in owners)} "
+            wanted = " or ".join(sorted({repr(tensor_key(prefix, _PRIMARY[f])) for f in owners}))
+            raise layer_error(prefix, f"{key!r} belongs to a {'/'.join(f.value for f in owners)} "
                                f"layer, but there is no {wanted} (unrecognised or incomplete "
                                f"quantized layer)")
     from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
@@ -309,9 +309,9 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
                     layer = import_layer(layers[prefix], tensors, prefix, dtype, bits=bits,
                                          group_size=group_size,
                                          checkpoint_format=checkpoint_format, symmetric=symmetric)
-                    out[_key(prefix, "weight")] = prepack(layer.qweight, arch=arch)
+                    out[tensor_key(prefix, "weight")] = prepack(layer.qweight, arch=arch)
                     if layer.perm is not None:
-                        out[_key(prefix, "perm")] = layer.perm
+                        out[tensor_key(prefix, "perm")] = layer.perm
                     bar.update(1)
                 continue
             out[key] = value

@@ -16,7 +16,7 @@ from ..weights.types import SUPPORTED_GROUP_SIZES, ActType, QuantizedWeight
 
 DTypeLike = Union[torch.dtype, ActType, str, None]
 
-_WORD_BITS = 32
+WORD_BITS = 32
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -105,7 +105,7 @@ class ImportedLayer:
         return ImportedLayer(qweight=qw, perm=perm, bias=bias)
 
 
-def _shard_imported(layer: "ImportedLayer", name: str, tp_rank: int, tp_size: int, tp_dim: int,
+def shard_imported(layer: "ImportedLayer", name: str, tp_rank: int, tp_size: int, tp_dim: int,
                     tp_sections=None) -> "ImportedLayer":
     """The converters' last step: the rank's shard (the layer itself at ``tp_size == 1``)."""
     for what, v in (("tp_rank", tp_rank), ("tp_size", tp_size), ("tp_dim", tp_dim)):
@@ -123,50 +123,50 @@ def _shard_imported(layer: "ImportedLayer", name: str, tp_rank: int, tp_size: in
 # ------------------------------------------------------------------------------ helpers
 
 
-def _err(name: str, msg: str, cls: type = FormatError) -> FormatError:
+def layer_error(name: str, msg: str, cls: type = FormatError) -> FormatError:
     return cls(f"layer {name!r}: {msg}")
 
 
-def _key(prefix: str, suffix: str) -> str:
+def tensor_key(prefix: str, suffix: str) -> str:
     return f"{prefix}.{suffix}" if prefix else suffix
 
 
-def _check_tensor(name: str, what: str, t: Any, ndim: Optional[int] = None,
+def check_tensor(name: str, what: str, t: Any, ndim: Optional[int] = None,
                   dtypes: Optional[Tuple[torch.dtype, ...]] = None,
                   floating: bool = False) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise _err(name, f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        raise layer_error(name, f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
-        raise _err(name, f"{what} must be {ndim}-D, got shape {list(t.shape)}")
+        raise layer_error(name, f"{what} must be {ndim}-D, got shape {list(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise _err(name, f"{what} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+        raise layer_error(name, f"{what} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
     if floating and not t.is_floating_point():
-        raise _err(name, f"{what} must be a floating-point tensor, got {t.dtype}")
+        raise layer_error(name, f"{what} must be a floating-point tensor, got {t.dtype}")
     return t
 
 
-def _check_kernel_shape(name: str, n: int, k: int, group_size: Optional[int] = None) -> None:
+def check_kernel_shape(name: str, n: int, k: int, group_size: Optional[int] = None) -> None:
     """The kernels' constraints, as UnsupportedLayerError (a FormatError / ValueError);
     ``group_size=None`` checks N and K only."""
     if n <= 0 or k <= 0 or n % ATOM_N or k % ATOM_K:
-        raise _err(name, f"mixgemm's kernels need N (out_features) % {ATOM_N} == 0 and K "
+        raise layer_error(name, f"mixgemm's kernels need N (out_features) % {ATOM_N} == 0 and K "
                          f"(in_features) % {ATOM_K} == 0, got N={n}, K={k}",
                    UnsupportedLayerError)
     if group_size is None:
         return
     if group_size != k and group_size not in SUPPORTED_GROUP_SIZES:
-        raise _err(name, f"group size {group_size} is not supported: mixgemm's kernels take "
+        raise layer_error(name, f"group size {group_size} is not supported: mixgemm's kernels take "
                          f"{SUPPORTED_GROUP_SIZES} or K={k} (per-channel)", UnsupportedLayerError)
     if k % group_size:
-        raise _err(name, f"K={k} is not a multiple of group size {group_size}: mixgemm needs "
+        raise layer_error(name, f"K={k} is not a multiple of group size {group_size}: mixgemm needs "
                          f"groups of equal size", UnsupportedLayerError)
 
 
-def _resolve_group_size(name: str, k: int, num_groups: int, group_size: Optional[int]) -> int:
+def resolve_group_size(name: str, k: int, num_groups: int, group_size: Optional[int]) -> int:
     """group size from the number of groups, checked against the caller's (``-1`` or
     ``None`` from the caller: per-channel / infer)."""
     if num_groups <= 0:
-        raise _err(name, f"the scales have {num_groups} groups")
+        raise layer_error(name, f"the scales have {num_groups} groups")
     if group_size is not None:
         if isinstance(group_size, bool) or not isinstance(group_size, int):
             raise TypeError(f"group_size must be an int or None, got {type(group_size).__name__}")
@@ -179,27 +179,27 @@ def _resolve_group_size(name: str, k: int, num_groups: int, group_size: Optional
                              f"{group_size}")
         want = -(-k // gs)
         if want != num_groups:
-            raise _err(name, f"group_size={group_size} means {want} groups for K={k}, but the "
+            raise layer_error(name, f"group_size={group_size} means {want} groups for K={k}, but the "
                              f"scales have {num_groups}")
         if k % gs:
-            raise _err(name, f"K={k} is not a multiple of group_size={gs}: the last group is "
+            raise layer_error(name, f"K={k} is not a multiple of group_size={gs}: the last group is "
                              f"shorter, and mixgemm needs groups of equal size",
                        UnsupportedLayerError)
         return gs
     if k % num_groups:
-        raise _err(name, f"K={k} is not a multiple of the number of groups ({num_groups}) in "
+        raise layer_error(name, f"K={k} is not a multiple of the number of groups ({num_groups}) in "
                          f"the scales: groups of unequal size are not supported",
                    UnsupportedLayerError)
     return k // num_groups
 
 
-def _resolve_dtype(name: str, dtype: DTypeLike, scale_dtype: torch.dtype,
+def layer_dtype(name: str, dtype: DTypeLike, scale_dtype: torch.dtype,
                    fallback: Optional[torch.dtype] = None) -> torch.dtype:
     if dtype is None:
         for cand in (scale_dtype, fallback):
             if cand in (torch.bfloat16, torch.float16):
                 return cand
-        raise _err(name, f"the checkpoint's scales are {scale_dtype}; pass dtype=torch.bfloat16 "
+        raise layer_error(name, f"the checkpoint's scales are {scale_dtype}; pass dtype=torch.bfloat16 "
                          f"or torch.float16 (the activation dtype; the scales are rounded to it)")
     try:
         return ActType.parse(dtype).torch_dtype
@@ -207,30 +207,30 @@ def _resolve_dtype(name: str, dtype: DTypeLike, scale_dtype: torch.dtype,
         raise ValueError(f"dtype (the activation dtype) must be bf16 or fp16: {e}") from None
 
 
-def _check_bits(name: str, bits: Any, fmt: str, allowed: Tuple[int, ...] = (8, 4, 2)) -> int:
+def check_bits(name: str, bits: Any, fmt: str, allowed: Tuple[int, ...] = (8, 4, 2)) -> int:
     if isinstance(bits, bool) or not isinstance(bits, int):
         raise TypeError(f"bits must be an int, got {type(bits).__name__}")
     if bits not in allowed:
-        raise _err(name, f"{bits}-bit {fmt} layers are not supported (mixgemm imports "
+        raise layer_error(name, f"{bits}-bit {fmt} layers are not supported (mixgemm imports "
                          f"{'/'.join(map(str, allowed))}-bit ones)", UnsupportedLayerError)
     return bits
 
 
-def _unpack_words(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+def unpack_words(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Split 32-bit words into ``32 // bits`` codes, code ``j`` from bits ``[bits*j,
     bits*(j+1))`` (little endian), placed consecutively along ``dim``.
 
     ``packed`` is int32 (or int64 holding 32-bit words); the result is uint8 with
     ``packed.shape[dim] * 32 // bits`` entries along ``dim``.
     """
-    shifts = torch.arange(0, _WORD_BITS, bits, dtype=packed.dtype, device=packed.device)
+    shifts = torch.arange(0, WORD_BITS, bits, dtype=packed.dtype, device=packed.device)
     x = packed.movedim(dim, -1)
     # Arithmetic shifts of negative int32 words shift in ones; the mask keeps only the code.
     codes = ((x.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
     return codes.flatten(-2).movedim(-1, dim).contiguous()
 
 
-def _resolve_groups(name: str, g_idx: Optional[torch.Tensor], k: int, num_groups: int
+def resolve_groups(name: str, g_idx: Optional[torch.Tensor], k: int, num_groups: int
                     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Turn a ``g_idx`` into ``(perm, labels)``.
 
@@ -241,19 +241,19 @@ def _resolve_groups(name: str, g_idx: Optional[torch.Tensor], k: int, num_groups
     """
     if g_idx is None:
         return None, None
-    _check_tensor(name, "g_idx", g_idx, ndim=1)
+    check_tensor(name, "g_idx", g_idx, ndim=1)
     if g_idx.is_floating_point() or g_idx.is_complex() or g_idx.dtype == torch.bool:
-        raise _err(name, f"g_idx must be an integer tensor, got {g_idx.dtype}")
+        raise layer_error(name, f"g_idx must be an integer tensor, got {g_idx.dtype}")
     if g_idx.shape[0] != k:
-        raise _err(name, f"g_idx has {g_idx.shape[0]} entries, but K (in_features) is {k}")
+        raise layer_error(name, f"g_idx has {g_idx.shape[0]} entries, but K (in_features) is {k}")
     g = g_idx.to(torch.int64)
     lo, hi = int(g.min()), int(g.max())
     if lo < 0 or hi >= num_groups:
-        raise _err(name, f"g_idx values must lie in [0, {num_groups}) (the scales have "
+        raise layer_error(name, f"g_idx values must lie in [0, {num_groups}) (the scales have "
                          f"{num_groups} groups), got [{lo}, {hi}]")
     counts = torch.bincount(g, minlength=num_groups)
     if k % num_groups or not bool((counts == k // num_groups).all()):
-        raise _err(name, f"g_idx assigns groups of unequal sizes (between {int(counts.min())} "
+        raise layer_error(name, f"g_idx assigns groups of unequal sizes (between {int(counts.min())} "
                          f"and {int(counts.max())} of K={k} columns in {num_groups} groups); "
                          f"they cannot be permuted into contiguous groups of equal size",
                    UnsupportedLayerError)
@@ -267,7 +267,7 @@ def _resolve_groups(name: str, g_idx: Optional[torch.Tensor], k: int, num_groups
     return torch.argsort(g, stable=True), None
 
 
-def _finalize(name: str, q_u: torch.Tensor, z_u: Optional[torch.Tensor], scales: torch.Tensor,
+def finalize_layer(name: str, q_u: torch.Tensor, z_u: Optional[torch.Tensor], scales: torch.Tensor,
               *, bits: int, group_size: int, symmetric: Optional[bool], act: torch.dtype
               ) -> QuantizedWeight:
     """Build the QuantizedWeight from unsigned codes ``q_u`` (uint8 ``[N, K]``, in
@@ -280,12 +280,12 @@ def _finalize(name: str, q_u: torch.Tensor, z_u: Optional[torch.Tensor], scales:
     sym = all_mid if symmetric is None else symmetric
     if sym and not all_mid:
         bad = int((z_u != mid).sum())
-        raise _err(name, f"symmetric=True, but {bad} of its {z_u.numel()} zero points differ "
+        raise layer_error(name, f"symmetric=True, but {bad} of its {z_u.numel()} zero points differ "
                          f"from 2^(b-1) = {mid}: the layer is asymmetric (use symmetric=None "
                          f"or False)")
     s = scales.to(act)
     if not bool(torch.isfinite(s).all()):
-        raise _err(name, f"the scales are not all finite in {act} (converted from "
+        raise layer_error(name, f"the scales are not all finite in {act} (converted from "
                          f"{scales.dtype}); use dtype=torch.bfloat16 if they overflow fp16")
     if sym:
         q = (q_u.to(torch.int16) - mid).to(torch.int8)
@@ -298,10 +298,10 @@ def _finalize(name: str, q_u: torch.Tensor, z_u: Optional[torch.Tensor], scales:
                                zeros=None if zeros is None else zeros.contiguous(), bits=bits,
                                group_size=group_size, symmetric=sym)
     except (TypeError, ValueError) as e:  # pragma: no cover - guarded by the checks above
-        raise _err(name, str(e)) from e
+        raise layer_error(name, str(e)) from e
 
 
-def _apply_groups(q_u: torch.Tensor, z_u: Optional[torch.Tensor], scales: torch.Tensor,
+def apply_groups(q_u: torch.Tensor, z_u: Optional[torch.Tensor], scales: torch.Tensor,
                   perm: Optional[torch.Tensor], labels: Optional[torch.Tensor]):
     if perm is not None:
         q_u = q_u.index_select(1, perm.to(q_u.device))

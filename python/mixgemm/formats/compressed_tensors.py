@@ -6,9 +6,9 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..errors import UnsupportedLayerError
-from .common import (_shard_imported, _WORD_BITS, DTypeLike, ImportedLayer, _apply_groups, _check_bits,
-                     _check_kernel_shape, _check_tensor, _err, _finalize, _resolve_dtype,
-                     _resolve_group_size, _resolve_groups, _unpack_words)
+from .common import (shard_imported, WORD_BITS, DTypeLike, ImportedLayer, apply_groups, check_bits,
+                     check_kernel_shape, check_tensor, layer_error, finalize_layer, layer_dtype,
+                     resolve_group_size, resolve_groups, unpack_words)
 
 #: The widths that compressed-tensors <= 0.17 packed with spare bits (``32 // bits`` codes per
 #: int32 word, the rest zero) and later versions pack densely (codes straddle words).
@@ -19,7 +19,7 @@ def packed_words(count: int, bits: int) -> dict:
     """The int32 words that hold ``count`` codes of ``bits`` bits in each of compressed-tensors'
     layouts: ``{"dense": ceil(count * bits / 32), "padded": ceil(count / (32 // bits))}`` (the
     two are the same layout for 1, 2, 4 and 8 bits)."""
-    return {"dense": -(-count * bits // _WORD_BITS), "padded": -(-count // (_WORD_BITS // bits))}
+    return {"dense": -(-count * bits // WORD_BITS), "padded": -(-count // (WORD_BITS // bits))}
 
 
 def packings(words: torch.Tensor, count: int, bits: Optional[int] = None, dim: int = 1) -> set:
@@ -34,9 +34,9 @@ def packings(words: torch.Tensor, count: int, bits: Optional[int] = None, dim: i
         need = packed_words(count, b)
         if need["dense"] == n_words:
             out.add((b, "dense"))
-        if need["padded"] == n_words and _WORD_BITS % b:
-            spare = _WORD_BITS - (_WORD_BITS // b) * b
-            if not bool(((words.to(torch.int64) >> (_WORD_BITS - spare)) & ((1 << spare) - 1)).any()):
+        if need["padded"] == n_words and WORD_BITS % b:
+            spare = WORD_BITS - (WORD_BITS // b) * b
+            if not bool(((words.to(torch.int64) >> (WORD_BITS - spare)) & ((1 << spare) - 1)).any()):
                 out.add((b, "padded"))
     return out
 
@@ -48,18 +48,18 @@ def _packed_bits(name: str, packed: torch.Tensor, k: int, bits: Optional[int]) -
     shape, words = list(packed.shape), packed.shape[1]
     if bits is not None:
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-            raise _err(name, f"bits must be an integer from 1 to 8, got {bits!r}")
+            raise layer_error(name, f"bits must be an integer from 1 to 8, got {bits!r}")
         need = packed_words(k, bits)
         if words not in need.values():
             layouts = (f"{need['dense']}" if need["dense"] == need["padded"] else
                        f"{need['dense']} (dense) or {need['padded']} (padded, compressed-tensors <= 0.17)")
-            raise _err(name, f"bits={bits} does not match weight_packed {shape} for K={k}: need {layouts} "
+            raise layer_error(name, f"bits={bits} does not match weight_packed {shape} for K={k}: need {layouts} "
                              f"int32 words per row")
         return bits
     fits = sorted({b for b, _ in packings(packed, k)})
     if len(fits) != 1:
         what = "no width" if not fits else f"several widths ({fits})"
-        raise _err(name, f"weight_packed {shape} holds K={k} codes of {what}; pass bits (the config's num_bits)")
+        raise layer_error(name, f"weight_packed {shape} holds K={k} codes of {what}; pass bits (the config's num_bits)")
     return fits[0]
 
 
@@ -125,61 +125,61 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
     UnsupportedLayerError
         Other bit widths (3, 5, 6, 7: in either layout); the "tensor" strategy (a scalar scale).
     """
-    _check_tensor(name, "weight_packed", weight_packed, 2, (torch.int32,))
-    _check_tensor(name, "weight_scale", weight_scale, floating=True)
+    check_tensor(name, "weight_packed", weight_packed, 2, (torch.int32,))
+    check_tensor(name, "weight_scale", weight_scale, floating=True)
     n, words = weight_packed.shape
     if weight_shape is not None:
         shape = [int(v) for v in (weight_shape.flatten().tolist()
                                   if isinstance(weight_shape, torch.Tensor) else weight_shape)]
         if len(shape) != 2:
-            raise _err(name, f"weight_shape must hold [N, K], got {shape}")
+            raise layer_error(name, f"weight_shape must hold [N, K], got {shape}")
         if shape[0] != n:
-            raise _err(name, f"weight_shape {shape} does not match weight_packed "
+            raise layer_error(name, f"weight_shape {shape} does not match weight_packed "
                              f"{list(weight_packed.shape)} (N)")
         k = shape[1]
-        _check_kernel_shape(name, n, k)
+        check_kernel_shape(name, n, k)
         bits = _packed_bits(name, weight_packed, k, bits)
     elif bits is None:
-        raise _err(name, "pass weight_shape (or bits) to size the weight")
+        raise layer_error(name, "pass weight_shape (or bits) to size the weight")
     else:
-        k = words * _WORD_BITS // bits
-    _check_bits(name, bits, "compressed-tensors")
+        k = words * WORD_BITS // bits
+    check_bits(name, bits, "compressed-tensors")
     if weight_scale.dim() != 2:
         if weight_scale.numel() == 1:
-            raise _err(name, "a scalar weight_scale (the 'tensor' strategy) is not supported; "
+            raise layer_error(name, "a scalar weight_scale (the 'tensor' strategy) is not supported; "
                              "only 'group' and 'channel'", UnsupportedLayerError)
-        raise _err(name, f"weight_scale must be [N, G], got {list(weight_scale.shape)}")
+        raise layer_error(name, f"weight_scale must be [N, G], got {list(weight_scale.shape)}")
     if weight_scale.shape[0] != n:
-        raise _err(name, f"weight_scale {list(weight_scale.shape)} does not match N={n}")
+        raise layer_error(name, f"weight_scale {list(weight_scale.shape)} does not match N={n}")
     num_groups = weight_scale.shape[1]
-    gs = _resolve_group_size(name, k, num_groups, group_size)
-    _check_kernel_shape(name, n, k, gs)
-    act = _resolve_dtype(name, dtype, weight_scale.dtype)
+    gs = resolve_group_size(name, k, num_groups, group_size)
+    check_kernel_shape(name, n, k, gs)
+    act = layer_dtype(name, dtype, weight_scale.dtype)
     if weight_g_idx is not None and isinstance(weight_g_idx, torch.Tensor) \
             and bool((weight_g_idx == -1).any()):
         weight_g_idx = None
-    perm, labels = _resolve_groups(name, weight_g_idx, k, num_groups)
+    perm, labels = resolve_groups(name, weight_g_idx, k, num_groups)
 
     offset = 1 << (bits - 1)
     z_u = None
     if weight_zero_point is not None:
-        zp = _check_tensor(name, "weight_zero_point", weight_zero_point, 2)
-        packed_rows = n * bits // _WORD_BITS
+        zp = check_tensor(name, "weight_zero_point", weight_zero_point, 2)
+        packed_rows = n * bits // WORD_BITS
         if zp.dtype == torch.int32 and tuple(zp.shape) == (packed_rows, num_groups) \
                 and packed_rows != n:
-            z_u = _unpack_words(zp, bits, dim=0)              # [N, G], already offset
+            z_u = unpack_words(zp, bits, dim=0)              # [N, G], already offset
         elif tuple(zp.shape) == (n, num_groups):
             zf = zp.to(torch.float64)
             if not bool((zf == zf.round()).all()) or int(zf.min()) < -offset \
                     or int(zf.max()) > offset - 1:
-                raise _err(name, f"weight_zero_point values must be integers in "
+                raise layer_error(name, f"weight_zero_point values must be integers in "
                                  f"[{-offset}, {offset - 1}]")
             z_u = (zp.to(torch.int16) + offset)
         else:
-            raise _err(name, f"weight_zero_point must be int32 [{packed_rows}, {num_groups}] "
+            raise layer_error(name, f"weight_zero_point must be int32 [{packed_rows}, {num_groups}] "
                              f"(packed along N) or [{n}, {num_groups}], got {zp.dtype} "
                              f"{list(zp.shape)}")
-    q_u = _unpack_words(weight_packed, bits, dim=1)[:, :k]     # [N, K], q + offset
-    q_u, z_u, s = _apply_groups(q_u, z_u, weight_scale, perm, labels)
-    qw = _finalize(name, q_u, z_u, s, bits=bits, group_size=gs, symmetric=symmetric, act=act)
-    return _shard_imported(ImportedLayer(qweight=qw, perm=perm), name, tp_rank, tp_size, tp_dim)
+    q_u = unpack_words(weight_packed, bits, dim=1)[:, :k]     # [N, K], q + offset
+    q_u, z_u, s = apply_groups(q_u, z_u, weight_scale, perm, labels)
+    qw = finalize_layer(name, q_u, z_u, s, bits=bits, group_size=gs, symmetric=symmetric, act=act)
+    return shard_imported(ImportedLayer(qweight=qw, perm=perm), name, tp_rank, tp_size, tp_dim)

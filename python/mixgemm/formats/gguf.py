@@ -77,7 +77,7 @@ import torch
 from ..errors import FormatError, UnsupportedLayerError
 from ..weights.layout import ATOM_K, ATOM_N
 from ..weights.types import QuantizedWeight
-from .common import DTypeLike, _finalize, _resolve_dtype
+from .common import DTypeLike, finalize_layer, layer_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     import gguf as _gguf_module
@@ -109,7 +109,7 @@ def _import_gguf() -> "_gguf_module":
     return gguf
 
 
-def _err(name: str, msg: str, cls: type = FormatError) -> FormatError:
+def layer_error(name: str, msg: str, cls: type = FormatError) -> FormatError:
     return cls(f"GGUF tensor {name!r}: {msg}")
 
 
@@ -135,25 +135,25 @@ def _import_blocks(name: str, kind: str, raw: torch.Tensor, n: int, k: int, act:
     d = _f16(blocks, 0)                                          # [N, G]
     if kind == "Q8_0":
         q = blocks[..., q_at:].contiguous().view(torch.int8).reshape(n, k)
-        q_u = (q.to(torch.int16) + 128).to(torch.uint8)          # _finalize's unsigned codes
-        return _finalize(name, q_u, None, d, bits=8, group_size=_BLOCK, symmetric=symmetric,
+        q_u = (q.to(torch.int16) + 128).to(torch.uint8)          # finalize_layer's unsigned codes
+        return finalize_layer(name, q_u, None, d, bits=8, group_size=_BLOCK, symmetric=symmetric,
                          act=act)
     q_u = _nibbles(blocks[..., q_at:]).reshape(n, k)
     if kind == "Q4_0":                                           # zero point 8 = symmetric
-        return _finalize(name, q_u, None, d, bits=4, group_size=_BLOCK, symmetric=symmetric,
+        return finalize_layer(name, q_u, None, d, bits=4, group_size=_BLOCK, symmetric=symmetric,
                          act=act)
     # Q4_1: w = q*d + m = (q - z)*d + o, integer z near -m/d, o = m + z*d
     m = _f16(blocks, m_at)
     if not bool(torch.isfinite(m).all()):
-        raise _err(name, "the Q4_1 block minimums (m) are not all finite")
+        raise layer_error(name, "the Q4_1 block minimums (m) are not all finite")
     d64, m64 = d.double(), m.double()
     ratio = torch.where(d64 != 0, -m64 / torch.where(d64 != 0, d64, 1.0), 0.0)
     z = ratio.round().clamp(0, 15)
     o64 = m64 + z * d64
     if symmetric and bool((o64 != 0).any()):
-        raise _err(name, "symmetric=True, but the Q4_1 minimums are not -8 * d")
+        raise layer_error(name, "symmetric=True, but the Q4_1 minimums are not -8 * d")
     has_offsets = bool((o64 != 0).any())
-    qw = _finalize(name, q_u, z.to(torch.int16), d, bits=4, group_size=_BLOCK,
+    qw = finalize_layer(name, q_u, z.to(torch.int16), d, bits=4, group_size=_BLOCK,
                    symmetric=False if has_offsets else symmetric, act=act)
     if has_offsets:
         qw = dataclasses.replace(qw, zero_offsets=o64.float().contiguous())
@@ -364,7 +364,7 @@ def from_gguf(path: Union[str, os.PathLike], dtype: DTypeLike = None, *,
     from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
 
     path = os.fspath(path)
-    act = _resolve_dtype("<gguf>", torch.float16 if dtype is None else dtype, torch.float16)
+    act = layer_dtype("<gguf>", torch.float16 if dtype is None else dtype, torch.float16)
     pattern = _as_pattern(dense)
     if not isinstance(hf_names, bool):
         raise TypeError(f"hf_names must be a bool, got {type(hf_names).__name__}")
@@ -394,7 +394,7 @@ def from_gguf(path: Union[str, os.PathLike], dtype: DTypeLike = None, *,
             try:
                 hf = gguf_name_to_hf(name)
             except KeyError as e:
-                raise _err(name, f"no Hugging Face Llama name for it ({e.args[0]})") from None
+                raise layer_error(name, f"no Hugging Face Llama name for it ({e.args[0]})") from None
             if ".attn_q." in name:
                 value = undo_llama_rope_permutation(value, heads[0])
             elif ".attn_k." in name:
@@ -422,21 +422,21 @@ def _read_tensor(gguf: Any, path: str, t: Any, kind: str, act: torch.dtype,
         try:
             values = gguf.quants.dequantize(np.asarray(data), t.tensor_type)
         except NotImplementedError:
-            raise _err(name, f"the gguf package cannot dequantize type {kind}",
+            raise layer_error(name, f"the gguf package cannot dequantize type {kind}",
                        UnsupportedLayerError) from None
         return torch.from_numpy(np.ascontiguousarray(values)).reshape(shape).to(act)
     hint = " (or pass dense= to dequantize it instead)"
     if kind not in _LAYOUT:
         family = " (K-quants are not supported)" if kind.endswith(("_K", "_K_S", "_K_M")) \
             else ""
-        raise _err(name, f"type {kind} is not supported: mixgemm imports "
+        raise layer_error(name, f"type {kind} is not supported: mixgemm imports "
                          f"{', '.join(GGUF_TYPES)}{family}{hint}", UnsupportedLayerError)
     if len(shape) != 2:
-        raise _err(name, f"a {kind} tensor of shape {shape}: mixgemm imports 2-D weights "
+        raise layer_error(name, f"a {kind} tensor of shape {shape}: mixgemm imports 2-D weights "
                          f"[N, K]{hint}", UnsupportedLayerError)
     n, k = shape
     if n <= 0 or k <= 0 or n % ATOM_N or k % ATOM_K:
-        raise _err(name, f"{kind} [N={n}, K={k}]: mixgemm's kernels need N (out_features) % "
+        raise layer_error(name, f"{kind} [N={n}, K={k}]: mixgemm's kernels need N (out_features) % "
                          f"{ATOM_N} == 0 and K (in_features) % {ATOM_K} == 0{hint}",
                    UnsupportedLayerError)
     raw = torch.from_numpy(np.array(data)).reshape(n, -1)

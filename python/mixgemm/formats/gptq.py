@@ -7,9 +7,9 @@ from typing import Optional, Union
 
 import torch
 
-from .common import (_shard_imported, _WORD_BITS, DTypeLike, ImportedLayer, _apply_groups, _check_bits,
-                     _check_kernel_shape, _check_tensor, _err, _finalize, _resolve_dtype,
-                     _resolve_group_size, _resolve_groups, _unpack_words)
+from .common import (shard_imported, WORD_BITS, DTypeLike, ImportedLayer, apply_groups, check_bits,
+                     check_kernel_shape, check_tensor, layer_error, finalize_layer, layer_dtype,
+                     resolve_group_size, resolve_groups, unpack_words)
 
 
 class GPTQCheckpointFormat(enum.Enum):
@@ -36,7 +36,7 @@ class GPTQCheckpointFormat(enum.Enum):
 
 #: Adding this to a packed int32 zero word adds 1 to every packed zero point (with carries),
 #: GPTQModel's v1 -> v2 conversion (``convert_gptq_v1_to_v2_format_module``).
-_GPTQ_V1_OFFSET = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
+GPTQ_V1_OFFSET = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
 
 
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -105,36 +105,36 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
         3-bit (or other non 2/4/8-bit) layers; act-order groups of unequal size.
     """
     fmt = GPTQCheckpointFormat.parse(checkpoint_format)
-    _check_tensor(name, "qweight", qweight, 2, (torch.int32,))
-    _check_tensor(name, "qzeros", qzeros, 2, (torch.int32,))
-    _check_tensor(name, "scales", scales, 2, floating=True)
+    check_tensor(name, "qweight", qweight, 2, (torch.int32,))
+    check_tensor(name, "qzeros", qzeros, 2, (torch.int32,))
+    check_tensor(name, "scales", scales, 2, floating=True)
     num_groups, n = scales.shape
     if qweight.shape[1] != n:
-        raise _err(name, f"GPTQ qweight must be [K*bits/32, N] with N={n} from scales "
+        raise layer_error(name, f"GPTQ qweight must be [K*bits/32, N] with N={n} from scales "
                          f"{list(scales.shape)}, got {list(qweight.shape)}")
     if qzeros.shape[0] != num_groups:
-        raise _err(name, f"qzeros has {qzeros.shape[0]} groups, scales {num_groups}")
-    zbits, rem = divmod(qzeros.shape[1] * _WORD_BITS, n)
+        raise layer_error(name, f"qzeros has {qzeros.shape[0]} groups, scales {num_groups}")
+    zbits, rem = divmod(qzeros.shape[1] * WORD_BITS, n)
     if bits is None:
         if rem:
-            raise _err(name, f"qzeros {list(qzeros.shape)} does not pack N={n} zero points "
+            raise layer_error(name, f"qzeros {list(qzeros.shape)} does not pack N={n} zero points "
                              f"into whole int32 words")
         bits = zbits
     elif rem or zbits != bits:
-        raise _err(name, f"bits={bits} does not match qzeros {list(qzeros.shape)}: "
-                         f"{bits}-bit zeros for N={n} need [G, {n * bits // _WORD_BITS}]")
-    _check_bits(name, bits, "GPTQ")
-    k = qweight.shape[0] * _WORD_BITS // bits
-    gs = _resolve_group_size(name, k, num_groups, group_size)
-    _check_kernel_shape(name, n, k, gs)
-    act = _resolve_dtype(name, dtype, scales.dtype)
-    perm, labels = _resolve_groups(name, g_idx, k, num_groups)
+        raise layer_error(name, f"bits={bits} does not match qzeros {list(qzeros.shape)}: "
+                         f"{bits}-bit zeros for N={n} need [G, {n * bits // WORD_BITS}]")
+    check_bits(name, bits, "GPTQ")
+    k = qweight.shape[0] * WORD_BITS // bits
+    gs = resolve_group_size(name, k, num_groups, group_size)
+    check_kernel_shape(name, n, k, gs)
+    act = layer_dtype(name, dtype, scales.dtype)
+    perm, labels = resolve_groups(name, g_idx, k, num_groups)
 
     words = qzeros.to(torch.int64) & 0xFFFFFFFF
     if fmt is GPTQCheckpointFormat.V1:
-        words = (words + _GPTQ_V1_OFFSET[bits]) & 0xFFFFFFFF
-    z_u = _unpack_words(words, bits, dim=1).t()          # [N, G]
-    q_u = _unpack_words(qweight, bits, dim=0).t()         # [N, K]
-    q_u, z_u, s = _apply_groups(q_u, z_u, scales.t(), perm, labels)
-    qw = _finalize(name, q_u, z_u, s, bits=bits, group_size=gs, symmetric=symmetric, act=act)
-    return _shard_imported(ImportedLayer(qweight=qw, perm=perm), name, tp_rank, tp_size, tp_dim)
+        words = (words + GPTQ_V1_OFFSET[bits]) & 0xFFFFFFFF
+    z_u = unpack_words(words, bits, dim=1).t()          # [N, G]
+    q_u = unpack_words(qweight, bits, dim=0).t()         # [N, K]
+    q_u, z_u, s = apply_groups(q_u, z_u, scales.t(), perm, labels)
+    qw = finalize_layer(name, q_u, z_u, s, bits=bits, group_size=gs, symmetric=symmetric, act=act)
+    return shard_imported(ImportedLayer(qweight=qw, perm=perm), name, tp_rank, tp_size, tp_dim)

@@ -7,13 +7,13 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .common import (_shard_imported, DTypeLike, ImportedLayer, UnsupportedLayerError, _check_bits,
-                     _check_kernel_shape, _check_tensor, _err, _finalize, _key, _resolve_dtype)
+from .common import (shard_imported, DTypeLike, ImportedLayer, UnsupportedLayerError, check_bits,
+                     check_kernel_shape, check_tensor, layer_error, finalize_layer, tensor_key, layer_dtype)
 
 #: HQQ's packing names for the widths mixgemm imports (``Quantizer.bit_to_packing``).
 _HQQ_PACKING = {8: "8bit_u8", 4: "4bit_u8", 2: "2bit_u8"}
 #: Meta entries an HQQLinear state dict holds next to ``W_q`` (``state_dict_keys``).
-_HQQ_META_KEYS = ("nbits", "group_size", "shape", "axis", "packing", "unpack_view_dtype",
+HQQ_META_KEYS = ("nbits", "group_size", "shape", "axis", "packing", "unpack_view_dtype",
                   "view_as_float", "compute_dtype", "channel_wise", "optimize", "round_zero",
                   "quant_scale", "quant_zero", "offload_meta", "encoded_state_dict",
                   "stores_quant_config", "zero_scale", "meta_zero", "meta_scale")
@@ -23,10 +23,10 @@ _MISSING = object()
 def _meta_scalar(name: str, meta: Mapping, key: str, default: Any = _MISSING) -> Any:
     value = meta.get(key, default)
     if value is _MISSING:
-        raise _err(name, f"HQQ meta entry {key!r} is missing")
+        raise layer_error(name, f"HQQ meta entry {key!r} is missing")
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise _err(name, f"HQQ meta entry {key!r} must hold one value, got shape "
+            raise layer_error(name, f"HQQ meta entry {key!r} must hold one value, got shape "
                              f"{list(value.shape)}")
         value = value.item()
     return value
@@ -36,15 +36,15 @@ def _meta_str(name: str, meta: Mapping, key: str, default: Any = None) -> Any:
     value = meta.get(key, default)
     if isinstance(value, torch.Tensor):  # encode_safetensor_type: uint8 character codes
         if value.dim() != 1 or value.is_floating_point():
-            raise _err(name, f"HQQ meta entry {key!r} must be a string or a 1-D tensor of "
+            raise layer_error(name, f"HQQ meta entry {key!r} must be a string or a 1-D tensor of "
                              f"character codes, got {value.dtype} {list(value.shape)}")
         value = "".join(map(chr, value.tolist()))
     return value
 
 
-def _hqq_meta_from(tensors: Mapping, prefix: str) -> Dict[str, Any]:
-    return {key: tensors[_key(prefix, key)] for key in _HQQ_META_KEYS
-            if _key(prefix, key) in tensors}
+def hqq_meta_from(tensors: Mapping, prefix: str) -> Dict[str, Any]:
+    return {key: tensors[tensor_key(prefix, key)] for key in HQQ_META_KEYS
+            if tensor_key(prefix, key) in tensors}
 
 
 def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: Mapping, *,
@@ -115,66 +115,66 @@ def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: M
         raise TypeError(f"meta must be a mapping, got {type(meta).__name__}")
     for flag in ("quant_zero", "quant_scale"):
         if flag in meta and bool(_meta_scalar(name, meta, flag)):
-            raise _err(name, f"HQQ layers with {flag}=True (quantized meta data) are not "
+            raise layer_error(name, f"HQQ layers with {flag}=True (quantized meta data) are not "
                              f"supported", UnsupportedLayerError)
     for key in ("zero_scale", "meta_zero", "meta_scale"):
         if key in meta:
-            raise _err(name, f"HQQ layers with quantized scale/zero ({key!r}) are not "
+            raise layer_error(name, f"HQQ layers with quantized scale/zero ({key!r}) are not "
                              f"supported", UnsupportedLayerError)
     nbits = _meta_scalar(name, meta, "nbits")
     if isinstance(nbits, float):
         if not nbits.is_integer():
-            raise _err(name, f"{nbits:g}-bit HQQ layers are not supported (mixgemm imports 8, 4 "
+            raise layer_error(name, f"{nbits:g}-bit HQQ layers are not supported (mixgemm imports 8, 4 "
                              f"and 2-bit ones)", UnsupportedLayerError)
         nbits = int(nbits)
-    bits = _check_bits(name, nbits, "HQQ")
+    bits = check_bits(name, nbits, "HQQ")
     axis = int(_meta_scalar(name, meta, "axis"))
     if axis != 1:
-        raise _err(name, f"HQQ axis={axis} is not supported: mixgemm's groups run along K "
+        raise layer_error(name, f"HQQ axis={axis} is not supported: mixgemm's groups run along K "
                          f"(in_features), which is HQQ's axis=1; axis=0 groups mix rows of "
                          f"the weight", UnsupportedLayerError)
     if "channel_wise" in meta and not bool(_meta_scalar(name, meta, "channel_wise")):
-        raise _err(name, "HQQ channel_wise=False (one scale for the whole tensor) is not "
+        raise layer_error(name, "HQQ channel_wise=False (one scale for the whole tensor) is not "
                          "supported", UnsupportedLayerError)
     shape_v = meta.get("shape")
     if shape_v is None:
-        raise _err(name, "HQQ meta entry 'shape' is missing")
+        raise layer_error(name, "HQQ meta entry 'shape' is missing")
     shape = [int(v) for v in (shape_v.flatten().tolist() if isinstance(shape_v, torch.Tensor)
                               else shape_v)]
     if len(shape) != 2:
-        raise _err(name, f"HQQ shape must be [N, K], got {shape}")
+        raise layer_error(name, f"HQQ shape must be [N, K], got {shape}")
     n, k = shape
     gs_v = _meta_scalar(name, meta, "group_size", None)
     gs = k if gs_v is None else int(gs_v)
     packing = _meta_str(name, meta, "packing", None) or _HQQ_PACKING[bits]
     if packing != _HQQ_PACKING[bits]:
-        raise _err(name, f"HQQ packing {packing!r} does not match nbits={bits} (expected "
+        raise layer_error(name, f"HQQ packing {packing!r} does not match nbits={bits} (expected "
                          f"{_HQQ_PACKING[bits]!r})")
-    _check_kernel_shape(name, n, k, gs)
+    check_kernel_shape(name, n, k, gs)
 
-    _check_tensor(name, "W_q", W_q, 2)
+    check_tensor(name, "W_q", W_q, 2)
     if W_q.dtype != torch.uint8:
         if W_q.is_floating_point():  # view_as_float: the packed bytes viewed as floats
             W_q = W_q.contiguous().view(torch.uint8)
         else:
-            raise _err(name, f"W_q must be uint8 (or a float view of it), got {W_q.dtype}")
+            raise layer_error(name, f"W_q must be uint8 (or a float view of it), got {W_q.dtype}")
     rows = n * k // gs
     per = 8 // bits
     if tuple(W_q.shape) != (rows // per, gs):
-        raise _err(name, f"W_q must be [N*K/g / {per}, g] = {[rows // per, gs]} for shape "
+        raise layer_error(name, f"W_q must be [N*K/g / {per}, g] = {[rows // per, gs]} for shape "
                          f"{shape}, group_size={gs}, nbits={bits}; got {list(W_q.shape)}")
     for what, t in (("scale", scale), ("zero", zero)):
-        _check_tensor(name, what, t, floating=True)
+        check_tensor(name, what, t, floating=True)
         if t.numel() != rows:
-            raise _err(name, f"{what} must have N*K/g = {rows} elements, got {list(t.shape)}")
+            raise layer_error(name, f"{what} must have N*K/g = {rows} elements, got {list(t.shape)}")
     compute = _meta_str(name, meta, "compute_dtype", None)
     fallback = {"torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16}.get(
         compute if isinstance(compute, str) else str(compute))
-    act = _resolve_dtype(name, dtype, scale.dtype, fallback)
+    act = layer_dtype(name, dtype, scale.dtype, fallback)
 
     z = zero.reshape(n, k // gs)
     if not bool(torch.isfinite(z).all()):
-        raise _err(name, "zero has non-finite values")
+        raise layer_error(name, "zero has non-finite values")
     qmax = (1 << bits) - 1
     s = scale.reshape(n, k // gs)
     fractional = bool((z != z.round()).any()) or float(z.min()) < 0 or float(z.max()) > qmax
@@ -186,9 +186,9 @@ def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: M
     codes = (W_q.unsqueeze(0) >> shifts.view(-1, 1, 1)) & qmax      # [per, rows/per, g]
     q_u = codes.reshape(rows, gs).reshape(n, k)
     if fractional and symmetric:
-        raise _err(name, "symmetric=True, but the zero points are fractional")
-    qw = _finalize(name, q_u, z_int.to(torch.int16), s, bits=bits, group_size=gs,
+        raise layer_error(name, "symmetric=True, but the zero points are fractional")
+    qw = finalize_layer(name, q_u, z_int.to(torch.int16), s, bits=bits, group_size=gs,
                    symmetric=False if fractional else symmetric, act=act)
     if offsets is not None:
         qw = dataclasses.replace(qw, zero_offsets=offsets)
-    return _shard_imported(ImportedLayer(qweight=qw), name, tp_rank, tp_size, tp_dim)
+    return shard_imported(ImportedLayer(qweight=qw), name, tp_rank, tp_size, tp_dim)

@@ -16,7 +16,7 @@ from ..errors import FormatError
 from ..formats import GPTQCheckpointFormat
 from ..formats.compressed_tensors import packed_words, packings
 from ..formats.config import LayerScheme, QuantMethod
-from ..formats.gptq import _GPTQ_V1_OFFSET
+from ..formats.gptq import GPTQ_V1_OFFSET
 
 __all__ = ["dequantize_layer"]
 
@@ -152,11 +152,11 @@ def _dequant_gptq(tensors: Mapping, prefix: str, scheme: LayerScheme) -> torch.T
     q = _unpack_stream(qweight, bits, k, 0)                           # [K, N]
     if scheme.checkpoint_format not in (None, GPTQCheckpointFormat.V1.value):
         z = _unpack_stream(qzeros, bits, n, 1)                        # [G, N], v2: as stored
-    elif bits in _GPTQ_V1_OFFSET:
+    elif bits in GPTQ_V1_OFFSET:
         # v1 stores z - 1: undone as GPTQModel undoes its own export (and as from_gptq does), by
         # adding 0x11111111 (4-bit) ... to each word, so a zero point of 0 (stored as all ones,
         # with a borrow from the next field) reads back as 0 and its neighbour as itself.
-        z = _unpack_stream((qzeros.to(torch.int64) + _GPTQ_V1_OFFSET[bits]) & 0xFFFFFFFF, bits, n, 1)
+        z = _unpack_stream((qzeros.to(torch.int64) + GPTQ_V1_OFFSET[bits]) & 0xFFFFFFFF, bits, n, 1)
     else:
         # 3-bit fields straddle words: GPTQModel shifts each field by one, modulo 8.
         z = (_unpack_stream(qzeros, bits, n, 1) + 1) & ((1 << bits) - 1)

@@ -56,7 +56,7 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "mixgemm"
 
 
-def _steps(spec: KernelSpec) -> dict[str, tuple[str, ...]]:
+def artifact_steps(spec: KernelSpec) -> dict[str, tuple[str, ...]]:
     """Artifact file name -> the flags that produce it."""
     steps = {"kernel.cubin": BASE_FLAGS + CUBIN_FLAGS}
     if isinstance(spec, HELPER_KINDS):
@@ -66,7 +66,7 @@ def _steps(spec: KernelSpec) -> dict[str, tuple[str, ...]]:
 
 def artifact_names(spec: KernelSpec) -> tuple[str, ...]:
     """The files a kernel's cache entry holds besides its source and meta.json."""
-    return tuple(_steps(spec))
+    return tuple(artifact_steps(spec))
 
 
 def cache_key(spec: KernelSpec, source: str, tc: Toolchain) -> str:
@@ -80,7 +80,7 @@ def cache_key(spec: KernelSpec, source: str, tc: Toolchain) -> str:
         "cutlass": cutlass_version(),
         "nvcc_version": tc.version,
         "arch": ARCH,
-        "steps": {k: list(v) for k, v in _steps(spec).items()},
+        "steps": {k: list(v) for k, v in artifact_steps(spec).items()},
         "extra_flags": extra_flags(),
         "env": env,
     }
@@ -121,7 +121,7 @@ def _entry_dir(spec: KernelSpec, key: str) -> Path:
 
 
 @contextmanager
-def _lock(stem: str):
+def entry_lock(stem: str):
     """The cache entry ``stem``'s file lock (held across processes while it is built or read)."""
     lock_dir = cache_dir() / "locks"
     lock_dir.mkdir(parents=True, exist_ok=True)
@@ -134,10 +134,10 @@ def _lock(stem: str):
 
 
 def _locked(spec: KernelSpec, key: str):
-    return _lock(entry_stem(spec.name, key))
+    return entry_lock(entry_stem(spec.name, key))
 
 
-def _entry_valid(entry: Path, name: str, key: str, artifacts: Iterable[str]) -> bool:
+def entry_valid(entry: Path, name: str, key: str, artifacts: Iterable[str]) -> bool:
     """True if the entry's meta.json matches the name and key, names exactly ``artifacts``, and
     every artifact matches its sha256."""
     try:
@@ -153,7 +153,7 @@ def _entry_valid(entry: Path, name: str, key: str, artifacts: Iterable[str]) -> 
 
 
 def _valid(entry: Path, spec: KernelSpec, key: str) -> bool:
-    return _entry_valid(entry, spec.name, key, _steps(spec))
+    return entry_valid(entry, spec.name, key, artifact_steps(spec))
 
 
 # ptxas's notes that it serialized a kernel's wgmma pipeline (C7510 without NDEBUG; C7513/C7515
@@ -223,7 +223,7 @@ def _remove_stale_temporaries() -> None:
 
 
 def _build_entry(spec: KernelSpec, key: str, source: str, tc: Toolchain, parallel_steps: bool) -> None:
-    _build_into(_entry_dir(spec, key), spec.name, key, f"{spec.name}.cu", source, _steps(spec), tc,
+    _build_into(_entry_dir(spec, key), spec.name, key, f"{spec.name}.cu", source, artifact_steps(spec), tc,
                 parallel_steps, {"spec": repr(spec)})
 
 
@@ -316,8 +316,8 @@ def install_entry(kind: str, name: str, key: str, files: "dict[str, bytes]", art
     stem = entry_stem(name, key)
     final = cache_dir() / kind / stem
     artifacts = tuple(artifacts)
-    with _lock(stem):
-        if _entry_valid(final, name, key, artifacts):
+    with entry_lock(stem):
+        if entry_valid(final, name, key, artifacts):
             return False
         with _temporary_entry(name) as tmp:
             for fname, data in files.items():
@@ -337,7 +337,7 @@ def install_entry(kind: str, name: str, key: str, files: "dict[str, bytes]", art
                 meta_bytes = json.dumps(meta, indent=1).encode()
             (tmp / "meta.json.tmp").write_bytes(meta_bytes)
             os.replace(tmp / "meta.json.tmp", tmp / "meta.json")
-            if not _entry_valid(tmp, name, key, artifacts):
+            if not entry_valid(tmp, name, key, artifacts):
                 raise BuildError(f"{stem}: its files do not match its meta.json")
             _publish(tmp, final)
     return True
@@ -433,8 +433,8 @@ def load_host_library(name: str, source: str, load: Callable[[Path], T]) -> T:
     stem = entry_stem(name, key)
     entry = cache_dir() / "host" / stem
     artifact = f"{name}.so"
-    with _lock(stem):
-        if not _entry_valid(entry, name, key, (artifact,)):
+    with entry_lock(stem):
+        if not entry_valid(entry, name, key, (artifact,)):
             log.info("mixgemm: building %s (host library) in %s", name, cache_dir())
             _build_into(entry, name, key, f"{name}.cpp", source, {artifact: HOST_LIBRARY_FLAGS}, tc, False, {})
         return load(entry / artifact)

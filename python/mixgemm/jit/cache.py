@@ -105,7 +105,7 @@ def _expected(kind: str, name: str, tc: build.Toolchain) -> _Expected:
         if spec.name != name:
             raise ValueError(f"{name!r} is not the canonical name of a mixgemm kernel")
         source = render(spec)
-        steps = build._steps(spec)
+        steps = build.artifact_steps(spec)
         return _Expected(build.cache_key(spec, source, tc), tuple(steps), f"{name}.cu", source, steps)
     sources = _host_sources()
     if name not in sources:
@@ -182,7 +182,7 @@ def _classify(kind: str, directory: Path, tc: Optional[build.Toolchain]) -> Cach
         except ValueError as e:
             return made("foreign", str(e))
     artifacts = expected.artifacts if expected else tuple(meta["sha256"])
-    if not build._entry_valid(directory, name, meta["key"], artifacts):
+    if not build.entry_valid(directory, name, meta["key"], artifacts):
         return made("corrupt", "its files do not match meta.json (rebuilt on first use)")
     if expected is None:
         return made("unchecked", "no nvcc: this install's key cannot be computed")
@@ -277,7 +277,7 @@ def export_cache(path: Union[str, os.PathLike], pattern: "Optional[re.Pattern[st
 def _add_entry(tar: tarfile.TarFile, e: CacheEntry) -> bool:
     """Add the entry's meta.json and artifacts, read under its lock and checked; False if they no
     longer match meta.json."""
-    with build._lock(e.directory.name):
+    with build.entry_lock(e.directory.name):
         try:
             meta_bytes = (e.directory / "meta.json").read_bytes()
             meta = json.loads(meta_bytes)
