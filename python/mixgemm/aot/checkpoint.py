@@ -76,7 +76,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, UserError
-from ..formats.config import QuantMethod, parse_quantization_config, resolve_dtype
+from ..formats import Format
+from ..formats.config import parse_quantization_config, resolve_dtype
 from ..jit.specs import Activation
 from ..ops.norm import norm_spec
 from ..weights import io as mio
@@ -178,7 +179,7 @@ def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
                 raise UserError(str(e)) from None
             act = ActType.from_torch(resolve_dtype(dtype, raw))
             qkv = fuse_projections and str(raw.get("model_type", "")) in LLAMA_STYLE_MODEL_TYPES
-            if qconfig.method is QuantMethod.MIXGEMM:
+            if qconfig.method is Format.MIXGEMM:
                 layers = _mixgemm_layers(shards, act)
             else:
                 layers = _hf_layers(shards, qconfig, act)
@@ -366,15 +367,11 @@ def _hf_layers(files: list, qconfig, act: ActType) -> Dict[str, _Layer]:
             raise UserError(f"layer {prefix!r} holds quantized tensors, but the quantization_config says it is "
                             f"not quantized")
         try:
-            if method is QuantMethod.COMPRESSED_TENSORS:
-                layer = _compressed_tensors(prefix, tensors, scheme, act)
-                g_idx = f"{prefix}.weight_g_idx"
-            else:
-                layer = _awq_or_gptq(prefix, tensors, qconfig, scheme, act)
-                g_idx = f"{prefix}.g_idx"
+            layer = _HEADER_RULES[method](prefix, tensors, qconfig, scheme, act)
         except _Skip as e:
             warnings.warn(f"mixgemm: {prefix} needs no kernel (kept in full precision: {e})", stacklevel=3)
             continue
+        g_idx = f"{prefix}.{method.spec.g_idx}"
         if g_idx in tensors:
             layer.perm = _perm_of(where[g_idx], g_idx, layer.k, layer.group_size)
         layer.bias = f"{prefix}.bias" in tensors
@@ -422,7 +419,7 @@ def _awq_or_gptq(prefix: str, tensors: dict, qconfig, scheme, act: ActType) -> _
     q = _shape(tensors, f"{prefix}.qweight", 2)
     s = _shape(tensors, f"{prefix}.scales", 2)
     n, groups = s[1], s[0]
-    if qconfig.method is QuantMethod.AWQ:   # AutoAWQ GEMM: qweight [K, N/8]
+    if qconfig.method is Format.AWQ:   # AutoAWQ GEMM: qweight [K, N/8]
         if q[1] * 8 != n:
             raise UserError(f"{prefix}: AWQ qweight {list(q)} with scales {list(s)} is not AutoAWQ GEMM ([K, N/8])")
         k = q[0]
@@ -445,7 +442,7 @@ def _awq_or_gptq(prefix: str, tensors: dict, qconfig, scheme, act: ActType) -> _
     return _Layer(prefix, n, k, WeightType.of(bits, symmetric), act, _group(k, groups))
 
 
-def _compressed_tensors(prefix: str, tensors: dict, scheme, act: ActType) -> _Layer:
+def _compressed_tensors(prefix: str, tensors: dict, qconfig, scheme, act: ActType) -> _Layer:
     p = _shape(tensors, f"{prefix}.weight_packed", 2)
     s = _shape(tensors, f"{prefix}.weight_scale", 2)
     bits = scheme.bits
@@ -457,3 +454,7 @@ def _compressed_tensors(prefix: str, tensors: dict, scheme, act: ActType) -> _La
     n, k = p[0], p[1] * 32 // bits
     symmetric = f"{prefix}.weight_zero_point" not in tensors
     return _Layer(prefix, n, k, WeightType.of(bits, symmetric), act, _group(k, s[1]))
+
+
+#: How each format's layer reads from its tensors' shapes (the table in the module docstring).
+_HEADER_RULES = {Format.AWQ: _awq_or_gptq, Format.GPTQ: _awq_or_gptq, Format.COMPRESSED_TENSORS: _compressed_tensors}

@@ -12,7 +12,14 @@ One module per format, named after it; everything is importable from this packag
   there);
 * ``formats.checkpoint``: state dicts of the safetensors formats: :class:`Format`,
   :func:`detect_format`, :func:`import_layer`, :func:`import_checkpoint`;
-* ``formats.common``: what the converters share (:class:`ImportedLayer`, the checks).
+* ``formats.common``: what the converters share (:class:`ImportedLayer`, the checks);
+* ``formats.registry``: the one :class:`Format` enum and the table of per-format facts
+  (:data:`~mixgemm.formats.registry.FORMATS`: marker and companion tensors, aliases, whether a
+  format imports and whether it is a ``quant_method``) that the modules here, ``mixgemm.hf`` and
+  ``mixgemm.aot`` read;
+* ``formats.config``: a ``config.json``'s ``quantization_config``;
+* ``formats.dequant``: each format's own dequantization formula, for the layers kept in full
+  precision.
 
 Each converter turns one layer of a source format into mixgemm's logical
 :class:`~mixgemm.weights.types.QuantizedWeight` **without re-quantizing**: the integer codes, scales
@@ -91,12 +98,13 @@ from __future__ import annotations
 
 from ..errors import FormatError, ShardError, UnsupportedLayerError
 from .awq import from_awq
-from .checkpoint import Format, detect_format, import_checkpoint, import_layer
+from .checkpoint import detect_format, import_checkpoint, import_layer
 from .common import DTypeLike, ImportedLayer  # noqa: F401  (DTypeLike: for annotations)
 from .compressed_tensors import from_compressed_tensors
 from .gguf import from_gguf, gguf_name_to_hf, undo_llama_rope_permutation
 from .gptq import GPTQCheckpointFormat, from_gptq
 from .hqq import from_hqq
+from .registry import Format
 
 __all__ = [
     "Format", "GPTQCheckpointFormat", "FormatError", "ShardError", "UnsupportedLayerError", "ImportedLayer",

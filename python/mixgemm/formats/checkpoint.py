@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -17,63 +16,8 @@ from .awq import from_awq
 from .common import DTypeLike, ImportedLayer, layer_error, tensor_key, shard_imported
 from .compressed_tensors import from_compressed_tensors
 from .gptq import GPTQCheckpointFormat, from_gptq
-from .hqq import HQQ_META_KEYS, hqq_meta_from, from_hqq
-
-
-class Format(str, enum.Enum):
-    """Checkpoint formats :func:`import_layer` and :func:`import_checkpoint` read."""
-
-    #: AutoAWQ ``version="GEMM"`` layers: ``qweight``, ``qzeros``, ``scales``.
-    AWQ = "awq"
-    #: GPTQ (AutoGPTQ / GPTQModel, ``checkpoint_format`` "gptq" or "gptq_v2"): ``qweight``,
-    #: ``qzeros``, ``scales``, ``g_idx``.
-    GPTQ = "gptq"
-    #: compressed-tensors ``format="pack-quantized"``: ``weight_packed``, ``weight_scale``,
-    #: ``weight_shape``, optional ``weight_zero_point`` and ``weight_g_idx``.
-    COMPRESSED_TENSORS = "compressed-tensors"
-    #: HQQ ``HQQLinear`` state dicts: ``W_q``, ``scale``, ``zero`` and the meta entries.
-    HQQ = "hqq"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def parse(cls, value: "Format | str") -> "Format":
-        """A :class:`Format` from itself or a name (case-insensitive; ``"autoawq"``,
-        ``"pack-quantized"``, ``"compressed_tensors"`` and ``"ct"`` are accepted too)."""
-        if isinstance(value, Format):
-            return value
-        aliases = {"awq": cls.AWQ, "autoawq": cls.AWQ, "awq-gemm": cls.AWQ, "gptq": cls.GPTQ,
-                   "compressed-tensors": cls.COMPRESSED_TENSORS,
-                   "compressed_tensors": cls.COMPRESSED_TENSORS,
-                   "pack-quantized": cls.COMPRESSED_TENSORS, "ct": cls.COMPRESSED_TENSORS,
-                   "hqq": cls.HQQ}
-        try:
-            return aliases[str(value).lower()]
-        except KeyError:
-            raise ValueError(f"unknown checkpoint format {value!r}; use one of "
-                             f"{[f.value for f in cls]}") from None
-
-
-#: The tensor that marks a layer of each format, and the companions a layer may have.
-_PRIMARY = {Format.AWQ: "qweight", Format.GPTQ: "qweight",
-            Format.COMPRESSED_TENSORS: "weight_packed", Format.HQQ: "W_q"}
-_COMPANIONS = {
-    Format.AWQ: ("qweight", "qzeros", "scales"),
-    Format.GPTQ: ("qweight", "qzeros", "scales", "g_idx"),
-    Format.COMPRESSED_TENSORS: ("weight_packed", "weight_scale", "weight_shape",
-                                "weight_zero_point", "weight_g_idx"),
-    Format.HQQ: ("W_q", "scale", "zero") + HQQ_META_KEYS,
-}
-#: Names that only occur next to a format's primary tensor: seen alone, they are an error.
-_ORPHANS = {
-    Format.AWQ: ("qzeros", "scales", "g_idx"),
-    Format.GPTQ: ("qzeros", "scales", "g_idx"),
-    Format.COMPRESSED_TENSORS: ("weight_scale", "weight_zero_point", "weight_shape",
-                                "weight_g_idx"),
-    Format.HQQ: ("nbits", "packing", "unpack_view_dtype", "encoded_state_dict",
-                 "stores_quant_config"),
-}
+from .hqq import hqq_meta_from, from_hqq
+from .registry import Format
 
 
 def detect_format(tensors: Mapping[str, torch.Tensor], prefix: str) -> Format:
@@ -118,7 +62,7 @@ def detect_format(tensors: Mapping[str, torch.Tensor], prefix: str) -> Format:
         raise layer_error(prefix, f"qweight {_shape_of(qweight)} with scales {_shape_of(scales)} is "
                            f"neither GPTQ ([K*bits/32, N]) nor AutoAWQ GEMM ([K, N/8])")
     raise layer_error(prefix, "no quantized weight found: expected one of "
-                       f"{[tensor_key(prefix, p) for p in ('qweight', 'weight_packed', 'W_q')]}")
+                       f"{[tensor_key(prefix, p) for p in dict.fromkeys(f.primary for f in Format.importable())]}")
 
 
 def _shape_of(t: Any) -> Any:
@@ -132,6 +76,38 @@ def _get(tensors: Mapping, prefix: str, suffix: str, fmt: Format, required: bool
     if required:
         raise layer_error(prefix, f"{fmt.value} layer is missing its companion tensor {key!r}")
     return None
+
+
+def _import_awq(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
+    return from_awq(get("qweight"), get("qzeros"), get("scales"), group_size=group_size,
+                    bits=4 if bits is None else bits, dtype=dtype, symmetric=symmetric, name=prefix)
+
+
+def _import_gptq(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
+    if checkpoint_format is None:
+        raise layer_error(prefix, "GPTQ layers need checkpoint_format='gptq' (v1: zeros stored "
+                           "minus one; also when quantize_config.json has no "
+                           "checkpoint_format) or 'gptq_v2'")
+    return from_gptq(get("qweight"), get("qzeros"), get("scales"), get("g_idx", False),
+                     checkpoint_format=checkpoint_format, bits=bits, group_size=group_size, dtype=dtype,
+                     symmetric=symmetric, name=prefix)
+
+
+def _import_compressed_tensors(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
+    return from_compressed_tensors(
+        get("weight_packed"), get("weight_scale"), get("weight_shape"), get("weight_zero_point", False),
+        get("weight_g_idx", False), bits=bits, group_size=group_size, dtype=dtype, symmetric=symmetric,
+        name=prefix)
+
+
+def _import_hqq(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
+    return from_hqq(get("W_q"), get("scale"), get("zero"), hqq_meta_from(tensors, prefix), dtype=dtype,
+                    symmetric=symmetric, name=prefix)
+
+
+#: Each importable format's converter, called with its layer's tensors.
+_IMPORTERS = {Format.AWQ: _import_awq, Format.GPTQ: _import_gptq,
+              Format.COMPRESSED_TENSORS: _import_compressed_tensors, Format.HQQ: _import_hqq}
 
 
 def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tensor],
@@ -180,28 +156,8 @@ def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tens
     """
     fmt = detect_format(tensors, prefix) if fmt is None or fmt == "auto" else Format.parse(fmt)
     get = lambda suffix, required=True: _get(tensors, prefix, suffix, fmt, required)  # noqa: E731
-    if fmt is Format.AWQ:
-        layer = from_awq(get("qweight"), get("qzeros"), get("scales"), group_size=group_size,
-                         bits=4 if bits is None else bits, dtype=dtype, symmetric=symmetric,
-                         name=prefix)
-    elif fmt is Format.GPTQ:
-        if checkpoint_format is None:
-            raise layer_error(prefix, "GPTQ layers need checkpoint_format='gptq' (v1: zeros stored "
-                               "minus one; also when quantize_config.json has no "
-                               "checkpoint_format) or 'gptq_v2'")
-        layer = from_gptq(get("qweight"), get("qzeros"), get("scales"), get("g_idx", False),
-                          checkpoint_format=checkpoint_format, bits=bits,
-                          group_size=group_size, dtype=dtype, symmetric=symmetric,
-                          name=prefix)
-    elif fmt is Format.COMPRESSED_TENSORS:
-        layer = from_compressed_tensors(
-            get("weight_packed"), get("weight_scale"), get("weight_shape"),
-            get("weight_zero_point", False), get("weight_g_idx", False), bits=bits,
-            group_size=group_size, dtype=dtype, symmetric=symmetric, name=prefix)
-    else:
-        meta = hqq_meta_from(tensors, prefix)
-        layer = from_hqq(get("W_q"), get("scale"), get("zero"), meta, dtype=dtype,
-                         symmetric=symmetric, name=prefix)
+    layer = _IMPORTERS[fmt](get, tensors, prefix, dtype=dtype, bits=bits, group_size=group_size,
+                            checkpoint_format=checkpoint_format, symmetric=symmetric)
     bias = tensors.get(tensor_key(prefix, "bias"))
     layer = dataclasses.replace(layer, bias=bias) if bias is not None else layer
     return shard_imported(layer, prefix, tp_rank, tp_size, tp_dim, tp_sections)
@@ -273,8 +229,8 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
                         f"{type(tensors).__name__}")
     fixed = None if fmt is None or fmt == "auto" else Format.parse(fmt)
     _refuse_fp8(tensors)
-    formats = [fixed] if fixed is not None else list(Format)
-    primaries = {_PRIMARY[f] for f in formats}
+    formats = [fixed] if fixed is not None else list(Format.importable())
+    primaries = {f.primary for f in formats}
     layers: Dict[str, Format] = {}
     for key in tensors:
         prefix, last = _split(key)
@@ -282,7 +238,7 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
             layers[prefix] = fixed if fixed is not None else detect_format(tensors, prefix)
     consumed: Dict[str, str] = {}
     for prefix, f in layers.items():
-        for suffix in _COMPANIONS[f]:
+        for suffix in f.spec.companions:
             key = tensor_key(prefix, suffix)
             if key in tensors:
                 consumed[key] = prefix
@@ -292,9 +248,9 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
                                    f"{tensor_key(prefix, suffix)!r}, which the import would replace")
     for key in tensors:
         prefix, last = _split(key)
-        owners = [f for f in formats if last in _ORPHANS[f]]
+        owners = [f for f in formats if last in f.spec.orphans]
         if key not in consumed and owners:
-            wanted = " or ".join(sorted({repr(tensor_key(prefix, _PRIMARY[f])) for f in owners}))
+            wanted = " or ".join(sorted({repr(tensor_key(prefix, f.primary)) for f in owners}))
             raise layer_error(prefix, f"{key!r} belongs to a {'/'.join(f.value for f in owners)} "
                                f"layer, but there is no {wanted} (unrecognised or incomplete "
                                f"quantized layer)")
@@ -305,7 +261,7 @@ def import_checkpoint(fmt: Union[Format, str, None], tensors: Mapping[str, torch
         for key, value in tensors.items():
             prefix, last = _split(key)
             if key in consumed:
-                if prefix in layers and last == _PRIMARY[layers[prefix]]:
+                if prefix in layers and last == layers[prefix].primary:
                     layer = import_layer(layers[prefix], tensors, prefix, dtype, bits=bits,
                                          group_size=group_size,
                                          checkpoint_format=checkpoint_format, symmetric=symmetric)

@@ -34,7 +34,6 @@ compressed-tensors checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import re
 import warnings
 from typing import List, Mapping, Optional, Tuple
@@ -43,7 +42,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..weights.types import ActType
-from . import Format, GPTQCheckpointFormat
+from .gptq import GPTQCheckpointFormat
+from .registry import Format
 
 __all__ = ["QuantMethod", "LayerScheme", "QuantizationConfig", "MIXGEMM_FORMAT_VERSION", "parse_quantization_config"]
 
@@ -52,28 +52,9 @@ __all__ = ["QuantMethod", "LayerScheme", "QuantizationConfig", "MIXGEMM_FORMAT_V
 MIXGEMM_FORMAT_VERSION = 1
 
 
-class QuantMethod(str, enum.Enum):
-    """``quantization_config["quant_method"]`` values :func:`mixgemm.hf.from_pretrained` reads."""
-
-    AWQ = "awq"
-    GPTQ = "gptq"
-    COMPRESSED_TENSORS = "compressed-tensors"
-    MIXGEMM = "mixgemm"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def format(self) -> Optional[Format]:
-        """The :class:`mixgemm.formats.Format` of the layers (None for mixgemm's own files)."""
-        return {QuantMethod.AWQ: Format.AWQ, QuantMethod.GPTQ: Format.GPTQ,
-                QuantMethod.COMPRESSED_TENSORS: Format.COMPRESSED_TENSORS}.get(self)
-
-    @property
-    def primary(self) -> str:
-        """The tensor (suffix) that marks a quantized layer ``P``: ``P.<primary>``."""
-        return {QuantMethod.COMPRESSED_TENSORS: "weight_packed", QuantMethod.MIXGEMM: "weight"}.get(
-            self, "qweight")
+#: The ``quant_method`` of a parsed config is a :class:`~mixgemm.formats.Format` (one of
+#: :meth:`Format.quant_methods`); ``QuantMethod`` is the name it had here, kept for callers.
+QuantMethod = Format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +103,7 @@ class QuantizationConfig:
     """A parsed ``quantization_config``: the method and a scheme per layer (first matching rule,
     else ``default``)."""
 
-    method: QuantMethod
+    method: Format
     raw: dict
     default: LayerScheme
     rules: Tuple[_Rule, ...] = ()
@@ -159,13 +140,12 @@ def parse_quantization_config(qc: Mapping, where: str = "config.json") -> Quanti
     if not isinstance(qc, Mapping):
         raise CheckpointError(f"{where}: quantization_config must be a JSON object, got {type(qc).__name__}")
     name = str(qc.get("quant_method", "")).lower().replace("_", "-")
-    try:
-        method = QuantMethod(name)
-    except ValueError:
+    method = next((m for m in Format.quant_methods() if m.value == name), None)
+    if method is None:
         raise CheckpointError(f"{where}: quant_method {qc.get('quant_method')!r} is not supported; "
-                              f"mixgemm reads {[m.value for m in QuantMethod]}") from None
+                              f"mixgemm reads {[m.value for m in Format.quant_methods()]}")
     raw = dict(qc)
-    if method is QuantMethod.AWQ:
+    if method is Format.AWQ:
         version = str(qc.get("version", "gemm")).lower()
         if version != "gemm":
             raise CheckpointError(f"{where}: AWQ version {qc.get('version')!r} is not supported: mixgemm "
@@ -175,7 +155,7 @@ def parse_quantization_config(qc: Mapping, where: str = "config.json") -> Quanti
         skip = qc.get("modules_to_not_convert") or []
         rules = tuple(_Rule(str(s), "substring", LayerScheme(quantized=False)) for s in skip)
         return QuantizationConfig(method, raw, default, rules)
-    if method is QuantMethod.GPTQ:
+    if method is Format.GPTQ:
         fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
         try:
             fmt = GPTQCheckpointFormat.parse(str(fmt)).value
@@ -198,7 +178,7 @@ def parse_quantization_config(qc: Mapping, where: str = "config.json") -> Quanti
                 default, bits=default.bits if bits is None else bits,
                 group_size=default.group_size if gs is None else gs)))
         return QuantizationConfig(method, raw, default, tuple(rules))
-    if method is QuantMethod.COMPRESSED_TENSORS:
+    if method is Format.COMPRESSED_TENSORS:
         return _parse_compressed_tensors(qc, raw, where)
     version = qc.get("format_version", MIXGEMM_FORMAT_VERSION)
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -263,7 +243,7 @@ def _parse_compressed_tensors(qc: Mapping, raw: dict, where: str) -> Quantizatio
         group_size = {"group": _int_or_none(weights, "group_size"), "channel": -1}.get(strategy)
         scheme = LayerScheme(bits=_int_or_none(weights, "num_bits"), group_size=group_size, packing=packing)
         rules.extend(_ct_rules(group.get("targets"), scheme))
-    return QuantizationConfig(QuantMethod.COMPRESSED_TENSORS, raw, LayerScheme(quantized=False), tuple(rules))
+    return QuantizationConfig(Format.COMPRESSED_TENSORS, raw, LayerScheme(quantized=False), tuple(rules))
 
 
 def resolve_dtype(dtype, raw_config: dict) -> torch.dtype:

@@ -19,15 +19,15 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ShardError, UnsupportedLayerError
-from ..formats import ImportedLayer, import_layer
+from ..formats import Format, ImportedLayer, import_layer
+from ..formats.dequant import dequantize_layer
 from ..nn import blocks as _blocks
 from ..nn.blocks import find_attentions, find_gated_mlps
 from ..weights.layout import prepack, unpack
 from ..weights.quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
 from ..weights.types import PackedWeight, QuantizedWeight
-from ..formats.config import (LayerScheme, QuantizationConfig, QuantMethod, parse_quantization_config,
+from ..formats.config import (LayerScheme, QuantizationConfig, parse_quantization_config,
                               resolve_dtype)
-from .dequant import dequantize_layer
 from .parallel import TensorParallel, check_linears, shard_config
 from .shards import Shards
 
@@ -83,7 +83,7 @@ class Plan:
     model: nn.Module
     shards: Shards
     dtype: torch.dtype
-    method: QuantMethod
+    method: Format
     quantized: Dict[str, _Layer]                     # module name -> packed layer
     fused: Dict[str, str]                            # MLP name -> its gate_up entry in quantized
     full: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor], str]]   # linear -> (weight, bias, why)
@@ -262,7 +262,7 @@ def _read_layer(name: str, lin: nn.Linear, kids: Dict[str, str], shards: Shards,
         raise CheckpointError(f"{where}: layer {name!r} holds quantized tensors, but the quantization_config "
                               f"says it is not quantized")
     tensors = {key: shards.get(key) for key in kids.values()}
-    if qconfig.method is QuantMethod.MIXGEMM:
+    if qconfig.method is Format.MIXGEMM:
         packed = tensors[f"{name}.weight"]
         perm, bias = tensors.get(f"{name}.perm"), tensors.get(f"{name}.bias")
         _check_linear(name, lin, packed.n, packed.k, bias, where, whole)
@@ -274,7 +274,7 @@ def _read_layer(name: str, lin: nn.Linear, kids: Dict[str, str], shards: Shards,
                                          zeros=None if packed.zeros is None else packed.zeros.to(dtype))
         return _Layer(None, packed, bias, perm).shard(name, dim, tp)
     try:
-        layer: ImportedLayer = import_layer(qconfig.method.format, tensors, name, dtype, bits=scheme.bits,
+        layer: ImportedLayer = import_layer(qconfig.method, tensors, name, dtype, bits=scheme.bits,
                                             group_size=scheme.group_size,
                                             checkpoint_format=scheme.checkpoint_format)
     except UnsupportedLayerError as e:
@@ -342,11 +342,11 @@ def _plan_linears(plan: Plan, qconfig: QuantizationConfig, children: Dict[str, D
         if not isinstance(lin, nn.Linear):
             continue
         kids = children.get(name, {})
-        quantized = primary in kids and (qconfig.method is not QuantMethod.MIXGEMM
+        quantized = primary in kids and (qconfig.method is not Format.MIXGEMM
                                          or shards.is_packed(kids[primary]))
         if not quantized:
             continue   # a plain (or tied) weight: _plan_rest loads it
-        if qconfig.method is not QuantMethod.MIXGEMM and "weight" in kids:
+        if qconfig.method is not Format.MIXGEMM and "weight" in kids:
             raise CheckpointError(f"{where}: layer {name!r} has both quantized tensors and a plain "
                                   f"{kids['weight']!r}")
         got = _read_layer(name, lin, kids, shards, qconfig, plan.dtype, where, plan.tp)
@@ -448,7 +448,7 @@ def _plan_rest(plan: Plan, children: Dict[str, Dict[str, str]], where: str) -> N
             if shards.is_packed(key):
                 raise CheckpointError(f"{where}: {key!r} is a mixgemm packed weight, but " + (
                     f"the quantization_config's quant_method is {plan.method.value!r}"
-                    if plan.method is not QuantMethod.MIXGEMM else "the model's is not a linear layer's weight"))
+                    if plan.method is not Format.MIXGEMM else "the model's is not a linear layer's weight"))
             shape = shards.shape(key)
             if tuple(shape) != want:
                 raise CheckpointError(f"{where}: tensor {key!r} ({shards.file_of(key)}) has shape {list(shape)}, "
