@@ -430,7 +430,7 @@ def test_decode_planner_picks_against_the_measured_sweeps(tmp_path, monkeypatch,
     helper = driver.HostHelper(str(build.build(spec).helper_path), spec.name)
     m = 1 if label == "dec8" else 16
     times: dict = {}
-    for name in ("sweep-decode-m16-x4-s19.json", "sweep-decode-held-s20.json"):
+    for name in ("sweep-decode-presets-m16.json", "sweep-decode-held-out.json"):
         for r in json.loads((SWEEPS / name).read_text()):
             if r["m"] == m and r["weight"] == "u4" and r["kernel"] == spec.name and r["splits"] >= 1:
                 times.setdefault((r["n"], r["k"]), {})[r["splits"]] = r["us"]
@@ -469,8 +469,7 @@ def test_grouped_decode_planner_picks_against_the_measured_splits(tmp_path, monk
     from mixgemm.jit import loader as runtime
     from mixgemm.moe.grouped import decode_spec_for
 
-    data = json.loads((SWEEPS.parents[1] / "experiments" / "nvidia-h100-80gb-hbm3" /
-                       "s20-moe-splits-model.json").read_text())
+    data = json.loads((Path(__file__).resolve().parent / "data" / "moe-decode-splits-h100.json").read_text())
     shapes = {"mixtral-8x7b": (4096, 14336, 8), "qwen3-30b-a3b": (2048, 768, 128)}
     picked_total = best_total = 0.0
     helpers = {}
@@ -522,7 +521,7 @@ def test_grouped_decode_planner_on_a_short_k(tmp_path, monkeypatch, wt):
 
 @pytest.mark.nvcc
 def test_decode_phase_trace_build(tmp_path, monkeypatch):
-    """The decode kernel's phase trace (docs/decode.md) is compiled
+    """The decode kernel's phase trace (tools/decode_trace.py, docs/decode.md) is compiled
     only with -DMIXGEMM_DECODE_TRACE in MIXGEMM_NVCC_FLAGS, which is part of the cache key: the
     traced cubin holds the trace buffers the script reads, the plain one does not, and the two
     live in different cache entries."""

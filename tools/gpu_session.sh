@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call of the device tool: set up, then run the GPU work named by the arguments.
 #   tools/gpu_session.sh [build] [tests] [quick-tests] [sanitize] [bench] [bench-quick] [bench-model]
-#                        [bench-model-smoke] [bench-host] [host] [first-run] [installed-demo] [script] ...
+#                        [bench-model-smoke] [bench-host] [host] [decode-trace] [first-run] [installed-demo] [script] ...
 #                        (each step is a case below)
 # Carry `.whl` (wheels from ../shared/gpu/wheels.sh) and `.gpu` (the kernel cache as
 # .gpu/cache.tgz or its 15 MiB parts .gpu/cache.part.*). Everything it writes goes under $OUT.
@@ -94,7 +94,10 @@ for step in "$@"; do
     host)      # host time per GEMM call and per step, and the 8B-shaped eager decode stack (docs/host-overhead.md)
       timeout ${MIXGEMM_HOST_TIMEOUT:-500} python3 tools/profile_host.py --stack --json "$OUT/host-profile.json" 2>&1 \
         | grep -v "mixgemm build" | tee "$OUT/host-profile.log" || rc=1 ;;
-    script)   # a one-off experiment: python3 $MIXGEMM_SCRIPT (e.g. benchmarks/experiments/session17/trace.py), output under $OUT
+    decode-trace)   # the decode kernel's phase trace of the llama3-8b projections and stack (tools/decode_trace.py, docs/decode.md)
+      MIXGEMM_NVCC_FLAGS=-DMIXGEMM_DECODE_TRACE timeout ${MIXGEMM_SCRIPT_TIMEOUT:-300} python3 tools/decode_trace.py \
+        "$OUT/decode-trace.json" ${MIXGEMM_TRACE_WEIGHTS:-u4,u2} 2>&1 | grep -v "mixgemm build" | tee "$OUT/decode-trace.log" || rc=1 ;;
+    script)   # a one-off script: python3 $MIXGEMM_SCRIPT (e.g. tools/profile_kernels.py), output under $OUT
       timeout ${MIXGEMM_SCRIPT_TIMEOUT:-300} python3 $MIXGEMM_SCRIPT 2>&1 | grep -v "mixgemm build" | tee "$OUT/script.log" || rc=1 ;;
     first-run)   # issue #15: doctor and demo on an empty kernel cache (they compile: a progress line), then cached
       rm -rf /tmp/mixgemm-first

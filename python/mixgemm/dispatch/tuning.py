@@ -128,12 +128,13 @@ def table_from_sweep(rows: Iterable[Mapping], stage_bytes: Optional[int] = 1024,
     return out
 
 
-def write_table(path: Path, gpu_name: str, entries: list[dict], command: Optional[str] = None) -> None:
-    """Write a table file atomically (temp file + rename): the GPU, when and by which command it
-    was measured, and the entries."""
+def write_table(path: Path, gpu_name: str, entries: list[dict], command: Optional[str] = None,
+                date: Optional[str] = None) -> None:
+    """Write a table file atomically (temp file + rename): the GPU, when (``date``, default today)
+    and by which command it was measured, and the entries."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"gpu": gpu_name, "measured": {"date": datetime.date.today().isoformat(), "command": command},
+    doc = {"gpu": gpu_name, "measured": {"date": date or datetime.date.today().isoformat(), "command": command},
            "decode_splits": entries}
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")

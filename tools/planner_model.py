@@ -1,18 +1,19 @@
-"""Session 20: the decode kernels' split-K planner (cutlass_ext/mixgemm/decode_plan.hpp Host::plan),
-ported to Python, and the fit of its new cost model to the measured split sweeps.
+"""The decode kernels' split-K planner (cutlass_ext/mixgemm/decode_plan.hpp ``Host::plan``) in
+Python, and the fit of its cost model to the committed split sweeps (docs/dispatch.md).
 
-* `old_plan` is the model of sessions 9-19 (a max of a warp's chain, the bytes and the issue, in
-  units of a warp's atom step); its picks agree with the C++ helper's on every swept point whose
-  pick was among the swept factors.
-* `new_cost` is the model that replaced it (NOTES 24): waves x (start + atom x the atoms on a
-  warp's chain) + the split reduction + a cost per CTA on the busiest SM; its constants come from
-  `fit` (least squares on log time over every swept factor, Nelder-Mead, with waves of the busiest
-  SM's resident CTAs), and `regret` scores a model by the measured time of its pick over the best
-  measured factor (ties go to fewer splits, as in the C++). The committed model counts waves of the
-  CTAs the GPU holds at once by cluster size (`CLUSTER_CTAS`, NOTES 26) with the same constants.
+* `previous_plan` is the planner before the cost model (a max of a warp's chain, the bytes and the
+  issue, in units of a warp's atom step); its picks agree with the C++ helper's on every swept point
+  whose pick was among the swept factors. The split tables' entries marked ``"planner"`` hold its
+  picks (tools/freeze_tuning_tables.py).
+* `cost` is the model that replaced it: waves x (start + atom x the atoms on a warp's chain) + the
+  split reduction + a cost per CTA on the busiest SM; its constants come from `fit` (least squares
+  on log time over every swept factor, Nelder-Mead, with waves of the busiest SM's resident CTAs),
+  and `regret` scores a model by the measured time of its pick over the best measured factor (ties
+  go to fewer splits, as in the C++). The committed model counts waves of the CTAs the GPU holds at
+  once by cluster size (`CLUSTER_CTAS`) with the same constants.
 
-    python planner_model.py fit       # fit on the H100 sweeps, leave-one-shape-out, H200 transfer
-    python planner_model.py check     # the committed constants' regret on every sweep
+    python tools/planner_model.py check   # the committed constants' regret on every sweep (CPU, ~1 s)
+    python tools/planner_model.py fit     # refit on the H100 sweeps, leave-one-shape-out (needs scipy)
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import sys
 
 import numpy as np
 
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "results")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "results")
 SMS = 132
 FACTORS = (1, 2, 3, 4, 6, 8, 12, 16)     # the sweep's factors: the new planner's candidates
 #: the committed constants (decode_plan.hpp): start, atom, tile, reduce per 8 tokens, per split,
@@ -33,7 +34,8 @@ COMMITTED = (1.05, 0.147, 0.5, 0.95, 0.62, 3490.0, 0.35)
 
 
 class Cfg:
-    """The decode kernel config of the heuristic for M (codegen.TILE_CONFIGS dec8 / dec16) and code."""
+    """The decode kernel config of the heuristic for M (mixgemm.jit.catalog.TILE_CONFIGS dec8 / dec16 / dec32)
+    and code."""
 
     def __init__(self, m: int, weight: str):
         self.bits = {"u4": 4, "u2": 2, "s8": 8}[weight]
@@ -107,8 +109,8 @@ def candidates(c, m, n, k, factors, g=128):
     return out
 
 
-def old_plan(m, w, n, k):
-    """The split factor of sessions 9-19's planner."""
+def previous_plan(m, w, n, k):
+    """The split factor of the planner before the cost model."""
     c = Cfg(m, w)
     tokens = min(m, c.tokens)
     issue_milli = 4 * (60 + 10 * c.bits) * (c.ntiles + 3) // 4
@@ -130,7 +132,7 @@ def old_plan(m, w, n, k):
 
 
 #: CTAs an H100 runs at once by CTAs per SM (1-4) and cluster size (1-8): cuOccupancyMaxActiveClusters
-#: x the size (clusters.py, experiments/nvidia-h100-80gb-hbm3/s20-clusters.json; decode_plan.hpp kClusterCtas)
+#: x the size, 8-token decode kernel (decode_plan.hpp kClusterCtas; docs/dispatch.md)
 CLUSTER_CTAS = ((132, 132, 117, 120, 110, 102, 105, 120), (264, 264, 237, 248, 235, 234, 224, 240),
                 (396, 396, 372, 368, 345, 372, 329, 360), (528, 528, 489, 496, 470, 474, 483, 496))
 
@@ -147,7 +149,7 @@ def features(c, m, n, k, cd, clusters=True):
                 bytes=(n // 16) * cd["ka"] * c.atom + (2 if c.haszero else 1) * (k // 128) * n * 2)
 
 
-def new_cost(p, f):
+def cost(p, f):
     start, atom, tile, red, split, bw, cta = p
     a = atom * (1 + tile * (f["nt"] - 1))
     reduce = (f["se"] > 1) * (red * f["tok"] / 8 + split * f["se"])
@@ -180,7 +182,7 @@ def regret(p, pts):
     """{key: (time of the model's pick / best time, pick)}; ties go to fewer splits."""
     by = collections.defaultdict(list)
     for f, us, key, s in pts:
-        by[key].append((new_cost(p, f), s, us))
+        by[key].append((cost(p, f), s, us))
     return {key: (min(l)[2] / min(u for _, _, u in l), min(l)[1]) for key, l in by.items()}
 
 
@@ -188,7 +190,7 @@ def fit(pts, p0=COMMITTED):
     from scipy.optimize import minimize
 
     def loss(p):
-        return 1e9 if min(p) < 0 else sum((math.log(new_cost(p, f) + 3) - math.log(us)) ** 2 for f, us, _, _ in pts)
+        return 1e9 if min(p) < 0 else sum((math.log(cost(p, f) + 3) - math.log(us)) ** 2 for f, us, _, _ in pts)
 
     best = None
     for t in range(3):
@@ -202,14 +204,42 @@ def gmean(v):
     return math.exp(sum(map(math.log, v)) / len(v))
 
 
-H100 = ("nvidia-h100-80gb-hbm3/sweep-decode-s15.json", "nvidia-h100-80gb-hbm3/sweep-decode-m16-x4-s19.json")
-HELD = ("nvidia-h100-80gb-hbm3/sweep-decode-held-s20.json",)
-H200 = ("nvidia-h200/sweep-decode-m16-x4-s19.json",)
+#: the sweeps the constants were fitted to (the 16 preset layers, M = 1 and 16), the 18 layers of other
+#: models they were not, and the H200 presets (benchmarks/results/<gpu>/; benchmarks/README.md)
+H100 = ("nvidia-h100-80gb-hbm3/sweep-decode-presets.json", "nvidia-h100-80gb-hbm3/sweep-decode-presets-m16.json")
+HELD = ("nvidia-h100-80gb-hbm3/sweep-decode-held-out.json",)
+H200 = ("nvidia-h200/sweep-decode-presets-m16.json",)
 
 
-def main():
-    what = sys.argv[1] if len(sys.argv) > 1 else "check"
-    sets = {"H100 presets": load(*H100), "H100 held-out shapes": load(*HELD), "H200 presets (M=16)": load(*H200)}
+def sweeps():
+    """{name: {(m, weight, n, k): {splits: us}}} of the committed sweeps `check` scores."""
+    return {"H100 presets": load(*H100), "H100 held-out shapes": load(*HELD), "H200 presets (M=16)": load(*H200)}
+
+
+def scores(sets=None):
+    """{name: dict(points, committed=(geomean, max), previous=(geomean, max))}: the measured time of
+    each planner's pick over the best measured factor, on every committed sweep. (The previous
+    planner may pick a factor the sweep did not time: then its own pick's time, splits=0, where the
+    sweep ran it; the held-out sweep timed its picks as forced factors.)"""
+    out = {}
+    for name, g in (sets or sweeps()).items():
+        new = [r for r, _ in regret(COMMITTED, points(g)).values()]
+        old = []
+        for key, v in g.items():
+            t = v.get(previous_plan(*key), v.get(0) if "held" not in name else None)
+            if t is not None:
+                old.append(t / min(u for s, u in v.items() if s))
+        out[name] = dict(points=len(new), committed=(gmean(new), max(new)), previous=(gmean(old), max(old)))
+    return out
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    what = argv[0] if argv else "check"
+    if what not in ("check", "fit"):
+        print(__doc__)
+        return 2
+    sets = sweeps()
     if what == "fit":
         g = sets["H100 presets"]
         pts = points(g, clusters=False)   # (as the constants were fitted)
@@ -220,16 +250,11 @@ def main():
             q = fit([x for x in pts if (x[2][2], x[2][3]) != shape])
             cv += [r for r, _ in regret(q, [x for x in pts if (x[2][2], x[2][3]) == shape]).values()]
         print(f"leave-one-shape-out: {gmean(cv):.3f} (max {max(cv):.2f})")
-    for name, g in sets.items():
-        new = [r for r, _ in regret(COMMITTED, points(g)).values()]
-        old = []
-        for key, v in g.items():
-            t = v.get(old_plan(*key), v.get(0) if "held" not in name else None)
-            if t is not None:
-                old.append(t / min(u for s, u in v.items() if s))
-        print(f"{name}: new planner {gmean(new):.3f} (max {max(new):.2f}), old {gmean(old):.3f} (max {max(old):.2f}),"
-              f" {len(new)} points")
+    for name, s in scores(sets).items():
+        (ng, nm), (og, om) = s["committed"], s["previous"]
+        print(f"{name}: planner {ng:.3f} (max {nm:.2f}), previous planner {og:.3f} (max {om:.2f}), {s['points']} points")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,28 +1,33 @@
-"""Session 17: where a decode GEMM's fixed cost goes. The decode kernel's phase trace
-(decode_kernel.hpp, built with MIXGEMM_NVCC_FLAGS=-DMIXGEMM_DECODE_TRACE): for every CTA of every
-launch in one CUDA-graph replay (L2 flushed before it), %globaltimer at entry, after the barrier
-set-up, after the grid wait, when x and the scales have landed, after the x-sums, when warp 0's
-stream ends, after the split-K reduction and at exit.
+"""Where a decode GEMM's fixed cost goes: the decode kernel's phase trace, read back (docs/decode.md).
 
-Cases: chains of 8 launches of each llama3-8b projection (u4, M = 1), and the 4-layer llama3-8b
-decoder stack of bench --model (u4, batch 1). For each, the graph's time (median of the replays,
-L2 flushed) and per launch: CTAs, SMs, the span from the first entry to the last exit, the gap
-from the previous traced launch's last exit, and the phases per CTA (median, max).
+Built with ``MIXGEMM_NVCC_FLAGS=-DMIXGEMM_DECODE_TRACE`` (cutlass_ext/mixgemm/decode_kernel.hpp; a
+kernel cache entry of its own), thread 0 of every CTA of every decode launch records %globaltimer and
+clock64 at entry, after the barrier set-up, after the grid wait, when x and the scales have landed,
+after the x-sums, when warp 0's stream ends, after the split-K reduction and at exit. This tool
+replays a CUDA graph once (L2 flushed before it) and reads the records back.
 
-usage: MIXGEMM_NVCC_FLAGS=-DMIXGEMM_DECODE_TRACE trace.py OUT.json [weight types, default u4]
-(without the flag: the timings only, to check that the trace costs nothing)
+Cases: chains of 8 launches of each llama3-8b projection (M = 1), and the 4-layer llama3-8b decoder
+stack of ``mixgemm bench --model`` (batch 1), for each weight type. For each, the graph's time
+(median of the replays, L2 flushed) and per launch: CTAs, SMs, the span from the first entry to
+the last exit, the gap from the previous traced launch's last exit, and the phases per CTA
+(median, max).
+
+    MIXGEMM_NVCC_FLAGS=-DMIXGEMM_DECODE_TRACE python tools/decode_trace.py OUT.json [u4,u2]   # on the GPU
+    (without the flag: the timings only, to check that the trace costs nothing)
 """
-import collections, ctypes, json, os, statistics, sys
+import collections
+import json
+import os
+import statistics
+import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "session12"))
-from harness import DEV as dev, flush, read_gbps, time_graph  # noqa: E402
-
-from mixgemm import runtime  # noqa: E402
-from mixgemm.bench import decoder  # noqa: E402
-from mixgemm.bench.variants import build_layer, parse_variant  # noqa: E402
+from mixgemm.bench import decoder
+from mixgemm.bench.variants import build_layer, parse_variant
+from mixgemm.jit import driver
+from mixgemm.jit.loader import KERNELS
 
 PHASES = ("entry", "init", "scales_issued", "ring_issued", "grid_wait", "x_tile", "x_sum", "scales", "first_stage",
           "stream", "reduce", "exit")
@@ -31,15 +36,76 @@ FIELDS = 3 + 2 * NP
 TRACED = "-DMIXGEMM_DECODE_TRACE" in os.environ.get("MIXGEMM_NVCC_FLAGS", "")
 
 
-def _drv():
-    return runtime._driver()
+# ---------------------------------------------------------------------------------------------
+# Timing: a CUDA graph of fn replayed after an L2 flush (a 2x-L2 write and a 2x-L2 read before
+# every replay), CUDA events, the median
+# ---------------------------------------------------------------------------------------------
+_flush_buffers: list = []
+
+
+def flush(device: torch.device) -> None:
+    if not _flush_buffers:
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        _flush_buffers.extend((torch.empty(2 * l2, dtype=torch.uint8, device=device),
+                               torch.ones(2 * l2 // 4, dtype=torch.float32, device=device),
+                               torch.empty((), dtype=torch.float32, device=device)))
+    dirty, clean, sink = _flush_buffers
+    dirty.fill_(3)
+    sink.copy_(clean.sum())
+
+
+def time_graph(fn, device: torch.device, iters: int = 40) -> float:
+    """Median us of one replay of a graph of ``fn`` (warmed up twice on a side stream first), the L2
+    flushed before every replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        flush(device)
+        g.replay()
+    ev = []
+    for _ in range(iters):
+        flush(device)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        ev.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
+
+
+def read_gbps(device: torch.device) -> float:
+    """The read bandwidth from a 1 GiB float32 sum, median of 10."""
+    big = torch.ones(1 << 28, dtype=torch.float32, device=device)
+    ts = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        big.sum()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return (1 << 30) / (statistics.median(ts) * 1e-3) / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# The trace buffers
+# ---------------------------------------------------------------------------------------------
 
 
 def trace_buffers():
     """(kernel name, trace ptr, trace bytes, seq ptr, seq bytes) of every loaded decode kernel."""
-    drv = _drv()
+    drv = driver.cuda_driver()
     out = []
-    for (name, _), k in list(runtime.KERNELS._kernels.items()):
+    for (name, _), k in list(KERNELS._kernels.items()):
         if "decode" not in name:
             continue
         err, ptr, size = drv.cuModuleGetGlobal(k.module, b"mixgemm_decode_trace")
@@ -52,23 +118,23 @@ def trace_buffers():
 
 def reset(bufs):
     torch.cuda.synchronize()
-    drv = _drv()
+    drv = driver.cuda_driver()
     for _, p, n, sp, sn in bufs:
-        runtime.check(drv.cuMemsetD8(p, 0, n), "memset")
-        runtime.check(drv.cuMemsetD8(sp, 0, sn), "memset")
+        driver.check(drv.cuMemsetD8(p, 0, n), "memset")
+        driver.check(drv.cuMemsetD8(sp, 0, sn), "memset")
     torch.cuda.synchronize()
 
 
 def read(bufs):
     torch.cuda.synchronize()
-    drv = _drv()
+    drv = driver.cuda_driver()
     recs = []
     for name, p, n, _, _ in bufs:
         host = np.zeros(n // 8, dtype=np.uint64)
         try:
-            runtime.check(drv.cuMemcpyDtoH(host, p, n), "memcpy")
+            driver.check(drv.cuMemcpyDtoH(host, p, n), "memcpy")
         except Exception:   # (cuda-python versions differ on the host pointer's type)
-            runtime.check(drv.cuMemcpyDtoH(host.ctypes.data, p, n), "memcpy")
+            driver.check(drv.cuMemcpyDtoH(host.ctypes.data, p, n), "memcpy")
         a = host.reshape(-1, FIELDS)
         a = a[a[:, 3] != 0]
         for r in a:
@@ -77,9 +143,11 @@ def read(bufs):
 
 
 def launches(recs):
-    """Group the CTA records into launches: key (kernel, n, m, y, grid), then the k-th occurrence
-    of that key on each CTA index in time order (all CTAs of an earlier launch enter before a
-    later one's)."""
+    """Group the CTA records ``(kernel name, record)`` into launches. A record holds FIELDS words:
+    N | M << 32, the output pointer, SM | grid size << 32, then %globaltimer (ns) and clock64 at
+    each of PHASES; zero entry time: no record. Launches are keyed (kernel, N and M, y, grid
+    size), and the records of one key, sorted by entry time, split into chunks of the grid size
+    (all CTAs of an earlier launch enter before a later one's). In time order."""
     by_key = collections.defaultdict(list)
     for name, r in recs:
         key = (name, int(r[0]), int(r[1]), int(r[2]) >> 32)
@@ -97,6 +165,10 @@ def launches(recs):
 
 
 def summarize(ls, raw=False):
+    """Per launch of :func:`launches`: its shape, CTAs, SMs, start, span and gap from the previous
+    launch's end (us), the spread of entries and exits, the SM clock (from the CTAs' own
+    entry-to-exit in both clocks), and each phase's time per CTA (median, max; us); ``raw``: every
+    CTA's SM and phase ends."""
     rows = []
     prev_end = None
     t0 = int(ls[0][1][:, 3].min()) if ls else 0
@@ -134,8 +206,8 @@ def summarize(ls, raw=False):
     return rows
 
 
-def run_case(name, fn, bufs_fn, iters=50, raw=False):
-    t = time_graph(fn, iters=iters)
+def run_case(name, fn, bufs_fn, device, iters=50, raw=False):
+    t = time_graph(fn, device, iters=iters)
     res = dict(case=name, graph_us=round(t, 2))
     if TRACED:
         # one more replay of the same graph, traced
@@ -150,7 +222,7 @@ def run_case(name, fn, bufs_fn, iters=50, raw=False):
         g.replay()
         bufs = bufs_fn()
         reset(bufs)
-        flush()
+        flush(device)
         g.replay()
         recs = read(bufs)
         res["launches"] = summarize(launches(recs), raw)
@@ -158,10 +230,15 @@ def run_case(name, fn, bufs_fn, iters=50, raw=False):
     return res
 
 
-def main():
-    out_path = sys.argv[1]
-    wts = sys.argv[2].split(",") if len(sys.argv) > 2 else ["u4"]
-    out = dict(traced=TRACED, read_gbps=read_gbps(), device=torch.cuda.get_device_name(), cases=[])
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        print(__doc__)
+        return 2
+    out_path = argv[0]
+    wts = argv[1].split(",") if len(argv) > 1 else ["u4"]
+    dev = torch.device("cuda", 0)
+    out = dict(traced=TRACED, read_gbps=read_gbps(dev), device=torch.cuda.get_device_name(dev), cases=[])
     p = decoder.PRESETS["llama3-8b"]
     for wt in wts:
         variant = parse_variant(wt)
@@ -172,14 +249,15 @@ def main():
         with torch.no_grad():
             for name, f, arg in (("qkv", "qkv", x), ("o", "o", xq), ("gate_up", "mlp_in", x), ("down", "down", xi)):
                 fns = [getattr(pr, f) for pr in projs]
-                case = run_case(f"{wt} chain8 {name}", lambda: [fns[i % 4](arg) for i in range(8)], trace_buffers)
+                case = run_case(f"{wt} chain8 {name}", lambda: [fns[i % 4](arg) for i in range(8)], trace_buffers,
+                                dev)
                 print(json.dumps({k: v for k, v in case.items() if k != "launches"}), flush=True)
                 out["cases"].append(case)
             rot = decoder.Rotary(p.head_dim, p.rope_theta, 1100, torch.bfloat16, dev)
             states = [decoder.layer_state(p, l, 0, 1, 1025, dev, torch.bfloat16) for l in range(4)]
             stack = decoder.DecoderStack(p, projs, states, rot)
             xx = torch.randn(1, 1, p.hidden, device=dev, dtype=torch.bfloat16)
-            case = run_case(f"{wt} stack4 b1", lambda: stack(xx, 1024), trace_buffers, raw=True)
+            case = run_case(f"{wt} stack4 b1", lambda: stack(xx, 1024), trace_buffers, dev, raw=True)
             print(json.dumps({k: v for k, v in case.items() if k != "launches"}), flush=True)
             out["cases"].append(case)
         del projs, stack
@@ -194,7 +272,8 @@ def main():
                 print(f"  n={r['n']:6d} ctas={r['ctas']:4d} sms={r['sms']:3d} t={r['t_start_us']:7.2f} "
                       f"span={r['span_us']:6.2f} gap={r['gap_us']} entry={r['entry_spread_us']['max']:.2f} "
                       f"exit={r['exit_spread_us']['max']:.2f} ghz={r['sm_ghz']} | {ph}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The measurement tools that run on committed data, on the CPU: the decode planner's cost model
+against the committed split sweeps (tools/planner_model.py), the split tables' planner entries
+(tools/freeze_tuning_tables.py), and the decode phase trace's record parser (tools/decode_trace.py)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _tool(name: str):
+    if str(TOOLS) not in sys.path:   # (the tools import each other by name, as scripts do)
+        sys.path.insert(0, str(TOOLS))
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_planner_model_check_on_the_committed_sweeps(capsys):
+    """`python tools/planner_model.py check`: the committed constants' picks are within 3% of the
+    best timed factor on the geometric mean of every committed sweep (worst 1.2x), the planner they
+    replaced 11-19% over (docs/dispatch.md)."""
+    pm = _tool("planner_model")
+    scores = pm.scores()
+    assert set(scores) == {"H100 presets", "H100 held-out shapes", "H200 presets (M=16)"}
+    for name, s in scores.items():
+        (new, new_max), (old, _) = s["committed"], s["previous"]
+        assert s["points"] >= 48, name
+        assert new <= 1.03 and new_max <= 1.2 and old >= 1.1, (name, s)
+    assert scores["H100 held-out shapes"]["points"] == 108
+    assert pm.main(["check"]) == 0
+    assert "H100 held-out shapes: planner 1.02" in capsys.readouterr().out
+
+
+def test_freeze_reproduces_the_committed_planner_entries():
+    """`python tools/freeze_tuning_tables.py --check`: dropping each table's planner entries and
+    rebuilding them from the previous planner gives the committed tables exactly."""
+    ft = _tool("freeze_tuning_tables")
+    for gpu in ft.GPUS:
+        doc = json.loads(Path(ft.table_path(gpu)).read_text())
+        planner = [e for e in doc["decode_splits"] if e.get("source") == "planner"]
+        assert planner, gpu
+        assert ft.frozen_entries(doc["decode_splits"]) == doc["decode_splits"], gpu
+        # and from a table with none: the same entries come back
+        assert ft.frozen_entries([e for e in doc["decode_splits"] if e.get("source") != "planner"]) \
+            == doc["decode_splits"], gpu
+    assert ft.main(["--check"]) == 0
+
+
+def test_h100_table_holds_the_held_out_sweeps_entries():
+    """The H100 table's entries of the 18 layers of other models are the held-out sweep's
+    (tools/sweep_decode.py --table --merge-into on that sweep's rows)."""
+    from mixgemm.dispatch import tuning
+
+    rows = json.loads((RESULTS / "nvidia-h100-80gb-hbm3" / "sweep-decode-held-out-cluster-waves.json").read_text())
+    doc = json.loads((tuning.TABLE_DIR / "nvidia-h100-80gb-hbm3.json").read_text())
+    merged = tuning.merge_entries(doc["decode_splits"], tuning.table_from_sweep(rows, stage_bytes=None),
+                                  tuning.swept_keys(rows, stage_bytes=None))
+    assert merged == doc["decode_splits"]
+
+
+def test_decode_trace_phases_match_the_kernel():
+    """The trace reader's phases are the kernel's TracePhase, in order."""
+    dt = _tool("decode_trace")
+    header = (ROOT / "cutlass_ext" / "mixgemm" / "decode_kernel.hpp").read_text()
+    enum = re.search(r"enum TracePhase : int \{(.*?)\};", header, re.S).group(1)
+    names = [n.strip() for n in enum.replace("\n", " ").split(",") if n.strip()]
+    assert names[-1] == "kPhases"
+    camel = ["k" + "".join(w.capitalize() for w in p.split("_")) for p in dt.PHASES]
+    assert [c.lower() for c in camel] == [n.lower() for n in names[:-1]]
+
+
+def test_decode_trace_parses_records():
+    """Two launches of one 3-CTA kernel on 2 SMs and one of another, as the kernel records them:
+    grouped by key and entry time, with spans, gaps and phase times in us."""
+    dt = _tool("decode_trace")
+    np_ = dt.NP
+
+    def rec(n, m, y, sm, grid, entry_ns, step_ns=100, ghz=2.0):
+        r = np.zeros(dt.FIELDS, dtype=np.uint64)
+        r[0], r[1], r[2] = n | (m << 32), y, sm | (grid << 32)
+        for i in range(np_):
+            r[3 + i] = entry_ns + i * step_ns
+            r[3 + np_ + i] = int((entry_ns + i * step_ns) * ghz)
+        return r
+
+    t0 = 1_000_000
+    recs = [("dec_a", rec(4096, 1, 0x10, cta % 2, 3, t0 + 10 * cta)) for cta in range(3)]
+    recs += [("dec_a", rec(4096, 1, 0x10, cta % 2, 3, t0 + 5000 + 10 * cta)) for cta in range(3)]
+    recs += [("dec_b", rec(1024, 1, 0x20, 0, 1, t0 + 2500, step_ns=200))]
+    ls = dt.launches(recs)
+    assert [(k[0], len(a)) for k, a in ls] == [("dec_a", 3), ("dec_b", 1), ("dec_a", 3)]
+    rows = dt.summarize(ls, raw=True)
+    first, second, third = rows
+    assert (first["n"], first["m"], first["ctas"], first["sms"]) == (4096, 1, 3, 2)
+    span = (np_ - 1) * 100 + 20   # last CTA enters 20 ns after the first
+    assert first["span_us"] == round(span / 1e3, 2) and first["gap_us"] is None
+    assert second["t_start_us"] == 2.5 and second["gap_us"] == round((2500 - span) / 1e3, 2)
+    assert first["sm_ghz"] == 2.0
+    assert first["phase_us"]["exit"] == {"p50": 0.1, "max": 0.1}
+    assert second["phase_us"]["init"]["p50"] == 0.2
+    assert third["t_start_us"] == 5.0 and len(third["raw"]) == 3
+    assert "grid_wait_release_after_prev_end_us" in third
+
+
+@pytest.mark.parametrize("tool", ("planner_model", "freeze_tuning_tables", "decode_trace"))
+def test_tool_usage(tool, capsys):
+    """Each tool answers a bad command line with its usage, not a traceback."""
+    mod = _tool(tool)
+    if tool == "freeze_tuning_tables":
+        with pytest.raises(SystemExit) as e:
+            mod.main(["--bogus"])
+        assert e.value.code == 2
+    else:
+        assert mod.main(["--help"] if tool == "decode_trace" else ["bogus"]) == 2
+        assert "python tools/" in capsys.readouterr().out
