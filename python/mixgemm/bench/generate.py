@@ -77,6 +77,7 @@ from .decoder import PRESETS, ModelPreset
 from .grid import ERROR, FAIL, OK, UNAVAILABLE
 from .preset_report import SPEEDUP_VS_BF16, STATUS, VARIANT, Column, PresetReport, PresetTable, first_seen
 from .report import fmt, gpu_line
+from .run_support import RunOutputs
 from .timing import TimingStats
 from .variants import BF16, Variant, VariantKind, parse_variant
 
@@ -321,7 +322,7 @@ def fuse_note(cfg: "GenerateConfig", fuse_supported: Mapping[str, bool]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateConfig:
+class GenerateConfig(RunOutputs):
     """Validated options of one ``--generate`` run."""
 
     target: str = "llama3-8b"
@@ -336,16 +337,8 @@ class GenerateConfig:
     types: tuple[Variant, ...] = dataclasses.field(default_factory=lambda: parse_types(DEFAULT_TYPES))
     fuse: tuple[bool, ...] = FUSE_SETTINGS[DEFAULT_FUSE]
     modes: tuple[str, ...] = GEN_MODES
-    group_size: int = 128
     iters: int = STEP_ITERS
     warmup: int = STEP_WARMUP
-    quick: bool = False
-    seed: int = 0
-    json_path: Optional[str] = None
-    plot_path: Optional[str] = None
-    save: bool = False
-    results_root: Optional[str] = None
-    gpu_name: Optional[str] = None
 
     def runs(self) -> list[RunVariant]:
         """bf16 first (the baseline), then each weight type (or the quantized checkpoint) with each

@@ -42,6 +42,7 @@ from .grid import ERROR, FAIL, OK, UNAVAILABLE
 from .preset_report import (ERR, ITERS, PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, STATUS, VARIANT, Column, PresetReport,
                             PresetTable, failed, first_seen, megabytes, split_by_preset, write_report_json)
 from .report import MachineInfo, fmt
+from .run_support import RunOutputs
 from .timing import TimingStats, floor_us
 from .variants import (BF16, DEFAULT_VARIANTS, ELEMENT_BYTES, NO_GEMM, Variant, layer_weight_bytes, parse_variant,
                        parse_variants)
@@ -106,7 +107,7 @@ def step_shapes(batches: Sequence[int], context: int, prefill: int) -> list[Step
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(RunOutputs):
     """Validated options of one ``--model`` run."""
 
     presets: tuple[str, ...] = ("llama3-8b",)
@@ -116,18 +117,10 @@ class ModelConfig:
     prefill: int = DEFAULT_PREFILL
     variants: tuple[Variant, ...] = dataclasses.field(default_factory=lambda: parse_variants(DEFAULT_VARIANTS))
     modes: tuple[str, ...] = DEFAULT_MODES
-    group_size: int = 128
     iters: int = MODEL_ITERS
     warmup: int = MODEL_WARMUP
-    quick: bool = False
     max_error: float = DEFAULT_MODEL_MAX_ERROR
     point_budget_s: float = DEFAULT_POINT_BUDGET_S
-    seed: int = 0
-    json_path: Optional[str] = None
-    plot_path: Optional[str] = None
-    save: bool = False
-    results_root: Optional[str] = None
-    gpu_name: Optional[str] = None
 
     def shapes(self) -> list[StepShape]:
         return step_shapes(self.batches, self.context, self.prefill)

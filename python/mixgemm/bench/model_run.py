@@ -28,8 +28,8 @@ import torch
 from .decoder import PRESETS, DecoderStack, LayerState, ModelPreset, Rotary, layer_state, random_tensor, tensor_seed
 from .grid import relative_error
 from .model import DECODE, ModelConfig, StepMeasurement, StepShape
-from .peers import ImplUnavailable
-from .run_support import Log, cuda_capture, describe, free, prebuild_variants, recover, sync, variant_available
+from .run_support import (Log, cuda_capture, describe, free, prebuild_variants, recover, run_presets, run_variants, sync,
+                          variant_available)
 from .timing import Clock, CudaEventClock, budgeted_iters, device_flush_size, eager_clock, time_cuda
 from .variants import Variant, build_layer, kernel_specs
 
@@ -207,31 +207,14 @@ def run_preset(preset: ModelPreset, cfg: ModelConfig, device: torch.device, buil
         out.extend(StepMeasurement(preset.name, s.phase, s.batch, s.tokens, s.context, cfg.layers, variant.name,
                                    mode, error=why, unavailable=unavailable) for s in shapes for mode in cfg.modes)
 
-    for variant in cfg.variants:
-        ok, why = variant_available(variant)
-        if not ok:
-            skipped(variant, why, True)
-            continue
-        if variant.name in build_failures:
-            skipped(variant, build_failures[variant.name], False)
-            continue
-        t0 = time.perf_counter()
-        failure: Optional[tuple[str, bool]] = None
-        try:
-            projections, references = build_stack(preset, variant, cfg, device)
-        except ImplUnavailable as e:
-            failure = (str(e), True)
-        except Exception as e:
-            failure = (f"building the layers failed: {describe(e)}", False)
-        if failure is not None:
-            skipped(variant, *failure)
-            free()         # outside the handler: the traceback no longer holds the partial stack
-            continue
-        log(f"{preset.name} {variant.name}: {cfg.layers} layers built in {time.perf_counter() - t0:.1f} s")
+    def measure(variant: Variant, built, seconds: float) -> None:
+        log(f"{preset.name} {variant.name}: {cfg.layers} layers built in {seconds:.1f} s")
+        projections, references = built
         for shape in shapes:
             out.extend(run.measure(variant, projections, references, shape, log))
-        del projections, references
-        free()
+
+    run_variants(cfg.variants, build_failures, skipped, lambda v: build_stack(preset, v, cfg, device), measure,
+                 "layers")
     del run
     free()
     return out
@@ -242,11 +225,7 @@ def run_model(cfg: ModelConfig, device: torch.device, log: Log = print, make_clo
     """Every point of every preset of ``cfg`` (``presets`` overrides the names' presets), the
     kernels built first."""
     presets = list(presets) if presets is not None else [PRESETS[name] for name in cfg.presets]
-    failures = prebuild(cfg, presets, log)
-    out: list[StepMeasurement] = []
-    for preset in presets:
-        out.extend(run_preset(preset, cfg, device, failures, log, make_clock))
-    return out
-
+    return run_presets(presets, lambda ps, lg: prebuild(cfg, ps, lg),
+                       lambda p, failures: run_preset(p, cfg, device, failures, log, make_clock), log)
 
 __all__ = ["variant_available", "run_kernel_specs", "prebuild", "PresetRun", "build_stack", "run_preset", "run_model"]

@@ -43,6 +43,7 @@ from .grid import ERROR, FAIL, OK, UNAVAILABLE
 from .preset_report import (ERR, ITERS, PERCENT_OF_FLOOR, SPEEDUP_VS_BF16, STATUS, VARIANT, Column, PresetReport,
                             PresetTable, failed, first_seen, megabytes, split_by_preset, write_report_json)
 from .report import MachineInfo, fmt
+from .run_support import RunOutputs
 from .timing import TimingStats, floor_us
 from .variants import (BF16, DEFAULT_VARIANTS, ELEMENT_BYTES, Variant, parse_variant, parse_variants,
                        projection_weight_bytes)
@@ -176,25 +177,17 @@ def moe_traffic(preset: MoePreset, tokens: int, experts_touched: int, expert_byt
 # Config
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
-class MoeConfig:
+class MoeConfig(RunOutputs):
     """Validated options of one ``--moe`` run."""
 
     presets: tuple[str, ...] = ("qwen3-30b-a3b",)
     tokens: tuple[int, ...] = DEFAULT_TOKENS
     routings: tuple[str, ...] = ROUTINGS
     variants: tuple[Variant, ...] = dataclasses.field(default_factory=lambda: parse_variants(MOE_VARIANTS))
-    group_size: int = 128
     iters: int = MOE_ITERS
     warmup: int = MOE_WARMUP
-    quick: bool = False
     max_error: float = DEFAULT_MOE_MAX_ERROR
     point_budget_s: float = DEFAULT_MOE_POINT_BUDGET_S
-    seed: int = 0
-    json_path: Optional[str] = None
-    plot_path: Optional[str] = None
-    save: bool = False
-    results_root: Optional[str] = None
-    gpu_name: Optional[str] = None
 
     def to_json(self) -> dict:
         return {"presets": list(self.presets), "tokens": list(self.tokens), "routings": list(self.routings),

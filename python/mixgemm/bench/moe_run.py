@@ -40,7 +40,8 @@ from ..weights.types import ActType
 from .grid import relative_error
 from .moe import MOE_PRESETS, MoeConfig, MoeMeasurement, MoePreset, expert_counts, make_routing
 from .peer_formats import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
-from .run_support import Log, cuda_capture, describe, free, prebuild_variants, recover, sync, variant_available
+from .run_support import (Log, cuda_capture, describe, free, prebuild_variants, recover, run_presets, run_variants, sync,
+                          variant_available)
 from .timing import Clock, CudaEventClock, budgeted_iters, device_flush_size, eager_clock, time_cuda
 from .variants import Variant, VariantKind
 
@@ -337,31 +338,13 @@ def run_preset(preset: MoePreset, cfg: MoeConfig, device: torch.device, build_fa
         out.extend(MoeMeasurement(preset.name, p.routing, p.tokens, variant.name, p.experts_touched, p.max_rows,
                                   error=why, unavailable=unavailable) for p in points)
 
-    for variant in cfg.variants:
-        ok, why = variant_available(variant)
-        if not ok:
-            skipped(variant, why, True)
-            continue
-        if variant.name in build_failures:
-            skipped(variant, build_failures[variant.name], False)
-            continue
-        t0 = time.perf_counter()
-        failure: Optional[tuple[str, bool]] = None
-        try:
-            layer = build_layer(variant, w13, w2, cfg.group_size, device)
-        except ImplUnavailable as e:
-            failure = (str(e), True)
-        except Exception as e:
-            failure = (f"building the experts failed: {describe(e)}", False)
-        if failure is not None:
-            skipped(variant, *failure)
-            free()
-            continue
-        log(f"{preset.name} {variant.name}: experts built in {time.perf_counter() - t0:.1f} s ({layer.impl})")
+    def measure(variant: Variant, layer, seconds: float) -> None:
+        log(f"{preset.name} {variant.name}: experts built in {seconds:.1f} s ({layer.impl})")
         for pt in points:
             out.append(measure_point(layer, variant, preset, pt, cfg, clock, flush, capture, device, log, eager))
-        del layer
-        free()
+
+    run_variants(cfg.variants, build_failures, skipped, lambda v: build_layer(v, w13, w2, cfg.group_size, device),
+                 measure, "experts")
     del w13, w2
     free()
     return out
@@ -372,12 +355,8 @@ def run_moe(cfg: MoeConfig, device: torch.device, log: Log = print, clock: Optio
     """Every point of every preset of ``cfg`` (``presets`` overrides the names' presets), the
     kernels built first."""
     presets = list(presets) if presets is not None else [MOE_PRESETS[n] for n in cfg.presets]
-    failures = prebuild(cfg, presets, log)
-    out: list[MoeMeasurement] = []
-    for preset in presets:
-        out.extend(run_preset(preset, cfg, device, failures, log, clock, capture))
-    return out
-
+    return run_presets(presets, lambda ps, lg: prebuild(cfg, ps, lg),
+                       lambda p, failures: run_preset(p, cfg, device, failures, log, clock, capture), log)
 
 __all__ = ["base_weights", "PerExpert", "MoeLayer", "grouped_mm_probe", "Bf16Layer", "TorchInt4Layer", "MixgemmLayer",
            "variant_available", "build_layer", "moe_kernel_specs", "run_kernel_specs", "prebuild", "cuda_capture",

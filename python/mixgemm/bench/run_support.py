@@ -3,15 +3,33 @@ their points: which variants can run here, building a run's mixgemm kernels up f
 a CUDA graph, and keeping one failed point from spoiling the next."""
 from __future__ import annotations
 
+import dataclasses
 import gc
-from typing import Callable, Sequence
+import time
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from .peer_formats import ImplUnavailable
 from .peers import kernel_is_cached, mixgemm_available, prebuild_kernels, torch_int4_available
 from .variants import Variant, VariantKind
 
 Log = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOutputs:
+    """The options every bench run (``--model``, ``--moe``) takes alike: its seed and where its
+    results go. The runs' configs add their own fields after these."""
+
+    group_size: int = 128
+    quick: bool = False
+    seed: int = 0
+    json_path: Optional[str] = None
+    plot_path: Optional[str] = None
+    save: bool = False
+    results_root: Optional[str] = None
+    gpu_name: Optional[str] = None
 
 
 def variant_available(variant: Variant) -> tuple[bool, str]:
@@ -79,6 +97,49 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+def run_variants(variants: Sequence[Variant], build_failures: dict[str, str],
+                 skipped: Callable[[Variant, str, bool], None], build: Callable[[Variant], object],
+                 measure: Callable[[Variant, object, float], None], what: str) -> None:
+    """For each variant: ``skipped(variant, why, unavailable)`` when it cannot run here, its
+    kernels did not build or ``build(variant)`` fails (building the ``what`` failed); else
+    ``measure(variant, built, seconds to build)``, then what was built is released before the next
+    variant is built."""
+    for variant in variants:
+        ok, why = variant_available(variant)
+        if not ok:
+            skipped(variant, why, True)
+            continue
+        if variant.name in build_failures:
+            skipped(variant, build_failures[variant.name], False)
+            continue
+        t0 = time.perf_counter()
+        failure: Optional[tuple[str, bool]] = None
+        try:
+            built = build(variant)
+        except ImplUnavailable as e:
+            failure = (str(e), True)
+        except Exception as e:
+            failure = (f"building the {what} failed: {describe(e)}", False)
+        if failure is not None:
+            skipped(variant, *failure)
+            free()         # outside the handler: the traceback no longer holds the partial build
+            continue
+        measure(variant, built, time.perf_counter() - t0)
+        del built
+        free()
+
+
+def run_presets(presets: Sequence, prebuild: Callable[[Sequence, Log], dict[str, str]],
+                run_preset: Callable[[object, dict[str, str]], list], log: Log) -> list:
+    """Every point of every preset, the kernels built first (``prebuild`` gives the variants whose
+    kernels did not build)."""
+    failures = prebuild(presets, log)
+    out: list = []
+    for preset in presets:
+        out.extend(run_preset(preset, failures))
+    return out
+
+
 def recover() -> None:
     """After a failed point: wait for the GPU and release the cached memory, never raising."""
     try:
@@ -89,4 +150,4 @@ def recover() -> None:
         pass
 
 
-__all__ = ["variant_available", "prebuild_variants", "cuda_capture", "sync", "free", "describe", "recover"]
+__all__ = ["RunOutputs", "run_variants", "run_presets", "variant_available", "prebuild_variants", "cuda_capture", "sync", "free", "describe", "recover"]
