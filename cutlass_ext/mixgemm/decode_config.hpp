@@ -44,7 +44,7 @@ struct Params {
 // as 2-D tensors [G][N] (boxes of Config::box_groups x rows per CTA), encoded by the host helper
 // on every call (mixgemm/decode_plan.hpp; ~0.7 us of host time): one copy brings a CTA's scale
 // rows where one bulk copy per group row did (a CTA's copies issue one after another, ~40 ns
-// each: benchmarks/NOTES.md sections 21a, 22).
+// each: docs/decode.md).
 // (Params first: the kernel reads them from the constant bank; the descriptors only by address.)
 template <class Act>
 struct Args {
@@ -96,7 +96,7 @@ struct Config {
   //
   // x ring (XStages_ > 0): instead of the CTA's whole x[:, k-range] resident in shared memory
   // (tokens x 2 bytes per k: at 16 tokens half the bytes of the int4 weight rows the CTA streams,
-  // so it bounds the CTAs per SM and forces finer splits of K: benchmarks/NOTES.md section 23b),
+  // so it bounds the CTAs per SM and forces finer splits of K: docs/decode.md),
   // x streams through kXStages slots of kXAtoms atoms (one TMA box each, 128-byte swizzle),
   // refilled by warp 0 once every warp is done with a slot. The x sums that the folded offset
   // needs are then not at hand before the stream: the x-ring kernels subtract the offset in

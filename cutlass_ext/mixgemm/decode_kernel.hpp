@@ -14,7 +14,7 @@
 //   with an x ring (Config::kXRing: the 16-token kernels, where a resident x tile is half the
 //   bytes of the int4 weight a CTA streams and bounds the CTAs per SM), x streams through a few
 //   shared-memory slots of 2-4 atoms, one TMA box each (128-byte swizzle), which warp 0 refills
-//   once every warp has read them (NOTES 23b);
+//   once every warp has read them (docs/decode.md);
 // * math: the prepacked atom is exactly the m16n8k16 A fragment (the wgmma A fragment of one
 //   warp), so a lane's 16-byte chunk becomes 4 k16 blocks of A registers through
 //   converters/mixgemm/raw_decode.hpp (a lop3 per register, x = E + F c, F = 4 on row g + 8 of
@@ -41,7 +41,7 @@
 //   and the first stage of each warp's ring) at once, then waits for the previous kernel in the
 //   stream (griddepcontrol.wait) before it reads anything that kernel may write (the x tile; the
 //   bias and the output in the epilogue). The x tile goes out before the rest of the ring: it is
-//   an L2 hit, but it lands behind whatever the SM requested before it (NOTES 22). The weights,
+//   an L2 hit, but it lands behind whatever the SM requested before it (docs/decode.md). The weights,
 //   scales and zeros must therefore not be written by the kernels just before it in the stream
 //   (the one before may itself be running ahead of its own predecessor): they are written when
 //   a model is loaded (mixgemm.gemm's docstring says so).
@@ -50,14 +50,14 @@
 //   (griddepcontrol.launch_dependents) as each CTA ends, so that the next kernel's launch and
 //   set-up overlap this one's last CTAs and memory flush. (Triggering earlier, when a CTA's
 //   weight stream is done, placed the next kernel's CTAs on the SMs that happened to be free
-//   and made the MLP block 6% slower: benchmarks/NOTES.md section 4.) Launched without the
+//   and made the MLP block 6% slower: docs/decode.md.) Launched without the
 //   attribute, both are no-ops.
 //
 // * k-slices: the W warps of a CTA are W / KS stripes x KS slices of the CTA's k-range. The KS
 //   warps of a stripe stream its k-range side by side and add their float32 sums through shared
 //   memory (in slice order: deterministic) before the split-K reduction and the epilogue: more
 //   warps in flight, with shorter chains, without a cluster or a global reduction. Measured
-//   (benchmarks/NOTES.md section 9b): faster for 8-bit codes at M <= 8; one warp per stripe is
+//   (docs/decode.md): faster for 8-bit codes at M <= 8; one warp per stripe is
 //   as fast for 4- and 2-bit codes, whose small layers are bound by fixed costs, not chains;
 //
 // Layout of one CTA: W warps; warp w owns stripe (W / KS) * blockIdx.x + w / KS (weight rows
@@ -110,7 +110,7 @@ using pdl::launch_next_grid;     // (mixgemm/pdl.hpp)
 using pdl::wait_previous_grid;
 
 // Phase trace, in experiment builds only (MIXGEMM_NVCC_FLAGS=-DMIXGEMM_DECODE_TRACE, a cache key
-// of its own; benchmarks/experiments/session17/trace.py reads it back): thread 0 of every CTA
+// of its own; tools/decode_trace.py reads it back): thread 0 of every CTA
 // records %globaltimer and clock64 at the kernel's phases (TracePhase) into record
 // [launch of this CTA index % kTraceSlots][CTA index], with the shape, the output pointer, the SM and
 // the grid size to tell the launches apart. Without the macro the marks compile to nothing.
@@ -270,8 +270,8 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
   uint8_t const* wsrc = p.weight + (int64_t(stripe) * k_atoms + wk0) * Cfg::kAtomBytes;
   // Stages [lo, hi) of each warp's first pass over its ring (its slice of its stripe) are
   // contiguous in the prepacked weight and in the warp's ring: one bulk copy, completing stage
-  // lo's barrier, fills them all (a CTA's copies are issued one after another, ~40 ns each: NOTES
-  // 21a), and the other stages' barriers complete their phase 0 at once (the stream waits for
+  // lo's barrier, fills them all (a CTA's copies are issued one after another, ~40 ns each:
+  // docs/decode.md), and the other stages' barriers complete their phase 0 at once (the stream waits for
   // stage lo first, which covers their bytes).
   auto issue_ring = [&](int lo, int hi) {
     hi = min(hi, n_stages);
@@ -363,13 +363,13 @@ CUTLASS_DEVICE void run(Params<typename Cfg::Act> const& p, char* smem, Args<typ
   // the x tile waits for it. But the x tile, an L2 hit, lands behind whatever the SM requested
   // before it (the SM's share of the DRAM bandwidth is ~23 KB per us): so only the scale rows
   // and each warp's first stage go before the wait, and the rest of the ring after the x tile
-  // (NOTES 22: qkv's x tile landed 0.5 instead of 1.4 us after the wait).
+  // (docs/decode.md: qkv's x tile landed 0.5 instead of 1.4 us after the wait).
   __syncthreads();
   trace.mark(kInit);
   if constexpr (Waited) {
     if (warp == 0) { issue_x(); issue_scales(); }
     // One copy per stage, spelled out: through issue_ring (per stage or all at once), ptxas gave
-    // this kernel 16 more registers and mixtral's MoE layer took 1-3% longer (NOTES 22).
+    // this kernel 16 more registers and mixtral's MoE layer took 1-3% longer (docs/decode.md).
     if (streams && lane == 0) {
       for (int s = 0; s < S && s < n_stages; ++s) {
         int const atoms = min(APS, w_atoms - s * APS);

@@ -84,7 +84,7 @@ inline char const* encode_x_chunks(cute::TmaDescriptor* map, void const* x, int 
 
 // The CTAs an H100 SXM (132 SMs) runs at once by CTAs per SM (1-4, shared memory and registers) and
 // cluster size (1-8): cuOccupancyMaxActiveClusters times the size, measured for the 8-token decode
-// kernel (benchmarks/experiments/session20/clusters.py, s20-clusters.json). Other SM counts scale it.
+// kernel (a cluster sweep on an H100, docs/decode.md). Other SM counts scale it.
 inline constexpr short kClusterCtas[4][8] = {{132, 132, 117, 120, 110, 102, 105, 120},
                                              {264, 264, 237, 248, 235, 234, 224, 240},
                                              {396, 396, 372, 368, 345, 372, 329, 360},
@@ -152,7 +152,7 @@ struct Host {
 
   // Split-K factor, from a cost model in nanoseconds fitted to the measured split sweeps of the
   // preset layers (H100: 16 shapes x u4 / u2 / s8, at M = 1 with the 8-token kernels and at M = 16
-  // with the 16-token x-ring kernels, every factor of the sweep; benchmarks/NOTES.md section 24):
+  // with the 16-token x-ring kernels, every factor of the sweep; docs/decode.md):
   //   waves x (start + atom x the atoms on a warp's chain)     a warp's chain is serial and
   //                                                             latency-bound; the launch's CTAs
   //                                                             run in waves of the resident ones
@@ -175,7 +175,7 @@ struct Host {
   // plan_cost() is the model, also used by the grouped decode kernel's plan (its row blocks are
   // the dense ones times the experts that may have rows).
   // max_resident > 0: the CTAs per SM the kernel's registers allow, where the caller knows better
-  // (the grouped 16-token kernels: two, NOTES 28h).
+  // (the grouped 16-token kernels: two, docs/decode.md).
   static long plan_cost(long row_blocks, int splits, int atoms_per_split, int smem, int tokens, long sms,
                         long max_resident = 0) {
     // 256-thread CTAs: three at <= 80 registers (the 8- and 16-token kernels), two for the 32-token ones

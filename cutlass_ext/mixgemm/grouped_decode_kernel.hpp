@@ -19,7 +19,7 @@
 // The body is the dense decode kernel's run() (decode_kernel.hpp), unchanged, called on the
 // expert's pointers: once per tile of at most 8 * NTiles rows. Its scale / zero rows come as the
 // dense kernel's TMA boxes, from descriptors of every expert's rows stacked ([E * G][N]: one copy
-// per tensor where one bulk copy per group row took ~40 ns each, NOTES 28). An expert with more
+// per tensor where one bulk copy per group row took ~40 ns each, docs/moe.md). An expert with more
 // rows than the tile streams its weights once per tile (the row loop: correct at any token count,
 // but the many-tokens regime wants the sm90 grouped GEMM instead). Between tiles the CTA's
 // mbarriers are invalidated and run() initialises them again. The global split-K reduction (more
@@ -28,7 +28,7 @@
 // Routed mode (Params::ids set; at decode sizes, at most kThreads top-k assignments): no offsets
 // and no sorted copy of x. Every CTA ranks the top-k ids itself (routed_expert: one id per
 // thread, a bitmask of the experts with rows, two ballots), which takes the routing kernel's
-// launch out of a fused MoE layer (benchmarks/NOTES.md section 27). The expert of rank z, its
+// launch out of a fused MoE layer (docs/moe.md). The expert of rank z, its
 // first sorted row (the assignments with a smaller id) and its assignments in flat order
 // (token * topk + slot, the stable order of the routing kernel) come out of it; x's rows are
 // read either sorted (x + first) or by token (x[flat / topk]: gate/up reads the layer's input),
@@ -296,7 +296,7 @@ CUTLASS_DEVICE void kernel_body(Params<typename Cfg::Act> const& gp) {
 // The CTAs per SM a kernel is compiled for (__launch_bounds__): three for the 8-token tile, whose
 // waves the planner counts at three resident CTAs (at most 80 registers: decode_plan.hpp); two
 // otherwise. (Bounded by two, ptxas gave the 2-bit swiglu kernel 82 registers once its scale rows
-// came as TMA boxes, and two CTAs per SM: NOTES 28.)
+// came as TMA boxes, and two CTAs per SM: docs/moe.md.)
 template <class Cfg>
 constexpr int kMinCtasPerSm = Cfg::kTokens == 8 ? 3 : 2;
 
@@ -341,9 +341,9 @@ struct Host {
   // the kernel's own resident CTAs per SM (kMinCtasPerSm: the 16-token grouped kernels hold 85-106
   // registers, two CTAs, where the model's default counts three). (The rule before the model, the
   // fewest splits that put a CTA on every SM, split mixtral-8x7b's two experts at one token 1 way
-  // for gate/up and 3 for down where 2 and 2 took 13-30% less time, NOTES 25; with three resident
+  // for gate/up and 3 for down where 2 and 2 took 13-30% less time, docs/moe.md; with three resident
   // CTAs the model split the 16-token launches too finely, and 8-bit codes kept that rule until
-  // the residency was counted: mixtral at 24 tokens 18-23% faster, 8-bit codes 3-7%, NOTES 28h.)
+  // the residency was counted: mixtral at 24 tokens 18-23% faster, 8-bit codes 3-7%, docs/moe.md.)
   static char const* plan(abi::GemmArgs const& a, int32_t experts, decode::Plan& out) {
     int const k_atoms = a.k / 64;
     int const row_blocks = (a.n / 16 + Cfg::kStripesPerCta - 1) / Cfg::kStripesPerCta;

@@ -5,7 +5,7 @@
 // partial accumulators of the split tiles, then one lock (an arrival counter) per split tile and
 // consumer warp group, which must be zero when the kernel starts. So every launch is preceded by a
 // memset of the workspace, a second node in a CUDA graph and a dependency before the kernel
-// (NOTES 30g: ~3.5 us per launch in a one-launch graph, ~2.2 us inside a decode step).
+// (docs/kernels.md: ~3.5 us per launch in a one-launch graph, ~2.2 us inside a decode step).
 //
 // This scheduler is that scheduler with two changes:
 //   * the locks live in their own device memory (Arguments::locks, lock_bytes() of it), which the

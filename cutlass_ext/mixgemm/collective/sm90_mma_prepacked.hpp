@@ -525,7 +525,7 @@ struct CollectiveMmaPrepacked {
     // A whole k-tile ahead: tile t + 1 is converted while tile t's wgmmas run, so the tensor
     // core has a tile's wgmmas queued during each conversion. (Converting one k16 block ahead,
     // each block's conversion first waited for the wgmma four blocks back; the whole-tile
-    // schedule measured 3-11% faster at M = 64-256: benchmarks/NOTES.md 29.)
+    // schedule measured 3-11% faster at M = 64-256: docs/kernels.md.)
     // The two register sets alternate inside one loop iteration: ptxas does not follow
     // wgmma.wait_group counts across a loop's back edge, and with one set it would serialize
     // every wgmma of the kernel (C7513); here each conversion writes a set whose last readers
