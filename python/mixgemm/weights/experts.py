@@ -14,14 +14,13 @@ Fractional zero points (``zero_offsets``) are not supported for experts.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from .layout import ATOM_K, ATOM_N, atom_bytes, prepack, unpack
 from .quantize import dequantize_reference, quantize
-from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedProperties, PackedWeight, QuantizedWeight, \
-    WeightType, check_group_size
+from .types import ActType, PackedProperties, PackedWeight, QuantizedWeight, WeightType
 
 __all__ = ["PackedExperts"]
 
@@ -49,25 +48,8 @@ class PackedExperts(PackedProperties):
     layout_version : int
     """
 
-    qdata: torch.Tensor
-    scales: torch.Tensor
-    zeros: Optional[torch.Tensor]
-    weight_type: WeightType
-    group_size: int
-    n: int
-    k: int
-    arch: str = "sm90a"
-    layout_version: int = LAYOUT_VERSION
-
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"PackedExperts is for arch {self.arch!r}; this mixgemm supports {SUPPORTED_ARCHS}")
-        if self.layout_version != LAYOUT_VERSION:
-            raise ValueError(f"PackedExperts has layout version {self.layout_version}; this mixgemm reads "
-                             f"version {LAYOUT_VERSION}")
-        if self.n % ATOM_N or self.k % ATOM_K:
-            raise ValueError(f"N must be a multiple of {ATOM_N} and K of {ATOM_K}, got N={self.n} K={self.k}")
-        check_group_size(self.group_size, self.k)
+        self.check_geometry()
         if self.qdata.dim() != 4 or self.qdata.shape[0] < 1:
             raise ValueError(f"qdata must be [E, N/16, K/64, bytes] with E >= 1, got {list(self.qdata.shape)}")
         e = self.qdata.shape[0]

@@ -239,10 +239,37 @@ def _check_zero_offsets(offsets: Optional[torch.Tensor], wt: "WeightType", shape
                          f"{offsets.dtype} {list(offsets.shape)}")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class PackedProperties:
-    """What a prepacked weight (:class:`PackedWeight`) and a stack of them
-    (:class:`mixgemm.weights.experts.PackedExperts`) derive alike from their ``weight_type``, ``qdata``,
-    ``scales``, ``k`` and ``group_size``."""
+    """The fields a prepacked weight (:class:`PackedWeight`) and a stack of them
+    (:class:`mixgemm.weights.experts.PackedExperts`) share, their checks that do not depend on the
+    tensors' leading dimensions, and what both derive from them. The subclasses document each
+    field's shape."""
+
+    qdata: torch.Tensor
+    scales: torch.Tensor
+    zeros: Optional[torch.Tensor]
+    weight_type: WeightType
+    group_size: int
+    n: int
+    k: int
+    arch: str = "sm90a"
+    layout_version: int = LAYOUT_VERSION
+
+    def check_geometry(self) -> None:
+        """The architecture, the layout version, N and K against the atom, and the group size:
+        ``ValueError`` with the reason."""
+        kind = type(self).__name__
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"{kind} is for arch {self.arch!r}; this mixgemm supports {SUPPORTED_ARCHS}")
+        if self.layout_version != LAYOUT_VERSION:
+            hint = ("upgrade mixgemm to read it" if self.layout_version > LAYOUT_VERSION
+                    else "prepack the weight again")
+            raise ValueError(f"{kind} has layout version {self.layout_version}; this mixgemm "
+                             f"reads version {LAYOUT_VERSION} ({hint})")
+        if self.n % ATOM_N or self.k % ATOM_K:
+            raise ValueError(f"N must be a multiple of {ATOM_N} and K of {ATOM_K}, got N={self.n} K={self.k}")
+        check_group_size(self.group_size, self.k)
 
     @property
     def bits(self) -> int:
@@ -299,29 +326,10 @@ class PackedWeight(PackedProperties):
         result (see :attr:`QuantizedWeight.zero_offsets`).
     """
 
-    qdata: torch.Tensor
-    scales: torch.Tensor
-    zeros: Optional[torch.Tensor]
-    weight_type: WeightType
-    group_size: int
-    n: int
-    k: int
-    arch: str = "sm90a"
-    layout_version: int = LAYOUT_VERSION
     zero_offsets: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"PackedWeight is for arch {self.arch!r}; this mixgemm supports "
-                             f"{SUPPORTED_ARCHS}")
-        if self.layout_version != LAYOUT_VERSION:
-            hint = ("upgrade mixgemm to read it" if self.layout_version > LAYOUT_VERSION
-                    else "prepack the weight again")
-            raise ValueError(f"PackedWeight has layout version {self.layout_version}; this mixgemm "
-                             f"reads version {LAYOUT_VERSION} ({hint})")
-        if self.n % ATOM_N or self.k % ATOM_K:
-            raise ValueError(f"N must be a multiple of {ATOM_N} and K of {ATOM_K}, got N={self.n} K={self.k}")
-        check_group_size(self.group_size, self.k)
+        self.check_geometry()
         want = (self.n // ATOM_N, self.k // ATOM_K, atom_bytes(self.weight_type.bits))
         if self.qdata.dtype != torch.uint8 or tuple(self.qdata.shape) != want:
             raise ValueError(f"qdata must be uint8 of shape {list(want)}, got "
