@@ -119,19 +119,7 @@ class PackedExperts(PackedProperties):
 
     def metadata(self) -> dict:
         """String metadata describing the stacked tensor (stored in safetensors headers)."""
-        return {
-            "format": EXPERTS_FORMAT,
-            "experts": str(self.num_experts),
-            "weight_type": self.weight_type.value,
-            "bits": str(self.bits),
-            "symmetric": str(self.symmetric).lower(),
-            "group_size": str(self.group_size),
-            "dtype": self.act_type.value,
-            "n": str(self.n),
-            "k": str(self.k),
-            "arch": self.arch,
-            "layout_version": str(self.layout_version),
-        }
+        return {"format": EXPERTS_FORMAT, "experts": str(self.num_experts), **self.layout_metadata()}
 
     # ------------------------------------------------------------------------------ constructors
     @classmethod

@@ -271,6 +271,21 @@ class PackedProperties:
             raise ValueError(f"N must be a multiple of {ATOM_N} and K of {ATOM_K}, got N={self.n} K={self.k}")
         check_group_size(self.group_size, self.k)
 
+    def layout_metadata(self) -> dict:
+        """The safetensors header strings both kinds write after their ``format``: the type,
+        group size, activation dtype, shape, architecture and layout version."""
+        return {
+            "weight_type": self.weight_type.value,
+            "bits": str(self.bits),
+            "symmetric": str(self.symmetric).lower(),
+            "group_size": str(self.group_size),
+            "dtype": self.act_type.value,
+            "n": str(self.n),
+            "k": str(self.k),
+            "arch": self.arch,
+            "layout_version": str(self.layout_version),
+        }
+
     @property
     def bits(self) -> int:
         return self.weight_type.bits
@@ -370,18 +385,7 @@ class PackedWeight(PackedProperties):
 
     def metadata(self) -> dict:
         """String metadata describing this weight (stored in safetensors headers)."""
-        return {
-            "format": "mixgemm.packed",
-            "weight_type": self.weight_type.value,
-            "bits": str(self.bits),
-            "symmetric": str(self.symmetric).lower(),
-            "group_size": str(self.group_size),
-            "dtype": self.act_type.value,
-            "n": str(self.n),
-            "k": str(self.k),
-            "arch": self.arch,
-            "layout_version": str(self.layout_version),
-        }
+        return {"format": "mixgemm.packed", **self.layout_metadata()}
 
 
 # ---------------------------------------------------------------------------------------------
