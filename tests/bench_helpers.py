@@ -1,5 +1,5 @@
 """Helpers shared by the benchmark harness's tests (tests/test_bench*.py): fake measurements,
-a machine description, and the standalone parser."""
+a machine description, the standalone parser, and a CPU clock for the runs."""
 from __future__ import annotations
 
 from mixgemm import bench
@@ -40,3 +40,21 @@ def by_impl(results, m=16):
 def parse(*argv):
     """``mixgemm bench``'s options parsed by the standalone parser."""
     return bench.build_parser().parse_args(list(argv))
+
+
+
+class WallClock:
+    """A CPU stand-in for the CUDA clock (the run's logic, not its numbers, is under test)."""
+
+    def flush(self):
+        pass
+
+    def mark(self):
+        import time
+        return time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_ms(self, start, end):
+        return (end - start) * 1e3

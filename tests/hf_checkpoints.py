@@ -5,7 +5,7 @@ formula gives back.
 Each layer is quantized round-to-nearest in its format's convention (AutoAWQ's
 ``pseudo_quantize_tensor``: asymmetric, zero point ``-round(min / s)``; GPTQ's ``Quantizer``:
 asymmetric, or symmetric with the zero point ``2^(b-1)``; compressed-tensors' ``calculate_qparams``:
-signed codes, symmetric or with a signed zero point) and packed with tests/test_formats.py's
+signed codes, symmetric or with a signed zero point) and packed with tests/reference_packers.py's
 independent reference packers (AutoAWQ GEMM order ``[0, 2, 4, 6, 1, 3, 5, 7]``, GPTQ v1 zeros
 minus one and v2, act-order ``g_idx``, compressed-tensors' int32 bit stream). The reference
 weights come from the same file's reference dequantizers, which evaluate each format's formula.
@@ -28,7 +28,7 @@ from mixgemm import formats
 from mixgemm.nn import QuantLinear
 from mixgemm.weights.quantize import deinterleave_rows
 
-import test_formats as tf
+import reference_packers as rp   # the formats' independent reference packers
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 256, 2, 4, 2, 64, 512
 #: the linear layers of one decoder layer: name -> (N, K) as a function of the intermediate size
@@ -118,7 +118,7 @@ def rtn(w: torch.Tensor, bits: int, groups: torch.Tensor, num_groups: int, symme
 def _groups(k: int, gs: int, act_order: bool, g: torch.Generator):
     """g_idx [K] (int32) and the number of groups: contiguous, or a GPTQ desc_act permutation."""
     gs = k if gs == -1 else gs
-    g_idx = tf.random_act_order_g_idx(k, gs, g) if act_order else (torch.arange(k) // gs).to(torch.int32)
+    g_idx = rp.random_act_order_g_idx(k, gs, g) if act_order else (torch.arange(k) // gs).to(torch.int32)
     return g_idx, -(-k // gs)
 
 
@@ -151,9 +151,9 @@ def write_awq(model_dir: Path, group_size: int = 64, tie: bool = False, shards: 
     for name, (n, k), _ in linear_names():
         groups, num_groups = _groups(k, group_size, False, g)
         q, z, s = rtn(_float_weight(n, k, g), 4, groups.long(), num_groups, False, torch.float16)
-        t = {"qweight": tf.awq_pack(q.t()), "qzeros": tf.awq_pack(z.t()), "scales": s.t().contiguous()}
+        t = {"qweight": rp.awq_pack(q.t()), "qzeros": rp.awq_pack(z.t()), "scales": s.t().contiguous()}
         tensors.update({f"{name}.{key}": v for key, v in t.items()})
-        linears[name] = tf.awq_reference_dequant(t["qweight"], t["qzeros"], t["scales"], group_size).contiguous()
+        linears[name] = rp.awq_reference_dequant(t["qweight"], t["qzeros"], t["scales"], group_size).contiguous()
     qc = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
           "modules_to_not_convert": None}
     _write(model_dir, config, qc, tensors, shards)
@@ -173,7 +173,7 @@ def gptq_layer(w: torch.Tensor, bits: int, group_size: int, symmetric: bool, fmt
         if not torch.equal(z1, z):
             q = torch.clamp(torch.round(w / s.float()[:, g_idx.long()]) + z1[:, g_idx.long()], 0, (1 << bits) - 1).long()
         z = z1
-    return {"qweight": tf.gptq_pack(q.t(), bits, 0), "qzeros": tf.gptq_pack_zeros(z.t(), bits, fmt),
+    return {"qweight": rp.gptq_pack(q.t(), bits, 0), "qzeros": rp.gptq_pack_zeros(z.t(), bits, fmt),
             "scales": s.t().contiguous(), "g_idx": g_idx.clone()}
 
 
@@ -196,7 +196,7 @@ def write_gptq(model_dir: Path, bits: int = 4, group_size: int = 64, symmetric: 
         g_idx, num_groups = orders[role]
         t = gptq_layer(_float_weight(n, k, g), bits, group_size, symmetric, fmt, g_idx, num_groups)
         tensors.update({f"{name}.{key}": v for key, v in t.items()})
-        linears[name] = tf.gptq_reference_dequant(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, fmt)
+        linears[name] = rp.gptq_reference_dequant(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, fmt)
         if k % 64:
             full.add(name)
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order, "sym": symmetric,
@@ -225,7 +225,7 @@ def write_compressed_tensors(model_dir: Path, bits: int = 4, group_size: int = 6
         if tensor_strategy_o_proj and proj == "self_attn.o_proj":
             s = (w.abs().max() / ((2 * offset - 1) / 2)).to(torch.bfloat16).reshape(1)
             q = torch.clamp(torch.round(w / s.float()), -offset, offset - 1).long()
-            prefix = {"weight_packed": tf.ct_pack(q, bits), "weight_scale": s, "weight_shape": torch.tensor([n, k])}
+            prefix = {"weight_packed": rp.ct_pack(q, bits), "weight_scale": s, "weight_shape": torch.tensor([n, k])}
             linears[name] = q.to(torch.bfloat16) * s          # compressed-tensors' _dequantize, one scale
             full.add(name)
         else:
@@ -234,13 +234,13 @@ def write_compressed_tensors(model_dir: Path, bits: int = 4, group_size: int = 6
                 orders[role] = _groups(k, group_size, act_order, g)
             g_idx, num_groups = orders[role]
             q_u, z_u, s = rtn(w, bits, g_idx.long(), num_groups, symmetric, torch.bfloat16)
-            prefix = {"weight_packed": tf.ct_pack(q_u - offset, bits), "weight_scale": s,
+            prefix = {"weight_packed": rp.ct_pack(q_u - offset, bits), "weight_scale": s,
                       "weight_shape": torch.tensor([n, k])}
             if not symmetric:
-                prefix["weight_zero_point"] = tf.ct_pack(z_u - offset, bits, 0)
+                prefix["weight_zero_point"] = rp.ct_pack(z_u - offset, bits, 0)
             if act_order:
                 prefix["weight_g_idx"] = g_idx.clone()
-            linears[name] = tf.ct_reference_dequant(prefix["weight_packed"], s, prefix["weight_shape"], bits,
+            linears[name] = rp.ct_reference_dequant(prefix["weight_packed"], s, prefix["weight_shape"], bits,
                                                     prefix.get("weight_zero_point"), prefix.get("weight_g_idx"))
         tensors.update({f"{name}.{key}": v for key, v in prefix.items()})
     weights = {"num_bits": bits, "type": "int", "symmetric": symmetric,

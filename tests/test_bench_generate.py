@@ -20,7 +20,7 @@ from mixgemm.bench.generate import GenMeasurement, analyze_generate
 from mixgemm.weights.types import WeightType
 
 from bench_helpers import machine, parse, stats
-from test_bench_model import WallClock
+from bench_helpers import WallClock
 
 CPU = torch.device("cpu")
 BASE = dict(preset="llama3-8b", prompt_tokens=128, new_tokens=64, layers=32)

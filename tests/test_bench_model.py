@@ -26,7 +26,7 @@ from mixgemm.bench.timing import budgeted_iters
 from mixgemm.weights.quantize import dequantize_reference, quantize
 from mixgemm.weights.types import WeightType
 
-from bench_helpers import machine, parse
+from bench_helpers import machine, parse, WallClock
 
 CPU = torch.device("cpu")
 # q 128, kv 64 each: qkv (256, 128), o (128, 128), gate_up (512, 128), down (128, 256)
@@ -599,21 +599,6 @@ def test_budgeted_iters():
 
 
 # ------------------------------------------------------------------------- the run, on the CPU
-class WallClock:
-    """A CPU stand-in for the CUDA clock (the run's logic, not its numbers, is under test)."""
-
-    def flush(self):
-        pass
-
-    def mark(self):
-        import time
-        return time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def elapsed_ms(self, start, end):
-        return (end - start) * 1e3
 
 
 def test_the_run_on_the_cpu():

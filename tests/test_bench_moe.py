@@ -18,7 +18,7 @@ from mixgemm.moe import fused_moe_reference
 from mixgemm.jit.specs import GroupedDecodeSpec, MoeLayoutSpec
 from mixgemm.weights.types import ActType, WeightType
 
-from bench_helpers import machine, parse, stats
+from bench_helpers import machine, parse, stats, WallClock
 
 CPU = torch.device("cpu")
 SMALL = B.MoePreset("small", "test", hidden=128, intermediate=128, experts=6, topk=2)
@@ -318,21 +318,6 @@ def test_list_kernels_needs_no_gpu(monkeypatch, capsys):
 
 
 # ------------------------------------------------------------------------- the run, on the CPU
-class WallClock:
-    """A CPU stand-in for the CUDA clock (the run's logic, not its numbers, is under test)."""
-
-    def flush(self):
-        pass
-
-    def mark(self):
-        import time
-        return time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def elapsed_ms(self, start, end):
-        return (end - start) * 1e3
 
 
 class EagerGraph:

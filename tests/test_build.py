@@ -11,8 +11,6 @@ import json
 import logging
 import math
 import os
-import stat
-import textwrap
 import threading
 from pathlib import Path
 
@@ -23,52 +21,10 @@ from mixgemm.jit import build, render as codegen, env as paths
 from mixgemm.errors import KernelError
 from mixgemm.jit.specs import Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Scheduler
 from mixgemm.weights.types import ActType, WeightType
+from fake_nvcc import fake_env, nvcc_calls  # noqa: F401  (the fake nvcc and a private cache)
 
 GEMM = GemmSpec(ActType.BF16, WeightType.U4, 128, 16, 128, scheduler=Scheduler.STREAMK)
 DEQ = DequantSpec(ActType.FP16, WeightType.S2)
-
-FAKE_NVCC = textwrap.dedent("""\
-    #!/usr/bin/env python3
-    import os, sys, time
-    args = sys.argv[1:]
-    if args == ["--version"]:
-        print("nvcc: NVIDIA (R) Cuda compiler driver\\nCuda compilation tools, release 13.0, V13.0.88")
-        sys.exit(0)
-    out = args[args.index("-o") + 1]
-    src = [a for a in args if a.endswith((".cu", ".cpp"))][0]
-    log = os.environ.get("FAKE_NVCC_LOG")
-    if log:
-        with open(log, "a") as f:
-            f.write(os.path.basename(out) + "\\n")
-    if os.environ.get("FAKE_NVCC_FAIL"):
-        print("error: fake failure", file=sys.stderr)
-        sys.exit(2)
-    if os.environ.get("FAKE_NVCC_NOTE"):
-        print(os.environ["FAKE_NVCC_NOTE"], file=sys.stderr)
-    time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP", "0")))
-    with open(out, "w") as f:
-        f.write(" ".join(args) + "\\n" + open(src).read())
-    """)
-
-
-@pytest.fixture
-def fake_env(tmp_path, monkeypatch):
-    home = tmp_path / "cuda"
-    (home / "bin").mkdir(parents=True)
-    nvcc = home / "bin" / "nvcc"
-    nvcc.write_text(FAKE_NVCC)
-    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("CUDA_HOME", str(home))
-    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("FAKE_NVCC_LOG", str(tmp_path / "calls.log"))
-    for var in build.KEY_ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path
-
-
-def _calls(tmp: Path) -> list[str]:
-    log = tmp / "calls.log"
-    return log.read_text().split() if log.exists() else []
 
 
 def test_build_then_hit(fake_env):
@@ -80,17 +36,17 @@ def test_build_then_hit(fake_env):
     assert "-DNDEBUG" in meta["commands"]["kernel.cubin"]
     assert "-gencode=arch=compute_90a,code=sm_90a" in meta["commands"]["kernel.cubin"]
     assert "-DMIXGEMM_HOST_HELPER" in meta["commands"]["helper.so"]
-    assert sorted(_calls(fake_env)) == ["helper.so", "kernel.cubin"]
+    assert sorted(nvcc_calls(fake_env)) == ["helper.so", "kernel.cubin"]
     again = build.build(GEMM)
     assert again.directory == art.directory
-    assert len(_calls(fake_env)) == 2, "a cached kernel must not be rebuilt"
+    assert len(nvcc_calls(fake_env)) == 2, "a cached kernel must not be rebuilt"
     assert build.is_cached(GEMM)
 
 
 def test_dequant_has_no_helper(fake_env):
     art = build.build(DEQ)
     assert art.helper_path is None and art.cubin_path.is_file()
-    assert _calls(fake_env) == ["kernel.cubin"]
+    assert nvcc_calls(fake_env) == ["kernel.cubin"]
 
 
 def test_key_covers_source_flags_env_and_headers(fake_env, monkeypatch, tmp_path):
@@ -140,10 +96,10 @@ def test_corrupt_entry_is_rebuilt(fake_env):
     art.cubin_path.write_bytes(b"garbage")
     art2, cubin = build.load_artifacts(GEMM)
     assert cubin != b"garbage" and cubin.startswith(b"-std=c++17")
-    assert len(_calls(fake_env)) == 4
+    assert len(nvcc_calls(fake_env)) == 4
     (art2.directory / "meta.json").unlink()                 # a half-built entry
     build.load_artifacts(GEMM)
-    assert len(_calls(fake_env)) == 6
+    assert len(nvcc_calls(fake_env)) == 6
 
 
 def test_failed_build_leaves_nothing(fake_env, monkeypatch):
@@ -206,7 +162,7 @@ def test_concurrent_builders_build_once(fake_env, monkeypatch):
     for t in threads:
         t.join()
     assert len(results) == 4 and len(set(results)) == 1
-    assert _calls(fake_env) == ["kernel.cubin"]
+    assert nvcc_calls(fake_env) == ["kernel.cubin"]
 
 
 def test_build_many_progress_and_errors(fake_env, monkeypatch):

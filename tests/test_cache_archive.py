@@ -21,7 +21,7 @@ from mixgemm.errors import UserError
 from mixgemm.jit.specs import DequantSpec, GemmSpec, Scheduler
 from mixgemm.weights.types import ActType, WeightType
 
-from test_build import _calls, fake_env  # noqa: F401  (the fake nvcc and a private cache)
+from fake_nvcc import fake_env, nvcc_calls  # noqa: F401  (the fake nvcc and a private cache)
 
 GEMM = GemmSpec(ActType.BF16, WeightType.U4, 128, 64, 64, scheduler=Scheduler.STREAMK)
 DEQ = DequantSpec(ActType.FP16, WeightType.S2)
@@ -86,18 +86,18 @@ def test_export_then_import_into_an_empty_cache(warm, fake_env, capsys, trust):
     assert manifest["format"] == cache_archive.ARCHIVE_FORMAT and len(manifest["entries"]) == 4
     assert sum(n.startswith("host/launcher-") and n.endswith("/launcher.so") for n in names) == 1
     assert not any(n.endswith((".cu", ".cpp")) for n in names), "sources are not exported"
-    calls = _calls(fake_env)
+    calls = nvcc_calls(fake_env)
     rc, out, err = run(capsys, "cache", "import", archive, *(["--trust-host-code"] if trust else []))
     assert rc == 0, err
     if trust:
         assert "imported 4 entries (host code taken from the archive: --trust-host-code), 0 already present, " \
                "0 refused" in out
-        assert _calls(fake_env) == calls, "a trusting import compiles nothing"
+        assert nvcc_calls(fake_env) == calls, "a trusting import compiles nothing"
     else:
         assert "imported 4 entries (the host code of 2 compiled here; --trust-host-code takes the archive's), " \
                "0 already present, 0 refused" in out
-        assert sorted(_calls(fake_env)[len(calls):]) == ["helper.so", "launcher.so"], "only the host code"
-    calls = _calls(fake_env)
+        assert sorted(nvcc_calls(fake_env)[len(calls):]) == ["helper.so", "launcher.so"], "only the host code"
+    calls = nvcc_calls(fake_env)
     for spec in (GEMM, DEQ, DEQ2):
         assert build.is_cached(spec)
         art, cubin = build.load_artifacts(spec, build_if_missing=False)
@@ -109,7 +109,7 @@ def test_export_then_import_into_an_empty_cache(warm, fake_env, capsys, trust):
             assert same == trust and (meta.get("host_code") == "built here") != trust
     from mixgemm.jit import launcher
     assert launcher.build_compiled().parent.parent == b / "host"
-    assert _calls(fake_env) == calls, "the imported launcher is used as is"
+    assert nvcc_calls(fake_env) == calls, "the imported launcher is used as is"
     assert not list((b / "tmp").iterdir()), "no temporary left"
     # again: everything is present
     rc, out, err = run(capsys, "cache", "import", archive)

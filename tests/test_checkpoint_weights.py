@@ -28,7 +28,7 @@ from mixgemm.weights.quantize import interleave_gate_up, quantize
 from mixgemm.jit.specs import Activation
 from mixgemm.weights.types import ActType, PackedWeight, QuantizedWeight
 
-from test_build import fake_env  # noqa: F401  (the fake nvcc and a private cache)
+from fake_nvcc import fake_env  # noqa: F401  (the fake nvcc and a private cache)
 
 #: layer -> (N, K) of a tiny Llama decoder layer
 LAYERS = {"self_attn.q_proj": (128, 256), "self_attn.k_proj": (64, 256), "self_attn.v_proj": (64, 256),

@@ -11,13 +11,13 @@ import mixgemm
 from mixgemm import formats
 from mixgemm.cli.main import main
 
-import test_formats as tf   # independent reference packers of each format
+import reference_packers as rp   # the formats' independent reference packers
 
 
 def _awq_ckpt(path):
-    k, gs = tf.shape_for(128)
-    qweight, qzeros, scales = tf.make_awq(k, gs, tf.gen_for("cli-awq"))
-    bias = torch.randn(tf.N, dtype=torch.float16)
+    k, gs = rp.shape_for(128)
+    qweight, qzeros, scales = rp.make_awq(k, gs, rp.gen_for("cli-awq"))
+    bias = torch.randn(rp.N, dtype=torch.float16)
     save_file({"model.proj.qweight": qweight, "model.proj.qzeros": qzeros, "model.proj.scales": scales,
                "model.proj.bias": bias, "model.norm.weight": torch.ones(k, dtype=torch.float16)}, str(path))
     return formats.from_awq(qweight, qzeros, scales), bias
@@ -37,9 +37,9 @@ def test_from_awq_file(tmp_path, capsys):
 
 
 def test_from_gptq_shard_directory_with_act_order(tmp_path):
-    k, gs = tf.shape_for(128)
-    gen = tf.gen_for("cli-gptq")
-    t = tf.make_gptq(k, gs, 4, False, "gptq", torch.float16, gen, g_idx=tf.random_act_order_g_idx(k, gs, gen))
+    k, gs = rp.shape_for(128)
+    gen = rp.gen_for("cli-gptq")
+    t = rp.make_gptq(k, gs, 4, False, "gptq", torch.float16, gen, g_idx=rp.random_act_order_g_idx(k, gs, gen))
     d = tmp_path / "ckpt"
     d.mkdir()
     save_file({f"l.{n}": v for n, v in t.items() if n in ("qweight", "qzeros")}, str(d / "a.safetensors"))
@@ -50,7 +50,7 @@ def test_from_gptq_shard_directory_with_act_order(tmp_path):
     assert main(["prepack", str(d), "-o", str(dst), "--from", "gptq"]) == 0
     got = mixgemm.load(str(dst))
     perm = got["l.perm"]
-    w_ref = tf.gptq_reference_dequant(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4, "gptq")
+    w_ref = rp.gptq_reference_dequant(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4, "gptq")
     x = torch.randn(3, k, dtype=torch.float64)
     y = x[:, perm] @ mixgemm.dequantize_reference(got["l.weight"]).double().T
     assert torch.allclose(y, x @ w_ref.double().T, rtol=1e-9, atol=1e-9)
@@ -67,8 +67,8 @@ def test_from_errors_leave_no_output(tmp_path, capsys, case, message):
     src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
     args = ["prepack", str(src), "-o", str(dst), "--from", "awq"]
     if case == "no-gptq-format":
-        k, gs = tf.shape_for(128)
-        t = tf.make_gptq(k, gs, 4, True, "gptq", torch.float16, tf.gen_for("cli-err"))
+        k, gs = rp.shape_for(128)
+        t = rp.make_gptq(k, gs, 4, True, "gptq", torch.float16, rp.gen_for("cli-err"))
         save_file({f"l.{n}": v for n, v in t.items()}, str(src))
         args[-1] = "gptq"
     elif case == "corrupt":

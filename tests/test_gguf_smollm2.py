@@ -33,7 +33,7 @@ transformers = pytest.importorskip("transformers", reason="mixgemm.hf needs tran
 import bf16_spread as sp  # noqa: E402
 import hf_checkpoints as hc  # noqa: E402
 import linear_numerics as ln  # noqa: E402
-import test_formats_gguf as tg  # noqa: E402
+import gguf_checks as gc  # noqa: E402
 from mixgemm import hf
 from mixgemm.ops import dense as ops  # noqa: E402
 from mixgemm.cli.main import main  # noqa: E402
@@ -172,7 +172,7 @@ def _stats(err: torch.Tensor, w: torch.Tensor):
 def test_every_tensor_against_gguf(smollm2, capsys):
     """Each of the 272 tensors against gguf.quants.dequantize (float32): Q8_0 bit-exact in fp16,
     Q4_1 and bf16 within the documented bounds, F32 unchanged. Prints the figures."""
-    ref = tg.gguf_reference(smollm2)
+    ref = gc.gguf_reference(smollm2)
     fp16, bf16 = from_gguf(smollm2), from_gguf(smollm2, BF16)
     assert list(fp16) == list(ref) == list(bf16)
     rows, counts = {}, {}
@@ -185,7 +185,7 @@ def test_every_tensor_against_gguf(smollm2, capsys):
         assert isinstance(qw16, mixgemm.QuantizedWeight) and (qw16.n, qw16.k) == tuple(w.shape), name
         assert qw16.weight_type.value == {"Q8_0": "s8", "Q4_1": "u4"}[kind], name
         for dtype in (FP16, BF16):
-            same = tg.check_against_gguf(kind, qw16, qwbf, dtype, w)       # the bounds, element-wise
+            same = gc.check_against_gguf(kind, qw16, qwbf, dtype, w)       # the bounds, element-wise
             got = mixgemm.dequantize_reference(qw16 if dtype == FP16 else qwbf).double()
             err = (got - w.double()).abs()
             r = rows.setdefault((kind, str(dtype).split(".")[1]), [0, 0, 0.0, 0.0, 0.0])
@@ -215,11 +215,11 @@ def test_the_checkpoint_loads_into_transformers(checkpoint, smollm2, reference32
     loaded = hc.dequantized_linears(model)
     for name, (w, bias) in loaded.items():
         qw = ours[f"{name}.weight"]
-        tg.assert_bitwise(w, mixgemm.dequantize_reference(qw))
+        gc.assert_bitwise(w, mixgemm.dequantize_reference(qw))
         assert bias is None
     exact = from_gguf(smollm2, hf_names=True)     # fp16 scales: (q - z) * d + o is GGUF's value
     for name in loaded:
-        p, o = tg.exact_parts(exact[f"{name}.weight"])
+        p, o = gc.exact_parts(exact[f"{name}.weight"])
         assert torch.equal((p + o).float(), theirs[f"{name}.weight"].detach()), name
     assert torch.equal(model.model.embed_tokens.weight, theirs["model.embed_tokens.weight"].detach().to(BF16))
     assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -171,12 +171,12 @@ def test_a_transformers_model_generates_the_eager_tokens_under_reduce_overhead(r
 def test_fused_blocks_on_the_kernels_match_per_layer_quantization(requires_gpu, family):
     """The fused projections and layers of tests/test_blocks.py on the GPU kernels: logits within
     the GEMM tolerance of the per-layer model's, and greedy tokens over two turns."""
-    import test_blocks as tb
+    from tiny_models import tiny_model
 
     dev = requires_gpu
     models = {}
     for name, kw in (("plain", dict(fuse_projections=False)), ("fused", {}), ("layers", dict(fuse_layers=True))):
-        m = tb.tiny_model(family, layers=2).to(dev, torch.bfloat16)
+        m = tiny_model(family, layers=2).to(dev, torch.bfloat16)
         mixgemm.nn.quantize_model(m, bits=4, group_size=64, progress=False, **kw)
         models[name] = m
     ids = torch.randint(0, 160, (2, 21), device=dev, generator=torch.Generator(device=dev).manual_seed(3))

@@ -10,7 +10,7 @@ import torch
 import mixgemm
 from mixgemm import formats
 
-import test_formats as tf   # the formats' independent reference packers (tests/test_formats.py)
+import reference_packers as rp   # the formats' independent reference packers (tests/reference_packers.py)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,9 +28,9 @@ def _check(layer: formats.ImportedLayer, w_ref: torch.Tensor, dev, k: int):
 
 @pytest.mark.parametrize("group", [64, 128])
 def test_awq(requires_gpu, group):
-    k, gs = tf.shape_for(group)
-    qweight, qzeros, scales = tf.make_awq(k, gs, tf.gen_for("gpu-awq", group))
-    w_ref = tf.awq_reference_dequant(qweight, qzeros, scales, gs)
+    k, gs = rp.shape_for(group)
+    qweight, qzeros, scales = rp.make_awq(k, gs, rp.gen_for("gpu-awq", group))
+    w_ref = rp.awq_reference_dequant(qweight, qzeros, scales, gs)
     _check(formats.from_awq(qweight, qzeros, scales), w_ref, requires_gpu, k)
 
 
@@ -38,11 +38,11 @@ def test_awq(requires_gpu, group):
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gptq(requires_gpu, bits, sym, act_order):
-    k, gs = tf.shape_for(128)
-    gen = tf.gen_for("gpu-gptq", bits, sym, act_order)
-    g_idx = tf.random_act_order_g_idx(k, gs, gen) if act_order else None
-    t = tf.make_gptq(k, gs, bits, sym, "gptq", torch.float16, gen, g_idx=g_idx)
-    w_ref = tf.gptq_reference_dequant(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, "gptq")
+    k, gs = rp.shape_for(128)
+    gen = rp.gen_for("gpu-gptq", bits, sym, act_order)
+    g_idx = rp.random_act_order_g_idx(k, gs, gen) if act_order else None
+    t = rp.make_gptq(k, gs, bits, sym, "gptq", torch.float16, gen, g_idx=g_idx)
+    w_ref = rp.gptq_reference_dequant(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, "gptq")
     layer = formats.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits=bits,
                               checkpoint_format="gptq")
     assert (layer.perm is not None) == act_order
@@ -52,9 +52,9 @@ def test_gptq(requires_gpu, bits, sym, act_order):
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_compressed_tensors(requires_gpu, bits, sym):
-    k, gs = tf.shape_for(128)
-    t = tf.make_ct(k, gs, bits, sym, torch.bfloat16, tf.gen_for("gpu-ct", bits, sym))
-    w_ref = tf.ct_reference_dequant(t["weight_packed"], t["weight_scale"], t["weight_shape"], bits,
+    k, gs = rp.shape_for(128)
+    t = rp.make_ct(k, gs, bits, sym, torch.bfloat16, rp.gen_for("gpu-ct", bits, sym))
+    w_ref = rp.ct_reference_dequant(t["weight_packed"], t["weight_scale"], t["weight_shape"], bits,
                                     t.get("weight_zero_point"))
     layer = formats.from_compressed_tensors(t["weight_packed"], t["weight_scale"], t["weight_shape"],
                                             t.get("weight_zero_point"), bits=bits)
@@ -63,9 +63,9 @@ def test_compressed_tensors(requires_gpu, bits, sym):
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_hqq_integer_zeros(requires_gpu, bits):
-    k, gs = tf.shape_for(64)
-    t, meta = tf.make_hqq(tf.N, k, gs, bits, torch.float16, tf.gen_for("gpu-hqq", bits), encoded=False)
-    w_ref = tf.hqq_reference_dequant(t["W_q"], t["scale"], t["zero"], bits, (tf.N, k), torch.float16)
+    k, gs = rp.shape_for(64)
+    t, meta = rp.make_hqq(rp.N, k, gs, bits, torch.float16, rp.gen_for("gpu-hqq", bits), encoded=False)
+    w_ref = rp.hqq_reference_dequant(t["W_q"], t["scale"], t["zero"], bits, (rp.N, k), torch.float16)
     _check(formats.from_hqq(t["W_q"], t["scale"], t["zero"], meta), w_ref, requires_gpu, k)
 
 
@@ -76,8 +76,8 @@ def test_hqq_fractional_zeros_every_path(requires_gpu, bits, dtype):
     added after them, on the decode and GEMM paths, with and without a fused activation, against
     float64 on the weight mixgemm computes with (within the documented bound of HQQ's own)."""
     dev = requires_gpu
-    k, gs = tf.shape_for(64)
-    t, meta = tf.make_hqq(tf.N, k, gs, bits, dtype, tf.gen_for("gpu-hqq-frac", bits, str(dtype)),
+    k, gs = rp.shape_for(64)
+    t, meta = rp.make_hqq(rp.N, k, gs, bits, dtype, rp.gen_for("gpu-hqq-frac", bits, str(dtype)),
                           zeros="fractional", encoded=False)
     qw = formats.from_hqq(t["W_q"], t["scale"], t["zero"], meta).qweight
     packed = mixgemm.prepack(qw).to(dev)

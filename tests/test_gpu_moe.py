@@ -17,60 +17,24 @@ from mixgemm.jit.catalog import ALL_ACTS, ALL_WEIGHTS
 from mixgemm.weights.experts import PackedExperts
 from mixgemm.weights.quantize import interleave_gate_up, quantize
 from moe_graph import capture_fused_moe, replay_matches_eager
+from moe_reference import distinct_experts, expert_offsets, fused_moe_error, grouped_reference, random_experts, tolerance
 
 pytestmark = pytest.mark.gpu
-
-
-def _tolerance(k: int, dtype) -> float:
-    # as tests/test_gpu_gemm.py: 4x the output rounding plus 64x the float32 accumulation term
-    unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    return 4 * unit + 64 * (k ** 0.5) * 2.0 ** -24
-
-
-def _experts(act, wt, e, n, k, group, gated=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    dtype = act.torch_dtype
-    group = k if group == "K" else group
-    if gated:
-        qws = [interleave_gate_up(quantize(torch.randn(n // 2, k, generator=g), wt.bits, group, wt.signed, dtype),
-                                  quantize(torch.randn(n // 2, k, generator=g), wt.bits, group, wt.signed, dtype))
-               for _ in range(e)]
-    else:
-        qws = [quantize(torch.randn(n, k, generator=g), wt.bits, group, wt.signed, dtype) for _ in range(e)]
-    ex = PackedExperts.from_quantized(qws).to("cuda")
-    return ex, ex.dequantize_reference().double()
-
-
-def _offsets(counts):
-    return torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-
-
-def _reference(x, deq, counts, activation):
-    ref = []
-    r0 = 0
-    for e, c in enumerate(counts):
-        y = x[r0:r0 + c].double() @ deq[e].T
-        if activation == "swiglu":
-            p = y.view(c, y.shape[1] // 16, 2, 8)   # (an expert with no rows: c = 0)
-            y = (torch.nn.functional.silu(p[:, :, 0]) * p[:, :, 1]).reshape(c, y.shape[1] // 2)
-        ref.append(y)
-        r0 += c
-    return torch.cat(ref)
 
 
 def _check(x, ex, deq, counts, activation=None):
     t = x.shape[0]
     n_out = ex.n // 2 if activation == "swiglu" else ex.n
     y = torch.full((t, n_out), float("nan"), device="cuda", dtype=x.dtype)
-    moe.grouped_gemm(x, ex, _offsets(counts), out=y, activation=activation)
+    moe.grouped_gemm(x, ex, expert_offsets(counts), out=y, activation=activation)
     used = sum(counts)
     assert not torch.isnan(y[:used]).any(), "unwritten (or NaN) outputs"
     assert torch.isnan(y[used:]).all(), "rows past offsets[E] were written"
     if used == 0:
         return
-    ref = _reference(x[:used], deq, counts, activation)
+    ref = grouped_reference(x[:used], deq, counts, activation)
     err = ((y[:used].double() - ref).norm() / ref.norm()).item()
-    assert err <= _tolerance(ex.k, x.dtype), f"counts {counts}: relative error {err:.3e}"
+    assert err <= tolerance(ex.k, x.dtype), f"counts {counts}: relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("act", ALL_ACTS, ids=lambda a: a.value)
@@ -79,7 +43,7 @@ def _check(x, ex, deq, counts, activation=None):
 @pytest.mark.parametrize("activation", (None, "swiglu"))
 def test_every_grouped_kernel(requires_gpu, act, wt, group, activation):
     e, n, k = 8, 256, 512
-    ex, deq = _experts(act, wt, e, n, k, group, gated=activation == "swiglu")
+    ex, deq = random_experts(act, wt, e, n, k, group, gated=activation == "swiglu")
     torch.manual_seed(1)
     # zero rows, one row, odd counts, a count above the 16-row tile (the row loop)
     # (fewer rows than experts: the grid is compacted to one CTA per row block and rank, and the
@@ -102,7 +66,7 @@ def test_grouped_decode_forced_splits(requires_gpu, wt, splits):
 
     act = ActType.BF16
     e, n, k = 8, 256, 1280
-    ex, deq = _experts(act, wt, e, n, k, 128, gated=True)
+    ex, deq = random_experts(act, wt, e, n, k, 128, gated=True)
     torch.manual_seed(2)
     for label, counts in (("dec8", [0, 1, 0, 3, 0, 0, 1, 0]), ("dec16", [2, 0, 9, 1, 0, 0, 14, 0])):
         rows = sum(counts)
@@ -110,10 +74,10 @@ def test_grouped_decode_forced_splits(requires_gpu, wt, splits):
         d = next(t for t in TILE_CONFIGS if t.label == label).spec(act, wt, Activation.SWIGLU)
         spec = GroupedDecodeSpec(d.act, d.weight, d.tokens, d.warps, d.stage_bytes, d.stages, d.activation, d.kslices)
         y = torch.full((rows, n // 2), float("nan"), device="cuda", dtype=x.dtype)
-        moe.grouped_gemm_with_spec(x, ex, _offsets(counts), spec, out=y, activation="swiglu", splits=splits)
-        ref = _reference(x, deq, counts, "swiglu")
+        moe.grouped_gemm_with_spec(x, ex, expert_offsets(counts), spec, out=y, activation="swiglu", splits=splits)
+        ref = grouped_reference(x, deq, counts, "swiglu")
         err = ((y.double() - ref).norm() / ref.norm()).item()
-        assert err <= _tolerance(k, x.dtype), f"{spec.name} splits {splits} counts {counts}: {err:.3e}"
+        assert err <= tolerance(k, x.dtype), f"{spec.name} splits {splits} counts {counts}: {err:.3e}"
 
 
 @pytest.mark.parametrize("wt", ALL_WEIGHTS, ids=lambda w: w.value)
@@ -128,27 +92,27 @@ def test_row_loop_on_a_compacted_grid(requires_gpu, wt, label):
 
     act = ActType.BF16
     e, n, k = 300, 128, 384
-    ex, deq = _experts(act, wt, e, n, k, 64, gated=True)
+    ex, deq = random_experts(act, wt, e, n, k, 64, gated=True)
     counts = [0] * e
     counts[3], counts[17], counts[255], counts[256], counts[299] = 37, 9, 1, 17, 2   # 66 rows <= E
     torch.manual_seed(3)
     x = torch.randn(sum(counts), k, device="cuda", dtype=act.torch_dtype)
     d = next(t for t in TILE_CONFIGS if t.label == label).spec(act, wt, Activation.SWIGLU)
     spec = GroupedDecodeSpec(d.act, d.weight, d.tokens, d.warps, d.stage_bytes, d.stages, d.activation, d.kslices)
-    ref = _reference(x, deq, counts, "swiglu")
+    ref = grouped_reference(x, deq, counts, "swiglu")
     for splits in (1, 2):
         y = torch.full((x.shape[0], n // 2), float("nan"), device="cuda", dtype=x.dtype)
-        moe.grouped_gemm_with_spec(x, ex, _offsets(counts), spec, out=y, activation="swiglu", splits=splits)
+        moe.grouped_gemm_with_spec(x, ex, expert_offsets(counts), spec, out=y, activation="swiglu", splits=splits)
         assert not torch.isnan(y).any(), f"{spec.name} splits {splits}: unwritten rows"
         err = ((y.double() - ref).norm() / ref.norm()).item()
-        assert err <= _tolerance(k, x.dtype), f"{spec.name} splits {splits}: relative error {err:.3e}"
+        assert err <= tolerance(k, x.dtype), f"{spec.name} splits {splits}: relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("e", (1, 256))
 def test_one_and_many_experts(requires_gpu, e):
     from mixgemm.weights.types import ActType, WeightType
 
-    ex, deq = _experts(ActType.BF16, WeightType.U4, e, 128, 256, 64)
+    ex, deq = random_experts(ActType.BF16, WeightType.U4, e, 128, 256, 64)
     g = torch.Generator().manual_seed(e)
     counts = [3] if e == 1 else torch.randint(0, 3, (e,), generator=g).tolist()
     x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
@@ -157,21 +121,6 @@ def test_one_and_many_experts(requires_gpu, e):
     counts = [0] * (e - 1) + [33]
     x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
     _check(x, ex, deq, counts)
-
-
-def _distinct_experts(t: int, topk: int, e: int) -> torch.Tensor:
-    """[t, topk] int64 top-k ids: each token on ``topk`` distinct experts of ``e``, at random."""
-    return torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
-
-
-def _fused_moe_error(x, w13, w2, topk: int, e: int) -> float:
-    """The relative error of ``fused_moe`` on x under random routing (distinct experts, softmax
-    weights, ``e`` experts) against ``fused_moe_reference`` on the experts' dequantized weights."""
-    ids = _distinct_experts(x.shape[0], topk, e)
-    w = torch.softmax(torch.randn(x.shape[0], topk, device="cuda"), -1)
-    got = moe.fused_moe(x, w13, w2, w, ids)
-    ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
-    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 @pytest.mark.parametrize("act", ALL_ACTS, ids=lambda a: a.value)
@@ -186,9 +135,9 @@ def test_fused_moe_against_unfused(requires_gpu, act, bits, symmetric, t, topk, 
     w2 = PackedExperts.quantize(torch.randn(e, h, inter) / 8, bits, 64, symmetric, dtype).to("cuda")
     torch.manual_seed(t)
     x = torch.randn(t, h, device="cuda", dtype=dtype)
-    err = _fused_moe_error(x, w13, w2, topk, e)
+    err = fused_moe_error(x, w13, w2, topk, e)
     # two GEMMs, each rounded once to the activation dtype (the reference rounds the same places)
-    assert err <= 4 * _tolerance(h, dtype), f"relative error {err:.3e}"
+    assert err <= 4 * tolerance(h, dtype), f"relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("e", (300, 1000))
@@ -198,7 +147,7 @@ def test_compacted_grid_finds_experts_past_the_first_pass(requires_gpu, e):
     past the third)."""
     from mixgemm.weights.types import ActType, WeightType
 
-    ex, deq = _experts(ActType.BF16, WeightType.U4, e, 64, 128, 64)
+    ex, deq = random_experts(ActType.BF16, WeightType.U4, e, 64, 128, 64)
     counts = [0] * e
     counts[5], counts[290] = 1, 2
     if e == 1000:
@@ -211,8 +160,8 @@ def test_cuda_graph_replay_with_changing_routing(requires_gpu):
     from mixgemm.weights.types import ActType, WeightType
 
     e, t, topk, h, inter = 16, 8, 2, 256, 128
-    w13, _ = _experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
-    w2, _ = _experts(ActType.BF16, WeightType.U4, e, h, inter, 64, seed=3)
+    w13, _ = random_experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
+    w2, _ = random_experts(ActType.BF16, WeightType.U4, e, h, inter, 64, seed=3)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     ids = torch.zeros(t, topk, dtype=torch.long, device="cuda")
     w = torch.full((t, topk), 0.5, device="cuda")
@@ -220,7 +169,7 @@ def test_cuda_graph_replay_with_changing_routing(requires_gpu):
     graph, out = capture_fused_moe(x, w13, w2, w, ids)
     for seed in range(4):                    # new routing, new inputs, same buffers
         torch.manual_seed(seed)
-        new = _distinct_experts(t, topk, e)
+        new = distinct_experts(t, topk, e)
         if seed == 3:
             new.fill_(5)                     # every row on one expert
         replay_matches_eager(graph, out, x, w13, w2, w, ids, new, seed)
@@ -229,9 +178,9 @@ def test_cuda_graph_replay_with_changing_routing(requires_gpu):
 def test_grouped_gemm_op_compiles_fullgraph(requires_gpu):
     from mixgemm.weights.types import ActType, WeightType
 
-    ex, deq = _experts(ActType.BF16, WeightType.S4, 4, 128, 256, 32)
+    ex, deq = random_experts(ActType.BF16, WeightType.S4, 4, 128, 256, 32)
     counts = [2, 0, 3, 1]
-    offsets = _offsets(counts)
+    offsets = expert_offsets(counts)
     x = torch.randn(6, 256, device="cuda", dtype=torch.bfloat16)
     f = torch.compile(lambda a, o: moe.grouped_gemm_op(a, ex, o), fullgraph=True)
     y = f(x, offsets)

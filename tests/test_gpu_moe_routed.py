@@ -19,7 +19,7 @@ from mixgemm.moe import layer as moe_layer
 from mixgemm.jit.catalog import ALL_ACTS, ALL_WEIGHTS, grouped_specs
 from mixgemm.moe.grouped import ROUTED_MAX_ASSIGNMENTS
 from mixgemm.jit.specs import KernelKind
-from test_gpu_moe import _experts, _tolerance
+from moe_reference import random_experts, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -79,7 +79,7 @@ def test_every_routed_grouped_kernel(requires_gpu, spec):
     gated = activation == "swiglu"
     for t, topk, e in _ROUTINGS:
         n, k = 128, 384
-        ex, deq = _experts(act, spec.weight, e, n, k, 64, gated=gated, seed=t)
+        ex, deq = random_experts(act, spec.weight, e, n, k, 64, gated=gated, seed=t)
         torch.manual_seed(t)
         x = torch.randn(t, k, device="cuda", dtype=act.torch_dtype)
         for dtype in (torch.int32, torch.int64):
@@ -102,7 +102,7 @@ def test_every_routed_grouped_kernel(requires_gpu, spec):
                 assert not torch.isnan(y[written]).any(), f"{what}: unwritten (or NaN) outputs"
                 assert torch.isnan(y[~written]).all(), f"{what}: rows of dropped ids were written"
                 err = ((y[written].double() - want[written]).norm() / want[written].norm()).item()
-                assert err <= _tolerance(k, x.dtype), f"{what}: relative error {err:.3e}"
+                assert err <= tolerance(k, x.dtype), f"{what}: relative error {err:.3e}"
                 if not y_by_assignment:
                     # the same kernel in its offsets mode on the same sorted rows: the same bits
                     y2 = torch.full_like(y, float("nan"))
@@ -120,8 +120,8 @@ def test_fused_moe_routed_is_the_four_launch_path(requires_gpu, monkeypatch, act
     (routing and gather, the offsets-mode GEMMs, combine through inv), bit for bit, ids out of
     range included."""
     h, inter = 256, 128
-    w13, _ = _experts(act, wt, e, 2 * inter, h, 64, gated=True, seed=1)
-    w2, _ = _experts(act, wt, e, h, inter, 64, seed=2)
+    w13, _ = random_experts(act, wt, e, 2 * inter, h, 64, gated=True, seed=1)
+    w2, _ = random_experts(act, wt, e, h, inter, 64, seed=2)
     torch.manual_seed(t)
     x = torch.randn(t, h, device="cuda", dtype=act.torch_dtype)
     ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
@@ -167,8 +167,8 @@ def test_routed_bound_is_the_kernels_threads(requires_gpu):
     from mixgemm.weights.types import ActType, WeightType
 
     e, h, inter, topk = 300, 256, 128, 8
-    w13, _ = _experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
-    w2, _ = _experts(ActType.BF16, WeightType.U4, e, h, inter, 64, seed=3)
+    w13, _ = random_experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
+    w2, _ = random_experts(ActType.BF16, WeightType.U4, e, h, inter, 64, seed=3)
     x = torch.randn(ROUTED_MAX_ASSIGNMENTS // topk, h, device="cuda", dtype=torch.bfloat16)
     ids = torch.randint(0, e, (x.shape[0], topk), device="cuda")
     w = torch.softmax(torch.randn(x.shape[0], topk, device="cuda"), -1)

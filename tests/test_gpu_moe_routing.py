@@ -18,6 +18,7 @@ from mixgemm.moe import routing as moe_routing
 from mixgemm.jit import loader as runtime
 from mixgemm.jit.specs import IndexType, MoeRouteSpec
 from moe_graph import capture_fused_moe, replay_matches_eager
+from moe_reference import random_experts
 
 pytestmark = pytest.mark.gpu
 
@@ -146,11 +147,10 @@ def test_fused_moe_is_the_layer_of_route_and_torch_ops(requires_gpu, ids_dtype, 
     """fused_moe (routing kernel up to the bound; 600 x 8 takes route()) equals route() + a torch
     gather + the same grouped GEMMs + the slot-order sum, bit for bit."""
     from mixgemm.weights.types import ActType, WeightType
-    from test_gpu_moe import _experts
 
     e, topk, h, inter = 64, 8, 256, 128
-    w13, _ = _experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
-    w2, _ = _experts(ActType.BF16, WeightType.U4, e, h, inter, 64, seed=3)
+    w13, _ = random_experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
+    w2, _ = random_experts(ActType.BF16, WeightType.U4, e, h, inter, 64, seed=3)
     torch.manual_seed(t)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)]).to(ids_dtype)
@@ -169,12 +169,11 @@ def test_graph_replay_with_changing_routing_after_a_torch_path_warm_up(requires_
     kernel, so a capture at decode size works; replays follow new ids, weights and inputs,
     out-of-range ids included, and equal eager calls."""
     from mixgemm.weights.types import ActType, WeightType
-    from test_gpu_moe import _experts
 
     monkeypatch.setattr(runtime, "KERNELS", runtime.KernelCache())   # nothing loaded yet
     e, t, topk, h, inter = 32, 4, 8, 256, 128
-    w13, _ = _experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
-    w2, _ = _experts(ActType.BF16, WeightType.U4, e, h, inter, 64, seed=3)
+    w13, _ = random_experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
+    w2, _ = random_experts(ActType.BF16, WeightType.U4, e, h, inter, 64, seed=3)
     big = 600                                   # 600 x 8 assignments: route() and a torch gather
     moe.fused_moe(torch.randn(big, h, device="cuda", dtype=torch.bfloat16), w13, w2,
                   torch.rand(big, topk, device="cuda"), torch.randint(0, e, (big, topk), device="cuda"))

@@ -20,7 +20,7 @@ from mixgemm.jit.specs import Epilogue, GroupedGemmSpec, KernelKind
 from mixgemm.weights.types import ActType, WeightType
 
 from moe_graph import capture_fused_moe, replay_matches_eager
-from test_gpu_moe import _distinct_experts, _experts, _fused_moe_error, _offsets, _reference, _tolerance
+from moe_reference import distinct_experts, expert_offsets, fused_moe_error, grouped_reference, random_experts, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -33,15 +33,15 @@ def _check_spec(spec, x, ex, deq, counts, activation):
     t = x.shape[0]
     n_out = ex.n // 2 if activation == "swiglu" else ex.n
     y = torch.full((t, n_out), float("nan"), device="cuda", dtype=x.dtype)
-    moe.grouped_gemm_with_spec(x, ex, _offsets(counts), spec, out=y, activation=activation)
+    moe.grouped_gemm_with_spec(x, ex, expert_offsets(counts), spec, out=y, activation=activation)
     used = sum(counts)
     assert not torch.isnan(y[:used]).any(), f"{spec.name} {counts}: unwritten (or NaN) outputs"
     assert torch.isnan(y[used:]).all(), f"{spec.name} {counts}: rows past offsets[E] were written"
     if used == 0:
         return
-    ref = _reference(x[:used], deq, counts, activation)
+    ref = grouped_reference(x[:used], deq, counts, activation)
     err = ((y[:used].double() - ref).norm() / ref.norm()).item()
-    assert err <= _tolerance(ex.k, x.dtype), f"{spec.name} counts {counts}: relative error {err:.3e}"
+    assert err <= tolerance(ex.k, x.dtype), f"{spec.name} counts {counts}: relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("spec", catalog.grouped_gemm_specs(), ids=lambda s: s.name)
@@ -49,7 +49,7 @@ def _check_spec(spec, x, ex, deq, counts, activation):
 def test_every_grouped_gemm_kernel(requires_gpu, spec, group):
     e, n, k = 8, 256, 512
     activation = "swiglu" if spec.epilogue is Epilogue.SWIGLU else None
-    ex, deq = _experts(spec.act, spec.weight, e, n, k, group, gated=activation == "swiglu")
+    ex, deq = random_experts(spec.act, spec.weight, e, n, k, group, gated=activation == "swiglu")
     torch.manual_seed(1)
     for counts in ROUTINGS:
         x = torch.randn(sum(counts) + 2, k, device="cuda", dtype=spec.act.torch_dtype)   # 2 rows past offsets[E]
@@ -59,24 +59,24 @@ def test_every_grouped_gemm_kernel(requires_gpu, spec, group):
 @pytest.mark.parametrize("activation", (None, "silu", "gelu"))
 def test_grouped_gemm_activations(requires_gpu, activation):
     spec = GroupedGemmSpec(ActType.BF16, WeightType.S4, *catalog.GROUPED_GEMM_TILES["g64"])
-    ex, deq = _experts(ActType.BF16, WeightType.S4, 4, 128, 256, 64)
+    ex, deq = random_experts(ActType.BF16, WeightType.S4, 4, 128, 256, 64)
     counts = [70, 0, 5, 64]
     x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
-    y = moe.grouped_gemm_with_spec(x, ex, _offsets(counts), spec, activation=activation)
-    ref = _reference(x, deq, counts, None)
+    y = moe.grouped_gemm_with_spec(x, ex, expert_offsets(counts), spec, activation=activation)
+    ref = grouped_reference(x, deq, counts, None)
     if activation == "silu":
         ref = torch.nn.functional.silu(ref)
     elif activation == "gelu":
         ref = torch.nn.functional.gelu(ref)
     err = ((y.double() - ref).norm() / ref.norm()).item()
-    assert err <= _tolerance(256, torch.bfloat16), f"{activation}: relative error {err:.3e}"
+    assert err <= tolerance(256, torch.bfloat16), f"{activation}: relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("e", (1, 256))
 @pytest.mark.parametrize("label", tuple(catalog.GROUPED_GEMM_TILES))
 def test_one_and_many_experts(requires_gpu, e, label):
     spec = GroupedGemmSpec(ActType.BF16, WeightType.U4, *catalog.GROUPED_GEMM_TILES[label])
-    ex, deq = _experts(ActType.BF16, WeightType.U4, e, 128, 256, 64)
+    ex, deq = random_experts(ActType.BF16, WeightType.U4, e, 128, 256, 64)
     g = torch.Generator().manual_seed(e)
     counts = [77] if e == 1 else torch.randint(0, 40, (e,), generator=g).tolist()
     x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
@@ -87,10 +87,10 @@ def test_one_and_many_experts(requires_gpu, e, label):
 
 
 def test_heuristic_takes_the_grouped_gemm_with_many_rows(requires_gpu):
-    ex, _ = _experts(ActType.BF16, WeightType.U4, 8, 256, 256, 64)
+    ex, _ = random_experts(ActType.BF16, WeightType.U4, 8, 256, 256, 64)
     assert moe.select_grouped_spec(8 * moe.TILES_FROM_ROWS, ex).kind is KernelKind.GROUPED_GEMM
     assert moe.select_grouped_spec(8 * moe.TILES_FROM_ROWS - 8, ex).kind is KernelKind.GROUPED_DECODE
-    odd, _ = _experts(ActType.BF16, WeightType.U4, 8, 192, 256, 64)   # N not a multiple of the 128-row weight tile
+    odd, _ = random_experts(ActType.BF16, WeightType.U4, 8, 192, 256, 64)   # N not a multiple of the 128-row weight tile
     assert moe.select_grouped_spec(4096, odd).kind is KernelKind.GROUPED_DECODE
 
 
@@ -113,8 +113,8 @@ def test_fused_moe_on_grouped_gemm_against_unfused(requires_gpu, act, bits, symm
     assert moe.select_grouped_spec(t * topk, w13, "swiglu").kind is KernelKind.GROUPED_GEMM
     torch.manual_seed(t)
     x = torch.randn(t, h, device="cuda", dtype=dtype)
-    err = _fused_moe_error(x, w13, w2, topk, e)
-    assert err <= 4 * _tolerance(h, dtype), f"relative error {err:.3e}"
+    err = fused_moe_error(x, w13, w2, topk, e)
+    assert err <= 4 * tolerance(h, dtype), f"relative error {err:.3e}"
 
 
 def test_cuda_graph_replay_with_changing_routing(requires_gpu):
@@ -127,7 +127,7 @@ def test_cuda_graph_replay_with_changing_routing(requires_gpu):
     graph, out = capture_fused_moe(x, w13, w2, w, ids)
     for seed in range(4):                    # new routing, new inputs, same buffers
         torch.manual_seed(seed)
-        new = _distinct_experts(t, topk, e)
+        new = distinct_experts(t, topk, e)
         if seed == 2:                        # skewed: most rows on two experts
             new = torch.where(torch.rand(t, topk, device="cuda") < 0.9, torch.tensor([[3, 6]], device="cuda"), new)
         if seed == 3:
@@ -136,7 +136,7 @@ def test_cuda_graph_replay_with_changing_routing(requires_gpu):
         replay_matches_eager(graph, out, x, w13, w2, w, ids, new, seed)
         ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-        assert err <= 4 * _tolerance(h, torch.bfloat16), f"replay {seed}: relative error {err:.3e}"
+        assert err <= 4 * tolerance(h, torch.bfloat16), f"replay {seed}: relative error {err:.3e}"
 
 
 def _skewed_ids(t, topk, e, kind, generator_seed=0):
@@ -164,7 +164,7 @@ def test_fused_moe_split_against_unfused(requires_gpu, act, bits, symmetric, kin
     got = moe.fused_moe(x, w13, w2, w, ids)
     ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
     err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-    assert err <= 4 * _tolerance(h, act.torch_dtype), f"{kind}: relative error {err:.3e}"
+    assert err <= 4 * tolerance(h, act.torch_dtype), f"{kind}: relative error {err:.3e}"
 
 
 def test_cuda_graph_replay_of_the_split_plan(requires_gpu):
@@ -180,7 +180,7 @@ def test_cuda_graph_replay_of_the_split_plan(requires_gpu):
         replay_matches_eager(graph, out, x, w13, w2, w, ids, _skewed_ids(t, topk, e, kind, seed), f"{seed} ({kind})")
         ref = moe.fused_moe_reference(x, w13.dequantize_reference(), w2.dequantize_reference(), w, ids)
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-        assert err <= 4 * _tolerance(h, torch.bfloat16), f"replay {seed} ({kind}): relative error {err:.3e}"
+        assert err <= 4 * tolerance(h, torch.bfloat16), f"replay {seed} ({kind}): relative error {err:.3e}"
 
 
 @pytest.mark.parametrize("e", (1, 8, 128, 2048))

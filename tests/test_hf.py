@@ -23,13 +23,14 @@ from torch import nn
 transformers = pytest.importorskip("transformers", reason="mixgemm.hf needs transformers (pip install 'mixgemm[hf]')")
 
 import hf_checkpoints as hc  # noqa: E402
-import test_formats as tf  # noqa: E402
+import reference_packers as rp  # noqa: E402
 from mixgemm import hf  # noqa: E402
 from mixgemm.errors import CheckpointError, FormatError  # noqa: E402
 from mixgemm.hf import materialize  # noqa: E402
 from mixgemm.formats.config import LayerScheme, QuantMethod, parse_quantization_config  # noqa: E402
 from mixgemm.hf.dequant import dequantize_layer  # noqa: E402
 from mixgemm.nn import QuantLinear  # noqa: E402
+from tiny_models import reference_forward  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -287,9 +288,7 @@ def test_generate_on_the_dequantized_model_matches_the_reference(tmp_path):
 @pytest.fixture
 def reference_gemm(monkeypatch):
     """QuantLinear computes from the reference dequantization (no GPU here)."""
-    from test_blocks import _reference_forward
-
-    monkeypatch.setattr(QuantLinear, "forward", _reference_forward)
+    monkeypatch.setattr(QuantLinear, "forward", reference_forward)
 
 
 def test_fuse_layers_generates_the_tokens_of_the_unfused_model(tmp_path, reference_gemm, caplog, monkeypatch):
@@ -599,14 +598,14 @@ def test_quantization_config_schemes():
 def _gptq_3bit_layer(k, n, gs, gen):
     """A 3-bit GPTQ layer: AutoGPTQ packs 32 codes of a column into 3 int32 words, i.e. a
     little-endian bit stream along K (codes straddle words), and the zero points along N."""
-    q = tf.rand_codes((k, n), 3, gen)
-    z = tf.rand_codes((k // gs, n), 3, gen, lo=1)
-    s = tf.rand_scales((k // gs, n), torch.float16, gen)
-    return q, z, s, {"qweight": tf.ct_pack(q - 4, 3, 0), "qzeros": tf.ct_pack(z - 1 - 4, 3, 1), "scales": s}
+    q = rp.rand_codes((k, n), 3, gen)
+    z = rp.rand_codes((k // gs, n), 3, gen, lo=1)
+    s = rp.rand_scales((k // gs, n), torch.float16, gen)
+    return q, z, s, {"qweight": rp.ct_pack(q - 4, 3, 0), "qzeros": rp.ct_pack(z - 1 - 4, 3, 1), "scales": s}
 
 
 def test_dequantize_layer_is_each_formats_formula():
-    gen = tf.gen_for("hf-fallback")
+    gen = rp.gen_for("hf-fallback")
     k, n, gs = 256, 64, 64
     # 3-bit GPTQ (v1: zeros stored minus one), codes straddling words
     q, z, s, t = _gptq_3bit_layer(k, n, gs, gen)
@@ -616,22 +615,22 @@ def test_dequantize_layer_is_each_formats_formula():
     got = dequantize_layer(QuantMethod.GPTQ, {f"L.{key}": v for key, v in t.items()}, "L",
                            LayerScheme(bits=3, group_size=gs, checkpoint_format="gptq"))
     assert_bitwise(got, want, "3-bit gptq")
-    # the 2/4/8-bit formats against tests/test_formats.py's reference dequantizers
-    qweight, qzeros, scales = tf.make_awq(192, 64, gen)
+    # the 2/4/8-bit formats against tests/reference_packers.py's reference dequantizers
+    qweight, qzeros, scales = rp.make_awq(192, 64, gen)
     got = dequantize_layer(QuantMethod.AWQ, {"a.qweight": qweight, "a.qzeros": qzeros, "a.scales": scales}, "a",
                            LayerScheme(bits=4, group_size=64))
-    assert_bitwise(got, tf.awq_reference_dequant(qweight, qzeros, scales, 64), "awq")
-    g_idx = tf.random_act_order_g_idx(192, 32, gen)
+    assert_bitwise(got, rp.awq_reference_dequant(qweight, qzeros, scales, 64), "awq")
+    g_idx = rp.random_act_order_g_idx(192, 32, gen)
     for fmt in ("gptq", "gptq_v2"):
-        t = tf.make_gptq(192, 32, 8, False, fmt, torch.bfloat16, gen, g_idx=g_idx)
+        t = rp.make_gptq(192, 32, 8, False, fmt, torch.bfloat16, gen, g_idx=g_idx)
         got = dequantize_layer(QuantMethod.GPTQ, {f"p.{key}": v for key, v in t.items()}, "p",
                                LayerScheme(checkpoint_format=fmt))
-        assert_bitwise(got, tf.gptq_reference_dequant(**t, bits=8, fmt=fmt), fmt)
+        assert_bitwise(got, rp.gptq_reference_dequant(**t, bits=8, fmt=fmt), fmt)
     for zp_packed in (True, False):
-        t = tf.make_ct(192, 64, 2, False, torch.bfloat16, gen, zp_packed=zp_packed)
+        t = rp.make_ct(192, 64, 2, False, torch.bfloat16, gen, zp_packed=zp_packed)
         got = dequantize_layer(QuantMethod.COMPRESSED_TENSORS, {f"c.{key}": v for key, v in t.items()}, "c",
                                LayerScheme())
-        assert_bitwise(got, tf.ct_reference_dequant(**t, bits=2), "ct")
+        assert_bitwise(got, rp.ct_reference_dequant(**t, bits=2), "ct")
     with pytest.raises(FormatError, match="'c': missing tensor 'c.weight_scale'"):
         dequantize_layer(QuantMethod.COMPRESSED_TENSORS, {"c.weight_packed": t["weight_packed"]}, "c", LayerScheme())
 

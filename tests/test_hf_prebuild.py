@@ -25,7 +25,7 @@ from mixgemm.cli.main import main  # noqa: E402
 from mixgemm.aot.checkpoint import kernel_specs, weight_uses  # noqa: E402
 from mixgemm.aot.prebuild import specs_for, uses_of  # noqa: E402
 
-from test_build import _calls, fake_env  # noqa: E402,F401  (the fake nvcc and a private cache)
+from fake_nvcc import fake_env, nvcc_calls  # noqa: E402,F401  (the fake nvcc and a private cache)
 
 #: (batch, sequence length): a token count M = batch x length in every bucket of the heuristic
 #: (1, 9, 17, 33, 65, 129, 257, 513 and up), and some within them
@@ -66,9 +66,9 @@ def test_prebuild_builds_what_the_forward_asks_for(tmp_path, fake_env, monkeypat
                 model(hc.input_ids(batch=batch, length=length))
     assert asked == built
     # loading again with prebuild builds nothing: everything is cached
-    calls = _calls(fake_env)
+    calls = nvcc_calls(fake_env)
     hf.from_pretrained(tmp_path / kind, device="cpu", attn_implementation="eager", prebuild=True)
-    assert _calls(fake_env) == calls
+    assert nvcc_calls(fake_env) == calls
     # and the command line builds the same set into an empty cache
     monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cli-cache"))
     assert main(["generate", "--build", "--for", str(tmp_path / kind), "-j", "2"]) == 0

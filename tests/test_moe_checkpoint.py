@@ -18,7 +18,7 @@ from mixgemm.weights.io import read_metadata
 from mixgemm.weights.stacking import stack_experts
 from mixgemm.weights.quantize import interleave_rows
 
-import test_formats as tf
+import reference_packers as rp   # the formats' independent reference packers
 
 I, H = 64, 128
 
@@ -139,14 +139,14 @@ def test_prepack_refuses_bad_experts_with_no_output(tmp_path, capsys, kw, messag
 
 
 def _awq_experts(path, experts=2, skip=()):
-    k, gs = tf.shape_for(128)
-    gen = tf.gen_for("cli-awq-experts")
+    k, gs = rp.shape_for(128)
+    gen = rp.gen_for("cli-awq-experts")
     tensors, want = {}, {}
     for e in range(experts):
         for name in ("gate_proj", "up_proj", "down_proj"):
             if (e, name) in skip:
                 continue
-            qweight, qzeros, scales = tf.make_awq(k, gs, gen)
+            qweight, qzeros, scales = rp.make_awq(k, gs, gen)
             p = f"model.layers.0.mlp.experts.{e}.{name}"
             tensors.update({f"{p}.qweight": qweight, f"{p}.qzeros": qzeros, f"{p}.scales": scales})
             want[(e, name)] = formats.from_awq(qweight, qzeros, scales)

@@ -27,7 +27,7 @@ from mixgemm.aot.prebuild import WeightUse, specs_for, token_counts
 from mixgemm.jit.specs import Activation
 from mixgemm.weights.types import ActType, WeightType
 
-from test_build import fake_env  # noqa: F401  (the fake nvcc and a private cache)
+from fake_nvcc import fake_env  # noqa: F401  (the fake nvcc and a private cache)
 
 
 class Tiny(nn.Module):

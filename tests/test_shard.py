@@ -15,7 +15,7 @@ from mixgemm.weights.types import shard
 from mixgemm.weights.quantize import dequantize_reference, interleave_gate_up
 from mixgemm.weights.types import PackedWeight, QuantizedWeight, WeightType
 
-from test_layout import random_qw
+from random_weights import random_qw
 
 TYPES = list(itertools.product((8, 4, 2), (False, True)))
 TYPE_IDS = [f"{'s' if s else 'u'}{b}" for b, s in TYPES]

@@ -12,16 +12,16 @@ from mixgemm.errors import ShardError
 from mixgemm.formats import from_awq, from_compressed_tensors, from_gptq, import_layer
 from mixgemm.weights.layout import prepack
 
-import test_formats as tf
+import reference_packers as rp   # the formats' independent reference packers
 
 N, K, GS = 64, 512, 128
 
 
 def awq_tensors(seed=0, n=N, k=K, gs=GS):
-    gen = tf.gen_for("tp-awq", seed)
-    q_kn = tf.rand_codes((k, n), 4, gen)
-    z_gn = tf.rand_codes((k // gs, n), 4, gen)
-    return dict(qweight=tf.awq_pack(q_kn), qzeros=tf.awq_pack(z_gn), scales=tf.rand_scales((k // gs, n), tf.FP16, gen))
+    gen = rp.gen_for("tp-awq", seed)
+    q_kn = rp.rand_codes((k, n), 4, gen)
+    z_gn = rp.rand_codes((k // gs, n), 4, gen)
+    return dict(qweight=rp.awq_pack(q_kn), qzeros=rp.awq_pack(z_gn), scales=rp.rand_scales((k // gs, n), rp.FP16, gen))
 
 
 def assert_same_qw(a, b, what=""):
@@ -47,9 +47,9 @@ def test_awq_shard_is_the_slice_of_the_whole_import(dim):
 
 def test_gptq_act_order_shards_keep_the_permutation():
     k, gs, bits = 384, 64, 4
-    gen = tf.gen_for("tp-gptq", 1)
-    g_idx = tf.random_act_order_g_idx(k, gs, gen)
-    t = tf.make_gptq(k, gs, bits, False, "gptq", tf.FP16, gen, g_idx=g_idx)
+    gen = rp.gen_for("tp-gptq", 1)
+    g_idx = rp.random_act_order_g_idx(k, gs, gen)
+    t = rp.make_gptq(k, gs, bits, False, "gptq", rp.FP16, gen, g_idx=g_idx)
     whole = from_gptq(**t, checkpoint_format="gptq", bits=bits, group_size=gs)
     assert whole.perm is not None
     # column parallel: the rank's rows, the whole permutation (it selects input columns)
@@ -58,26 +58,26 @@ def test_gptq_act_order_shards_keep_the_permutation():
     assert torch.equal(col.perm, whole.perm)
     # row parallel: the rank's entries of the permutation, indices into the whole input
     x = torch.randint(-4, 5, (2, k), generator=gen).double()
-    y = whole.permute_input(x) @ tf.dequantize_reference(whole.qweight).double().t()
+    y = whole.permute_input(x) @ mixgemm.dequantize_reference(whole.qweight).double().t()
     parts = []
     for rank in range(2):
         row = from_gptq(**t, checkpoint_format="gptq", bits=bits, group_size=gs, tp_rank=rank, tp_size=2, tp_dim=1)
         assert torch.equal(row.perm, whole.perm[rank * k // 2:(rank + 1) * k // 2])
-        parts.append(row.permute_input(x) @ tf.dequantize_reference(row.qweight).double().t())
+        parts.append(row.permute_input(x) @ mixgemm.dequantize_reference(row.qweight).double().t())
     assert torch.equal(parts[0] + parts[1], y)     # exact: small integers times 2^-k scales
 
 
 def test_compressed_tensors_and_import_layer_shard_the_bias():
     k, gs, bits = 256, 64, 4
-    gen = tf.gen_for("tp-ct", 2)
-    t = tf.make_ct(k, gs, bits, False, tf.BF16, gen)
+    gen = rp.gen_for("tp-ct", 2)
+    t = rp.make_ct(k, gs, bits, False, rp.BF16, gen)
     whole = from_compressed_tensors(**t, bits=bits, group_size=gs)
     half = from_compressed_tensors(**t, bits=bits, group_size=gs, tp_rank=1, tp_size=3, tp_dim=0)
     assert_same_qw(half.qweight, whole.qweight.shard(0, 1, 3))
 
     n = whole.qweight.n
     tensors = {f"l.{name}": v for name, v in t.items()}
-    tensors["l.bias"] = torch.randn(n, generator=gen).to(tf.BF16)
+    tensors["l.bias"] = torch.randn(n, generator=gen).to(rp.BF16)
     for dim in (0, 1):
         for rank in range(3 if dim == 0 else 2):
             size = 3 if dim == 0 else 2

@@ -19,7 +19,7 @@ Each case can be run alone (--cases a), as the GPU machine allows 10 minutes per
 results are merged into the JSON file given (--json), and the table printed covers every case
 that file holds. Cases c and d need b's cache (run b before them with the same --work).
 
---dry-run runs everything on the CPU with the fake nvcc of tests/test_build.py: the model is
+--dry-run runs everything on the CPU with the fake nvcc of tests/fake_nvcc.py: the model is
 loaded on the CPU and, instead of generate(), the kernels the prompt and the decode steps select
 are built one at a time as first use would build them. The times mean nothing; it checks the
 script end to end.
@@ -57,7 +57,7 @@ def _env(cache: Path, args) -> dict:
 
 def _fake_nvcc(work: Path) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_build import FAKE_NVCC
+    from fake_nvcc import FAKE_NVCC
 
     nvcc = work / "fake-cuda" / "bin" / "nvcc"
     nvcc.parent.mkdir(parents=True, exist_ok=True)
