@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark harness's tests (tests/test_bench*.py): fake measurements,
+"""Helpers shared by the benchmark harness's tests (tests/bench/test_bench*.py): fake measurements,
 a machine description, the standalone parser, and a CPU clock for the runs."""
 from __future__ import annotations
 

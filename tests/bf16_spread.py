@@ -1,4 +1,4 @@
-"""The bar of tests/test_gguf_smollm2.py: a kernel path against the spread of bf16 paths.
+"""The bar of tests/formats/test_gguf_smollm2.py: a kernel path against the spread of bf16 paths.
 
 A model's kernel path (the mixgemm kernels, or their emulation) is compared with other bf16
 computations of the same weights (:mod:`linear_numerics`: ONE_ROUNDING, F_LINEAR, BF16_OPS), each

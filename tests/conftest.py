@@ -1,5 +1,12 @@
 """Shared test helpers. Registers nothing global (markers live in pyproject.toml).
 
+Tests mirror the package: ``tests/<subpackage>/`` holds the tests of ``mixgemm.<subpackage>``
+(GPU tests, ``test_gpu_*.py``, included); ``tests/tools/`` those of ``tools/`` and
+``benchmarks/tp_bench.py``; this folder the package's face (README, wheel, API errors) and
+the helper modules the tests share. Test folders have no ``__init__.py``: pytest puts each
+test's folder and, when it loads this file, this folder on ``sys.path``, so every test
+imports the helpers by name, and test files' names must be unique across folders.
+
 GPU tests are marked ``@pytest.mark.gpu`` and take the ``requires_gpu`` fixture, which skips
 them unless torch sees an sm_90 (Hopper) GPU.
 

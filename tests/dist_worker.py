@@ -1,5 +1,5 @@
 """How the tests' ``torch.distributed`` workers start and end (the ``mp.spawn`` workers of
-tests/test_hf_tp.py and tests/test_tensor_parallel.py, and tests/gpu/hf_tp_check.py under
+tests/hf/test_hf_tp.py and tests/nn/test_tensor_parallel.py, and tests/gpu/hf_tp_check.py under
 ``torchrun``, which finds this module through the tests folder it puts on ``sys.path``).
 
 Two ends that torch's CPU gloo backend (2.13) needs, both seen failing in CI:

@@ -1,5 +1,5 @@
 """A model's QuantLinear layers computed in torch with chosen numerics: the yardstick and the bf16
-paths that tests/test_gguf_smollm2.py compares the mixgemm kernels with, and a CPU emulation of
+paths that tests/formats/test_gguf_smollm2.py compares the mixgemm kernels with, and a CPU emulation of
 the kernels' own numerics (with faults to inject into it).
 
 Every path computes with the same weight, the one the layer represents exactly,

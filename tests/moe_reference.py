@@ -11,7 +11,7 @@ from mixgemm.weights.quantize import interleave_gate_up, quantize
 
 
 def tolerance(k: int, dtype) -> float:
-    # as tests/test_gpu_gemm.py: 4x the output rounding plus 64x the float32 accumulation term
+    # as tests/ops/test_gpu_gemm.py: 4x the output rounding plus 64x the float32 accumulation term
     unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
     return 4 * unit + 64 * (k ** 0.5) * 2.0 ** -24
 

@@ -33,7 +33,7 @@ for step in "$@"; do
       timeout 120 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 \
         python3 tests/gpu/sanitize.py > "$OUT/sanitize.log" 2>&1 || rc=1; head -40 "$OUT/sanitize.log"; tail -5 "$OUT/sanitize.log" ;;
     retest)
-      timeout 120 python3 -m pytest -q -m gpu tests/test_gpu_nn.py "tests/test_gpu_gemm.py::test_bad_inputs_raise_before_launch" \
+      timeout 120 python3 -m pytest -q -m gpu tests/nn/test_gpu_nn.py "tests/ops/test_gpu_gemm.py::test_bad_inputs_raise_before_launch" \
         -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/retest.log" || rc=1 ;;
     pytest)    # the tests named by $MIXGEMM_PYTEST_ARGS
       MIXGEMM_GPU_REPORT="$OUT/gpu-report.json" timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -72,7 +72,7 @@ for step in "$@"; do
       timeout ${MIXGEMM_SWEEP_TIMEOUT:-200} python3 tools/sweep_decode.py "$OUT/sweep-decode.json" ${MIXGEMM_SWEEP_ARGS:-} \
         > "$OUT/sweep-decode.log" 2>&1 || rc=1; tail -3 "$OUT/sweep-decode.log" ;;
     decode-tests)
-      MIXGEMM_GPU_REPORT="$OUT/gpu-report.json" timeout 300 python3 -m pytest -q --maxfail=10 -m gpu tests/test_gpu_gemm.py \
+      MIXGEMM_GPU_REPORT="$OUT/gpu-report.json" timeout 300 python3 -m pytest -q --maxfail=10 -m gpu tests/ops/test_gpu_gemm.py \
         -k "decode" -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/decode-tests.log" || rc=1 ;;
     bench-decode)   # the decode kernels against cuBLAS and the peers at M <= 32
       timeout 300 python3 -m mixgemm bench --iters 100 --shapes ${MIXGEMM_BENCH_SHAPES:-28672x8192,4096x4096,8192x28672,57344x8192} \

@@ -1,6 +1,6 @@
 """Build, in parallel, the kernels that the compiled-mode GPU tests and the generate() bench launch.
 
-Run it on the GPU machine before ``pytest -m gpu tests/test_gpu_compile.py`` or
+Run it on the GPU machine before ``pytest -m gpu tests/ops/test_gpu_compile.py`` or
 ``mixgemm bench --generate``: it compiles every kernel those runs can select (one nvcc job per
 kernel, ``-j`` at a time) into mixgemm's kernel cache, so that no test or timed region waits for
 a compile::
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
                      else WeightUse(h, h, wt, bf16),
                      WeightUse(h, preset.heads * d, wt, bf16), WeightUse(2 * i, h, wt, bf16, Activation.SWIGLU),
                      WeightUse(h, i, wt, bf16)]
-    # tests/test_gpu_compile.py: the mixed-op module, the 1024-wide LLaMA and the tiny models
+    # tests/ops/test_gpu_compile.py: the mixed-op module, the 1024-wide LLaMA and the tiny models
     u4, u2, s8 = WeightType.U4, WeightType.U2, WeightType.S8
     uses += [WeightUse(1536, 1024, u4, bf16), WeightUse(4096, 1024, u2, bf16, Activation.SWIGLU),
              WeightUse(1024, 2048, s8, bf16), WeightUse(1024, 1024, u4, bf16),

@@ -1,4 +1,4 @@
-// Host driver for the exhaustive converter tests (tests/test_converters.py).
+// Host driver for the exhaustive converter tests (tests/jit/test_converters.py).
 //
 // Runs mixgemm's converters -- the very header the kernels include, on its host path -- over
 // lane chunks supplied by the test, and writes the converted values back for a bit-exact

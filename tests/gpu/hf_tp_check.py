@@ -30,7 +30,7 @@ sys.path.insert(0, str(TESTS))
 from dist_worker import exit_without_teardown, process_group  # noqa: E402
 
 #: fp16 u4/g64 (AWQ), bf16 s4/g64 (compressed-tensors), bf16 u4/g64 + s8/g128 (mixgemm): the
-#: kernels tests/test_gpu_hf.py builds too
+#: kernels tests/hf/test_gpu_hf.py builds too
 KINDS = ("awq", "ct-sym", "mixgemm")
 
 

@@ -1,4 +1,4 @@
-"""Write the AWQ and GPTQ fixtures of tests/test_formats_real_packers.py with the real packers.
+"""Write the AWQ and GPTQ fixtures of tests/formats/test_formats_real_packers.py with the real packers.
 
 AutoAWQ and AutoGPTQ need an older transformers (and CUDA) to import as packages, so this script
 loads only their layer modules -- the code that packs a layer and the torch path that

@@ -1,4 +1,4 @@
-"""Write tests/data/real_packers/gptqmodel/ (the fixtures of tests/test_formats_gptqmodel_real.py)
+"""Write tests/data/real_packers/gptqmodel/ (the fixtures of tests/formats/test_formats_gptqmodel_real.py)
 with GPTQModel itself.
 
 Sibling of make_fixtures.py (AutoAWQ / AutoGPTQ). Each case runs GPTQModel's own pipeline on one

@@ -17,7 +17,7 @@ from mixgemm.cli.main import main
 from mixgemm.weights.io import load
 from mixgemm.weights.types import PackedWeight
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ERR = "mixgemm prepack: error: "
 NAME = "layers.0.proj.weight"
 

@@ -25,7 +25,7 @@ from mixgemm.cli.main import main
 from mixgemm.weights.io import load
 from mixgemm.weights.types import PackedWeight
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 WRAPPER = r'''
 import signal, sys, time

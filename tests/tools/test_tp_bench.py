@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "tp_bench.py"
 HF_SCRIPT = ROOT / "tests" / "gpu" / "hf_tp_check.py"
 

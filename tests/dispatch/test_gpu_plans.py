@@ -194,7 +194,7 @@ def test_graphs_capture_the_planned_path(requires_gpu, m):
 
 
 def test_bad_inputs_raise_the_same_with_a_plan(requires_gpu):
-    """tests/test_gpu_gemm.py's bad inputs, after a plan exists for the weight: the same
+    """tests/ops/test_gpu_gemm.py's bad inputs, after a plan exists for the weight: the same
     errors, messages included."""
     dev = requires_gpu
     w = _weight(dev, 256, 512)

@@ -11,7 +11,7 @@ refuses where it cannot tell them apart: never a wrong weight.
 
 HQQ: HQQLinear (hqq 0.2.8 checked) quantizes each layer and its own dequantize is the reference;
 skipped where hqq is not installed (it is not in the test extra: a source build that pulls in
-accelerate). gguf's own quantizer and dequantizer are the reference of tests/test_formats_gguf.py.
+accelerate). gguf's own quantizer and dequantizer are the reference of tests/formats/test_formats_gguf.py.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from mixgemm.formats.config import LayerScheme, QuantMethod, parse_quantization_
 from mixgemm.hf.dequant import dequantize_layer
 from mixgemm.weights.quantize import dequantize_reference
 
-FIXTURE = Path(__file__).parent / "data" / "compressed_tensors_0_17" / "layers.safetensors"
+FIXTURE = Path(__file__).parents[1] / "data" / "compressed_tensors_0_17" / "layers.safetensors"
 
 
 def _prefixed(tensors: dict, prefix: str) -> dict:

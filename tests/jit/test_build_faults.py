@@ -32,7 +32,7 @@ from mixgemm.weights.types import ActType, WeightType
 
 pytestmark = pytest.mark.nvcc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEQ = DequantSpec(ActType.BF16, WeightType.U4)
 DEQ_CALL = "load_artifacts(mixgemm_dequant_bf16_u4)"
 

@@ -169,7 +169,7 @@ def test_a_transformers_model_generates_the_eager_tokens_under_reduce_overhead(r
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_blocks_on_the_kernels_match_per_layer_quantization(requires_gpu, family):
-    """The fused projections and layers of tests/test_blocks.py on the GPU kernels: logits within
+    """The fused projections and layers of tests/nn/test_blocks.py on the GPU kernels: logits within
     the GEMM tolerance of the per-layer model's, and greedy tokens over two turns."""
     from tiny_models import tiny_model
 

@@ -32,7 +32,7 @@ from mixgemm.hf.dequant import dequantize_layer  # noqa: E402
 from mixgemm.nn import QuantLinear  # noqa: E402
 from tiny_models import reference_forward  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load(model_dir, **kw):

@@ -361,7 +361,7 @@ def test_real_decode_kernel_and_helper(tmp_path, monkeypatch):
         assert why is not None and msg in why, (field, why)
 
 
-SWEEPS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "nvidia-h100-80gb-hbm3"
+SWEEPS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "nvidia-h100-80gb-hbm3"
 
 
 @pytest.mark.nvcc
@@ -425,7 +425,7 @@ def test_grouped_decode_planner_picks_against_the_measured_splits(tmp_path, monk
     from mixgemm.jit import loader as runtime
     from mixgemm.moe.grouped import decode_spec_for
 
-    data = json.loads((Path(__file__).resolve().parent / "data" / "moe-decode-splits-h100.json").read_text())
+    data = json.loads((Path(__file__).resolve().parents[1] / "data" / "moe-decode-splits-h100.json").read_text())
     shapes = {"mixtral-8x7b": (4096, 14336, 8), "qwen3-30b-a3b": (2048, 768, 128)}
     picked_total = best_total = 0.0
     helpers = {}

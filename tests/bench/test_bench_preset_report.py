@@ -14,7 +14,7 @@ from mixgemm.bench import model as M
 from mixgemm.bench import moe as B
 from mixgemm.bench.preset_report import PresetReport, split_by_preset, write_report_json
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 FILES = sorted([*RESULTS.glob("*/model-*.json"), *RESULTS.glob("*/moe-*.json")])
 KINDS = {M.MODEL_SCHEMA: (M.ModelReport, M.format_model_table), B.MOE_SCHEMA: (B.MoeReport, B.format_moe_table)}
 

@@ -17,7 +17,7 @@ from mixgemm.cli import main as cli
 from mixgemm.cli.main import main
 from mixgemm.errors import BuildError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(capsys, *argv):

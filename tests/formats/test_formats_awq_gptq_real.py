@@ -24,7 +24,7 @@ from mixgemm.formats import from_awq, from_gptq
 from mixgemm.formats.config import LayerScheme, QuantMethod
 from mixgemm.hf.dequant import dequantize_layer
 
-DATA = Path(__file__).resolve().parent / "data" / "real_packers"
+DATA = Path(__file__).resolve().parents[1] / "data" / "real_packers"
 CASES = sorted(p.stem for p in DATA.glob("*.safetensors"))
 
 
@@ -90,7 +90,7 @@ def test_gptq_zero_point_zero_as_autogptq_wrote_it():
     over the word's other zero points: the checkpoint is corrupt, and every loader reads it its
     own way. AutoGPTQ's own torch path reads each stored nibble 15 as 16. mixgemm reads v1 zero
     points as GPTQModel (and so transformers' GPTQ loading) does, adding 0x11111111 to each word,
-    the exact inverse of GPTQModel's v1 export (tests/test_formats_gptqmodel_real.py): the packed
+    the exact inverse of GPTQModel's v1 export (tests/formats/test_formats_gptqmodel_real.py): the packed
     import and the full-precision fallback alike, so they agree with each other, and both differ
     from AutoGPTQ's reading of this corrupt layer."""
     t, meta = load("gptq-v1-4bit-zero-point-zero-g64")

@@ -411,7 +411,7 @@ def test_subcommand_registry_is_read_only():
 
 def test_python_dash_m(tmp_path):
     env = dict(os.environ)
-    python_dir = str(Path(__file__).resolve().parents[1] / "python")
+    python_dir = str(Path(__file__).resolve().parents[2] / "python")
     env["PYTHONPATH"] = python_dir + os.pathsep + env.get("PYTHONPATH", "")
     result = subprocess.run([sys.executable, "-m", "mixgemm", "prepack", "--help"],
                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)

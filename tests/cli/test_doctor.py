@@ -18,7 +18,7 @@ from mixgemm.jit import env as paths
 from mixgemm.cli.main import main
 from mixgemm.cli.doctor import Finding, Status
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(capsys, *argv):

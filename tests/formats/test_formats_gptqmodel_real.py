@@ -27,7 +27,7 @@ from mixgemm.formats import from_gptq
 from mixgemm.formats.config import LayerScheme, QuantMethod, parse_quantization_config
 from mixgemm.hf.dequant import dequantize_layer
 
-DATA = Path(__file__).resolve().parent / "data" / "real_packers" / "gptqmodel"
+DATA = Path(__file__).resolve().parents[1] / "data" / "real_packers" / "gptqmodel"
 CASES = sorted(p.stem for p in DATA.glob("*.safetensors"))
 READABLE = [c for c in CASES if "gptq_p" not in c]
 

@@ -16,7 +16,7 @@ from mixgemm.bench import BASELINE, DEFAULT_MS, DEFAULT_SHAPES, BenchError
 
 from bench_helpers import parse
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # --------------------------------------------------------------------------------- options
 def test_defaults_are_the_issues_shapes_and_ms():

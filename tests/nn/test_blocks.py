@@ -4,7 +4,7 @@ The GEMM kernels need a Hopper GPU, so here each QuantLinear computes its produc
 reference dequantization (``x @ dequantize_reference(w).T`` in float32, the epilogue after it):
 the fused model must give the logits of the same model quantized layer by layer, and greedy
 ``generate()`` the same tokens, with a dynamic and a static cache, over several turns whose
-cache grows past the prompt. tests/test_gpu_blocks.py runs the same models on the kernels.
+cache grows past the prompt. tests/ops/test_gpu_compile.py runs the same models on the kernels.
 """
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ def test_activation_enum_mirrors_the_header():
 
     from mixgemm.jit.specs import Activation
 
-    header = (Path(__file__).resolve().parents[1] / "cutlass_ext/mixgemm/activation.hpp").read_text()
+    header = (Path(__file__).resolve().parents[2] / "cutlass_ext/mixgemm/activation.hpp").read_text()
     body = re.search(r"enum class Activation : int \{([^}]*)\}", header).group(1)
     cpp = {name: int(value) for name, value in re.findall(r"(k\w+)\s*=\s*(\d+)", body)}
     assert cpp == {a.cpp: a.abi for a in Activation}
