@@ -1,4 +1,6 @@
-"""HQQ layers (``HQQLinear`` state dicts), fractional zero points included: :func:`from_hqq`."""
+"""HQQ layers (``HQQLinear`` state dicts), fractional zero points included: :func:`from_hqq`, and a
+layer of a state dict (:func:`import_tensors`). HQQ is no ``quant_method`` mixgemm reads from a
+``config.json``, so it has no config, dequantization or header rule."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,14 +11,10 @@ import torch
 
 from .common import (shard_imported, DTypeLike, ImportedLayer, UnsupportedLayerError, check_bits,
                      check_kernel_shape, check_tensor, layer_error, finalize_layer, tensor_key, layer_dtype)
+from .registry import HQQ_META_KEYS
 
 #: HQQ's packing names for the widths mixgemm imports (``Quantizer.bit_to_packing``).
 _HQQ_PACKING = {8: "8bit_u8", 4: "4bit_u8", 2: "2bit_u8"}
-#: Meta entries an HQQLinear state dict holds next to ``W_q`` (``state_dict_keys``).
-HQQ_META_KEYS = ("nbits", "group_size", "shape", "axis", "packing", "unpack_view_dtype",
-                  "view_as_float", "compute_dtype", "channel_wise", "optimize", "round_zero",
-                  "quant_scale", "quant_zero", "offload_meta", "encoded_state_dict",
-                  "stores_quant_config", "zero_scale", "meta_zero", "meta_scale")
 _MISSING = object()
 
 
@@ -192,3 +190,10 @@ def from_hqq(W_q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, meta: M
     if offsets is not None:
         qw = dataclasses.replace(qw, zero_offsets=offsets)
     return shard_imported(ImportedLayer(qweight=qw), name, tp_rank, tp_size, tp_dim)
+
+
+def import_tensors(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
+    """The layer ``prefix`` of a state dict (``get(suffix)``: its tensor), by :func:`from_hqq`
+    (bits and group size from the layer's meta entries)."""
+    return from_hqq(get("W_q"), get("scale"), get("zero"), hqq_meta_from(tensors, prefix), dtype=dtype,
+                    symmetric=symmetric, name=prefix)

@@ -9,9 +9,13 @@ import dataclasses
 import enum
 from typing import Dict, Tuple
 
-from .hqq import HQQ_META_KEYS
+__all__ = ["Format", "FormatSpec", "FORMATS", "HQQ_META_KEYS"]
 
-__all__ = ["Format", "FormatSpec", "FORMATS"]
+#: Meta entries an HQQLinear state dict holds next to ``W_q`` (``state_dict_keys``).
+HQQ_META_KEYS = ("nbits", "group_size", "shape", "axis", "packing", "unpack_view_dtype",
+                  "view_as_float", "compute_dtype", "channel_wise", "optimize", "round_zero",
+                  "quant_scale", "quant_zero", "offload_meta", "encoded_state_dict",
+                  "stores_quant_config", "zero_scale", "meta_zero", "meta_scale")
 
 
 class Format(str, enum.Enum):
