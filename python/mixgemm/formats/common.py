@@ -6,7 +6,7 @@ final :class:`~mixgemm.weights.types.QuantizedWeight`). The conventions they fol
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -310,3 +310,48 @@ def apply_groups(q_u: torch.Tensor, z_u: Optional[torch.Tensor], scales: torch.T
         if z_u is not None:
             z_u = z_u.index_select(1, labels.to(z_u.device))
     return q_u, z_u, scales
+
+
+# ------------------------------------------------------------------------------ reference dequant
+# What the formats' own dequantization formulas share (each format's ``dequantize``).
+
+
+def unpack_stream(words: torch.Tensor, bits: int, count: int, dim: int) -> torch.Tensor:
+    """Codes from int32 words holding, along ``dim``, a little-endian bit stream of ``bits``-bit
+    codes (code ``i`` at bit ``i * bits``; 2/4/8 bits never straddle a word, 3 bits do). The
+    result is int64 with ``count`` codes along ``dim``."""
+    w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+    start = torch.arange(count) * bits
+    idx, off = start // 32, start % 32
+    if -(-count * bits // 32) > w.shape[-1]:
+        raise ValueError(f"{w.shape[-1]} int32 words cannot hold {count} {bits}-bit codes")
+    lo = w[..., idx] >> off
+    nxt = (idx + 1).clamp(max=w.shape[-1] - 1)
+    hi = torch.where(off + bits > 32, w[..., nxt] << (32 - off), torch.zeros_like(lo))
+    return ((lo | hi) & ((1 << bits) - 1)).movedim(-1, dim)
+
+
+def required_tensor(tensors: Mapping, prefix: str, suffix: str) -> torch.Tensor:
+    """The tensor ``<prefix>.<suffix>``; :class:`FormatError` when it is missing."""
+    key = f"{prefix}.{suffix}"
+    if key not in tensors:
+        raise FormatError(f"layer {prefix!r}: missing tensor {key!r}")
+    return tensors[key]
+
+
+def dequant_groups(k: int, num_groups: int, group_size: Optional[int], g_idx: Optional[torch.Tensor],
+                   prefix: str) -> torch.Tensor:
+    """The group of each of the ``k`` columns (int64 ``[K]``): ``g_idx``, or runs of
+    ``group_size`` (from the config, else from ``num_groups``)."""
+    if g_idx is not None:
+        g = g_idx.to(torch.int64).flatten()
+        if g.numel() != k or (k and (int(g.min()) < 0 or int(g.max()) >= num_groups)):
+            raise FormatError(f"layer {prefix!r}: g_idx must hold {k} group numbers in [0, {num_groups})")
+        return g
+    gs = k if group_size in (None, -1) and num_groups == 1 else group_size
+    if gs is None:
+        gs = -(-k // num_groups)
+    if gs <= 0 or -(-k // gs) != num_groups:
+        raise FormatError(f"layer {prefix!r}: group size {gs} does not give the {num_groups} groups of the scales "
+                          f"for K={k}")
+    return torch.arange(k) // gs
