@@ -71,12 +71,12 @@ def ct():
 @pytest.mark.parametrize("strategy", ["group", "channel"])
 def test_against_the_installed_packer(ct, bits, symmetric, strategy):
     module, packer = ct
-    from mixgemm.formats.config import _ct_packing
+    from mixgemm.formats.compressed_tensors import packing_of_version
     gen = torch.Generator().manual_seed(bits * 10 + symmetric)
     w = (torch.randn(32, 128, generator=gen) * 0.05).to(torch.bfloat16)
     tensors, reference = packer.pack_layer(w, bits, symmetric, strategy, 32)
     group_size = 32 if strategy == "group" else -1
-    _check_layer(_prefixed(tensors, "l"), "l", reference, bits, group_size, _ct_packing(module.__version__))
+    _check_layer(_prefixed(tensors, "l"), "l", reference, bits, group_size, packing_of_version(module.__version__))
 
 
 def test_the_tensor_strategy_against_the_installed_packer(ct):

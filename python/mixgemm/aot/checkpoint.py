@@ -27,6 +27,10 @@ Two kinds of checkpoint are read:
   (pack-quantized)     ``weight_packed[1] * 32 / bits`` iff there is no ``weight_zero_point``
   ===================  ===============================  ======================================
 
+  Each row is its format's ``header_layer`` (in :mod:`mixgemm.formats.awq`,
+  :mod:`~mixgemm.formats.gptq`, :mod:`~mixgemm.formats.compressed_tensors`; through
+  :data:`mixgemm.formats.handlers.HANDLERS`).
+
   The one tensor read is the small group index (GPTQ ``g_idx``, compressed-tensors
   ``weight_g_idx``, ``K`` integers) where there is one: a layer whose groups are not runs of
   ``group_size`` consecutive columns imports with an act-order permutation (as
@@ -78,6 +82,8 @@ from safetensors import safe_open
 from ..errors import CheckpointError, UserError
 from ..formats import Format
 from ..formats.config import parse_quantization_config, resolve_dtype
+from ..formats.handlers import HANDLERS
+from ..formats.rules import SkipLayer
 from ..jit.specs import Activation
 from ..ops.norm import norm_spec
 from ..weights import io as mio
@@ -89,10 +95,6 @@ __all__ = ["weight_uses"]
 
 _GATE_UP = re.compile(r"^(?P<prefix>.*)\.(?P<which>gate_proj|up_proj)$")
 _QKV = re.compile(r"^(?P<prefix>.*)\.(?P<which>q_proj|k_proj|v_proj)$")
-
-
-class _Skip(Exception):
-    """A layer the kernels cannot take: the loader keeps it in full precision."""
 
 
 class _Layer:
@@ -367,10 +369,11 @@ def _hf_layers(files: list, qconfig, act: ActType) -> Dict[str, _Layer]:
             raise UserError(f"layer {prefix!r} holds quantized tensors, but the quantization_config says it is "
                             f"not quantized")
         try:
-            layer = _HEADER_RULES[method](prefix, tensors, qconfig, scheme, act)
-        except _Skip as e:
+            found = HANDLERS[method].header_layer(prefix, tensors, qconfig, scheme)
+        except SkipLayer as e:
             warnings.warn(f"mixgemm: {prefix} needs no kernel (kept in full precision: {e})", stacklevel=3)
             continue
+        layer = _Layer(prefix, found.n, found.k, found.weight_type, act, found.group_size)
         g_idx = f"{prefix}.{method.spec.g_idx}"
         if g_idx in tensors:
             layer.perm = _perm_of(where[g_idx], g_idx, layer.k, layer.group_size)
@@ -393,68 +396,3 @@ def _perm_of(path: Path, key: str, k: int, group_size: Optional[int]) -> Optiona
     if bool((runs == runs[:, :1]).all()):
         return None
     return g_idx.to(torch.int64).numpy().tobytes()
-
-
-def _shape(tensors: dict, key: str, ndim: int) -> tuple:
-    if key not in tensors:
-        raise UserError(f"{key.rpartition('.')[0]}: missing the tensor {key!r}")
-    shape = tensors[key][0]
-    if len(shape) != ndim:
-        raise UserError(f"{key}: expected {ndim} dimensions, got {list(shape)}")
-    return shape
-
-
-def _group(k: int, groups: int) -> Optional[int]:
-    return k // groups if groups and k % groups == 0 else None
-
-
-def _bits(bits: int) -> int:
-    if bits not in (2, 4, 8):
-        raise _Skip(f"{bits}-bit codes")
-    return bits
-
-
-def _awq_or_gptq(prefix: str, tensors: dict, qconfig, scheme, act: ActType) -> _Layer:
-    raw = qconfig.raw
-    q = _shape(tensors, f"{prefix}.qweight", 2)
-    s = _shape(tensors, f"{prefix}.scales", 2)
-    n, groups = s[1], s[0]
-    if qconfig.method is Format.AWQ:   # AutoAWQ GEMM: qweight [K, N/8]
-        if q[1] * 8 != n:
-            raise UserError(f"{prefix}: AWQ qweight {list(q)} with scales {list(s)} is not AutoAWQ GEMM ([K, N/8])")
-        k = q[0]
-        bits = scheme.bits if scheme.bits is not None else 4
-        if bits != 4:
-            raise UserError(f"{prefix}: AWQ GEMM layers are 4-bit, the config says {bits}")
-        symmetric = not raw.get("zero_point", True)
-        return _Layer(prefix, n, k, WeightType.of(4, symmetric), act, _group(k, groups))
-    if q[1] != n:                           # GPTQ: qweight [K * bits / 32, N]
-        raise UserError(f"{prefix}: GPTQ qweight {list(q)} with scales {list(s)} is not [K*bits/32, N]")
-    bits = scheme.bits
-    if bits is None:
-        z = _shape(tensors, f"{prefix}.qzeros", 2)
-        bits = z[1] * 32 // n
-    if 32 % bits:
-        raise _Skip(f"{bits}-bit codes")
-    k = q[0] * 32 // bits
-    _bits(bits)
-    symmetric = bool(raw.get("sym", True))
-    return _Layer(prefix, n, k, WeightType.of(bits, symmetric), act, _group(k, groups))
-
-
-def _compressed_tensors(prefix: str, tensors: dict, qconfig, scheme, act: ActType) -> _Layer:
-    p = _shape(tensors, f"{prefix}.weight_packed", 2)
-    s = _shape(tensors, f"{prefix}.weight_scale", 2)
-    bits = scheme.bits
-    if bits is None:
-        raise UserError(f"{prefix}: the compressed-tensors config gives this layer no num_bits")
-    if 32 % bits:
-        raise _Skip(f"{bits}-bit codes")
-    _bits(bits)
-    n, k = p[0], p[1] * 32 // bits
-    symmetric = f"{prefix}.weight_zero_point" not in tensors
-    return _Layer(prefix, n, k, WeightType.of(bits, symmetric), act, _group(k, s[1]))
-
-
-#: How each format's layer reads from its tensors' shapes (the table in the module docstring).
-_HEADER_RULES = {Format.AWQ: _awq_or_gptq, Format.GPTQ: _awq_or_gptq, Format.COMPRESSED_TENSORS: _compressed_tensors}

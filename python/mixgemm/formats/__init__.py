@@ -1,7 +1,10 @@
 r"""Importers for third-party quantized checkpoints: AutoAWQ, GPTQ, compressed-tensors, HQQ,
 and llama.cpp's GGUF files.
 
-One module per format, named after it; everything is importable from this package:
+One module per format, named after it, holding all that format's rules: its converter, its
+``quantization_config`` rules (``parse_config``), a layer of a state dict (``import_tensors``),
+its own dequantization formula (``dequantize``) and its safetensors header rule
+(``header_layer``); the converters are importable from this package:
 
 * ``formats.awq``: :func:`from_awq` (AutoAWQ ``version="GEMM"``);
 * ``formats.gptq``: :func:`from_gptq`, :class:`GPTQCheckpointFormat`;
@@ -17,6 +20,11 @@ One module per format, named after it; everything is importable from this packag
   (:data:`~mixgemm.formats.registry.FORMATS`: marker and companion tensors, aliases, whether a
   format imports and whether it is a ``quant_method``) that the modules here, ``mixgemm.hf`` and
   ``mixgemm.aot`` read;
+* ``formats.native``: mixgemm's own checkpoints (``quant_method`` ``"mixgemm"``);
+* ``formats.rules``: what the formats' rules share (:class:`~mixgemm.formats.rules.LayerScheme`,
+  :class:`~mixgemm.formats.rules.QuantizationConfig`, what a header rule returns);
+* ``formats.handlers``: the one table (:data:`~mixgemm.formats.handlers.HANDLERS`) from each
+  :class:`Format` to its module's rules, above the format modules;
 * ``formats.config``: a ``config.json``'s ``quantization_config``;
 * ``formats.dequant``: each format's own dequantization formula, for the layers kept in full
   precision.

@@ -1,5 +1,7 @@
 """State-dict level import of the safetensors formats (AWQ, GPTQ, compressed-tensors, HQQ):
-:class:`Format`, :func:`detect_format`, :func:`import_layer` and :func:`import_checkpoint`."""
+:class:`Format`, :func:`detect_format`, :func:`import_layer` and :func:`import_checkpoint`. Each
+format's converter is its module's ``import_tensors``, reached through
+:data:`mixgemm.formats.handlers.HANDLERS`."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +14,9 @@ from ..errors import UnsupportedLayerError
 from ..weights.layout import prepack
 from ..weights.quantize import FLOAT8_DTYPES
 from ..weights.types import PackedWeight
-from .awq import from_awq
 from .common import DTypeLike, ImportedLayer, layer_error, tensor_key, shard_imported
-from .compressed_tensors import from_compressed_tensors
-from .gptq import GPTQCheckpointFormat, from_gptq
-from .hqq import hqq_meta_from, from_hqq
+from .gptq import GPTQCheckpointFormat
+from .handlers import HANDLERS
 from .registry import Format
 
 
@@ -78,38 +78,6 @@ def _get(tensors: Mapping, prefix: str, suffix: str, fmt: Format, required: bool
     return None
 
 
-def _import_awq(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
-    return from_awq(get("qweight"), get("qzeros"), get("scales"), group_size=group_size,
-                    bits=4 if bits is None else bits, dtype=dtype, symmetric=symmetric, name=prefix)
-
-
-def _import_gptq(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
-    if checkpoint_format is None:
-        raise layer_error(prefix, "GPTQ layers need checkpoint_format='gptq' (v1: zeros stored "
-                           "minus one; also when quantize_config.json has no "
-                           "checkpoint_format) or 'gptq_v2'")
-    return from_gptq(get("qweight"), get("qzeros"), get("scales"), get("g_idx", False),
-                     checkpoint_format=checkpoint_format, bits=bits, group_size=group_size, dtype=dtype,
-                     symmetric=symmetric, name=prefix)
-
-
-def _import_compressed_tensors(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
-    return from_compressed_tensors(
-        get("weight_packed"), get("weight_scale"), get("weight_shape"), get("weight_zero_point", False),
-        get("weight_g_idx", False), bits=bits, group_size=group_size, dtype=dtype, symmetric=symmetric,
-        name=prefix)
-
-
-def _import_hqq(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
-    return from_hqq(get("W_q"), get("scale"), get("zero"), hqq_meta_from(tensors, prefix), dtype=dtype,
-                    symmetric=symmetric, name=prefix)
-
-
-#: Each importable format's converter, called with its layer's tensors.
-_IMPORTERS = {Format.AWQ: _import_awq, Format.GPTQ: _import_gptq,
-              Format.COMPRESSED_TENSORS: _import_compressed_tensors, Format.HQQ: _import_hqq}
-
-
 def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tensor],
                  prefix: str, dtype: DTypeLike = None, *, bits: Optional[int] = None,
                  group_size: Optional[int] = None,
@@ -156,8 +124,8 @@ def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tens
     """
     fmt = detect_format(tensors, prefix) if fmt is None or fmt == "auto" else Format.parse(fmt)
     get = lambda suffix, required=True: _get(tensors, prefix, suffix, fmt, required)  # noqa: E731
-    layer = _IMPORTERS[fmt](get, tensors, prefix, dtype=dtype, bits=bits, group_size=group_size,
-                            checkpoint_format=checkpoint_format, symmetric=symmetric)
+    layer = HANDLERS[fmt].import_tensors(get, tensors, prefix, dtype=dtype, bits=bits, group_size=group_size,
+                                         checkpoint_format=checkpoint_format, symmetric=symmetric)
     bias = tensors.get(tensor_key(prefix, "bias"))
     layer = dataclasses.replace(layer, bias=bias) if bias is not None else layer
     return shard_imported(layer, prefix, tp_rank, tp_size, tp_dim, tp_sections)

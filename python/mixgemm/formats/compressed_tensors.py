@@ -1,14 +1,23 @@
-"""compressed-tensors ``format="pack-quantized"`` layers: :func:`from_compressed_tensors`."""
+"""compressed-tensors ``format="pack-quantized"`` layers: :func:`from_compressed_tensors`, and the
+format's rules: its ``quantization_config`` (:func:`parse_config`), a layer of a state dict
+(:func:`import_tensors`), its own dequantization formula (:func:`dequantize`) and a layer from
+safetensors headers (:func:`header_layer`)."""
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import re
+import warnings
+from typing import List, Mapping, Optional, Tuple, Union
 
 import torch
 
-from ..errors import UnsupportedLayerError
+from ..errors import CheckpointError, FormatError, UnsupportedLayerError, UserError
+from ..weights.types import WeightType
 from .common import (shard_imported, WORD_BITS, DTypeLike, ImportedLayer, apply_groups, check_bits,
-                     check_kernel_shape, check_tensor, layer_error, finalize_layer, layer_dtype,
-                     resolve_group_size, resolve_groups, unpack_words)
+                     check_kernel_shape, check_tensor, dequant_groups, layer_error, finalize_layer, layer_dtype,
+                     required_tensor, resolve_group_size, resolve_groups, unpack_stream, unpack_words)
+from .registry import Format
+from .rules import (HeaderLayer, LayerScheme, QuantizationConfig, Rule, SkipLayer, config_int, header_group,
+                    header_shape, kernel_bits)
 
 #: The widths that compressed-tensors <= 0.17 packed with spare bits (``32 // bits`` codes per
 #: int32 word, the rest zero) and later versions pack densely (codes straddle words).
@@ -183,3 +192,164 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
     q_u, z_u, s = apply_groups(q_u, z_u, weight_scale, perm, labels)
     qw = finalize_layer(name, q_u, z_u, s, bits=bits, group_size=gs, symmetric=symmetric, act=act)
     return shard_imported(ImportedLayer(qweight=qw, perm=perm), name, tp_rank, tp_size, tp_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# The format's rules (mixgemm.formats.handlers)
+# ---------------------------------------------------------------------------------------------
+def _ct_rules(targets, scheme: LayerScheme) -> List[Rule]:
+    rules = []
+    for target in targets or []:
+        target = str(target)
+        if target.startswith("re:"):
+            rules.append(Rule(target[3:], "regex", scheme))
+        elif target[:1].isupper() and "." not in target:
+            rules.append(Rule(target, "class", scheme))   # a module class, e.g. "Linear"
+        else:
+            rules.append(Rule(target, "name", scheme))
+    return rules
+
+
+#: The first compressed-tensors version that packs 3/5/6/7-bit codes densely.
+_CT_DENSE_SINCE = (0, 18)
+
+
+def packing_of_version(version) -> Optional[str]:
+    """``"padded"`` or ``"dense"`` from a compressed-tensors ``version`` string ("0.17.1",
+    "0.10.3.a20250101", ...); None when there is none or it does not start with major.minor."""
+    m = re.match(r"\s*(\d+)\.(\d+)", str(version)) if version is not None else None
+    if m is None:
+        return None
+    return "dense" if (int(m.group(1)), int(m.group(2))) >= _CT_DENSE_SINCE else "padded"
+
+
+def parse_config(qc: Mapping, raw: dict, where: str) -> QuantizationConfig:
+    """A ``"compressed-tensors"`` ``quantization_config`` (``format="pack-quantized"``): each
+    ``config_groups`` entry's ``targets`` and ``weights``, ``ignore``, ``version``."""
+    fmt = qc.get("format")
+    packing = packing_of_version(qc.get("version"))
+    rules: List[Rule] = _ct_rules(qc.get("ignore"), LayerScheme(quantized=False))
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, Mapping):
+        raise CheckpointError(f"{where}: compressed-tensors config_groups must be an object")
+    for gname, group in groups.items():
+        if not isinstance(group, Mapping):
+            raise CheckpointError(f"{where}: compressed-tensors config group {gname!r} must be an object")
+        weights = group.get("weights")
+        if not weights:
+            continue
+        gfmt = group.get("format") or fmt
+        if gfmt != "pack-quantized":
+            raise CheckpointError(f"{where}: compressed-tensors format {gfmt!r} (config group {gname!r}) is not "
+                                  f"supported: mixgemm reads integer weights in the 'pack-quantized' format")
+        if str(weights.get("type", "int")) != "int":
+            raise CheckpointError(f"{where}: compressed-tensors config group {gname!r} has {weights.get('type')!r} "
+                                  f"weights; mixgemm reads integer ones")
+        if group.get("input_activations"):
+            warnings.warn(f"mixgemm.hf: {where}: compressed-tensors config group {gname!r} quantizes the input "
+                          f"activations; mixgemm computes with bf16/fp16 activations and ignores that",
+                          stacklevel=3)
+        strategy = str(weights.get("strategy", "group"))
+        group_size = {"group": config_int(weights, "group_size"), "channel": -1}.get(strategy)
+        scheme = LayerScheme(bits=config_int(weights, "num_bits"), group_size=group_size, packing=packing)
+        rules.extend(_ct_rules(group.get("targets"), scheme))
+    return QuantizationConfig(Format.COMPRESSED_TENSORS, raw, LayerScheme(quantized=False), tuple(rules))
+
+
+def import_tensors(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
+    """The layer ``prefix`` of a state dict (``get(suffix)``: its tensor), by
+    :func:`from_compressed_tensors`."""
+    return from_compressed_tensors(
+        get("weight_packed"), get("weight_scale"), get("weight_shape"), get("weight_zero_point", False),
+        get("weight_g_idx", False), bits=bits, group_size=group_size, dtype=dtype, symmetric=symmetric,
+        name=prefix)
+
+
+def _ct_layout(prefix: str, what: str, words: torch.Tensor, count: int, dim: int, bits: Optional[int],
+               packing: Optional[str]) -> tuple:
+    """``(bits, layout)`` of ``count`` compressed-tensors codes in int32 ``words`` along ``dim``:
+    ``"dense"`` (a bit stream, 0.18 on) or ``"padded"`` (``32 // bits`` codes per word, up to 0.17),
+    told apart by the word count and the padded layout's zero spare bits
+    (:func:`packings`); where both remain possible (as many
+    words, and different contents), by ``packing`` (the config's version), else refused."""
+    shape = list(words.shape)
+    found = packings(words, count, bits, dim)
+    if not found:
+        if bits is None:
+            raise FormatError(f"layer {prefix!r}: {what} {shape} does not hold {count} codes of any width")
+        need = packed_words(count, bits)
+        raise FormatError(f"layer {prefix!r}: {what} {shape} does not hold {count} {bits}-bit codes: need "
+                          f"{need['dense']} (dense) or {need['padded']} (padded) int32 words")
+    widths = sorted({b for b, _ in found})
+    if len(widths) != 1:
+        raise FormatError(f"layer {prefix!r}: {what} {shape} does not say the bits for {count} codes "
+                          f"({widths} fit); the config's num_bits is needed")
+    b = widths[0]
+    layouts = {layout for _, layout in found}
+    if len(layouts) == 1:
+        return b, layouts.pop()
+    if -(-count // (32 // b)) == 1:
+        return b, "dense"                              # one word: the two layouts are the same
+    if packing in ("dense", "padded"):
+        return b, packing
+    raise FormatError(f"layer {prefix!r}: {what} {shape} holds {count} {b}-bit codes in as many words densely "
+                      f"(compressed-tensors 0.18 on) as padded (up to 0.17), and the config's 'version' does not "
+                      f"say which wrote it")
+
+
+def _ct_unpack(words: torch.Tensor, bits: int, layout: str, count: int, dim: int) -> torch.Tensor:
+    if layout == "dense":
+        return unpack_stream(words, bits, count, dim)
+    per = 32 // bits                                   # padded: codes j of word c is element c * per + j
+    w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+    codes = (w.unsqueeze(-1) >> (torch.arange(per) * bits)) & ((1 << bits) - 1)
+    return codes.flatten(-2)[..., :count].movedim(-1, dim)
+
+
+def dequantize(tensors: Mapping, prefix: str, scheme: LayerScheme) -> torch.Tensor:
+    """compressed-tensors' formula: ``w[n, k] = (q[n, k] - z[n, g]) * s[n, g]`` with signed codes, a
+    scalar scale ("tensor" strategy) or any group size, in the scales' dtype, ``[N, K]``."""
+    packed, scale = required_tensor(tensors, prefix, "weight_packed"), required_tensor(tensors, prefix, "weight_scale")
+    shape = tensors.get(f"{prefix}.weight_shape")
+    if shape is None:
+        raise FormatError(f"layer {prefix!r}: missing tensor {prefix + '.weight_shape'!r}")
+    n, k = (int(v) for v in shape.flatten().tolist())
+    bits, layout = _ct_layout(prefix, "weight_packed", packed, k, 1, scheme.bits, scheme.packing)
+    offset = 1 << (bits - 1)
+    q = _ct_unpack(packed, bits, layout, k, 1) - offset                # [N, K], signed
+    dt = scale.dtype
+    zp = tensors.get(f"{prefix}.weight_zero_point")
+    if scale.numel() == 1:                                            # "tensor" strategy
+        z = torch.zeros(()) if zp is None else zp.flatten()[:1].to(torch.int64).reshape(())
+        return ((q.to(dt) - z.to(dt)) * scale.reshape(())).contiguous()
+    if scale.dim() != 2 or scale.shape[0] != n:
+        raise FormatError(f"layer {prefix!r}: weight_scale {list(scale.shape)} is not [N={n}, G]")
+    num_groups = scale.shape[1]
+    g = dequant_groups(k, num_groups, scheme.group_size, _ct_g_idx(tensors.get(f"{prefix}.weight_g_idx")), prefix)
+    w = q.to(dt)
+    if zp is not None:
+        if zp.dtype == torch.int32 and zp.shape[0] != n:             # packed along N
+            _, zlayout = _ct_layout(prefix, "weight_zero_point", zp, n, 0, bits, scheme.packing)
+            zp = _ct_unpack(zp, bits, zlayout, n, 0) - offset
+        w = w - zp.to(dt)[:, g]
+    return (w * scale[:, g]).contiguous()
+
+
+def _ct_g_idx(g_idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if g_idx is None or bool((g_idx == -1).any()) else g_idx
+
+
+def header_layer(prefix: str, tensors: dict, qconfig: QuantizationConfig, scheme: LayerScheme) -> HeaderLayer:
+    """A pack-quantized layer from its tensors' shapes: ``weight_packed`` ``[N, K * bits / 32]``,
+    the layer's ``num_bits``; symmetric iff there is no ``weight_zero_point``."""
+    p = header_shape(tensors, f"{prefix}.weight_packed", 2)
+    s = header_shape(tensors, f"{prefix}.weight_scale", 2)
+    bits = scheme.bits
+    if bits is None:
+        raise UserError(f"{prefix}: the compressed-tensors config gives this layer no num_bits")
+    if 32 % bits:
+        raise SkipLayer(f"{bits}-bit codes")
+    kernel_bits(bits)
+    n, k = p[0], p[1] * 32 // bits
+    symmetric = f"{prefix}.weight_zero_point" not in tensors
+    return HeaderLayer(n, k, WeightType.of(bits, symmetric), header_group(k, s[1]))

@@ -1,16 +1,24 @@
 """GPTQ layers (AutoGPTQ / GPTQModel ``QuantLinear``, the packed "gptq" layout):
-:func:`from_gptq` and the zero-point convention :class:`GPTQCheckpointFormat`."""
+:func:`from_gptq` and the zero-point convention :class:`GPTQCheckpointFormat`, and the format's
+rules: its ``quantization_config`` (:func:`parse_config`), a layer of a state dict
+(:func:`import_tensors`), its own dequantization formula (:func:`dequantize`) and a layer from
+safetensors headers (:func:`header_layer`)."""
 from __future__ import annotations
 
+import dataclasses
 import enum
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 import torch
 
+from ..errors import CheckpointError, FormatError, UserError
+from ..weights.types import WeightType
 from .common import (shard_imported, WORD_BITS, DTypeLike, ImportedLayer, apply_groups, check_bits,
-                     check_kernel_shape, check_tensor, layer_error, finalize_layer, layer_dtype,
-                     resolve_group_size, resolve_groups, unpack_words)
-
+                     check_kernel_shape, check_tensor, dequant_groups, layer_error, finalize_layer, layer_dtype,
+                     required_tensor, resolve_group_size, resolve_groups, unpack_stream, unpack_words)
+from .registry import Format
+from .rules import (HeaderLayer, LayerScheme, QuantizationConfig, Rule, SkipLayer, config_int, header_group,
+                    header_shape, kernel_bits)
 
 class GPTQCheckpointFormat(enum.Enum):
     """How a GPTQ checkpoint stores its zero points (``checkpoint_format`` in
@@ -138,3 +146,97 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     q_u, z_u, s = apply_groups(q_u, z_u, scales.t(), perm, labels)
     qw = finalize_layer(name, q_u, z_u, s, bits=bits, group_size=gs, symmetric=symmetric, act=act)
     return shard_imported(ImportedLayer(qweight=qw, perm=perm), name, tp_rank, tp_size, tp_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# The format's rules (mixgemm.formats.handlers)
+# ---------------------------------------------------------------------------------------------
+def parse_config(qc: Mapping, raw: dict, where: str) -> QuantizationConfig:
+    """A ``"gptq"`` ``quantization_config``: ``bits``, ``group_size``, ``checkpoint_format`` (or
+    GPTQModel's ``format``), GPTQModel's ``dynamic`` per-module overrides."""
+    fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+    try:
+        fmt = GPTQCheckpointFormat.parse(str(fmt)).value
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    default = LayerScheme(bits=config_int(qc, "bits"), group_size=config_int(qc, "group_size"),
+                          checkpoint_format=fmt)
+    rules = []
+    for pattern, override in (qc.get("dynamic") or {}).items():
+        pattern = str(pattern)
+        if pattern.startswith("-:"):
+            rules.append(Rule(pattern[2:], "regex", LayerScheme(quantized=False)))
+            continue
+        if pattern.startswith("+:"):
+            pattern = pattern[2:]
+        override = override if isinstance(override, Mapping) else {}
+        bits = config_int(override, "bits")
+        gs = config_int(override, "group_size")
+        rules.append(Rule(pattern, "regex", dataclasses.replace(
+            default, bits=default.bits if bits is None else bits,
+            group_size=default.group_size if gs is None else gs)))
+    return QuantizationConfig(Format.GPTQ, raw, default, tuple(rules))
+
+
+def import_tensors(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
+    """The layer ``prefix`` of a state dict (``get(suffix)``: its tensor), by :func:`from_gptq`."""
+    if checkpoint_format is None:
+        raise layer_error(prefix, "GPTQ layers need checkpoint_format='gptq' (v1: zeros stored "
+                           "minus one; also when quantize_config.json has no "
+                           "checkpoint_format) or 'gptq_v2'")
+    return from_gptq(get("qweight"), get("qzeros"), get("scales"), get("g_idx", False),
+                     checkpoint_format=checkpoint_format, bits=bits, group_size=group_size, dtype=dtype,
+                     symmetric=symmetric, name=prefix)
+
+
+def dequantize(tensors: Mapping, prefix: str, scheme: LayerScheme) -> torch.Tensor:
+    """GPTQ's formula: ``w[n, k] = s[g_idx[k], n] * (q[k, n] - z[g_idx[k], n])`` (2, 3, 4 and 8
+    bits; v1 zero points stored minus one), in the scales' dtype, ``[N, K]``."""
+    qweight, qzeros, scales = (required_tensor(tensors, prefix, s) for s in ("qweight", "qzeros", "scales"))
+    g_idx = tensors.get(f"{prefix}.g_idx")
+    num_groups, n = scales.shape
+    bits = scheme.bits
+    if bits is None:
+        bits, rem = divmod(qzeros.shape[1] * 32, n)
+        if rem:
+            raise FormatError(f"layer {prefix!r}: qzeros {list(qzeros.shape)} does not pack {n} zero points")
+    if bits not in (2, 3, 4, 8):     # GPTQModel writes 5/6/7 bits only in its planar "gptq_p" layout
+        raise FormatError(f"layer {prefix!r}: {bits}-bit GPTQ layers are not supported (mixgemm reads 2/3/4/8-bit "
+                          f"GPTQ; GPTQModel's 5/6/7-bit ones are in its planar 'gptq_p' layout)")
+    k = qweight.shape[0] * 32 // bits
+    if qweight.shape[1] != n or qzeros.shape[0] != num_groups:
+        raise FormatError(f"layer {prefix!r}: GPTQ qweight {list(qweight.shape)}, qzeros {list(qzeros.shape)} and "
+                          f"scales {list(scales.shape)} do not fit together")
+    q = unpack_stream(qweight, bits, k, 0)                            # [K, N]
+    if scheme.checkpoint_format not in (None, GPTQCheckpointFormat.V1.value):
+        z = unpack_stream(qzeros, bits, n, 1)                         # [G, N], v2: as stored
+    elif bits in GPTQ_V1_OFFSET:
+        # v1 stores z - 1: undone as GPTQModel undoes its own export (and as from_gptq does), by
+        # adding 0x11111111 (4-bit) ... to each word, so a zero point of 0 (stored as all ones,
+        # with a borrow from the next field) reads back as 0 and its neighbour as itself.
+        z = unpack_stream((qzeros.to(torch.int64) + GPTQ_V1_OFFSET[bits]) & 0xFFFFFFFF, bits, n, 1)
+    else:
+        # 3-bit fields straddle words: GPTQModel shifts each field by one, modulo 8.
+        z = (unpack_stream(qzeros, bits, n, 1) + 1) & ((1 << bits) - 1)
+    g = dequant_groups(k, num_groups, scheme.group_size, g_idx, prefix)
+    return ((q - z[g]).to(scales.dtype) * scales[g]).t().contiguous()
+
+
+def header_layer(prefix: str, tensors: dict, qconfig: QuantizationConfig, scheme: LayerScheme) -> HeaderLayer:
+    """A GPTQ layer from its tensors' shapes: ``qweight`` ``[K * bits / 32, N]``, ``scales``
+    ``[G, N]``; the layer's ``bits`` (else from ``qzeros``), the config's ``sym`` (default true)."""
+    q = header_shape(tensors, f"{prefix}.qweight", 2)
+    s = header_shape(tensors, f"{prefix}.scales", 2)
+    n, groups = s[1], s[0]
+    if q[1] != n:
+        raise UserError(f"{prefix}: GPTQ qweight {list(q)} with scales {list(s)} is not [K*bits/32, N]")
+    bits = scheme.bits
+    if bits is None:
+        z = header_shape(tensors, f"{prefix}.qzeros", 2)
+        bits = z[1] * 32 // n
+    if 32 % bits:
+        raise SkipLayer(f"{bits}-bit codes")
+    k = q[0] * 32 // bits
+    kernel_bits(bits)
+    symmetric = bool(qconfig.raw.get("sym", True))
+    return HeaderLayer(n, k, WeightType.of(bits, symmetric), header_group(k, groups))
