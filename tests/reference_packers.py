@@ -283,3 +283,22 @@ def make_hqq(n, k, gs, bits, dtype, gen, zeros="integer", encoded=True, axis=1):
 
 def hqq_reference_dequant(W_q, scale, zero, bits, shape, dtype):
     return ((hqq_unpack(W_q, bits, dtype) - zero) * scale).reshape(shape)
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str, source: str = "the library's") -> None:
+    """``a`` (mixgemm's) equals ``b`` (``source``) bit for bit, as 16-bit floats; the message
+    counts the elements that differ and gives the first one's [n, k]."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    differ = a.view(torch.int16) != b.view(torch.int16)
+    n = int(differ.sum())
+    assert n == 0, (f"{what}: {n} of {a.numel()} elements differ from {source}, "
+                    f"the first at [n, k] = {differ.nonzero()[:1].tolist()}")
+
+
+def in_source_order(w: torch.Tensor, perm) -> torch.Tensor:
+    """An imported weight with its act-order permutation undone (columns in the source order)."""
+    if perm is None:
+        return w
+    src = torch.empty_like(w)
+    src[:, perm] = w
+    return src

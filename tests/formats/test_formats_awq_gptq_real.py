@@ -23,6 +23,7 @@ from mixgemm.errors import UnsupportedLayerError
 from mixgemm.formats import from_awq, from_gptq
 from mixgemm.formats.config import LayerScheme, QuantMethod
 from mixgemm.hf.dequant import dequantize_layer
+from reference_packers import assert_bitwise, in_source_order
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "real_packers"
 CASES = sorted(p.stem for p in DATA.glob("*.safetensors"))
@@ -32,21 +33,6 @@ def load(case: str) -> tuple[dict, dict]:
     with safe_open(str(DATA / f"{case}.safetensors"), "pt") as f:
         meta = json.loads(f.metadata()["case"])
         return {k: f.get_tensor(k) for k in f.keys()}, meta
-
-
-def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    differ = int((a.view(torch.int16) != b.view(torch.int16)).sum())
-    assert differ == 0, f"{what}: {differ} of {a.numel()} elements differ from the library's"
-
-
-def in_source_order(w: torch.Tensor, perm) -> torch.Tensor:
-    """The imported weight with its act-order permutation undone (columns in the source order)."""
-    if perm is None:
-        return w
-    src = torch.empty_like(w)
-    src[:, perm] = w
-    return src
 
 
 def test_the_fixtures_are_there():

@@ -26,6 +26,8 @@ from mixgemm.errors import CheckpointError, FormatError, UnsupportedLayerError
 from mixgemm.formats import from_gptq
 from mixgemm.formats.config import LayerScheme, QuantMethod, parse_quantization_config
 from mixgemm.hf.dequant import dequantize_layer
+import reference_packers
+from reference_packers import in_source_order
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "real_packers" / "gptqmodel"
 CASES = sorted(p.stem for p in DATA.glob("*.safetensors"))
@@ -39,19 +41,7 @@ def load(case: str) -> tuple[dict, dict]:
 
 
 def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    differ = a.view(torch.int16) != b.view(torch.int16)
-    n = int(differ.sum())
-    where = differ.nonzero()[:1].tolist()
-    assert n == 0, f"{what}: {n} of {a.numel()} elements differ from GPTQModel's, the first at [n, k] = {where}"
-
-
-def in_source_order(w: torch.Tensor, perm) -> torch.Tensor:
-    if perm is None:
-        return w
-    src = torch.empty_like(w)
-    src[:, perm] = w
-    return src
+    reference_packers.assert_bitwise(a, b, what, "GPTQModel's")
 
 
 def scheme_of(meta: dict):
