@@ -178,8 +178,8 @@ class FakeGpu(contextlib.ExitStack):
         patch(mock.patch.object(plans, "capturing", lambda: self.capturing))
         patch(mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: self.capturing))
         patch(mock.patch.object(plans, "PLANS", plans.PlanCache()))
-        patch(mock.patch.object(plans, "WORKSPACES", plans.StreamArenas()))
-        patch(mock.patch.object(plans, "LOCKS", plans.StreamArenas(zeroed=True)))
+        patch(mock.patch.object(plans, "WORKSPACES", plans.StreamArenas(0)))
+        patch(mock.patch.object(plans, "LOCKS", plans.StreamArenas(1, zeroed=True)))
         self.callback(lambda: (plans.WORKSPACES.clear(), plans.LOCKS.clear()))   # before the patches go
         if self.launcher_mode is not None:
             patch(mock.patch.dict("os.environ", {launcher.LAUNCHER_ENV: self.launcher_mode}))

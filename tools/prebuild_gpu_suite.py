@@ -69,6 +69,12 @@ def main(argv=None) -> int:
     t0 = time.time()
     build.build_many(specs, jobs=args.jobs, progress=True)
     print(f"{len(specs)} kernels built or cached in {time.time() - t0:.0f} s")
+    from mixgemm.jit import launcher, torch_ops
+
+    print(f"compiled launcher: {launcher.build_compiled()}")
+    if not torch_ops.available():
+        t0 = time.time()
+        print(f"torch operator library: {torch_ops.build()} ({time.time() - t0:.0f} s)")
     return 0
 
 

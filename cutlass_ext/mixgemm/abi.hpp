@@ -1,6 +1,6 @@
 // mixgemm: the C ABI between the Python runtime and a kernel's host helper library.
 //
-// Mirrored field by field by ctypes structures in python/mixgemm/runtime.py; bump kAbiVersion on
+// Mirrored field by field by ctypes structures in python/mixgemm/jit/driver.py; bump kAbiVersion on
 // any change (the runtime refuses a helper whose version differs).
 #pragma once
 

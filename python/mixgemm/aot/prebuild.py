@@ -40,7 +40,7 @@ import torch
 from .. import moe
 from ..dispatch.heuristic import select_specs_any_gpu, TOKEN_BUCKETS
 from ..errors import BuildError
-from ..jit import build, launcher as launcher_mod
+from ..jit import build, launcher as launcher_mod, torch_ops
 from ..jit.specs import Activation, KernelKind, KernelSpec, MoeLayoutSpec
 from ..moe.layer import SPLIT_FROM_ROWS
 from ..moe.routing import routing_specs
@@ -292,7 +292,9 @@ def build_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
         Rebuild even what is cached.
     launcher : bool
         Also build the compiled launcher (``csrc/launcher.cpp``), unless ``MIXGEMM_LAUNCHER``
-        is ``python``; it builds while the kernels do.
+        is ``python``, and the torch operator library (``csrc/torch_ops.cpp``: the C++ kernel
+        that torch.compile's graphs call), unless ``MIXGEMM_TORCH_OPS`` is ``python`` or this
+        torch has no CUDA; they build while the kernels do.
 
     Returns
     -------
@@ -317,6 +319,12 @@ def build_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
                 outcome["path"] = launcher_mod.build_compiled()
             except (BuildError, OSError) as e:
                 outcome["error"] = e
+                return
+            if torch_ops.mode() != "python" and not torch_ops.available():
+                try:
+                    torch_ops.build()
+                except (BuildError, OSError) as e:
+                    outcome["torch_ops_error"] = e
 
         thread = threading.Thread(target=build_launcher, name="mixgemm-launcher-build", daemon=True)
         thread.start()
@@ -330,4 +338,9 @@ def build_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
             raise BuildError(f"the kernels are built, but not the compiled launcher: {outcome['error']}")
         build.log.warning("mixgemm: the compiled launcher did not build (%s); calls will launch from Python",
                           str(outcome["error"]).splitlines()[0])
+    if "torch_ops_error" in outcome:
+        if torch_ops.mode() == "compiled":
+            raise BuildError(f"the kernels are built, but not the torch operator library: {outcome['torch_ops_error']}")
+        build.log.warning("mixgemm: the torch operator library did not build (%s); compiled graphs will call the "
+                          "Python kernel", str(outcome["torch_ops_error"]).splitlines()[0])
     return arts

@@ -183,6 +183,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         except build.BuildError as e:
             raise CliError(f"the kernels are built, but not the compiled launcher: {e}") from None
         print(f"built the compiled launcher: {path}")
+        from ..jit import torch_ops
+        if torch_ops.mode() != "python" and not torch_ops.available():
+            try:
+                print(f"built the torch operator library: {torch_ops.build()}")
+            except build.BuildError as e:
+                raise CliError(f"the kernels are built, but not the torch operator library: {e}") from None
     return 0
 
 

@@ -32,6 +32,7 @@ error messages, then a new plan).
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import weakref
@@ -40,10 +41,14 @@ from typing import Optional
 import torch
 
 from . import heuristic
-from ..jit import launcher
-from ..jit.driver import ABI_VERSION, GemmArgs, LoadedKernel, capturing, check, cuda_driver, current_stream
+from ..errors import BuildError
+from ..jit import launcher, torch_ops
+from ..jit.driver import (ABI_VERSION, GemmArgs, LoadedKernel, capturing, check, cuda_driver, current_stream,
+                          driver_entry_point)
 from ..jit.specs import Activation, Raster
 from ..weights.types import PackedWeight, WeightType
+
+log = logging.getLogger("mixgemm")
 
 
 _Tensor = torch.Tensor
@@ -61,7 +66,7 @@ class LaunchPlan:
     __slots__ = ("key", "spec", "kernel", "device", "device_index", "is_cuda", "dtype", "weight_type",
                  "group_size", "n", "k", "n_out", "activation", "splits", "raster", "swizzle", "capturing",
                  "bias_shape", "qdata_ref", "scales_ref", "zeros_ref", "offsets_ref", "qdata_ptr", "scales_ptr",
-                 "zeros_ptr", "signature", "args", "launch", "backend", "uses_locks", "__weakref__")
+                 "zeros_ptr", "signature", "args", "launch", "backend", "uses_locks", "op_key", "__weakref__")
 
     def made_for(self, w: PackedWeight, spec, splits: int) -> bool:
         """Whether this plan launches ``spec`` with ``splits`` on exactly ``w``'s tensors."""
@@ -111,6 +116,7 @@ def make_plan(spec, kernel: "LoadedKernel", w: PackedWeight, *, dtype: torch.dty
     p.args = a
     p.launch, p.backend = launcher.bind(kernel, a)
     p.uses_locks = bool(getattr(spec, "self_resetting_locks", False))
+    p.op_key = None   # set when the torch operator library holds a copy (OperatorLibrary.put)
     return p
 
 
@@ -142,8 +148,11 @@ class PlanCache:
         key = plan.key
         with self._lock:
             entry = self._plans.setdefault(key, [None, None])
-            entry[plan.capturing] = plan
+            old, entry[plan.capturing] = entry[plan.capturing], plan
             self.made += 1
+            if old is not None:
+                OPERATORS.drop(old)
+            OPERATORS.put(plan)
         # forget the plan with its weight (the key holds the weight's id, which may be reused)
         plan.qdata_ref = weakref.ref(plan.qdata_ref(), self._evictor(key))
 
@@ -161,6 +170,7 @@ class PlanCache:
                 for i, p in enumerate(entry):
                     if p is not None and p.qdata_ref is ref:
                         entry[i] = None
+                        OPERATORS.drop(p)
                 if entry == [None, None]:
                     del me._plans[key]
         return evict
@@ -175,6 +185,7 @@ class PlanCache:
         with self._lock:
             self._plans.clear()
             self.made = 0
+            OPERATORS.clear_plans()
 
 
 PLANS = PlanCache()
@@ -249,7 +260,9 @@ class StreamArenas:
 
     MIN_BYTES = 1 << 16
 
-    def __init__(self, zeroed: bool = False):
+    def __init__(self, kind: int, zeroed: bool = False):
+        #: which of the torch operator library's buffer kinds this is (torch_ops.*_ARENA)
+        self.kind = kind
         self.zeroed = zeroed
         self._buffers: dict[tuple[int, int], tuple[DeviceBuffer, int, int]] = {}
         self._retired: list[DeviceBuffer] = []
@@ -279,7 +292,14 @@ class StreamArenas:
                 self._retired.append(have[0])
             entry = (buf, buf.ptr, size)
             self._buffers[(device_index, stream)] = entry
+            OPERATORS.set_arena(self.kind, device_index, stream, buf.ptr, size)
             return entry
+
+    def mirror(self) -> None:
+        """Offer every buffer to the torch operator library's launches too."""
+        with self._lock:
+            for (device_index, stream), (_, ptr, size) in self._buffers.items():
+                OPERATORS.set_arena(self.kind, device_index, stream, ptr, size)
 
     def buffers(self) -> list[DeviceBuffer]:
         """Every buffer held, the replaced ones too (a test's view: a lock buffer must be all
@@ -295,6 +315,8 @@ class StreamArenas:
         must not be replayed afterwards."""
         with self._lock:
             held = [e[0] for e in self._buffers.values()] + self._retired
+            for device_index, stream in self._buffers:
+                OPERATORS.set_arena(self.kind, device_index, stream, 0, 0)
             self._buffers, self._retired = {}, []
         for device in {b.device for b in held if b.device.type == "cuda"}:
             torch.cuda.synchronize(device)
@@ -304,10 +326,90 @@ class StreamArenas:
 
 #: the GEMM launches' workspaces (split-K and stream-K partials; the launcher zeroes the prefix
 #: a launch needs, in the launch's stream order)
-WORKSPACES = StreamArenas()
+WORKSPACES = StreamArenas(torch_ops.WORKSPACE_ARENA)
 #: the stream-K GEMM kernels' locks: zeroed when made, and each launch leaves them zeroed
 #: (cutlass_ext/mixgemm/streamk_scheduler.hpp), so no launch zeroes anything
-LOCKS = StreamArenas(zeroed=True)
+LOCKS = StreamArenas(torch_ops.LOCK_ARENA, zeroed=True)
+
+
+class OperatorLibrary:
+    """The plan cache's link to the torch operator library (:mod:`mixgemm.jit.torch_ops`: the C++
+    kernel of ``mixgemm::gemm`` that torch.compile's graphs reach without Python).
+
+    :meth:`attach` loads the library once per process (the Python kernel of the operator calls it
+    on its first CUDA call, so eager-only use never builds it), and hands over every plan made so
+    far and every stream's buffers. From then on :class:`PlanCache` hands over each plan it keeps
+    (a copy: GEMM plans of the compiled launcher, without zero offsets, for a token bucket) and
+    drops each one it forgets, and :class:`StreamArenas` mirrors its buffers. Until then, and
+    where the library cannot be built, every method but :meth:`attach` does nothing."""
+
+    def __init__(self):
+        self.lib: Optional[torch_ops.TorchOps] = None
+        self._tried = False
+        self._lock = threading.Lock()
+
+    def attach(self) -> Optional[torch_ops.TorchOps]:
+        """Load the library and hand it what exists (once per process; then a flag check). None
+        where it cannot be had (``MIXGEMM_TORCH_OPS=python``, no compiled launcher, no nvcc, a
+        torch without CUDA): the operator then keeps its Python kernel."""
+        if self._tried:
+            return self.lib
+        want = torch_ops.mode()
+        with self._lock:
+            if self._tried:
+                return self.lib
+            self._tried = True
+            if want == "python":
+                return None
+            try:
+                compiled = launcher.compiled()
+                if compiled is None:
+                    raise BuildError("the compiled launcher is not available")
+                lib = torch_ops.load()
+                lib.init(compiled.launch_address, driver_entry_point("cuStreamIsCapturing"), heuristic.TOKEN_BUCKETS,
+                         [wt.value for wt in WeightType], [a.value for a in Activation])
+            except (BuildError, OSError) as e:
+                if want == "compiled":
+                    raise
+                log.warning("mixgemm: the torch operator library is not available (%s); compiled graphs call "
+                            "mixgemm's Python kernel, which costs more host time per call",
+                            str(e).splitlines()[0])
+                return None
+            self.lib = lib
+        for plan in PLANS.plans():
+            self.put(plan)
+        WORKSPACES.mirror()
+        LOCKS.mirror()
+        return lib
+
+    def put(self, plan: LaunchPlan) -> None:
+        lib = self.lib
+        if (lib is None or plan.backend != "compiled" or not plan.is_cuda or plan.offsets_ref() is not None
+                or type(plan.key[1]) is not int or plan.dtype not in torch_ops.DTYPE_CODES):
+            return
+        key = lib.key(qdata=plan.qdata_ptr, scales=plan.scales_ptr, zeros=plan.zeros_ptr, n=plan.n, k=plan.k,
+                      group_size=plan.group_size, weight_type=plan.weight_type.value,
+                      activation=plan.activation or "none", dtype=plan.dtype, device=plan.device_index,
+                      bucket=plan.key[1], capturing=plan.capturing)
+        lib.put(key, plan.launch.plan, plan.n_out, plan.bias_shape[0], plan.uses_locks)
+        plan.op_key = key
+
+    def drop(self, plan: LaunchPlan) -> None:
+        if self.lib is not None and plan.op_key is not None:
+            self.lib.drop(plan.op_key)
+            plan.op_key = None
+
+    def clear_plans(self) -> None:
+        if self.lib is not None:
+            self.lib.clear_plans()
+
+    def set_arena(self, kind: int, device_index: int, stream: int, ptr: int, nbytes: int) -> None:
+        if self.lib is not None:
+            self.lib.set_arena(kind, device_index, stream, ptr, nbytes)
+
+
+#: the process's link to the torch operator library
+OPERATORS = OperatorLibrary()
 
 
 def clear() -> None:

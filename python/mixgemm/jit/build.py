@@ -406,7 +406,8 @@ def is_cached(spec: KernelSpec) -> bool:
 HOST_LIBRARY_FLAGS = ("-std=c++17", "-O2", "-shared", "-Xcompiler=-fPIC", "-Xlinker=--strip-all")
 
 
-def host_library_key(name: str, source: str, tc: Toolchain) -> str:
+def host_library_key(name: str, source: str, tc: Toolchain, flags: Sequence[str] = HOST_LIBRARY_FLAGS,
+                     key_extra: Optional[dict] = None) -> str:
     """sha256 of everything that determines a host library built by :func:`load_host_library`."""
     material = {
         "kind": "host-library",
@@ -415,28 +416,33 @@ def host_library_key(name: str, source: str, tc: Toolchain) -> str:
         "source": source,
         "headers": headers_digest(source),
         "nvcc_version": tc.version,
-        "flags": list(HOST_LIBRARY_FLAGS),
+        "flags": list(flags),
         "extra_flags": extra_flags(),
         "env": {v: os.environ.get(v, "") for v in KEY_ENV_VARS},
     }
+    if key_extra:
+        material["extra"] = key_extra
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
-def load_host_library(name: str, source: str, load: Callable[[Path], T]) -> T:
+def load_host_library(name: str, source: str, load: Callable[[Path], T], flags: Sequence[str] = HOST_LIBRARY_FLAGS,
+                      key_extra: Optional[dict] = None) -> T:
     """Build the C++ ``source`` (host code; it may include mixgemm's headers) into
     ``<cache>/host/<name>-<key>/<name>.so`` unless a valid entry exists, and return
     ``load(path)``, called under the entry's lock (so no other process replaces the file while it
     is opened). The cache rules are the kernels': content-addressed key, one file lock per entry,
-    atomic publication, an entry whose sha256 does not match meta.json is rebuilt."""
+    atomic publication, an entry whose sha256 does not match meta.json is rebuilt. ``flags``
+    (nvcc's) and ``key_extra`` (what else the build depends on, e.g. the torch it compiles
+    against) enter the key."""
     tc = toolchain()
-    key = host_library_key(name, source, tc)
+    key = host_library_key(name, source, tc, flags, key_extra)
     stem = entry_stem(name, key)
     entry = cache_dir() / "host" / stem
     artifact = f"{name}.so"
     with entry_lock(stem):
         if not entry_valid(entry, name, key, (artifact,)):
             log.info("mixgemm: building %s (host library) in %s", name, cache_dir())
-            _build_into(entry, name, key, f"{name}.cpp", source, {artifact: HOST_LIBRARY_FLAGS}, tc, False, {})
+            _build_into(entry, name, key, f"{name}.cpp", source, {artifact: tuple(flags)}, tc, False, {})
         return load(entry / artifact)
 
 

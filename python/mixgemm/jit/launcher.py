@@ -39,13 +39,13 @@ from .driver import ABI_VERSION, GemmArgs, Launch, LoadedKernel, check, cuda_dri
 log = logging.getLogger("mixgemm")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "launcher.cpp"
-#: csrc/launcher.cpp's kLauncherVersion: the structures below mirror that version's
+#: kLauncherVersion (cutlass_ext/mixgemm/launcher_abi.hpp): the structures below mirror that version's
 LAUNCHER_VERSION = 2
 LAUNCHER_ENV = "MIXGEMM_LAUNCHER"
 
 
 class LaunchResult(enum.IntEnum):
-    """What a launch did (csrc/launcher.cpp ``MixgemmLaunchResult``)."""
+    """What a launch did (``MixgemmLaunchResult``, cutlass_ext/mixgemm/launcher_abi.hpp)."""
 
     LAUNCHED = 0
     REFUSED = 1          # the helper refused the arguments (LaunchCall.message)
@@ -208,7 +208,13 @@ class CompiledLauncher:
             pack(call, 0, m, 0, x, ldx, y, ldy, bias, workspace, capacity, locks, locks_capacity, stream)
             return call_c(plan_addr, call_addr)
 
+        launch.plan = plan   # the torch operator library copies it (mixgemm.jit.torch_ops)
         return launch
+
+    @property
+    def launch_address(self) -> int:
+        """The address of ``mixgemm_launch`` (the torch operator library calls it)."""
+        return ctypes.cast(self.launch, ctypes.c_void_p).value
 
 
 # ---------------------------------------------------------------------------------------------

@@ -214,18 +214,33 @@ def gemm_tensors_full(x, qdata, scales, zeros, zero_offsets, bias, weight_type, 
 _WEIGHT_TYPES = {wt.value: wt for wt in WeightType}
 
 
-@custom_op("mixgemm::gemm", mutates_args=())
-def _gemm_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-             zero_offsets: Optional[torch.Tensor], bias: Optional[torch.Tensor], weight_type: str,
-             group_size: int, n: int, k: int, activation: str = "none") -> torch.Tensor:
+@custom_op("mixgemm::gemm_py", mutates_args=())
+def _gemm_py_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                zero_offsets: Optional[torch.Tensor], bias: Optional[torch.Tensor], weight_type: str,
+                group_size: int, n: int, k: int, activation: str = "none") -> torch.Tensor:
+    """The Python kernel of ``mixgemm::gemm``: the cached plan, else the full path (checks,
+    errors, a new plan). The C++ kernel of ``mixgemm::gemm`` (mixgemm.jit.torch_ops) calls it
+    for every call it does not launch itself."""
     wt = _WEIGHT_TYPES.get(weight_type) or WeightType(weight_type)   # the enum's error for a bad name
     return gemm_tensors(x, qdata, scales, zeros, zero_offsets, bias, wt, group_size, n, k,
                         None if activation == "none" else activation)
 
 
-@_gemm_op.register_fake
+@custom_op("mixgemm::gemm", mutates_args=())
+def _gemm_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+             zero_offsets: Optional[torch.Tensor], bias: Optional[torch.Tensor], weight_type: str,
+             group_size: int, n: int, k: int, activation: str = "none") -> torch.Tensor:
+    if x.is_cuda:   # the first CUDA call loads the C++ kernel, which takes every later one
+        plans.OPERATORS.attach()
+    return _gemm_py_op.fn(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation)
+
+
 def _gemm_fake(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation="none"):
     return x.new_empty((*x.shape[:-1], n // 2 if activation == "swiglu" else n))
+
+
+_gemm_op.register_fake(_gemm_fake)
+_gemm_py_op.register_fake(_gemm_fake)
 
 
 def gemm_op(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,

@@ -1,5 +1,5 @@
 // mixgemm's compiled launcher: one GEMM launch -- params from the kernel's host helper, the
-// workspace's zeroed prefix, cuLaunchKernelEx -- from one C call (python/mixgemm/launcher.py).
+// workspace's zeroed prefix, cuLaunchKernelEx -- from one C call (python/mixgemm/jit/launcher.py).
 // A stream-K launch's locks (streamk_scheduler.hpp) come from the caller, zeroed once and left
 // zeroed by the kernel: no memset.
 //
@@ -21,11 +21,11 @@
 #include <cstring>
 
 #include "mixgemm/abi.hpp"
+#include "mixgemm/launcher_abi.hpp"
 
 namespace {
 
-// Bump on any change of the structures below (launcher.py mirrors them and checks).
-constexpr int32_t kLauncherVersion = 2;
+using mixgemm::launcher::kLauncherVersion;
 // The most bytes of kernel parameters a launch may take (the driver's by-value limit).
 constexpr uint32_t kMaxParamsBytes = 4096;
 
@@ -35,48 +35,8 @@ using MemsetD8Async = CUresult (*)(CUdeviceptr, unsigned char, size_t, CUstream)
 
 }  // namespace
 
+// The structures (MixgemmLaunchPlan, MixgemmLaunchCall) are in mixgemm/launcher_abi.hpp.
 extern "C" {
-
-struct MixgemmLaunchPlan {
-  int32_t version;                // kLauncherVersion
-  int32_t programmatic;           // 1: launch with programmatic stream serialization (PDL)
-  uint64_t function;              // CUfunction
-  uint64_t prepare;               // the helper's mixgemm_gemm_prepare
-  uint64_t launch_kernel_ex;      // the driver's cuLaunchKernelEx
-  uint64_t memset_d8_async;       // the driver's cuMemsetD8Async
-  mixgemm::abi::GemmArgs args;    // every field but those of the call
-};
-
-// Status codes of mixgemm_launch.
-enum MixgemmLaunchResult : int32_t {
-  kLaunched = 0,
-  kRefused = 1,         // the helper refused the arguments: `message`
-  kNeedWorkspace = 2,   // the launch needs `workspace_bytes` > `workspace_capacity`; nothing ran
-  kDriverError = 3,     // a driver call failed: `cuda_error` from `failed_call`
-  kNeedLocks = 4,       // the launch needs `lock_bytes` > `locks_capacity` of zeroed locks; nothing ran
-};
-
-struct MixgemmLaunchCall {
-  // in
-  int32_t m;
-  int32_t reserved;
-  uint64_t x;
-  int64_t ldx;
-  uint64_t y;
-  int64_t ldy;
-  uint64_t bias;
-  uint64_t workspace;             // device memory on offer (0: none) ...
-  uint64_t workspace_capacity;    // ... of this many bytes
-  uint64_t locks;                 // zeroed lock memory on offer (0: none), left zeroed ...
-  uint64_t locks_capacity;        // ... of this many bytes
-  uint64_t stream;                // CUstream
-  // out
-  uint64_t workspace_bytes;       // what the launch needs (0: none)
-  uint64_t lock_bytes;            // the zeroed lock memory the launch needs (0: none)
-  int32_t cuda_error;             // CUresult of the failed driver call
-  int32_t failed_call;            // 1: cuMemsetD8Async, 2: cuLaunchKernelEx
-  char message[256];              // the helper's reason for refusing
-};
 
 int32_t mixgemm_launcher_version() { return kLauncherVersion; }
 int32_t mixgemm_launcher_abi_version() { return mixgemm::abi::kAbiVersion; }

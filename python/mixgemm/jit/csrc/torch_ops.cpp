@@ -1,0 +1,338 @@
+// mixgemm's torch operator library: the CUDA kernel of the operator mixgemm::gemm, in C++.
+//
+// torch.compile's default mode calls mixgemm::gemm through the dispatcher on every step. With
+// only a Python kernel, each call crosses from the dispatcher back into Python, which costs more
+// host time than the launch. This library registers a C++ kernel for the operator's CUDA key
+// that does what the Python fast path (python/mixgemm/dispatch/plans.py, run) does, without
+// Python: it checks the call, finds the launch plan that Python made for this weight, token
+// bucket, activation, dtype and device, allocates the output, and launches through the compiled
+// launcher (csrc/launcher.cpp, whose driver entry points come from cuda-python).
+//
+// Python owns every decision. It hands over each launch plan it makes (a copy of the plan's
+// bytes: nothing here points into Python), drops it when Python drops it (its weight freed, or
+// plans cleared), and mirrors the per-stream workspace and lock buffers. Whenever this kernel
+// has no plan, or a call is anything but the plain case (zero offsets, a strided or misaligned
+// x, more tokens than the bucket table, a launch that asks for more memory, an error), it calls
+// the operator mixgemm::gemm_py: the Python kernel, which validates, raises the errors, makes the
+// plan (and hands it over) and launches.
+//
+// Python talks to this library through the extern "C" functions below (ctypes).
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/SmallVector.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "mixgemm/abi.hpp"
+#include "mixgemm/launcher_abi.hpp"
+
+// Bump on any change of the C functions or structures below (python/mixgemm/jit/torch_ops.py
+// checks it).
+#define MIXGEMM_TORCH_OPS_VERSION 1
+
+extern "C" {
+
+// The key of a plan: everything that decides the launch (python/mixgemm/jit/torch_ops.py
+// fills it from a LaunchPlan; the kernel fills it from a call).
+struct MixgemmOpKey {
+  uint64_t qdata;
+  uint64_t scales;
+  uint64_t zeros;         // 0: symmetric
+  int64_t n;
+  int64_t k;
+  int64_t group_size;
+  int32_t weight_type;    // index into the weight-type names given to mixgemm_ops_init
+  int32_t activation;     // index into the activation names
+  int32_t dtype;          // 0: float16, 1: bfloat16 (x, y, scales, bias)
+  int32_t device;         // CUDA device index
+  int32_t bucket;         // the token-count bucket (the bucket table given to mixgemm_ops_init)
+  int32_t capturing;      // 1: the plan for launches under CUDA-graph capture
+};
+
+}  // extern "C"
+
+namespace {
+
+using CUstreamHandle = void*;
+using StreamIsCapturing = int (*)(CUstreamHandle, int*);   // cuStreamIsCapturing
+
+struct KeyHash {
+  size_t operator()(MixgemmOpKey const& key) const noexcept {
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&h](uint64_t v) {
+      h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    };
+    mix(key.qdata);
+    mix(key.scales);
+    mix(key.zeros);
+    mix(uint64_t(key.n) * 131071u + uint64_t(key.k));
+    mix(uint64_t(key.group_size));
+    mix((uint64_t(key.weight_type) << 48) ^ (uint64_t(key.activation) << 32) ^ (uint64_t(key.dtype) << 24) ^
+        (uint64_t(uint32_t(key.device)) << 8) ^ uint64_t(key.capturing));
+    mix(uint64_t(key.bucket));
+    return size_t(h);
+  }
+};
+
+struct KeyEqual {
+  bool operator()(MixgemmOpKey const& a, MixgemmOpKey const& b) const noexcept {
+    return std::memcmp(&a, &b, sizeof(MixgemmOpKey)) == 0;
+  }
+};
+
+struct Plan {
+  MixgemmLaunchPlan launch;   // a copy of Python's
+  int64_t n_out;              // output columns
+  int64_t bias_len;           // a bias has this many elements
+  bool uses_locks;            // the kernel takes zeroed stream-K locks
+};
+
+struct Arena {
+  uint64_t ptr = 0;
+  uint64_t bytes = 0;
+};
+
+struct ArenaKey {
+  int32_t kind;     // 0: workspaces, 1: locks
+  int32_t device;
+  uint64_t stream;
+  bool operator==(ArenaKey const& o) const noexcept {
+    return kind == o.kind && device == o.device && stream == o.stream;
+  }
+};
+
+struct ArenaHash {
+  size_t operator()(ArenaKey const& a) const noexcept {
+    return std::hash<uint64_t>()(a.stream) ^ (size_t(a.kind) << 1) ^ (size_t(uint32_t(a.device)) << 8);
+  }
+};
+
+// Everything Python handed over (one per process).
+struct State {
+  std::shared_mutex mutex;
+  bool ready = false;
+  MixgemmLaunchFn launch = nullptr;
+  StreamIsCapturing is_capturing = nullptr;
+  std::vector<int32_t> buckets;                 // M -> bucket, for M < buckets.size()
+  std::vector<std::string> weight_types;
+  std::vector<std::string> activations;
+  std::unordered_map<MixgemmOpKey, Plan, KeyHash, KeyEqual> plans;
+  std::unordered_map<ArenaKey, Arena, ArenaHash> arenas;
+  std::atomic<uint64_t> hits{0};
+  std::atomic<uint64_t> fallbacks{0};
+};
+
+State& state() {
+  static State* s = new State();   // never destroyed: a kernel may run during interpreter shutdown
+  return *s;
+}
+
+int32_t index_of(std::vector<std::string> const& names, c10::string_view name) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i].size() == name.size() && std::memcmp(names[i].data(), name.data(), name.size()) == 0) {
+      return int32_t(i);
+    }
+  }
+  return -1;
+}
+
+at::Tensor gemm_py(at::Tensor const& x, at::Tensor const& qdata, at::Tensor const& scales,
+                   std::optional<at::Tensor> const& zeros, std::optional<at::Tensor> const& zero_offsets,
+                   std::optional<at::Tensor> const& bias, c10::string_view weight_type, int64_t group_size,
+                   int64_t n, int64_t k, c10::string_view activation) {
+  state().fallbacks.fetch_add(1, std::memory_order_relaxed);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mixgemm::gemm_py", "")
+                       .typed<at::Tensor(at::Tensor const&, at::Tensor const&, at::Tensor const&,
+                                         std::optional<at::Tensor> const&, std::optional<at::Tensor> const&,
+                                         std::optional<at::Tensor> const&, c10::string_view, int64_t, int64_t,
+                                         int64_t, c10::string_view)>();
+  return op.call(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation);
+}
+
+// The CUDA kernel of mixgemm::gemm (see the file's comment).
+at::Tensor gemm_cuda(at::Tensor const& x, at::Tensor const& qdata, at::Tensor const& scales,
+                     std::optional<at::Tensor> const& zeros, std::optional<at::Tensor> const& zero_offsets,
+                     std::optional<at::Tensor> const& bias, c10::string_view weight_type, int64_t group_size,
+                     int64_t n, int64_t k, c10::string_view activation) {
+  auto fallback = [&]() {
+    return gemm_py(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation);
+  };
+  State& s = state();
+  int64_t const ndim = x.dim();
+  if (zero_offsets.has_value() || ndim < 1 || !x.is_cuda() || k <= 0 || x.size(ndim - 1) != k) return fallback();
+  auto const scalar = x.scalar_type();
+  int32_t const dtype = scalar == at::kHalf ? 0 : scalar == at::kBFloat16 ? 1 : -1;
+  if (dtype < 0 || !x.is_contiguous() || (reinterpret_cast<uintptr_t>(x.const_data_ptr()) & 15)) return fallback();
+  int64_t const m = x.numel() / k;
+  if (m <= 0) return fallback();
+
+  MixgemmOpKey key;
+  std::memset(&key, 0, sizeof(key));
+  key.qdata = reinterpret_cast<uint64_t>(qdata.const_data_ptr());
+  key.scales = reinterpret_cast<uint64_t>(scales.const_data_ptr());
+  key.zeros = zeros.has_value() ? reinterpret_cast<uint64_t>(zeros->const_data_ptr()) : 0;
+  key.n = n;
+  key.k = k;
+  key.group_size = group_size;
+  key.dtype = dtype;
+  key.device = x.get_device();
+  c10::cuda::CUDAStream const torch_stream = c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(key.device));
+  uint64_t const stream = reinterpret_cast<uint64_t>(torch_stream.stream());
+
+  Plan plan;
+  Arena workspace, locks;
+  {
+    std::shared_lock<std::shared_mutex> lock(s.mutex);
+    if (!s.ready || m >= int64_t(s.buckets.size())) return fallback();
+    key.bucket = s.buckets[size_t(m)];
+    key.weight_type = index_of(s.weight_types, weight_type);
+    key.activation = index_of(s.activations, activation);
+    if (key.weight_type < 0 || key.activation < 0) return fallback();
+    int capturing = 0;
+    // CU_STREAM_CAPTURE_STATUS_NONE (0) or _ACTIVE (1); an invalidated capture goes to Python
+    if (s.is_capturing(reinterpret_cast<CUstreamHandle>(stream), &capturing) != 0 || capturing > 1) {
+      return fallback();
+    }
+    key.capturing = capturing;
+    auto const it = s.plans.find(key);
+    if (it == s.plans.end()) return fallback();
+    plan = it->second;
+    auto const ws = s.arenas.find(ArenaKey{0, key.device, stream});
+    if (ws != s.arenas.end()) workspace = ws->second;
+    if (plan.uses_locks) {
+      auto const lk = s.arenas.find(ArenaKey{1, key.device, stream});
+      if (lk != s.arenas.end()) locks = lk->second;
+    }
+  }
+  uint64_t bias_ptr = 0;
+  if (bias.has_value()) {
+    at::Tensor const& b = *bias;
+    if (b.scalar_type() != scalar || !b.is_cuda() || b.get_device() != key.device || b.dim() != 1 ||
+        b.size(0) != plan.bias_len || !b.is_contiguous()) {
+      return fallback();
+    }
+    bias_ptr = reinterpret_cast<uint64_t>(b.const_data_ptr());
+  }
+
+  c10::SmallVector<int64_t, 6> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = plan.n_out;
+  at::Tensor y = at::empty(sizes, x.options());
+
+  MixgemmLaunchCall call;
+  call.m = int32_t(m);
+  call.reserved = 0;
+  call.x = reinterpret_cast<uint64_t>(x.const_data_ptr());
+  call.ldx = k;
+  call.y = reinterpret_cast<uint64_t>(y.data_ptr());
+  call.ldy = plan.n_out;
+  call.bias = bias_ptr;
+  call.workspace = workspace.ptr;
+  call.workspace_capacity = workspace.bytes;
+  call.locks = locks.ptr;
+  call.locks_capacity = locks.bytes;
+  call.stream = stream;
+  int32_t const rc = s.launch(&plan.launch, &call);
+  if (rc == kNeedWorkspace || rc == kNeedLocks) return fallback();   // nothing ran: Python finds the memory
+  if (rc != kLaunched) return fallback();                          // Python launches again and raises the error
+  s.hits.fetch_add(1, std::memory_order_relaxed);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mixgemm, CUDA, m) {
+  m.impl("gemm", TORCH_FN(gemm_cuda));
+}
+
+extern "C" {
+
+int32_t mixgemm_ops_version() { return MIXGEMM_TORCH_OPS_VERSION; }
+int32_t mixgemm_ops_launcher_version() { return mixgemm::launcher::kLauncherVersion; }
+uint32_t mixgemm_ops_plan_size() { return uint32_t(sizeof(MixgemmLaunchPlan)); }
+uint32_t mixgemm_ops_key_size() { return uint32_t(sizeof(MixgemmOpKey)); }
+
+// Once, before anything else: the launcher's mixgemm_launch, the driver's cuStreamIsCapturing,
+// the bucket table (M -> bucket for M < n_buckets), and the weight-type and activation names
+// (each a '\0'-terminated string, one after the other, ended by an empty one).
+void mixgemm_ops_init(uint64_t launch, uint64_t stream_is_capturing, int32_t const* buckets, int32_t n_buckets,
+                      char const* weight_types, char const* activations) {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  auto names = [](char const* p) {
+    std::vector<std::string> out;
+    for (; *p; p += std::strlen(p) + 1) out.emplace_back(p);
+    return out;
+  };
+  s.launch = reinterpret_cast<MixgemmLaunchFn>(launch);
+  s.is_capturing = reinterpret_cast<StreamIsCapturing>(stream_is_capturing);
+  s.buckets.assign(buckets, buckets + n_buckets);
+  s.weight_types = names(weight_types);
+  s.activations = names(activations);
+  s.plans.clear();
+  s.arenas.clear();
+  s.ready = s.launch != nullptr && s.is_capturing != nullptr;
+}
+
+// Hand over a plan (a copy is kept), replacing any of the same key.
+void mixgemm_ops_put(MixgemmOpKey const* key, MixgemmLaunchPlan const* plan, int64_t n_out, int64_t bias_len,
+                     int32_t uses_locks) {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  s.plans[*key] = Plan{*plan, n_out, bias_len, uses_locks != 0};
+}
+
+// Forget a plan (Python dropped it). Returns 1 if it was held.
+int32_t mixgemm_ops_drop(MixgemmOpKey const* key) {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  return int32_t(s.plans.erase(*key));
+}
+
+// Forget every plan.
+void mixgemm_ops_clear_plans() {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  s.plans.clear();
+}
+
+// The buffer of `kind` (0: workspaces, 1: zeroed locks) on offer to launches on (device, stream);
+// bytes 0 forgets it.
+void mixgemm_ops_set_arena(int32_t kind, int32_t device, uint64_t stream, uint64_t ptr, uint64_t bytes) {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  if (bytes == 0) {
+    s.arenas.erase(ArenaKey{kind, device, stream});
+  } else {
+    s.arenas[ArenaKey{kind, device, stream}] = Arena{ptr, bytes};
+  }
+}
+
+// Forget every buffer.
+void mixgemm_ops_clear_arenas() {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  s.arenas.clear();
+}
+
+uint64_t mixgemm_ops_plan_count() {
+  State& s = state();
+  std::shared_lock<std::shared_mutex> lock(s.mutex);
+  return uint64_t(s.plans.size());
+}
+
+// Calls launched here, and calls handed to the Python kernel, since the process started.
+uint64_t mixgemm_ops_hits() { return state().hits.load(); }
+uint64_t mixgemm_ops_fallbacks() { return state().fallbacks.load(); }
+
+}  // extern "C"
