@@ -160,6 +160,32 @@ at::Tensor gemm_py(at::Tensor const& x, at::Tensor const& qdata, at::Tensor cons
   return op.call(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation);
 }
 
+// The plan for `key` (its bucket, names and capture state filled in here from the call), and the
+// stream's buffers; false when there is none (or the library is not initialized).
+bool find_plan(State& s, MixgemmOpKey& key, int64_t m, c10::string_view weight_type, c10::string_view activation,
+               uint64_t stream, Plan& plan, Arena& workspace, Arena& locks) {
+  std::shared_lock<std::shared_mutex> lock(s.mutex);
+  if (!s.ready || m >= int64_t(s.buckets.size())) return false;
+  key.bucket = s.buckets[size_t(m)];
+  key.weight_type = index_of(s.weight_types, weight_type);
+  key.activation = index_of(s.activations, activation);
+  if (key.weight_type < 0 || key.activation < 0) return false;
+  int capturing = 0;
+  // CU_STREAM_CAPTURE_STATUS_NONE (0) or _ACTIVE (1); an invalidated capture goes to Python
+  if (s.is_capturing(reinterpret_cast<CUstreamHandle>(stream), &capturing) != 0 || capturing > 1) return false;
+  key.capturing = capturing;
+  auto const it = s.plans.find(key);
+  if (it == s.plans.end()) return false;
+  plan = it->second;
+  auto const ws = s.arenas.find(ArenaKey{0, key.device, stream});
+  if (ws != s.arenas.end()) workspace = ws->second;
+  if (plan.uses_locks) {
+    auto const lk = s.arenas.find(ArenaKey{1, key.device, stream});
+    if (lk != s.arenas.end()) locks = lk->second;
+  }
+  return true;
+}
+
 // The CUDA kernel of mixgemm::gemm (see the file's comment).
 at::Tensor gemm_cuda(at::Tensor const& x, at::Tensor const& qdata, at::Tensor const& scales,
                      std::optional<at::Tensor> const& zeros, std::optional<at::Tensor> const& zero_offsets,
@@ -190,31 +216,10 @@ at::Tensor gemm_cuda(at::Tensor const& x, at::Tensor const& qdata, at::Tensor co
   c10::cuda::CUDAStream const torch_stream = c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(key.device));
   uint64_t const stream = reinterpret_cast<uint64_t>(torch_stream.stream());
 
+  // Under the lock: no fallback (the Python kernel hands plans over, which takes the lock).
   Plan plan;
   Arena workspace, locks;
-  {
-    std::shared_lock<std::shared_mutex> lock(s.mutex);
-    if (!s.ready || m >= int64_t(s.buckets.size())) return fallback();
-    key.bucket = s.buckets[size_t(m)];
-    key.weight_type = index_of(s.weight_types, weight_type);
-    key.activation = index_of(s.activations, activation);
-    if (key.weight_type < 0 || key.activation < 0) return fallback();
-    int capturing = 0;
-    // CU_STREAM_CAPTURE_STATUS_NONE (0) or _ACTIVE (1); an invalidated capture goes to Python
-    if (s.is_capturing(reinterpret_cast<CUstreamHandle>(stream), &capturing) != 0 || capturing > 1) {
-      return fallback();
-    }
-    key.capturing = capturing;
-    auto const it = s.plans.find(key);
-    if (it == s.plans.end()) return fallback();
-    plan = it->second;
-    auto const ws = s.arenas.find(ArenaKey{0, key.device, stream});
-    if (ws != s.arenas.end()) workspace = ws->second;
-    if (plan.uses_locks) {
-      auto const lk = s.arenas.find(ArenaKey{1, key.device, stream});
-      if (lk != s.arenas.end()) locks = lk->second;
-    }
-  }
+  if (!find_plan(s, key, m, weight_type, activation, stream, plan, workspace, locks)) return fallback();
   uint64_t bias_ptr = 0;
   if (bias.has_value()) {
     at::Tensor const& b = *bias;
