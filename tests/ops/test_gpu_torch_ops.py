@@ -102,7 +102,7 @@ def test_plans_leave_with_their_weights(requires_gpu, library):
 
 def test_plain_cuda_graph_capture_replays_with_new_inputs(requires_gpu, library):
     dev = requires_gpu
-    layers = [_linear(2048, H, dev, seed=6), _linear(H, 2048, dev, seed=7, bits=2)]
+    layers = [_linear(H, H, dev, seed=6), _linear(H, H, dev, seed=7)]
     for m in (1, 16, 200):
         x = torch.randn(m, H, device=dev, dtype=torch.bfloat16)
         stream = torch.cuda.Stream()
