@@ -119,3 +119,33 @@ def test_plain_cuda_graph_capture_replays_with_new_inputs(requires_gpu, library)
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(y, layers[1](layers[0](x))), (m, seed)
+
+
+def test_compiled_norms_launch_from_cpp_and_equal_eager(requires_gpu, library):
+    dev = requires_gpu
+    weight = torch.rand(H, device=dev, dtype=torch.bfloat16) + 0.5
+
+    def chain(x, residual):
+        for _ in range(3):
+            x, residual = mixgemm.rms_norm(x, weight, 1e-5, residual=residual)
+        return mixgemm.rms_norm(x, weight, 1e-5), residual
+
+    compiled = torch.compile(chain, fullgraph=True)
+    for m in (1, 5, 300):
+        x = torch.randn(m, H, device=dev, dtype=torch.bfloat16)
+        r = torch.randn(m, H, device=dev, dtype=torch.bfloat16)
+        want = chain(x, r)
+        compiled(x, r)
+        torch.cuda.synchronize()
+        hits, fallbacks = library.counters()
+        got = compiled(x, r)
+        torch.cuda.synchronize()
+        assert (library.counters()[0] - hits, library.counters()[1] - fallbacks) == (4, 0), m
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), m
+    # a strided x goes to the Python kernel, which copies it
+    x = torch.randn(4, 2 * H, device=dev, dtype=torch.bfloat16)[:, ::2]
+    _, before = library.counters()
+    assert torch.equal(torch.ops.mixgemm.rms_norm(x, weight, 1e-5), mixgemm.rms_norm(x.contiguous(), weight, 1e-5))
+    assert library.counters()[1] == before + 1
+    with pytest.raises(ValueError, match="weight must be a 1-D tensor"):
+        torch.ops.mixgemm.rms_norm(x.contiguous(), weight[:-8], 1e-5)

@@ -260,8 +260,8 @@ def host_callables(w_float: torch.Tensor, impls: Sequence[str]) -> dict[str, Cal
     out: dict[str, Callable[[torch.Tensor], Any]] = {}
     qw = quantize.quantize(w_float, HOST_WEIGHT.bits, HOST_GROUP_SIZE, symmetric=HOST_WEIGHT.signed, dtype=torch.bfloat16)
     if "F.linear" in impls:
-        dense = w_float.to(torch.bfloat16)
-        out["F.linear"] = lambda x: torch.nn.functional.linear(x, dense)
+        w_bf16 = w_float.to(torch.bfloat16)
+        out["F.linear"] = lambda x: torch.nn.functional.linear(x, w_bf16)
     if "torch-int4" in impls:
         packed_i4, sz = torch_int4_pack(qw)
         out["torch-int4"] = lambda x: torch_int4_mm(x, packed_i4, HOST_GROUP_SIZE, sz)
@@ -297,8 +297,8 @@ def chain_callables(device: torch.device, seed: int,
     x = rand(1, k)
     out: dict[str, tuple] = {}
     if "F.linear" in impls:
-        dense = rand(n, k, scale=WEIGHT_STD)
-        out["F.linear"] = (chained(lambda h: torch.nn.functional.linear(h, dense)), (x,))
+        w_bf16 = rand(n, k, scale=WEIGHT_STD)
+        out["F.linear"] = (chained(lambda h: torch.nn.functional.linear(h, w_bf16)), (x,))
     if "QuantLinear" in impls or "mixgemm.gemm" in impls:
         lin = torch.nn.Linear(k, n, bias=False, device=device, dtype=bf16)
         lin.weight.data = rand(n, k, scale=WEIGHT_STD)

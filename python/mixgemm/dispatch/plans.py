@@ -334,17 +334,20 @@ LOCKS = StreamArenas(torch_ops.LOCK_ARENA, zeroed=True)
 
 class OperatorLibrary:
     """The plan cache's link to the torch operator library (:mod:`mixgemm.jit.torch_ops`: the C++
-    kernel of ``mixgemm::gemm`` that torch.compile's graphs reach without Python).
+    kernels of ``mixgemm::gemm`` and the RMSNorm operators, which torch.compile's graphs reach
+    without Python).
 
     :meth:`attach` loads the library once per process (the Python kernel of the operator calls it
     on its first CUDA call, so eager-only use never builds it), and hands over every plan made so
     far and every stream's buffers. From then on :class:`PlanCache` hands over each plan it keeps
     (a copy: GEMM plans of the compiled launcher, without zero offsets, for a token bucket) and
-    drops each one it forgets, and :class:`StreamArenas` mirrors its buffers. Until then, and
+    drops each one it forgets, and :class:`StreamArenas` mirrors its buffers; :mod:`mixgemm.ops.norm`
+    hands over its loaded kernels (:meth:`put_norm`). Until then, and
     where the library cannot be built, every method but :meth:`attach` does nothing."""
 
     def __init__(self):
         self.lib: Optional[torch_ops.TorchOps] = None
+        self._norms: set = set()
         self._tried = False
         self._lock = threading.Lock()
 
@@ -406,6 +409,18 @@ class OperatorLibrary:
     def set_arena(self, kind: int, device_index: int, stream: int, ptr: int, nbytes: int) -> None:
         if self.lib is not None:
             self.lib.set_arena(kind, device_index, stream, ptr, nbytes)
+
+    def put_norm(self, kernel: LoadedKernel, residual: bool, dtype: torch.dtype) -> None:
+        """Hand over a loaded norm kernel (:class:`mixgemm.jit.specs.NormSpec`), once."""
+        lib = self.lib
+        if lib is None or dtype not in torch_ops.DTYPE_CODES:
+            return
+        key = (bool(residual), dtype, kernel.device.index)
+        if key in self._norms:
+            return
+        self._norms.add(key)
+        lib.put_norm(residual, dtype, kernel.device.index, int(kernel.function), kernel.spec.programmatic_launch,
+                     launcher.entry_points().launch_kernel_ex)
 
 
 #: the process's link to the torch operator library

@@ -1,11 +1,14 @@
-"""The torch operator library: ``mixgemm::gemm``'s CUDA kernel in C++ (``csrc/torch_ops.cpp``).
+"""The torch operator library: the CUDA kernels of ``mixgemm::gemm``, ``mixgemm::rms_norm`` and
+``mixgemm::add_rms_norm`` in C++ (``csrc/torch_ops.cpp``).
 
 torch.compile's default mode calls ``torch.ops.mixgemm.gemm`` through the dispatcher on every
 step; with a Python kernel that is a round trip back into Python per GEMM, more host time than
 the launch. This library registers a C++ kernel at the operator's CUDA key that runs the cached
 launch plans that Python made (:mod:`mixgemm.dispatch.plans` hands each one over, and drops it
 with its weight) through the compiled launcher, and hands every other call to the Python kernel
-(the operator ``mixgemm::gemm_py``), which validates, raises the errors and makes the plans.
+(the operator ``mixgemm::gemm_py``), which validates, raises the errors and makes the plans. The
+RMSNorm operators likewise launch the norm kernels Python loaded, and hand the rest to
+``mixgemm::rms_norm_py`` / ``add_rms_norm_py``.
 
 It is built once per machine and torch version, like the launcher, with nvcc against the
 installed torch's headers and libraries (``<cache>/host/torch_ops-<key>/``), and loaded with
@@ -30,7 +33,7 @@ from .launcher import LAUNCHER_VERSION, LaunchPlanStruct
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_ops.cpp"
 #: csrc/torch_ops.cpp's MIXGEMM_TORCH_OPS_VERSION: the structures below mirror that version's
-TORCH_OPS_VERSION = 1
+TORCH_OPS_VERSION = 2
 TORCH_OPS_ENV = "MIXGEMM_TORCH_OPS"
 NAME = "torch_ops"
 
@@ -138,6 +141,8 @@ class TorchOps:
         lib.mixgemm_ops_drop.argtypes = [ctypes.c_void_p]
         lib.mixgemm_ops_set_arena.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64,
                                               ctypes.c_uint64]
+        lib.mixgemm_ops_put_norm.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64,
+                                             ctypes.c_int32, ctypes.c_uint64]
         self.lib = lib
         self.weight_types: tuple[str, ...] = ()
         self.activations: tuple[str, ...] = ()
@@ -171,6 +176,16 @@ class TorchOps:
 
     def clear_arenas(self) -> None:
         self.lib.mixgemm_ops_clear_arenas()
+
+    def put_norm(self, residual: bool, dtype: torch.dtype, device: int, function: int, programmatic: bool,
+                 launch_kernel_ex: int) -> None:
+        """Hand over a loaded norm kernel (``function``: its CUfunction) for rows of ``dtype``,
+        with the residual add or not, on ``device``."""
+        self.lib.mixgemm_ops_put_norm(int(residual), DTYPE_CODES[dtype], device, function, int(programmatic),
+                                      launch_kernel_ex)
+
+    def clear_norms(self) -> None:
+        self.lib.mixgemm_ops_clear_norms()
 
     def plan_count(self) -> int:
         return int(self.lib.mixgemm_ops_plan_count())

@@ -19,6 +19,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from ..dispatch import plans
 from ..jit import driver, loader
 from ..jit.loader import aligned_contiguous
 from ..jit.specs import NormSpec
@@ -143,26 +144,55 @@ def _rms_norm(x, weight, eps, residual):
     return _torch(x, weight, eps, residual)
 
 
+def _rms_norm_dispatched(x, weight, eps, residual):
+    """The Python kernel of the operators (``mixgemm::rms_norm`` / ``add_rms_norm``): checked,
+    and on a CUDA call the torch operator library loaded and handed the kernel, so that it
+    launches every later plain call from C++ (:class:`mixgemm.dispatch.plans.OperatorLibrary`)."""
+    _check(x, weight, eps, residual)
+    out = _rms_norm(x, weight, eps, residual)
+    if x.is_cuda and plans.OPERATORS.attach() is not None and _kernel_takes(x):
+        kernel = loader.KERNELS.get(norm_spec(x.dtype, residual is not None), x.device)   # loaded by the call
+        plans.OPERATORS.put_norm(kernel, residual is not None, x.dtype)
+    return out
+
+
+def _norm_fake(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _add_norm_fake(x, residual, weight, eps):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
 @custom_op("mixgemm::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm(x, weight, eps, None)
+    return _rms_norm_dispatched(x, weight, eps, None)
 
 
-@_rms_norm_op.register_fake
-def _rms_norm_fake(x, weight, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+@custom_op("mixgemm::rms_norm_py", mutates_args=())
+def _rms_norm_py_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Python kernel of ``mixgemm::rms_norm``, for the calls its C++ kernel hands over."""
+    return _rms_norm_dispatched(x, weight, eps, None)
 
 
 @custom_op("mixgemm::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rms_norm(x, weight, eps, residual)
+    return _rms_norm_dispatched(x, weight, eps, residual)
 
 
-@_add_rms_norm_op.register_fake
-def _add_rms_norm_fake(x, residual, weight, eps):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(x, memory_format=torch.contiguous_format))
+@custom_op("mixgemm::add_rms_norm_py", mutates_args=())
+def _add_rms_norm_py_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Python kernel of ``mixgemm::add_rms_norm``, for the calls its C++ kernel hands over."""
+    return _rms_norm_dispatched(x, weight, eps, residual)
+
+
+for _op in (_rms_norm_op, _rms_norm_py_op):
+    _op.register_fake(_norm_fake)
+for _op in (_add_rms_norm_op, _add_rms_norm_py_op):
+    _op.register_fake(_add_norm_fake)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,10 @@
 // the operator mixgemm::gemm_py: the Python kernel, which validates, raises the errors, makes the
 // plan (and hands it over) and launches.
 //
+// The RMSNorm operators (mixgemm::rms_norm, mixgemm::add_rms_norm) get the same treatment: Python
+// hands over each loaded norm kernel (per dtype, residual or not, and device), and the C++ kernels
+// launch it on plain calls, calling mixgemm::rms_norm_py / add_rms_norm_py for the rest.
+//
 // Python talks to this library through the extern "C" functions below (ctypes).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -24,7 +28,11 @@
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
 
+#include <cuda.h>
+
 #include <atomic>
+#include <cmath>
+#include <tuple>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -38,7 +46,7 @@
 
 // Bump on any change of the C functions or structures below (python/mixgemm/jit/torch_ops.py
 // checks it).
-#define MIXGEMM_TORCH_OPS_VERSION 1
+#define MIXGEMM_TORCH_OPS_VERSION 2
 
 extern "C" {
 
@@ -117,6 +125,18 @@ struct ArenaHash {
   }
 };
 
+// A loaded norm kernel (norm_kernel.hpp): one CTA of kNormThreads per row.
+struct NormKernel {
+  uint64_t function = 0;        // CUfunction
+  bool programmatic = false;    // launch with programmatic stream serialization
+};
+constexpr unsigned kNormThreads = 256;
+using LaunchKernelEx = CUresult (*)(CUlaunchConfig const*, CUfunction, void**, void**);
+
+int64_t norm_key(int32_t device, int32_t dtype, bool residual) {
+  return (int64_t(device) << 8) | (int64_t(dtype) << 1) | int64_t(residual);
+}
+
 // Everything Python handed over (one per process).
 struct State {
   std::shared_mutex mutex;
@@ -128,6 +148,8 @@ struct State {
   std::vector<std::string> activations;
   std::unordered_map<MixgemmOpKey, Plan, KeyHash, KeyEqual> plans;
   std::unordered_map<ArenaKey, Arena, ArenaHash> arenas;
+  std::unordered_map<int64_t, NormKernel> norms;
+  LaunchKernelEx launch_kernel_ex = nullptr;
   std::atomic<uint64_t> hits{0};
   std::atomic<uint64_t> fallbacks{0};
 };
@@ -254,10 +276,105 @@ at::Tensor gemm_cuda(at::Tensor const& x, at::Tensor const& qdata, at::Tensor co
   return y;
 }
 
+
+int32_t dtype_code(at::ScalarType t) {
+  return t == at::kHalf ? 0 : t == at::kBFloat16 ? 1 : -1;
+}
+
+bool aligned_contiguous(at::Tensor const& t) {
+  return t.is_contiguous() && (reinterpret_cast<uintptr_t>(t.const_data_ptr()) & 15) == 0;
+}
+
+// Launch the norm kernel on `rows` rows of `h` values; false where it cannot (nothing ran).
+bool launch_norm(int32_t device, int32_t dtype, bool residual, void const* x, void const* res, void const* w,
+                 void* out, void* sums, int64_t rows, int64_t h, double eps) {
+  State& s = state();
+  NormKernel kernel;
+  LaunchKernelEx launch = nullptr;
+  {
+    std::shared_lock<std::shared_mutex> lock(s.mutex);
+    auto const it = s.norms.find(norm_key(device, dtype, residual));
+    if (it == s.norms.end() || s.launch_kernel_ex == nullptr) return false;
+    kernel = it->second;
+    launch = s.launch_kernel_ex;
+  }
+  if (rows == 0) return true;
+  if (rows > 0x7fffffff) return false;
+  int row_vecs = int(h / 8);
+  float eps32 = float(eps);
+  void* argv[7] = {&x, &res, &w, &out, &sums, &row_vecs, &eps32};
+  CUlaunchAttribute attr;
+  std::memset(&attr, 0, sizeof(attr));
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config;
+  std::memset(&config, 0, sizeof(config));
+  config.gridDimX = unsigned(rows);
+  config.gridDimY = config.gridDimZ = 1;
+  config.blockDimX = kNormThreads;
+  config.blockDimY = config.blockDimZ = 1;
+  config.hStream = reinterpret_cast<CUstream>(c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(device)).stream());
+  config.attrs = kernel.programmatic ? &attr : nullptr;
+  config.numAttrs = kernel.programmatic ? 1 : 0;
+  return launch(&config, reinterpret_cast<CUfunction>(kernel.function), argv, nullptr) == CUDA_SUCCESS;
+}
+
+// The checks a plain norm call passes (anything else goes to Python, which raises or copies).
+bool norm_call_ok(at::Tensor const& x, at::Tensor const& weight, double eps) {
+  if (!x.is_cuda() || x.dim() < 1 || dtype_code(x.scalar_type()) < 0 || !aligned_contiguous(x)) return false;
+  int64_t const h = x.size(x.dim() - 1);
+  if (h <= 0 || (h * 2) % 16 != 0) return false;
+  if (weight.dim() != 1 || weight.size(0) != h || weight.scalar_type() != x.scalar_type() || !weight.is_cuda() ||
+      weight.get_device() != x.get_device() || !aligned_contiguous(weight)) {
+    return false;
+  }
+  return std::isfinite(eps) && eps >= 0;
+}
+
+at::Tensor rms_norm_cuda(at::Tensor const& x, at::Tensor const& weight, double eps) {
+  if (norm_call_ok(x, weight, eps)) {
+    at::Tensor out = at::empty(x.sizes(), x.options());
+    int64_t const h = x.size(x.dim() - 1);
+    if (launch_norm(x.get_device(), dtype_code(x.scalar_type()), false, x.const_data_ptr(), nullptr,
+                    weight.const_data_ptr(), out.data_ptr(), nullptr, x.numel() / h, h, eps)) {
+      state().hits.fetch_add(1, std::memory_order_relaxed);
+      return out;
+    }
+  }
+  state().fallbacks.fetch_add(1, std::memory_order_relaxed);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mixgemm::rms_norm_py", "")
+                       .typed<at::Tensor(at::Tensor const&, at::Tensor const&, double)>();
+  return op.call(x, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(at::Tensor const& x, at::Tensor const& residual,
+                                                     at::Tensor const& weight, double eps) {
+  if (norm_call_ok(x, weight, eps) && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+      residual.is_cuda() && residual.get_device() == x.get_device() && aligned_contiguous(residual)) {
+    at::Tensor out = at::empty(x.sizes(), x.options());
+    at::Tensor sums = at::empty(x.sizes(), x.options());
+    int64_t const h = x.size(x.dim() - 1);
+    if (launch_norm(x.get_device(), dtype_code(x.scalar_type()), true, x.const_data_ptr(), residual.const_data_ptr(),
+                    weight.const_data_ptr(), out.data_ptr(), sums.data_ptr(), x.numel() / h, h, eps)) {
+      state().hits.fetch_add(1, std::memory_order_relaxed);
+      return {out, sums};
+    }
+  }
+  state().fallbacks.fetch_add(1, std::memory_order_relaxed);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mixgemm::add_rms_norm_py", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(at::Tensor const&, at::Tensor const&,
+                                                                 at::Tensor const&, double)>();
+  return op.call(x, residual, weight, eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mixgemm, CUDA, m) {
   m.impl("gemm", TORCH_FN(gemm_cuda));
+  m.impl("rms_norm", TORCH_FN(rms_norm_cuda));
+  m.impl("add_rms_norm", TORCH_FN(add_rms_norm_cuda));
 }
 
 extern "C" {
@@ -328,6 +445,24 @@ void mixgemm_ops_clear_arenas() {
   State& s = state();
   std::unique_lock<std::shared_mutex> lock(s.mutex);
   s.arenas.clear();
+}
+
+// Hand over a loaded norm kernel: `function` (a CUfunction) of the kernel for `dtype` rows (0:
+// float16, 1: bfloat16), with the residual add or not, on `device`; `launch_kernel_ex` is the
+// driver's cuLaunchKernelEx.
+void mixgemm_ops_put_norm(int32_t residual, int32_t dtype, int32_t device, uint64_t function, int32_t programmatic,
+                          uint64_t launch_kernel_ex) {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  s.norms[norm_key(device, dtype, residual != 0)] = NormKernel{function, programmatic != 0};
+  s.launch_kernel_ex = reinterpret_cast<LaunchKernelEx>(launch_kernel_ex);
+}
+
+// Forget every norm kernel.
+void mixgemm_ops_clear_norms() {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  s.norms.clear();
 }
 
 uint64_t mixgemm_ops_plan_count() {
