@@ -55,7 +55,7 @@ from typing import Callable, Optional, Union
 from .._version import __version__
 from ..errors import BuildError, UserError
 from ..utils.atomic import check_target, replacing
-from . import build, launcher
+from . import build, launcher, torch_ops
 from .render import render
 from .specs import parse_name
 
@@ -76,9 +76,15 @@ _FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _KEY = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _host_sources() -> dict[str, Callable[[], str]]:
-    """mixgemm's host libraries (built by :func:`mixgemm.jit.build.load_host_library`): name -> source."""
-    return {"launcher": lambda: launcher.SOURCE.read_text()}
+def _host_sources() -> dict[str, Callable[[], tuple[str, tuple, Optional[dict]]]]:
+    """mixgemm's host libraries (built by :func:`mixgemm.jit.build.load_host_library`): name ->
+    (source, nvcc flags, what else enters the key). The torch operator library is one where this
+    torch can take it (it builds against the installed torch)."""
+    sources = {"launcher": lambda: (launcher.SOURCE.read_text(), build.HOST_LIBRARY_FLAGS, None)}
+    if not torch_ops.available():
+        sources[torch_ops.NAME] = lambda: (torch_ops.SOURCE.read_text(), torch_ops.build_flags(),
+                                           torch_ops.key_extra())
+    return sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +116,9 @@ def _expected(kind: str, name: str, tc: build.Toolchain) -> _Expected:
     sources = _host_sources()
     if name not in sources:
         raise ValueError(f"{name!r} is not one of mixgemm's host libraries ({', '.join(sources)})")
-    source = sources[name]()
-    return _Expected(build.host_library_key(name, source, tc), (f"{name}.so",), f"{name}.cpp", source,
-                     {f"{name}.so": build.HOST_LIBRARY_FLAGS})
+    source, flags, key_extra = sources[name]()
+    return _Expected(build.host_library_key(name, source, tc, flags, key_extra), (f"{name}.so",), f"{name}.cpp",
+                     source, {f"{name}.so": tuple(flags)})
 
 
 def _sha256(data: bytes) -> str:
