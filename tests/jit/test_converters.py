@@ -12,7 +12,8 @@ The e4m3 (FP8) converters (converters/mixgemm/e4m3.hpp: q, or u - z, for s4 u4 s
 against torch's float8_e4m3fn, at the 8-bit fragment positions derived from the PTX fragment and
 the documented K permutation: every 16-bit pattern in every half-word of a chunk, and every code
 at every position with every pair of zero points of the lane's two rows, for the tables built in
-registers and the compile-time tables.
+registers and the compile-time tables; their device path is compiled for sm_90a and its SASS
+read (no branches, no local memory, the documented instruction count).
 
 Coverage, for every code type (s8 u8 s4 u4 s2 u2) x activation type (bf16 fp16):
   * every 16-bit pattern in both half-words of every word of a lane chunk (so every byte,
@@ -22,8 +23,10 @@ Coverage, for every code type (s8 u8 s4 u4 s2 u2) x activation type (bf16 fp16):
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -384,3 +387,59 @@ def test_e4m3_cutlass_numeric_array_converter(cutlass_check, wt, tmp_path):
     got = _run_e4m3(cutlass_check, wt, "bf16", "e4m3_cutlass", words, None, tmp_path)
     _assert_bits_equal(got, _reference_e4m3(words, None, wt), f"{wt.value}->e4m3 cutlass")
 
+
+# ---------------------------------------------------------------------------------------------
+# The e4m3 converters' device path: compiled for sm_90a with the kernels' flags (compile only),
+# and, where cuobjdump is at hand, its SASS read: no branches, no local memory, and no more
+# instructions than e4m3.hpp documents per k32 block (16 codes).
+# ---------------------------------------------------------------------------------------------
+_E4M3_SASS_BUDGET = {4: 26, 2: 9}   # prmt + lop3 + shifts per k32 block
+
+
+@pytest.fixture(scope="session")
+def e4m3_device_object(tmp_path_factory):
+    from mixgemm.jit.toolchain import BASE_FLAGS, include_flags
+    nvcc = paths.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    out = tmp_path_factory.mktemp("e4m3") / "e4m3_device.o"
+    res = subprocess.run([nvcc, *BASE_FLAGS, "-O3", "-c", *include_flags(),
+                          str(paths.repo_file("tests/cpp/e4m3_device.cu")), "-o", str(out)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, f"nvcc -arch=sm_90a -c e4m3_device.cu failed:\n{res.stderr[-4000:]}"
+    return nvcc, out
+
+
+@pytest.mark.nvcc
+def test_e4m3_device_compiles(e4m3_device_object):
+    assert e4m3_device_object[1].stat().st_size > 0
+
+
+def _sass_functions(nvcc: str, obj) -> dict:
+    tool = shutil.which("cuobjdump") or str(Path(nvcc).parent / "cuobjdump")
+    if not Path(tool).is_file():
+        pytest.skip("cuobjdump not found")
+    res = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True)
+    if res.returncode != 0 or "Function :" not in res.stdout:
+        pytest.skip(f"cuobjdump -sass unavailable: {res.stderr.strip()[-200:]}")
+    funcs = {}
+    for part in res.stdout.split("Function : ")[1:]:
+        name, body = part.split("\n", 1)
+        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
+        funcs[name.strip()] = [op.split(".")[0] for op in ops]
+    return funcs
+
+
+@pytest.mark.nvcc
+def test_e4m3_device_sass(e4m3_device_object):
+    funcs = _sass_functions(*e4m3_device_object)
+    assert len(funcs) == 12, sorted(funcs)
+    for name, ops in funcs.items():
+        assert not {"LDL", "STL"} & set(ops), f"{name} uses local memory"
+        last_exit = max(i for i, op in enumerate(ops) if op == "EXIT")
+        assert all(i > last_exit for i, op in enumerate(ops) if op == "BRA"), f"{name} branches"
+        m = re.match(r"_Z12e4m3_convertILi(\d)ELb", name)
+        if m:
+            bits = int(m.group(1))
+            used = sum(op in ("PRMT", "LOP3", "SHF") for op in ops)
+            assert used <= 2 * _E4M3_SASS_BUDGET[bits], f"{name}: {used} > {2 * _E4M3_SASS_BUDGET[bits]}"
