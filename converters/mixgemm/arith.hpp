@@ -1,7 +1,7 @@
 // mixgemm: the few bit and half-precision primitives the converters are written in.
 //
 // Every primitive has two implementations with identical results:
-//   * device: one PTX instruction (lop3.b32, sub/mul.rn.{bf16x2,f16x2}, sm_90);
+//   * device: one PTX instruction (lop3.b32, prmt.b32, sub/mul.rn.{bf16x2,f16x2}, sm_90);
 //   * host:   portable C++ that reproduces it bit for bit, so that the converters (which are
 //             written once, in terms of these primitives) can be checked exhaustively on a CPU.
 //
@@ -47,6 +47,29 @@ MIXGEMM_HD uint32_t lop3(uint32_t a, uint32_t b, uint32_t c) {
     if ((Lut >> m) & 1) {
       d |= ((m & 4) ? a : ~a) & ((m & 2) ? b : ~b) & ((m & 1) ? c : ~c);
     }
+  }
+  return d;
+#endif
+}
+
+// -------------------------------------------------------------------------------------------
+// prmt: byte permute. Result byte i is byte (c >> 4i) & 7 of the 8-byte value b:a (a holds
+// bytes 0-3); if bit 3 of that nibble is set, the byte's sign bit is replicated instead (0x00
+// or 0xff). Only the low 16 bits of the selector c are read (the default mode of prmt.b32).
+// -------------------------------------------------------------------------------------------
+MIXGEMM_HD uint32_t prmt(uint32_t a, uint32_t b, uint32_t c) {
+#if defined(__CUDA_ARCH__)
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  uint64_t const src = (uint64_t(b) << 32) | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) {
+    uint32_t const nib = (c >> (4 * i)) & 0xfu;
+    uint32_t byte = uint32_t(src >> (8 * (nib & 7u))) & 0xffu;
+    if (nib & 8u) byte = (byte & 0x80u) ? 0xffu : 0x00u;
+    d |= byte << (8 * i);
   }
   return d;
 #endif

@@ -8,6 +8,13 @@ positions come from mixgemm.weights.layout, the arithmetic from torch (``(q - z)
 The decode kernels' own conversion (converters/mixgemm/raw_decode.hpp: E + F c, and F (q - z)
 with F = 4 on row g + 8 of 2-bit codes) is checked the same way, against the documented formula.
 
+The e4m3 (FP8) converters (converters/mixgemm/e4m3.hpp: q, or u - z, for s4 u4 s2 u2) are checked
+against torch's float8_e4m3fn, at the 8-bit fragment positions derived from the PTX fragment and
+the documented K permutation: every 16-bit pattern in every half-word of a chunk, and every code
+at every position with every pair of zero points of the lane's two rows, for the tables built in
+registers and the compile-time tables; their device path is compiled for sm_90a and its SASS
+read (no branches, no local memory, the documented instruction count).
+
 Coverage, for every code type (s8 u8 s4 u4 s2 u2) x activation type (bf16 fp16):
   * every 16-bit pattern in both half-words of every word of a lane chunk (so every byte,
     nibble and crumb value in every position), with random zero points and scales;
@@ -16,15 +23,17 @@ Coverage, for every code type (s8 u8 s4 u4 s2 u2) x activation type (bf16 fp16):
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from mixgemm.jit import env as paths
-from mixgemm.weights.layout import bit_of
+from mixgemm.weights.layout import bit_of, lane_value_of
 from mixgemm.weights.types import WeightType
 
 ALL_TYPES = [WeightType.S8, WeightType.U8, WeightType.S4, WeightType.U4, WeightType.S2, WeightType.U2]
@@ -257,3 +266,180 @@ def test_raw_decode_exhaustive(host_check, wt, dname, tmp_path):
         _assert_bits_equal(got, _reference_raw(words, wt, dname), f"{wt.value}->{dname} raw {name}")
         got = _run(host_check, wt, dname, "centered", words, zeros, scales, tmp_path)
         _assert_bits_equal(got, _reference_centered(words, zeros, wt, dname), f"{wt.value}->{dname} centered {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# e4m3 (FP8) converters (converters/mixgemm/e4m3.hpp): q, or u - z, for 4- and 2-bit codes, in
+# the 8-bit wgmma A-fragment order. Reference: torch's float8_e4m3fn of the same integers, at
+# the fragment positions derived here from the PTX fragment and the layout's lane_value_of.
+# ---------------------------------------------------------------------------------------------
+E4M3_TYPES = [WeightType.S4, WeightType.U4, WeightType.S2, WeightType.U2]
+
+
+def _mma_to_weight_col(f: int) -> int:
+    """The documented K permutation inside a 32-column block: MMA column F = 16p + 4t + j holds
+    weight column L = 8j + 2t + p."""
+    p, t, j = (f % 32) // 16, (f // 4) % 4, f % 4
+    return (f // 32) * 32 + 8 * j + 2 * t + p
+
+
+def _e4m3_value_order() -> np.ndarray:
+    """Chunk value index (0..31) of each output byte o = 16 m + 4 r + j of the e4m3 converter.
+
+    Byte j of register r of k32 block m is, in wgmma's 8-bit A fragment (CUTLASS
+    GMMA::ALayout_64x32), row g + 8 (r % 2) and MMA column 32 m + 16 (r // 2) + 4 t + j; that
+    MMA column holds weight column _mma_to_weight_col(...) of the atom, whose (lane, value) the
+    layout gives. The value must be the same for every lane, and the lane must be 4 g + t."""
+    order = np.empty(32, dtype=np.int64)
+    for o in range(32):
+        m, r, j = o // 16, (o // 4) % 4, o % 4
+        values = set()
+        for g in range(8):
+            for t in range(4):
+                row = g + 8 * (r % 2)
+                col = _mma_to_weight_col(32 * m + 16 * (r // 2) + 4 * t + j)
+                lane, value = lane_value_of(torch.tensor(row), torch.tensor(col))
+                assert int(lane) == 4 * g + t, (o, g, t)
+                values.add(int(value))
+        assert len(values) == 1, (o, values)
+        order[o] = values.pop()
+    assert sorted(order) == list(range(32))
+    return order
+
+
+def _e4m3_cases(wt: WeightType, rng):
+    """Yield (name, words[n, bits], zeros[n, 2]) (integer zero points of rows g, g + 8)."""
+    bits, zmax = wt.bits, (1 << wt.bits) - 1
+    # 1. every 16-bit pattern in both half-words of every word of the chunk, random zero points
+    x = np.arange(65536, dtype=np.uint64)
+    words = np.stack([((x * _ODD[2 * w]) & 0xFFFF) | (((x * _ODD[2 * w + 1]) & 0xFFFF) << 16)
+                      for w in range(bits)], axis=1).astype(np.uint32)
+    yield "all-patterns", words, rng.integers(0, zmax + 1, size=(words.shape[0], 2))
+    # 2. every code at every position, with every pair of zero points of the two rows
+    shifts = np.arange(1 << bits)
+    codes = (np.arange(32)[None, :] + shifts[:, None]) % (1 << bits)       # [2^b, 32]
+    zg, z8 = np.meshgrid(np.arange(zmax + 1), np.arange(zmax + 1), indexing="ij")
+    pairs = np.stack([zg.ravel(), z8.ravel()], 1)                           # [(zmax+1)^2, 2]
+    yield "all-code-zero", _pack_chunks(np.tile(codes, (len(pairs), 1)), bits), \
+        np.repeat(pairs, len(codes), axis=0)
+
+
+def _run_e4m3(binary, wt, zdtype, mode, words, zeros, tmp_path):
+    inp, out = tmp_path / "in.bin", tmp_path / "out.bin"
+    with open(inp, "wb") as f:
+        np.array([words.shape[0]], dtype=np.uint32).tofile(f)
+        np.ascontiguousarray(words, dtype=np.uint32).tofile(f)
+        if mode in ("e4m3", "e4m3_lut"):
+            zb = torch.from_numpy(np.asarray(zeros, dtype=np.int64)).to(DTYPES[zdtype]).view(torch.int16)
+            np.ascontiguousarray(zb.numpy().view(np.uint16)).tofile(f)
+    res = subprocess.run([str(binary), str(wt.bits), str(int(wt.signed)), zdtype, mode, str(inp), str(out)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return np.fromfile(out, dtype=np.uint8).reshape(words.shape[0], 32)
+
+
+def _reference_e4m3(words, zeros, wt):
+    q = _decode_codes(words, wt)
+    if zeros is not None and wt.has_zero:
+        q = q - torch.from_numpy(np.asarray(zeros, dtype=np.int64))[:, _row_of_value()]
+    assert int(q.abs().max()) <= 15
+    fp8 = q.to(torch.float32).to(torch.float8_e4m3fn)
+    assert torch.equal(fp8.to(torch.int64), q), "not exact in e4m3"
+    return fp8.view(torch.uint8).numpy()[:, _e4m3_value_order()]
+
+
+def test_e4m3_fragment_order():
+    """The output order follows from the PTX fragment and the permutation; the permutation is a
+    bijection inside each 32-column block (so group boundaries at multiples of 32 survive)."""
+    order = _e4m3_value_order()
+    # register r = 2 p + row, byte j: value 8 (2 m + j // 2) + 4 (j % 2) + 2 row + p
+    for o in range(32):
+        m, r, j = o // 16, (o // 4) % 4, o % 4
+        assert order[o] == 8 * (2 * m + j // 2) + 4 * (j % 2) + 2 * (r % 2) + r // 2
+    assert sorted(_mma_to_weight_col(f) for f in range(64)) == list(range(64))
+    assert all(_mma_to_weight_col(f) // 32 == f // 32 for f in range(64))
+
+
+@pytest.mark.parametrize("mode", ["e4m3", "e4m3_lut"])
+@pytest.mark.parametrize("wt", E4M3_TYPES, ids=lambda w: w.value)
+def test_e4m3_exhaustive(host_check, wt, mode, tmp_path):
+    rng = np.random.default_rng(2468 + wt.bits)
+    for name, words, zeros in _e4m3_cases(wt, rng):
+        for zdtype in DTYPES:   # the zero points' format (bf16 / fp16 bit patterns)
+            if name == "all-patterns" and zdtype == "fp16":
+                continue   # the zero point decode is covered by the all-code-zero case
+            got = _run_e4m3(host_check, wt, zdtype, mode, words, zeros, tmp_path)
+            _assert_bits_equal(got, _reference_e4m3(words, zeros, wt), f"{wt.value}->e4m3 {mode} {name} {zdtype}")
+
+
+@pytest.mark.parametrize("wt", E4M3_TYPES, ids=lambda w: w.value)
+def test_e4m3_values_all_patterns(host_check, wt, tmp_path):
+    _, words, _ = next(_e4m3_cases(wt, np.random.default_rng(5)))
+    got = _run_e4m3(host_check, wt, "bf16", "e4m3_values", words, None, tmp_path)
+    _assert_bits_equal(got, _reference_e4m3(words, None, wt), f"{wt.value}->e4m3 values")
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("wt", E4M3_TYPES, ids=lambda w: w.value)
+def test_e4m3_cutlass_numeric_array_converter(cutlass_check, wt, tmp_path):
+    """cutlass::NumericArrayConverter<float_e4m3_t, mixgemm::prepacked<T>, 32>."""
+    _, words, _ = next(_e4m3_cases(wt, np.random.default_rng(6)))
+    got = _run_e4m3(cutlass_check, wt, "bf16", "e4m3_cutlass", words, None, tmp_path)
+    _assert_bits_equal(got, _reference_e4m3(words, None, wt), f"{wt.value}->e4m3 cutlass")
+
+
+# ---------------------------------------------------------------------------------------------
+# The e4m3 converters' device path: compiled for sm_90a with the kernels' flags (compile only),
+# and, where cuobjdump is at hand, its SASS read: no branches, no local memory, and no more
+# instructions than e4m3.hpp documents per k32 block (16 codes).
+# ---------------------------------------------------------------------------------------------
+_E4M3_SASS_BUDGET = {4: 26, 2: 9}   # prmt + lop3 + shifts per k32 block
+
+
+@pytest.fixture(scope="session")
+def e4m3_device_object(tmp_path_factory):
+    from mixgemm.jit.toolchain import BASE_FLAGS, include_flags
+    nvcc = paths.find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    out = tmp_path_factory.mktemp("e4m3") / "e4m3_device.o"
+    res = subprocess.run([nvcc, *BASE_FLAGS, "-O3", "-c", *include_flags(),
+                          str(paths.repo_file("tests/cpp/e4m3_device.cu")), "-o", str(out)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, f"nvcc -arch=sm_90a -c e4m3_device.cu failed:\n{res.stderr[-4000:]}"
+    return nvcc, out
+
+
+@pytest.mark.nvcc
+def test_e4m3_device_compiles(e4m3_device_object):
+    assert e4m3_device_object[1].stat().st_size > 0
+
+
+def _sass_functions(nvcc: str, obj) -> dict:
+    tool = shutil.which("cuobjdump") or str(Path(nvcc).parent / "cuobjdump")
+    if not Path(tool).is_file():
+        pytest.skip("cuobjdump not found")
+    res = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True)
+    if res.returncode != 0 or "Function :" not in res.stdout:
+        pytest.skip(f"cuobjdump -sass unavailable: {res.stderr.strip()[-200:]}")
+    funcs = {}
+    for part in res.stdout.split("Function : ")[1:]:
+        name, body = part.split("\n", 1)
+        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
+        funcs[name.strip()] = [op.split(".")[0] for op in ops]
+    return funcs
+
+
+@pytest.mark.nvcc
+def test_e4m3_device_sass(e4m3_device_object):
+    funcs = _sass_functions(*e4m3_device_object)
+    assert len(funcs) == 12, sorted(funcs)
+    for name, ops in funcs.items():
+        assert not {"LDL", "STL"} & set(ops), f"{name} uses local memory"
+        last_exit = max(i for i, op in enumerate(ops) if op == "EXIT")
+        assert all(i > last_exit for i, op in enumerate(ops) if op == "BRA"), f"{name} branches"
+        m = re.match(r"_Z12e4m3_convertILi(\d)ELb", name)
+        if m:
+            bits = int(m.group(1))
+            used = sum(op in ("PRMT", "LOP3", "SHF") for op in ops)
+            assert used <= 2 * _E4M3_SASS_BUDGET[bits], f"{name}: {used} > {2 * _E4M3_SASS_BUDGET[bits]}"
