@@ -40,10 +40,11 @@ from typing import Optional
 import torch
 
 from . import heuristic
+from ..dtypes import WeightType
 from ..jit import launcher
 from ..jit.driver import ABI_VERSION, GemmArgs, LoadedKernel, capturing, check, cuda_driver, current_stream
 from ..jit.specs import Activation, Raster
-from ..weights.types import PackedWeight, WeightType
+from ..weights.types import PackedWeight
 
 
 _Tensor = torch.Tensor

@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from ..dispatch import plans
+from ..dtypes import WeightType
 from ..errors import UnsupportedLayerError
 from ..ops.dense import TOKEN_BUCKETS, gemm_op, gemm_tensors_full
 from ..weights.layout import ATOM_K, ATOM_N, prepack, unpack
 from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_gate_up, interleave_rows, quantize
-from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
+from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, check_group_size
 
 
 # ---------------------------------------------------------------------------------------------

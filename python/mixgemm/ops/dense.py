@@ -19,7 +19,8 @@ from ..dispatch import heuristic, plans, tuning
 from . import checks
 from .library import custom_op
 from ..dispatch.heuristic import TOKEN_BUCKETS, select_spec, select_tile, tile_labels, token_bucket  # noqa: F401 (the API)
-from ..weights.types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, WeightType
+from ..dtypes import WeightType
+from ..weights.types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
 from ..jit import loader as runtime
 from ..jit.catalog import launch_order
 from ..jit.specs import Activation, DequantSpec, Epilogue, GEMM_KINDS, Raster, SWIZZLES

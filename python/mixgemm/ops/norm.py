@@ -19,10 +19,10 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import ActType
 from ..jit import driver, loader
 from ..jit.loader import aligned_contiguous
 from ..jit.specs import NormSpec
-from ..weights.types import ActType
 from . import checks
 from .library import custom_op
 

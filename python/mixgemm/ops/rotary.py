@@ -18,10 +18,10 @@ from typing import Optional, Union
 
 import torch
 
+from ..dtypes import ActType
 from ..jit import driver, loader
 from ..jit.loader import aligned_contiguous
 from ..jit.specs import RopeSpec
-from ..weights.types import ActType
 from . import checks
 from .library import custom_op
 
