@@ -34,7 +34,7 @@ from ..jit.catalog import GROUPED_GEMM_TILES, TILE_CONFIGS
 from ..jit.driver import GemmArgs, Launch
 from ..jit.loader import aligned_contiguous
 from ..jit.specs import Activation, Epilogue, GroupedDecodeSpec, GroupedGemmSpec, KernelKind, Raster
-from ..ops import checks, dense as ops
+from ..ops import checks
 from ..ops.library import custom_op
 from ..weights.experts import PackedExperts
 from .tiles import TokenTiles, token_tiles
