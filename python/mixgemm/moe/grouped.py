@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from ..dispatch import heuristic
+from ..dispatch import checks, heuristic
+from ..dispatch.library import custom_op
 from ..dtypes import WeightType
 from ..errors import KernelError
 from ..jit import driver, loader as runtime
@@ -34,8 +35,6 @@ from ..jit.catalog import GROUPED_GEMM_TILES, TILE_CONFIGS
 from ..jit.driver import GemmArgs, Launch
 from ..jit.loader import aligned_contiguous
 from ..jit.specs import Activation, Epilogue, GroupedDecodeSpec, GroupedGemmSpec, KernelKind, Raster
-from ..ops import checks
-from ..ops.library import custom_op
 from ..weights.experts import PackedExperts
 from .tiles import TokenTiles, token_tiles
 

@@ -24,10 +24,10 @@ from typing import Optional
 import torch
 
 from ..dispatch import heuristic
+from ..dispatch.library import custom_op
 from ..dtypes import WeightType
 from ..jit.catalog import GROUPED_GEMM_TILES
 from ..jit.specs import Epilogue, GroupedGemmSpec, KernelKind
-from ..ops.library import custom_op
 from ..weights.experts import PackedExperts
 from ..weights.quantize import deinterleave_rows
 from . import grouped

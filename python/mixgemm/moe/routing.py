@@ -29,13 +29,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..dispatch import heuristic
+from ..dispatch import checks, heuristic
+from ..dispatch.library import custom_op
 from ..dtypes import ActType
 from ..jit import loader as runtime
 from ..jit.loader import aligned_contiguous
 from ..jit.specs import IndexType, MoeCombineSpec, MoeRouteSpec, RoutingWeightType
-from ..ops import checks
-from ..ops.library import custom_op
 
 __all__ = ["Routing", "route", "route_and_gather", "combine", "combine_by_assignment", "routing_specs",
            "ROUTE_MAX_ASSIGNMENTS", "ROUTE_MAX_EXPERTS", "COMBINE_MAX_TOKENS"]

@@ -2,7 +2,7 @@
 
 Under ``torch.compile`` (``fullgraph=True`` included) a :class:`QuantLinear` calls the
 ``torch.ops.mixgemm.gemm`` operator (:func:`mixgemm.ops.gemm_op`, registered by
-:mod:`mixgemm.ops.library` with a fake implementation for tracing), so that the compiled graph
+:mod:`mixgemm.dispatch.library` with a fake implementation for tracing), so that the compiled graph
 launches the GEMM through one Python kernel; CUDA graphs, plain or torch.compile's
 ``mode="reduce-overhead"``, capture it (after a warm-up call has loaded the kernel: loading never
 happens during capture).
