@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--warmup must be >= 0")
     if not (args.list_kernels or args.prebuild) and args.json is None:
         p.error("--json PATH is required")
-    from mixgemm.weights.types import WeightType
+    from mixgemm.dtypes import WeightType
     try:
         args.weight_type = WeightType(args.weight_type)
     except ValueError:
@@ -128,8 +128,8 @@ def rank_preset(preset, tp: int):
 def weight_uses(preset, weight_type, tp: int) -> list:
     """The four packed weights of a rank's layer at TP=``tp`` (``tp=1``: the whole layer)."""
     from mixgemm.aot.prebuild import WeightUse
+    from mixgemm.dtypes import ActType
     from mixgemm.jit.specs import Activation
-    from mixgemm.weights.types import ActType
 
     local = rank_preset(preset, tp) if tp > 1 else preset
     uses = []
@@ -143,7 +143,7 @@ def decode_specs(preset, weight_type, tp: int) -> list:
     """The decode kernels of both splits, and the layer's RMSNorm and rotary / KV-cache kernels."""
     from mixgemm.jit.catalog import layer_specs
     from mixgemm.aot.prebuild import specs_for
-    from mixgemm.weights.types import ActType
+    from mixgemm.dtypes import ActType
 
     return specs_for(weight_uses(preset, weight_type, 1) + (weight_uses(preset, weight_type, tp) if tp > 1 else []),
                      max_tokens=1) + layer_specs([ActType.BF16])
@@ -419,7 +419,7 @@ def main(argv=None) -> int:
         from mixgemm.jit import build
         from mixgemm.jit.catalog import layer_specs
         from mixgemm.aot.prebuild import build_for
-        from mixgemm.weights.types import ActType
+        from mixgemm.dtypes import ActType
 
         uses = weight_uses(preset, args.weight_type, 1) + weight_uses(preset, args.weight_type, args.tp)
         t0 = time.time()

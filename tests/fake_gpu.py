@@ -29,9 +29,9 @@ import fake_driver
 import torch
 
 from mixgemm.jit import build, render as codegen, launcher, loader as runtime
-from mixgemm.dispatch import heuristic, plans
+from mixgemm.dispatch import checks, heuristic, plans
 from mixgemm.jit import driver
-from mixgemm.ops import checks, dense as ops
+from mixgemm.ops import dense as ops
 from mixgemm.errors import KernelError
 from mixgemm.jit.specs import HELPER_KINDS
 

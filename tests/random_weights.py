@@ -1,7 +1,8 @@
 """Random quantized weights, for the layout and shard tests of tests/weights/."""
 import torch
 
-from mixgemm.weights.types import QuantizedWeight, WeightType
+from mixgemm.dtypes import WeightType
+from mixgemm.weights.types import QuantizedWeight
 
 
 def random_qw(n, k, bits, symmetric, group_size, dtype=torch.bfloat16, seed=0):

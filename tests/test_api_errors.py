@@ -33,7 +33,7 @@ def packed():
 ])
 def test_gemm_refuses(packed, case, x, exc, message, pin_case, monkeypatch):
     if case == "the wrong K":     # the device comes first: pretend the CPU is a usable GPU to reach K
-        monkeypatch.setattr(mixgemm.ops.checks, "device_problem", lambda device: None)
+        monkeypatch.setattr(mixgemm.dispatch.checks, "device_problem", lambda device: None)
     with pytest.raises(exc) as excinfo:
         mixgemm.gemm(x(), packed)
     assert first_line(excinfo) == message

@@ -199,7 +199,7 @@ def _demo_specs() -> tuple[str, str]:
     its 4096x4096 bf16/int4 layer."""
     from mixgemm.ops.dense import select_tile
     from mixgemm.jit.specs import Activation
-    from mixgemm.weights.types import ActType, WeightType
+    from mixgemm.dtypes import ActType, WeightType
 
     decode = select_tile(1, 4096, 4096).spec(ActType.BF16, WeightType.U4, Activation.NONE)
     gemm = select_tile(64, 4096, 4096).spec(ActType.BF16, WeightType.U4, Activation.NONE)

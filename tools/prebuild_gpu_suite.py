@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     from mixgemm.aot.prebuild import ExpertsUse, WeightUse, specs_for
     from mixgemm.ops.rotary import rope_spec
     from mixgemm.jit.specs import Activation
-    from mixgemm.weights.types import ActType, WeightType
+    from mixgemm.dtypes import ActType, WeightType
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-j", "--jobs", type=int, default=None)

@@ -30,7 +30,7 @@ from mixgemm.jit import build
 from mixgemm.ops import dense as ops
 from mixgemm.dispatch import tuning
 from mixgemm.jit.catalog import TILE_CONFIGS, DecodeConfig
-from mixgemm.weights.types import ActType, WeightType
+from mixgemm.dtypes import ActType, WeightType
 
 #: the decoder-layer GEMM shapes (N x K) of llama3-8b, llama3-70b, qwen2.5-7b, qwen2.5-32b
 #: (qkv, o, gate+up, down)

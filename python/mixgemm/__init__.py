@@ -11,7 +11,8 @@ stays light and ``mixgemm.nn`` works without its own import statement.
 """
 import importlib as _importlib
 from ._version import __version__
-from .weights.types import ActType, PackedWeight, QuantizedWeight, WeightType, LAYOUT_VERSION
+from .dtypes import ActType, WeightType
+from .weights.types import PackedWeight, QuantizedWeight, LAYOUT_VERSION
 from .weights.layout import prepack, unpack
 from .weights.quantize import quantize, dequantize_reference
 from .weights.io import save, load

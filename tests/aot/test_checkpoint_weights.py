@@ -26,7 +26,8 @@ from mixgemm.nn import QuantLinear
 from mixgemm.aot.prebuild import WeightUse, specs_for
 from mixgemm.weights.quantize import interleave_gate_up, quantize
 from mixgemm.jit.specs import Activation
-from mixgemm.weights.types import ActType, PackedWeight, QuantizedWeight
+from mixgemm.dtypes import ActType
+from mixgemm.weights.types import PackedWeight, QuantizedWeight
 
 from fake_nvcc import fake_env  # noqa: F401  (the fake nvcc and a private cache)
 

@@ -25,7 +25,7 @@ from mixgemm.aot import prebuild
 from mixgemm.nn import QuantLinear
 from mixgemm.aot.prebuild import WeightUse, specs_for, token_counts
 from mixgemm.jit.specs import Activation
-from mixgemm.weights.types import ActType, WeightType
+from mixgemm.dtypes import ActType, WeightType
 
 from fake_nvcc import fake_env  # noqa: F401  (the fake nvcc and a private cache)
 

@@ -13,9 +13,9 @@ import torch
 
 from mixgemm import bench
 from mixgemm.bench import FAIL, OK, UNAVAILABLE, BenchReport, analyze, expected_weight_bytes, summarize_times
+from mixgemm.dtypes import WeightType
 from mixgemm.weights.layout import prepack
 from mixgemm.weights.quantize import dequantize_reference, quantize
-from mixgemm.weights.types import WeightType
 
 from bench_helpers import G_TABLE, K, N, by_impl, machine, meas
 

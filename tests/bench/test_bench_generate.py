@@ -17,7 +17,7 @@ from mixgemm.bench import generate as G
 from mixgemm.bench import plots
 from mixgemm.bench.decoder import PRESETS, ModelPreset
 from mixgemm.bench.generate import GenMeasurement, analyze_generate
-from mixgemm.weights.types import WeightType
+from mixgemm.dtypes import WeightType
 
 from bench_helpers import machine, parse, stats
 from bench_helpers import WallClock

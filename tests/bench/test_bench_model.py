@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixgemm.dtypes import ActType, WeightType
 from mixgemm.jit.catalog import TILE_CONFIGS
 from mixgemm.jit.specs import Activation
-from mixgemm.weights.types import ActType, WeightType
 
 from mixgemm import bench
 from mixgemm.bench import model as M
@@ -23,8 +23,8 @@ from mixgemm.bench import variants as V
 from mixgemm.bench.decoder import PRESETS, DecoderStack, ModelPreset, Rotary, float_weight, layer_state
 from mixgemm.bench.model import StepMeasurement, StepShape, analyze_model, layer_traffic
 from mixgemm.bench.timing import budgeted_iters
+from mixgemm.dtypes import WeightType
 from mixgemm.weights.quantize import dequantize_reference, quantize
-from mixgemm.weights.types import WeightType
 
 from bench_helpers import machine, parse, WallClock
 

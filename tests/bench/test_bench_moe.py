@@ -16,7 +16,7 @@ from mixgemm.bench import moe_run as R
 from mixgemm.bench import variants as V
 from mixgemm.moe import fused_moe_reference
 from mixgemm.jit.specs import GroupedDecodeSpec, MoeLayoutSpec
-from mixgemm.weights.types import ActType, WeightType
+from mixgemm.dtypes import ActType, WeightType
 
 from bench_helpers import machine, parse, stats, WallClock
 

@@ -20,7 +20,7 @@ from mixgemm.jit import catalog
 from mixgemm.jit import build, render as codegen, env as paths
 from mixgemm.errors import KernelError
 from mixgemm.jit.specs import Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Scheduler
-from mixgemm.weights.types import ActType, WeightType
+from mixgemm.dtypes import ActType, WeightType
 from fake_nvcc import fake_env, nvcc_calls  # noqa: F401  (the fake nvcc and a private cache)
 
 GEMM = GemmSpec(ActType.BF16, WeightType.U4, 128, 16, 128, scheduler=Scheduler.STREAMK)

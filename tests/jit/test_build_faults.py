@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from mixgemm.dtypes import ActType, WeightType
 from mixgemm.jit import catalog
 from mixgemm.jit import build, env as paths
 from mixgemm.jit.specs import DecodeSpec, DequantSpec, GemmSpec
-from mixgemm.weights.types import ActType, WeightType
 
 pytestmark = pytest.mark.nvcc
 

@@ -19,7 +19,7 @@ from mixgemm.jit import build, cache as cache_archive
 from mixgemm.cli.main import main
 from mixgemm.errors import UserError
 from mixgemm.jit.specs import DequantSpec, GemmSpec, Scheduler
-from mixgemm.weights.types import ActType, WeightType
+from mixgemm.dtypes import ActType, WeightType
 
 from fake_nvcc import fake_env, nvcc_calls  # noqa: F401  (the fake nvcc and a private cache)
 

@@ -11,7 +11,7 @@ from mixgemm.jit.render import render
 from mixgemm.jit.catalog import ALL_ACTS, ALL_WEIGHTS, TILE_CONFIGS, TileConfig, default_specs
 from mixgemm.jit.specs import (Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, Raster, Schedule, Scheduler,
                            parse_name)
-from mixgemm.weights.types import ActType, WeightType
+from mixgemm.dtypes import ActType, WeightType
 
 SPECS = default_specs()
 

@@ -32,9 +32,9 @@ import numpy as np
 import pytest
 import torch
 
+from mixgemm.dtypes import WeightType
 from mixgemm.jit import env as paths
 from mixgemm.weights.layout import bit_of, lane_value_of
-from mixgemm.weights.types import WeightType
 
 ALL_TYPES = [WeightType.S8, WeightType.U8, WeightType.S4, WeightType.U4, WeightType.S2, WeightType.U2]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

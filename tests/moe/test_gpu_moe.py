@@ -60,9 +60,9 @@ def test_grouped_decode_forced_splits(requires_gpu, wt, splits):
     """Every forced split-K factor of the grouped decode kernels (one cluster of up to 8 CTAs per
     row block) on both token tiles, against the float64 reference; K = 1280 (20 atoms: 3, 5 and 8
     split it unevenly)."""
+    from mixgemm.dtypes import ActType
     from mixgemm.jit.catalog import TILE_CONFIGS
     from mixgemm.jit.specs import Activation, GroupedDecodeSpec
-    from mixgemm.weights.types import ActType
 
     act = ActType.BF16
     e, n, k = 8, 256, 1280
@@ -86,9 +86,9 @@ def test_row_loop_on_a_compacted_grid(requires_gpu, wt, label):
     """Fewer rows than experts (z ranks the experts with rows), some experts with more rows than
     the token tile (each CTA runs its expert's tiles one after another), past the first pass of
     256 experts' offsets, with 1 and 2 splits on both token tiles."""
+    from mixgemm.dtypes import ActType
     from mixgemm.jit.catalog import TILE_CONFIGS
     from mixgemm.jit.specs import Activation, GroupedDecodeSpec
-    from mixgemm.weights.types import ActType
 
     act = ActType.BF16
     e, n, k = 300, 128, 384
@@ -110,7 +110,7 @@ def test_row_loop_on_a_compacted_grid(requires_gpu, wt, label):
 
 @pytest.mark.parametrize("e", (1, 256))
 def test_one_and_many_experts(requires_gpu, e):
-    from mixgemm.weights.types import ActType, WeightType
+    from mixgemm.dtypes import ActType, WeightType
 
     ex, deq = random_experts(ActType.BF16, WeightType.U4, e, 128, 256, 64)
     g = torch.Generator().manual_seed(e)
@@ -145,7 +145,7 @@ def test_compacted_grid_finds_experts_past_the_first_pass(requires_gpu, e):
     """Fewer rows than experts: z is a rank among the experts with rows, found 256 experts per
     pass; here the second expert with rows lies past the first pass (and the third, for 1000,
     past the third)."""
-    from mixgemm.weights.types import ActType, WeightType
+    from mixgemm.dtypes import ActType, WeightType
 
     ex, deq = random_experts(ActType.BF16, WeightType.U4, e, 64, 128, 64)
     counts = [0] * e
@@ -157,7 +157,7 @@ def test_compacted_grid_finds_experts_past_the_first_pass(requires_gpu, e):
 
 
 def test_cuda_graph_replay_with_changing_routing(requires_gpu):
-    from mixgemm.weights.types import ActType, WeightType
+    from mixgemm.dtypes import ActType, WeightType
 
     e, t, topk, h, inter = 16, 8, 2, 256, 128
     w13, _ = random_experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
@@ -176,7 +176,7 @@ def test_cuda_graph_replay_with_changing_routing(requires_gpu):
 
 
 def test_grouped_gemm_op_compiles_fullgraph(requires_gpu):
-    from mixgemm.weights.types import ActType, WeightType
+    from mixgemm.dtypes import ActType, WeightType
 
     ex, deq = random_experts(ActType.BF16, WeightType.S4, 4, 128, 256, 32)
     counts = [2, 0, 3, 1]

@@ -140,7 +140,7 @@ def test_routed_plan_decisions(requires_gpu):
     bounds on assignments and experts, int32 / int64 ids."""
     from types import SimpleNamespace
 
-    from mixgemm.weights.types import ActType, WeightType
+    from mixgemm.dtypes import ActType, WeightType
 
     x = torch.zeros(1, 16, device="cuda", dtype=torch.bfloat16)
 
@@ -164,7 +164,7 @@ def test_routed_plan_decisions(requires_gpu):
 
 def test_routed_bound_is_the_kernels_threads(requires_gpu):
     """At the kernel's bound fused_moe takes the routed path and equals the four-launch path."""
-    from mixgemm.weights.types import ActType, WeightType
+    from mixgemm.dtypes import ActType, WeightType
 
     e, h, inter, topk = 300, 256, 128, 8
     w13, _ = random_experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)

@@ -146,7 +146,7 @@ def test_combine_kernel(requires_gpu, act, wdtype, t, topk, h):
 def test_fused_moe_is_the_layer_of_route_and_torch_ops(requires_gpu, ids_dtype, w_dtype, t):
     """fused_moe (routing kernel up to the bound; 600 x 8 takes route()) equals route() + a torch
     gather + the same grouped GEMMs + the slot-order sum, bit for bit."""
-    from mixgemm.weights.types import ActType, WeightType
+    from mixgemm.dtypes import ActType, WeightType
 
     e, topk, h, inter = 64, 8, 256, 128
     w13, _ = random_experts(ActType.BF16, WeightType.U4, e, 2 * inter, h, 64, gated=True)
@@ -168,7 +168,7 @@ def test_graph_replay_with_changing_routing_after_a_torch_path_warm_up(requires_
     """Warm-up at a size beyond the routing kernel (the torch path) still loads the routing
     kernel, so a capture at decode size works; replays follow new ids, weights and inputs,
     out-of-range ids included, and equal eager calls."""
-    from mixgemm.weights.types import ActType, WeightType
+    from mixgemm.dtypes import ActType, WeightType
 
     monkeypatch.setattr(runtime, "KERNELS", runtime.KernelCache())   # nothing loaded yet
     e, t, topk, h, inter = 32, 4, 8, 256, 128

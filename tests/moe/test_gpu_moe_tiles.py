@@ -17,7 +17,7 @@ from mixgemm import moe
 from mixgemm.weights.experts import PackedExperts
 from mixgemm.weights.quantize import interleave_gate_up, quantize
 from mixgemm.jit.specs import Epilogue, GroupedGemmSpec, KernelKind
-from mixgemm.weights.types import ActType, WeightType
+from mixgemm.dtypes import ActType, WeightType
 
 from moe_graph import capture_fused_moe, replay_matches_eager
 from moe_reference import distinct_experts, expert_offsets, fused_moe_error, grouped_reference, random_experts, tolerance

@@ -20,7 +20,7 @@ from mixgemm.moe import grouped as moe_grouped
 from mixgemm.weights.experts import PackedExperts
 from mixgemm.weights.quantize import interleave_gate_up, quantize
 from mixgemm.jit.specs import Activation, DecodeSpec, GroupedDecodeSpec, KernelKind, parse_name
-from mixgemm.weights.types import ActType, WeightType
+from mixgemm.dtypes import ActType, WeightType
 
 
 # ---------------------------------------------------------------------------------------------- specs

@@ -19,7 +19,7 @@ from mixgemm.jit.catalog import default_specs
 from mixgemm.jit.render import render
 from mixgemm.jit.specs import (HELPER_KINDS, IndexType, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, RoutingWeightType,
                            parse_name)
-from mixgemm.weights.types import ActType
+from mixgemm.dtypes import ActType
 
 
 # ---------------------------------------------------------------------------------------------- specs

@@ -11,7 +11,7 @@ from mixgemm import moe
 from mixgemm.moe.routing import Routing, _combine_torch, route
 from mixgemm.moe.tiles import capacity_tiles, token_tiles
 from mixgemm.jit.specs import Epilogue, GroupedGemmSpec, KernelKind, parse_name
-from mixgemm.weights.types import ActType, WeightType
+from mixgemm.dtypes import ActType, WeightType
 
 
 def _offsets(counts):

@@ -21,7 +21,7 @@ from mixgemm.ops import dense as ops
 from mixgemm.jit.catalog import ALL_ACTS, ALL_WEIGHTS, default_specs
 from mixgemm.weights.quantize import GATE_UP_STRIPE, interleave_gate_up, interleave_rows
 from mixgemm.jit.specs import GEMM_KINDS, Activation, DecodeSpec, Epilogue, GemmSpec, Scheduler
-from mixgemm.weights.types import ActType, WeightType
+from mixgemm.dtypes import ActType, WeightType
 
 pytestmark = pytest.mark.gpu
 

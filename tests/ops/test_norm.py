@@ -20,7 +20,7 @@ from mixgemm.ops import norm
 from mixgemm.jit.catalog import default_specs
 from mixgemm.jit.render import render
 from mixgemm.jit.specs import HELPER_KINDS, NormSpec, parse_name
-from mixgemm.weights.types import ActType
+from mixgemm.dtypes import ActType
 
 
 def reference(x, weight, eps, residual=None):

@@ -20,7 +20,7 @@ from mixgemm.ops import rotary
 from mixgemm.jit.catalog import default_specs
 from mixgemm.jit.render import render
 from mixgemm.jit.specs import HELPER_KINDS, RopeSpec, parse_name
-from mixgemm.weights.types import ActType
+from mixgemm.dtypes import ActType
 
 
 def tables(d, positions, dtype, device=None, theta=10000.0):

@@ -7,8 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mixgemm.weights.layout as layout
+from mixgemm.dtypes import WeightType
 from mixgemm.weights.layout import prepack, unpack
-from mixgemm.weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType
+from mixgemm.weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight
 from random_weights import random_qw
 
 BITS = (8, 4, 2)

@@ -13,7 +13,8 @@ import torch
 from mixgemm.weights.layout import prepack, unpack
 from mixgemm.weights.types import shard
 from mixgemm.weights.quantize import dequantize_reference, interleave_gate_up
-from mixgemm.weights.types import PackedWeight, QuantizedWeight, WeightType
+from mixgemm.dtypes import WeightType
+from mixgemm.weights.types import PackedWeight, QuantizedWeight
 
 from random_weights import random_qw
 

@@ -79,6 +79,7 @@ from typing import Dict, Optional, Union
 import torch
 from safetensors import safe_open
 
+from ..dtypes import ActType, WeightType
 from ..errors import CheckpointError, UserError
 from ..formats import Format
 from ..formats.config import parse_quantization_config, resolve_dtype
@@ -88,7 +89,6 @@ from ..jit.specs import Activation
 from ..ops.norm import norm_spec
 from ..weights import io as mio
 from ..weights.quantize import GATE_UP_STRIPE
-from ..weights.types import ActType, WeightType
 from .prebuild import ExpertsUse, WeightUse, specs_for
 
 __all__ = ["weight_uses"]

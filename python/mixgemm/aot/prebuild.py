@@ -39,6 +39,7 @@ import torch
 
 from .. import moe
 from ..dispatch.heuristic import select_specs_any_gpu, TOKEN_BUCKETS
+from ..dtypes import ActType, WeightType
 from ..errors import BuildError
 from ..jit import build, launcher as launcher_mod, torch_ops
 from ..jit.specs import Activation, KernelKind, KernelSpec, MoeLayoutSpec
@@ -50,7 +51,7 @@ from ..nn.moe import QuantMoE
 from ..ops.norm import norm_spec, RMSNorm
 from ..ops.rotary import rope_spec
 from ..weights.layout import atom_bytes
-from ..weights.types import ActType, PackedWeight, WeightType
+from ..weights.types import PackedWeight
 
 __all__ = ["WeightUse", "ExpertsUse", "token_counts", "uses_of", "specs_for", "moe_specs_for", "build_for"]
 

@@ -97,8 +97,6 @@ def load_model(cfg: GenerateConfig, run: RunVariant, device: torch.device, suppo
     :func:`mixgemm.hf.from_pretrained`."""
     transformers = import_transformers()
     if cfg.source == QUANTIZED_DIR:
-        from .. import hf   # deferred: needs transformers, an optional dependency
-
         kwargs = {"fuse_layers": bool(run.fuse)} if support.get("from_pretrained") else {}
         return hf.from_pretrained(cfg.target, device=device, dtype=torch.bfloat16, **kwargs)
     if cfg.source == HF_DIR:

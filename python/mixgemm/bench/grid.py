@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from ..weights.types import ActType
+from ..dtypes import ActType
 from .peers import (BASELINE, Impl, ImplUnavailable, MixgemmImpl, base_name, is_peer, kernel_is_cached,
                     prebuild_kernels)
 from .timing import FLUSH_L2_MULTIPLE, Clock, CudaEventClock, TimingStats, effective_gbps, flush_size, tflops, time_cuda

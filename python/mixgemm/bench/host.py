@@ -39,6 +39,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from ..aot.prebuild import specs_for
+from ..dtypes import ActType, WeightType
 from ..jit.specs import Activation
 from ..nn.linear import QuantLinear
 from ..nn.moe import QuantMoE
@@ -48,7 +49,6 @@ from ..ops.norm import norm_spec, rms_norm
 from ..ops.rotary import rope_spec
 from ..weights import quantize
 from ..weights.layout import prepack
-from ..weights.types import ActType, WeightType
 from . import peers
 from .grid import ERROR, OK, WEIGHT_STD
 from .model import ModelConfig, ModelPoint, analyze_model, format_model_table

@@ -30,13 +30,13 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..dtypes import ActType
 from ..jit.specs import MoeLayoutSpec
 from ..moe import combine, fused_moe, fused_moe_reference, plan_fused_moe, route
 from ..moe.routing import routing_specs
 from ..weights import quantize
 from ..weights.experts import PackedExperts
 from ..weights.quantize import dequantize_reference, interleave_rows
-from ..weights.types import ActType
 from .grid import relative_error
 from .moe import MOE_PRESETS, MoeConfig, MoeMeasurement, MoePreset, expert_counts, make_routing
 from .peer_formats import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack

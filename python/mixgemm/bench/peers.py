@@ -14,13 +14,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..dtypes import ActType, WeightType
 from ..jit.catalog import TILE_CONFIGS
 from ..ops import dense as ops
 from ..ops.dense import tile_labels
 from ..weights import quantize
 from ..weights.layout import prepack
 from ..weights.quantize import dequantize_reference
-from ..weights.types import ActType, PackedWeight, QuantizedWeight, WeightType
+from ..weights.types import PackedWeight, QuantizedWeight
 from .peer_formats import (TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES, ImplUnavailable,
                            gemlite_dequant, torch_int4_dequant, torch_int4_mm, torch_int4_pack, torch_int4_params)
 

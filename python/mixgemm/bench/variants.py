@@ -32,12 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dispatch.heuristic import configs_any_gpu
+from ..dtypes import ActType, WeightType
 from ..jit.catalog import layer_specs
 from ..jit.specs import Activation
 from ..nn.linear import QuantLinear
 from ..weights import quantize
 from ..weights.quantize import deinterleave_rows, dequantize_reference
-from ..weights.types import ActType, QuantizedWeight, WeightType
+from ..weights.types import QuantizedWeight
 from .decoder import DenseProjections, ModelPreset, Projections, dense_projections, float_weight, qkv_bias
 from .peer_formats import TORCH_INT4_GROUP_SIZES, ImplUnavailable, torch_int4_dequant, torch_int4_mm, torch_int4_pack
 

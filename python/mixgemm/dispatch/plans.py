@@ -41,12 +41,13 @@ from typing import Optional
 import torch
 
 from . import heuristic
+from ..dtypes import WeightType
 from ..errors import BuildError
 from ..jit import launcher, torch_ops
 from ..jit.driver import (ABI_VERSION, GemmArgs, LoadedKernel, capturing, check, cuda_driver, current_stream,
                           driver_entry_point)
 from ..jit.specs import Activation, Raster
-from ..weights.types import PackedWeight, WeightType
+from ..weights.types import PackedWeight
 
 log = logging.getLogger("mixgemm")
 

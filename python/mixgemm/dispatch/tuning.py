@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from ..weights.types import WeightType
+from ..dtypes import WeightType
 
 TABLE_DIR = Path(__file__).resolve().parent / "configs"
 #: The split-K factors the sweep tries.

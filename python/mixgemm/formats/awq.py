@@ -8,8 +8,8 @@ from typing import Mapping, Optional
 
 import torch
 
+from ..dtypes import WeightType
 from ..errors import CheckpointError, FormatError, UserError
-from ..weights.types import WeightType
 from .common import (shard_imported, DTypeLike, ImportedLayer, check_bits, check_kernel_shape, check_tensor,
                      dequant_groups, layer_error, finalize_layer, layer_dtype, required_tensor, resolve_group_size,
                      unpack_stream, unpack_words)

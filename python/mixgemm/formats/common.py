@@ -10,9 +10,10 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 
+from ..dtypes import ActType
 from ..errors import FormatError, ShardError, UnsupportedLayerError
 from ..weights.layout import ATOM_K, ATOM_N
-from ..weights.types import SUPPORTED_GROUP_SIZES, ActType, QuantizedWeight
+from ..weights.types import SUPPORTED_GROUP_SIZES, QuantizedWeight
 
 DTypeLike = Union[torch.dtype, ActType, str, None]
 

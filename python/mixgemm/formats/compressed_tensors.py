@@ -10,8 +10,8 @@ from typing import List, Mapping, Optional, Tuple, Union
 
 import torch
 
+from ..dtypes import WeightType
 from ..errors import CheckpointError, FormatError, UnsupportedLayerError, UserError
-from ..weights.types import WeightType
 from .common import (shard_imported, WORD_BITS, DTypeLike, ImportedLayer, apply_groups, check_bits,
                      check_kernel_shape, check_tensor, dequant_groups, layer_error, finalize_layer, layer_dtype,
                      required_tensor, resolve_group_size, resolve_groups, unpack_stream, unpack_words)

@@ -39,8 +39,8 @@ from typing import Mapping
 
 import torch
 
+from ..dtypes import ActType
 from ..errors import CheckpointError
-from ..weights.types import ActType
 from .handlers import HANDLERS
 from .native import MIXGEMM_FORMAT_VERSION
 from .registry import Format

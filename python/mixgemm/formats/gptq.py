@@ -11,8 +11,8 @@ from typing import Mapping, Optional, Union
 
 import torch
 
+from ..dtypes import WeightType
 from ..errors import CheckpointError, FormatError, UserError
-from ..weights.types import WeightType
 from .common import (shard_imported, WORD_BITS, DTypeLike, ImportedLayer, apply_groups, check_bits,
                      check_kernel_shape, check_tensor, dequant_groups, layer_error, finalize_layer, layer_dtype,
                      required_tensor, resolve_group_size, resolve_groups, unpack_stream, unpack_words)

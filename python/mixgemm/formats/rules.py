@@ -10,8 +10,8 @@ import dataclasses
 import re
 from typing import Mapping, Optional, Tuple
 
+from ..dtypes import WeightType
 from ..errors import CheckpointError, UserError
-from ..weights.types import WeightType
 from .registry import Format
 
 __all__ = ["LayerScheme", "Rule", "QuantizationConfig", "config_int", "HeaderLayer", "SkipLayer",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Union
 
-from ..weights.types import ActType, WeightType
+from ..dtypes import ActType, WeightType
 from .specs import (SWIZZLES, Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, GroupedDecodeSpec,
                     GroupedGemmSpec, IndexType, KernelSpec, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, NormSpec,
                     Raster, RopeSpec, RoutingWeightType, Schedule, Scheduler)

@@ -25,7 +25,7 @@ import enum
 from typing import Optional
 
 from .._version import __version__
-from ..weights.types import ActType, WeightType
+from ..dtypes import ActType, WeightType
 from .specs import (Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, GroupedDecodeSpec, GroupedGemmSpec,
                     KernelSpec, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, NormSpec, RopeSpec, Schedule, Scheduler)
 

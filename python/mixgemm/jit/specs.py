@@ -19,7 +19,7 @@ import functools
 import re
 from typing import Union
 
-from ..weights.types import ActType, WeightType
+from ..dtypes import ActType, WeightType
 
 
 class Schedule(enum.Enum):

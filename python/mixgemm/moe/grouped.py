@@ -26,17 +26,16 @@ from typing import Optional
 
 import torch
 
-from ..dispatch import heuristic
+from ..dispatch import checks, heuristic
+from ..dispatch.library import custom_op
+from ..dtypes import WeightType
 from ..errors import KernelError
 from ..jit import driver, loader as runtime
 from ..jit.catalog import GROUPED_GEMM_TILES, TILE_CONFIGS
 from ..jit.driver import GemmArgs, Launch
 from ..jit.loader import aligned_contiguous
 from ..jit.specs import Activation, Epilogue, GroupedDecodeSpec, GroupedGemmSpec, KernelKind, Raster
-from ..ops import checks, dense as ops
-from ..ops.library import custom_op
 from ..weights.experts import PackedExperts
-from ..weights.types import WeightType
 from .tiles import TokenTiles, token_tiles
 
 __all__ = ["grouped_gemm", "grouped_gemm_with_spec", "grouped_gemm_op", "grouped_gemm_routed", "launch_tiles",

@@ -24,12 +24,12 @@ from typing import Optional
 import torch
 
 from ..dispatch import heuristic
+from ..dispatch.library import custom_op
+from ..dtypes import WeightType
 from ..jit.catalog import GROUPED_GEMM_TILES
 from ..jit.specs import Epilogue, GroupedGemmSpec, KernelKind
-from ..ops.library import custom_op
 from ..weights.experts import PackedExperts
 from ..weights.quantize import deinterleave_rows
-from ..weights.types import WeightType
 from . import grouped
 from .routing import combine, combine_by_assignment, route_and_gather
 from .tiles import split_layout, token_tiles

@@ -29,13 +29,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..dispatch import heuristic
+from ..dispatch import checks, heuristic
+from ..dispatch.library import custom_op
+from ..dtypes import ActType
 from ..jit import loader as runtime
 from ..jit.loader import aligned_contiguous
 from ..jit.specs import IndexType, MoeCombineSpec, MoeRouteSpec, RoutingWeightType
-from ..ops import checks
-from ..ops.library import custom_op
-from ..weights.types import ActType
 
 __all__ = ["Routing", "route", "route_and_gather", "combine", "combine_by_assignment", "routing_specs",
            "ROUTE_MAX_ASSIGNMENTS", "ROUTE_MAX_EXPERTS", "COMBINE_MAX_TOKENS"]
@@ -108,7 +107,7 @@ def combine_spec(y_sorted: torch.Tensor, topk_weights: torch.Tensor):
 
 def routing_specs(act_type, ids_dtype: torch.dtype = torch.int64, weights_dtype: torch.dtype = torch.float32) -> list:
     """The routing and combine kernels :func:`mixgemm.moe.fused_moe` launches on an sm_90 GPU for
-    activations of ``act_type`` (:class:`mixgemm.weights.types.ActType`), top-k ids of ``ids_dtype`` and
+    activations of ``act_type`` (:class:`mixgemm.dtypes.ActType`), top-k ids of ``ids_dtype`` and
     weights of ``weights_dtype`` (e.g. to build a run's kernels beforehand)."""
     spec = route_spec(torch.empty(0, dtype=ids_dtype))
     out = [] if spec is None else [spec]

@@ -28,9 +28,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..dispatch import checks
 from ..jit import loader as runtime
 from ..jit.specs import MoeLayoutSpec
-from ..ops import checks
 
 __all__ = ["TokenTiles", "SplitLayout", "capacity_tiles", "token_tiles", "split_layout", "LAYOUT_MAX_EXPERTS"]
 

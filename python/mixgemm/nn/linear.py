@@ -2,7 +2,7 @@
 
 Under ``torch.compile`` (``fullgraph=True`` included) a :class:`QuantLinear` calls the
 ``torch.ops.mixgemm.gemm`` operator (:func:`mixgemm.ops.gemm_op`, registered by
-:mod:`mixgemm.ops.library` with a fake implementation for tracing), so that the compiled graph
+:mod:`mixgemm.dispatch.library` with a fake implementation for tracing), so that the compiled graph
 launches the GEMM through one Python kernel; CUDA graphs, plain or torch.compile's
 ``mode="reduce-overhead"``, capture it (after a warm-up call has loaded the kernel: loading never
 happens during capture).
@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from ..dispatch import plans
+from ..dtypes import WeightType
 from ..errors import UnsupportedLayerError
 from ..ops.dense import TOKEN_BUCKETS, gemm_op, gemm_tensors_full
 from ..weights.layout import ATOM_K, ATOM_N, prepack, unpack
 from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_gate_up, interleave_rows, quantize
-from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, WeightType, check_group_size
+from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, check_group_size
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The GPU operators: the mixed-input GEMM (:mod:`.dense`), RMSNorm (:mod:`.norm`) and rotary
-embedding (:mod:`.rotary`), registered as ``torch.ops.mixgemm`` (:mod:`.library`)."""
+embedding (:mod:`.rotary`), registered as ``torch.ops.mixgemm`` (:mod:`mixgemm.dispatch.library`)."""
 from .dense import dequantize, gemm, gemm_op, gemm_with_spec, select_spec, select_tile, supports
 from .norm import LLAMA_STYLE_NORMS, RMSNorm, norm_spec, replace_rms_norms, rms_norm
 from .rotary import rope_spec, rotary_kv_cache, rotate

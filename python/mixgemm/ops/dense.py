@@ -15,11 +15,11 @@ import torch
 if TYPE_CHECKING:  # codegen and specs are imported lazily: `import mixgemm` stays cheap
     from ..jit.specs import DecodeSpec, GemmSpec, Raster
 
-from ..dispatch import heuristic, plans, tuning
-from . import checks
-from .library import custom_op
+from ..dispatch import checks, heuristic, plans, tuning
+from ..dispatch.library import custom_op
 from ..dispatch.heuristic import TOKEN_BUCKETS, select_spec, select_tile, tile_labels, token_bucket  # noqa: F401 (the API)
-from ..weights.types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, WeightType
+from ..dtypes import WeightType
+from ..weights.types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
 from ..jit import loader as runtime
 from ..jit.catalog import launch_order
 from ..jit.specs import Activation, DequantSpec, Epilogue, GEMM_KINDS, Raster, SWIZZLES
@@ -209,7 +209,7 @@ def gemm_tensors_full(x, qdata, scales, zeros, zero_offsets, bias, weight_type, 
 
 
 # ---------------------------------------------------------------------------------------------
-# The custom op: what torch.compile traces (mixgemm.ops.library registers it lean)
+# The custom op: what torch.compile traces (mixgemm.dispatch.library registers it lean)
 # ---------------------------------------------------------------------------------------------
 _WEIGHT_TYPES = {wt.value: wt for wt in WeightType}
 

@@ -19,13 +19,12 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from ..dispatch import plans
+from ..dispatch import checks, plans
+from ..dispatch.library import custom_op
+from ..dtypes import ActType
 from ..jit import driver, loader
 from ..jit.loader import aligned_contiguous
 from ..jit.specs import NormSpec
-from ..weights.types import ActType
-from . import checks
-from .library import custom_op
 
 __all__ = ["rms_norm", "norm_spec", "RMSNorm", "replace_rms_norms", "LLAMA_STYLE_NORMS"]
 

@@ -18,12 +18,12 @@ from typing import Optional, Union
 
 import torch
 
+from ..dispatch import checks
+from ..dispatch.library import custom_op
+from ..dtypes import ActType
 from ..jit import driver, loader
 from ..jit.loader import aligned_contiguous
 from ..jit.specs import RopeSpec
-from ..weights.types import ActType
-from . import checks
-from .library import custom_op
 
 __all__ = ["rotary_kv_cache", "rope_spec", "rotate"]
 

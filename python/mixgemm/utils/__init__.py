@@ -1,1 +1,2 @@
-"""Small helpers with no mixgemm dependency: atomic file writes, child processes, progress."""
+"""Small helpers that need nothing of mixgemm but its errors: atomic file writes, child processes,
+progress."""

@@ -20,7 +20,8 @@ import torch
 
 from .layout import ATOM_K, ATOM_N, atom_bytes, prepack, unpack
 from .quantize import dequantize_reference, quantize
-from .types import ActType, PackedProperties, PackedWeight, QuantizedWeight, WeightType
+from ..dtypes import ActType, WeightType
+from .types import PackedProperties, PackedWeight, QuantizedWeight
 
 __all__ = ["PackedExperts"]
 

@@ -38,10 +38,11 @@ import torch
 from safetensors import safe_open
 
 from .._version import __version__
+from ..dtypes import ActType, WeightType
 from ..errors import MixgemmFormatError, ShardError
 from ..utils.atomic import check_target, replacing, stale_temporaries
 from .experts import EXPERTS_FORMAT, PackedExperts
-from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, ActType, PackedWeight, WeightType
+from .types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
 
 __all__ = ["FORMAT_VERSION", "MixgemmFormatError", "save", "load", "read_metadata",
            "check_metadata", "is_mixgemm_metadata", "stale_temporaries"]

@@ -44,8 +44,8 @@ import functools
 
 import torch
 
-from .types import (ATOM_K, ATOM_N, LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, QuantizedWeight, WeightType,
-                    atom_bytes)
+from ..dtypes import WeightType
+from .types import ATOM_K, ATOM_N, LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight, QuantizedWeight, atom_bytes
 
 LANES = 32
 VALUES_PER_LANE = ATOM_N * ATOM_K // LANES  # 32

@@ -48,10 +48,10 @@ from typing import Optional, Union
 
 import torch
 
+from ..dtypes import ActType, WeightType
 from ..errors import OverflowQuantizeError
 from .layout import unpack
-from .types import (SUPPORTED_BITS, ActType, PackedWeight, QuantizedWeight, WeightType,
-                    check_group_size)
+from .types import SUPPORTED_BITS, PackedWeight, QuantizedWeight, check_group_size
 
 __all__ = ["quantize", "dequantize_reference", "round_up_to_dtype", "interleave_gate_up", "interleave_rows",
            "deinterleave_rows", "GATE_UP_STRIPE"]

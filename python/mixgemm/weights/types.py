@@ -1,4 +1,5 @@
-"""Core data model: the element types, the logical quantized weight and the prepacked weight.
+"""Core data model: the logical quantized weight and the prepacked weight, over the element
+types of :mod:`mixgemm.dtypes`.
 
 Two weight objects exist, and everything else converts between them:
 
@@ -21,10 +22,11 @@ integer, so the only rounding is the final product, rounded to nearest even once
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Optional
 
 import torch
+
+from ..dtypes import ActType, WeightType
 
 #: Version of the prepacked layout. Bump it whenever the byte layout of PackedWeight changes;
 #: files and objects with a newer version are refused.
@@ -42,76 +44,6 @@ ATOM_K = 64
 def atom_bytes(bits: int) -> int:
     """Bytes in one 16x64 atom of ``bits``-bit codes (32 lanes x 32 values)."""
     return ATOM_N * ATOM_K * bits // 8
-
-
-class ActType(enum.Enum):
-    """Activation (and scale, zero, output) element type."""
-
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self is ActType.BF16 else torch.float16
-
-    @classmethod
-    def from_torch(cls, dtype: torch.dtype) -> "ActType":
-        if dtype == torch.bfloat16:
-            return cls.BF16
-        if dtype == torch.float16:
-            return cls.FP16
-        raise TypeError(f"activation dtype must be torch.bfloat16 or torch.float16, got {dtype}")
-
-    @classmethod
-    def parse(cls, value: "ActType | torch.dtype | str") -> "ActType":
-        if isinstance(value, ActType):
-            return value
-        if isinstance(value, torch.dtype):
-            return cls.from_torch(value)
-        aliases = {"bf16": cls.BF16, "bfloat16": cls.BF16, "fp16": cls.FP16, "float16": cls.FP16,
-                   "half": cls.FP16, "f16": cls.FP16}
-        try:
-            return aliases[str(value).lower()]
-        except KeyError:
-            raise ValueError(f"unknown activation dtype {value!r}; use bf16 or fp16") from None
-
-
-class WeightType(enum.Enum):
-    """Integer weight element type. Symmetric quantization uses the signed types (no zero
-    point), asymmetric quantization the unsigned ones (with a zero point)."""
-
-    S8 = "s8"
-    U8 = "u8"
-    S4 = "s4"
-    U4 = "u4"
-    S2 = "s2"
-    U2 = "u2"
-
-    @property
-    def bits(self) -> int:
-        return int(self.value[1:])
-
-    @property
-    def signed(self) -> bool:
-        return self.value[0] == "s"
-
-    @property
-    def has_zero(self) -> bool:
-        return not self.signed
-
-    @property
-    def qmin(self) -> int:
-        return -(1 << (self.bits - 1)) if self.signed else 0
-
-    @property
-    def qmax(self) -> int:
-        return (1 << (self.bits - 1)) - 1 if self.signed else (1 << self.bits) - 1
-
-    @classmethod
-    def of(cls, bits: int, symmetric: bool) -> "WeightType":
-        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (8, 4, 2):
-            raise ValueError(f"bits must be 8, 4 or 2, got {bits!r}")
-        return cls(("s" if symmetric else "u") + str(bits))
 
 
 SUPPORTED_BITS = (8, 4, 2)
