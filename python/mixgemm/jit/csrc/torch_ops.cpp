@@ -168,6 +168,14 @@ int32_t index_of(std::vector<std::string> const& names, c10::string_view name) {
   return -1;
 }
 
+int32_t dtype_code(at::ScalarType t) {
+  return t == at::kHalf ? 0 : t == at::kBFloat16 ? 1 : -1;
+}
+
+bool aligned_contiguous(at::Tensor const& t) {
+  return t.is_contiguous() && (reinterpret_cast<uintptr_t>(t.const_data_ptr()) & 15) == 0;
+}
+
 at::Tensor gemm_py(at::Tensor const& x, at::Tensor const& qdata, at::Tensor const& scales,
                    std::optional<at::Tensor> const& zeros, std::optional<at::Tensor> const& zero_offsets,
                    std::optional<at::Tensor> const& bias, c10::string_view weight_type, int64_t group_size,
@@ -220,8 +228,8 @@ at::Tensor gemm_cuda(at::Tensor const& x, at::Tensor const& qdata, at::Tensor co
   int64_t const ndim = x.dim();
   if (zero_offsets.has_value() || ndim < 1 || !x.is_cuda() || k <= 0 || x.size(ndim - 1) != k) return fallback();
   auto const scalar = x.scalar_type();
-  int32_t const dtype = scalar == at::kHalf ? 0 : scalar == at::kBFloat16 ? 1 : -1;
-  if (dtype < 0 || !x.is_contiguous() || (reinterpret_cast<uintptr_t>(x.const_data_ptr()) & 15)) return fallback();
+  int32_t const dtype = dtype_code(scalar);
+  if (dtype < 0 || !aligned_contiguous(x)) return fallback();
   int64_t const m = x.numel() / k;
   if (m <= 0) return fallback();
 
@@ -277,13 +285,6 @@ at::Tensor gemm_cuda(at::Tensor const& x, at::Tensor const& qdata, at::Tensor co
 }
 
 
-int32_t dtype_code(at::ScalarType t) {
-  return t == at::kHalf ? 0 : t == at::kBFloat16 ? 1 : -1;
-}
-
-bool aligned_contiguous(at::Tensor const& t) {
-  return t.is_contiguous() && (reinterpret_cast<uintptr_t>(t.const_data_ptr()) & 15) == 0;
-}
 
 // Launch the norm kernel on `rows` rows of `h` values; false where it cannot (nothing ran).
 bool launch_norm(int32_t device, int32_t dtype, bool residual, void const* x, void const* res, void const* w,
