@@ -11,8 +11,8 @@ one M per bucket, and both configs above 512 tokens
 parallel (:func:`mixgemm.jit.build.build_many`, with a progress bar) together with the compiled
 launcher that every planned call uses.
 
-What is a "weight use" (:class:`WeightUse`)
-------------------------------------------
+What is a "weight use" (:class:`WeightUse`, :mod:`mixgemm.dispatch.uses`)
+--------------------------------------------------------------------------
 A :class:`~mixgemm.nn.QuantLinear` gives its packed weight (``N`` is twice ``out_features``
 for a swiglu layer) and its ``activation``; a bare :class:`~mixgemm.PackedWeight` is taken
 without an activation. A weight with zero offsets (HQQ imports) runs its activation after the
@@ -30,7 +30,6 @@ included.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Iterable as _Iterable
 from typing import Any, Iterable, Optional, Union
@@ -39,7 +38,7 @@ import torch
 
 from .. import moe
 from ..dispatch.heuristic import select_specs_any_gpu, TOKEN_BUCKETS
-from ..dtypes import ActType, WeightType
+from ..dispatch.uses import ExpertsUse, WeightUse
 from ..errors import BuildError
 from ..jit import build, launcher as launcher_mod, torch_ops
 from ..jit.specs import Activation, KernelKind, KernelSpec, MoeLayoutSpec
@@ -50,65 +49,9 @@ from ..nn.linear import QuantLinear
 from ..nn.moe import QuantMoE
 from ..ops.norm import norm_spec, RMSNorm
 from ..ops.rotary import rope_spec
-from ..weights.layout import atom_bytes
 from ..weights.types import PackedWeight
 
 __all__ = ["WeightUse", "ExpertsUse", "token_counts", "uses_of", "specs_for", "moe_specs_for", "build_for"]
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightUse:
-    """One packed weight as the GEMM sees it: what decides its kernels.
-
-    Attributes
-    ----------
-    n, k : int
-        The packed weight's shape ``[N, K]`` (a swiglu weight's N holds gate and up).
-    weight_type : WeightType
-    act : ActType
-        Activation dtype (bf16 / fp16).
-    activation : Activation
-        What the calls fuse (``QuantLinear.activation``).
-    zero_offsets : bool
-        Whether the weight has zero offsets (then its activation runs after the kernel).
-    name : str
-        Where it comes from (messages only; not compared).
-    """
-
-    n: int
-    k: int
-    weight_type: WeightType
-    act: ActType
-    activation: Activation = Activation.NONE
-    zero_offsets: bool = False
-    name: str = dataclasses.field(default="", compare=False)
-
-    def __post_init__(self) -> None:
-        self.meta_weight()   # the PackedWeight checks: N % 16, K % 64, ...
-
-    @property
-    def kernel_activation(self) -> Activation:
-        """The activation the kernel itself fuses (none when zero offsets come first)."""
-        return Activation.NONE if self.zero_offsets else self.activation
-
-    def meta_weight(self) -> PackedWeight:
-        """A PackedWeight of this shape and types on the meta device (no memory): what
-        :func:`mixgemm.ops.select_spec` reads."""
-        where = f" ({self.name})" if self.name else ""
-        if self.n <= 0 or self.k <= 0 or self.n % 16 or self.k % 64:
-            raise ValueError(f"a packed weight needs N % 16 == 0 and K % 64 == 0, got N={self.n}, K={self.k}{where}")
-        meta = torch.device("meta")
-        dtype = self.act.torch_dtype
-        scales = torch.empty((1, self.n), dtype=dtype, device=meta)
-        return PackedWeight(
-            qdata=torch.empty((self.n // 16, self.k // 64, atom_bytes(self.weight_type.bits)), dtype=torch.uint8,
-                              device=meta),
-            scales=scales, zeros=torch.empty_like(scales) if self.weight_type.has_zero else None,
-            weight_type=self.weight_type, group_size=self.k, n=self.n, k=self.k)
-
-    @classmethod
-    def of_packed(cls, w: PackedWeight, activation: Union[str, Activation] = "none", name: str = "") -> "WeightUse":
-        return cls(w.n, w.k, w.weight_type, w.act_type, Activation(activation), w.zero_offsets is not None, name)
 
 
 def token_counts(max_tokens: Optional[int] = None) -> list[int]:
@@ -125,26 +68,6 @@ def token_counts(max_tokens: Optional[int] = None) -> list[int]:
             firsts.append(m)
     firsts.append(len(TOKEN_BUCKETS))   # the first M above the table (heuristic.token_bucket)
     return [m for m in firsts if max_tokens is None or m <= max_tokens]
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertsUse:
-    """A MoE layer's stacked experts as the grouped kernels see them: ``num_experts`` experts of
-    gate/up ``[2 * intermediate, hidden]`` (interleaved, swiglu) and down ``[hidden, intermediate]``,
-    of one weight type and activation dtype. ``name``: where they come from (messages only)."""
-
-    num_experts: int
-    hidden: int
-    intermediate: int
-    weight_type: WeightType
-    act: ActType
-    name: str = dataclasses.field(default="", compare=False)
-
-    @classmethod
-    def of_layer(cls, layer, name: str = "") -> "ExpertsUse":
-        """From a :class:`~mixgemm.nn.moe.QuantMoE`."""
-        w13 = layer.experts("w13")
-        return cls(layer.num_experts, layer.hidden_size, layer.intermediate_size, w13.weight_type, w13.act_type, name)
 
 
 Item = Union[WeightUse, ExpertsUse, PackedWeight, torch.nn.Module]
