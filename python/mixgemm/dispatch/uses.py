@@ -1,22 +1,33 @@
-"""What decides the kernels a layer can launch, for building them ahead of time
-(:mod:`mixgemm.aot.prebuild`): a packed weight as the GEMM sees it (:class:`WeightUse`; which of its
-kernels runs depends on the token count too, :func:`mixgemm.dispatch.heuristic.select_spec`), and a
-MoE layer's stacked experts as the grouped kernels see them (:class:`ExpertsUse`; theirs depend on the
-row count).
+"""What decides the kernels a layer can launch, as the layer reports it, for building them ahead of
+time (:mod:`mixgemm.aot.prebuild`).
+
+A module that launches kernels says which through its ``kernel_uses()`` method
+(:class:`LaunchesKernels`): a list of
+
+* :class:`WeightUse`: a packed weight as the GEMM sees it (:class:`mixgemm.nn.QuantLinear`); which of
+  its kernels runs depends on the token count too (:func:`mixgemm.dispatch.heuristic.select_spec`);
+* :class:`ExpertsUse`: a MoE layer's stacked experts as the grouped kernels see them
+  (:class:`mixgemm.nn.moe.QuantMoE`); their kernels depend on the row count;
+* :class:`~mixgemm.jit.specs.KernelSpec`: a kernel that does not depend on the token count (the
+  RMSNorm of :class:`mixgemm.ops.norm.RMSNorm`, the rotary and the add + RMSNorm of the fused decoder
+  layers of :mod:`mixgemm.nn.blocks`).
+
+A module reports only what its own ``forward`` launches, not its children's: the caller walks
+``module.modules()``.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
+from typing import Protocol, Union, runtime_checkable
 
 import torch
 
 from ..dtypes import ActType, WeightType
-from ..jit.specs import Activation
+from ..jit.specs import Activation, KernelSpec
 from ..weights.layout import atom_bytes
 from ..weights.types import PackedWeight
 
-__all__ = ["WeightUse", "ExpertsUse"]
+__all__ = ["WeightUse", "ExpertsUse", "KernelUse", "LaunchesKernels"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,3 +103,17 @@ class ExpertsUse:
         """From a :class:`~mixgemm.nn.moe.QuantMoE`."""
         w13 = layer.experts("w13")
         return cls(layer.num_experts, layer.hidden_size, layer.intermediate_size, w13.weight_type, w13.act_type, name)
+
+
+#: one kernel use that a module reports (see the module docstring)
+KernelUse = Union[WeightUse, ExpertsUse, KernelSpec]
+
+
+@runtime_checkable
+class LaunchesKernels(Protocol):
+    """A module that says which kernels its ``forward`` launches (its children's not included)."""
+
+    def kernel_uses(self) -> list[KernelUse]:
+        """The :data:`KernelUse` of every kernel this module itself can launch; names left empty
+        (the caller knows where the module sits)."""
+        ...
