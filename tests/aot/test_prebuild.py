@@ -102,6 +102,36 @@ def test_specs_for_items_of_every_kind():
         specs_for("model.safetensors")
 
 
+def test_any_module_that_reports_its_kernels_brings_them():
+    """specs_for knows no layer class: it asks each module for its kernel_uses()."""
+    from mixgemm.dispatch.uses import LaunchesKernels
+    from mixgemm.ops.norm import norm_spec
+
+    class Custom(nn.Module):
+        def kernel_uses(self):
+            return [WeightUse(2048, 1024, WeightType.U4, ActType.BF16), norm_spec(torch.float16, True)]
+
+    model = nn.Sequential(nn.Linear(2, 2), Custom())
+    assert isinstance(model[1], LaunchesKernels) and not isinstance(model[0], LaunchesKernels)
+    assert [u.name for u in prebuild.uses_of(model)] == ["1"], "named by where the module sits"
+    names = {s.name for s in specs_for(model)}
+    assert names == brute_force(Tiny().small) | {"mixgemm_add_rmsnorm_fp16"}
+
+
+def test_aot_does_not_import_nn():
+    """mixgemm.aot stands beside mixgemm.nn, not above it: the layers report their kernels."""
+    import subprocess
+    import sys
+
+    import mixgemm
+
+    here = str(Path(mixgemm.__file__).parent.parent)   # this mixgemm, installed or not
+    code = "import sys, mixgemm.aot; print('mixgemm.nn' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "False"
+
+
 def test_weight_use_checks_its_shape():
     with pytest.raises(ValueError, match="N % 16"):
         WeightUse(24, 128, WeightType.U4, ActType.BF16)

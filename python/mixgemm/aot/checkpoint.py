@@ -1,7 +1,7 @@
 """The quantized weights a checkpoint holds, read from its headers only (no tensor data), as the
-:class:`~mixgemm.aot.prebuild.WeightUse` list that decides its kernels (``mixgemm generate --build
+:class:`~mixgemm.dispatch.uses.WeightUse` list that decides its kernels (``mixgemm generate --build
 --for PATH``); a mixgemm file's stacked experts (``<prefix>.w13`` / ``<prefix>.w2``, as
-``mixgemm prepack`` writes a MoE checkpoint) are one :class:`~mixgemm.aot.prebuild.ExpertsUse` each.
+``mixgemm prepack`` writes a MoE checkpoint) are one :class:`~mixgemm.dispatch.uses.ExpertsUse` each.
 
 Two kinds of checkpoint are read:
 
@@ -79,6 +79,7 @@ from typing import Dict, Optional, Union
 import torch
 from safetensors import safe_open
 
+from ..dispatch.uses import ExpertsUse, WeightUse
 from ..dtypes import ActType, WeightType
 from ..errors import CheckpointError, UserError
 from ..formats import Format
@@ -89,7 +90,7 @@ from ..jit.specs import Activation
 from ..ops.norm import norm_spec
 from ..weights import io as mio
 from ..weights.quantize import GATE_UP_STRIPE
-from .prebuild import ExpertsUse, WeightUse, specs_for
+from .prebuild import specs_for
 
 __all__ = ["weight_uses"]
 
@@ -148,7 +149,7 @@ def weight_uses(path: Union[str, os.PathLike], dtype: Optional[str] = None,
     -------
     list of WeightUse and ExpertsUse
         One WeightUse per (fused) layer, in name order, then one
-        :class:`~mixgemm.aot.prebuild.ExpertsUse` per MoE layer of stacked experts.
+        :class:`~mixgemm.dispatch.uses.ExpertsUse` per MoE layer of stacked experts.
 
     Raises
     ------
@@ -233,7 +234,7 @@ def kernel_specs(path: Union[str, os.PathLike], dtype: Optional[str] = None, fus
 
 
 def _experts_uses(stacked: Dict[str, _Layer], path) -> list:
-    """One :class:`~mixgemm.aot.prebuild.ExpertsUse` per MoE layer: its stacked ``<prefix>.w13``
+    """One :class:`~mixgemm.dispatch.uses.ExpertsUse` per MoE layer: its stacked ``<prefix>.w13``
     (gate/up interleaved, ``[2I, H]``) and ``<prefix>.w2`` (``[H, I]``), as ``mixgemm prepack``
     writes them and :func:`mixgemm.moe.fused_moe` takes them."""
     out = []

@@ -11,19 +11,22 @@ one M per bucket, and both configs above 512 tokens
 parallel (:func:`mixgemm.jit.build.build_many`, with a progress bar) together with the compiled
 launcher that every planned call uses.
 
-What is a "weight use" (:class:`WeightUse`)
-------------------------------------------
-A :class:`~mixgemm.nn.QuantLinear` gives its packed weight (``N`` is twice ``out_features``
-for a swiglu layer) and its ``activation``; a bare :class:`~mixgemm.PackedWeight` is taken
-without an activation. A weight with zero offsets (HQQ imports) runs its activation after the
-kernel, in torch (:func:`mixgemm.gemm`), so it needs the kernel without one. Files and model
+What a model's layers launch (:mod:`mixgemm.dispatch.uses`)
+-----------------------------------------------------------
+Every module inside an ``nn.Module`` that launches kernels says which through its
+``kernel_uses()`` (:class:`~mixgemm.dispatch.uses.LaunchesKernels`), and this module walks them. A
+:class:`~mixgemm.nn.QuantLinear` gives a :class:`WeightUse`: its packed weight (``N`` is twice
+``out_features`` for a swiglu layer) and its ``activation``; a bare :class:`~mixgemm.PackedWeight`
+is taken without an activation. A weight with zero offsets (HQQ imports) runs its activation after
+the kernel, in torch (:func:`mixgemm.gemm`), so it needs the kernel without one. Files and model
 directories are read by :mod:`mixgemm.aot.checkpoint` (headers only, no tensor data).
 
-A :class:`~mixgemm.nn.moe.QuantMoE` inside an ``nn.Module``, or an :class:`ExpertsUse` (a
-checkpoint's stacked experts, :mod:`mixgemm.aot.checkpoint`), adds the kernels a MoE layer
-can launch (:func:`moe_specs_for`): the grouped kernels of its two GEMMs at every row count, the
-layout kernel, and the routing and combine kernels. A :class:`~mixgemm.nn.RMSNorm` inside one
-adds the RMSNorm kernel of its dtype.
+A :class:`~mixgemm.nn.moe.QuantMoE` gives an :class:`ExpertsUse` (as a checkpoint's stacked experts
+do, :mod:`mixgemm.aot.checkpoint`), which adds the kernels a MoE layer can launch
+(:func:`moe_specs_for`): the grouped kernels of its two GEMMs at every row count, the layout kernel,
+and the routing and combine kernels. A :class:`~mixgemm.nn.RMSNorm` gives the RMSNorm kernel of its
+dtype, and the fused decoder layers of :mod:`mixgemm.nn.blocks` their rotary and add + RMSNorm
+kernels.
 
 The dequantizer kernels (:func:`mixgemm.dequantize`) are not on the GEMM path and are not
 included.
@@ -33,82 +36,21 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterable as _Iterable
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
 from .. import moe
 from ..dispatch.heuristic import select_specs_any_gpu, TOKEN_BUCKETS
-from ..dtypes import ActType, WeightType
+from ..dispatch.uses import ExpertsUse, KernelUse, LaunchesKernels, WeightUse
 from ..errors import BuildError
 from ..jit import build, launcher as launcher_mod, torch_ops
 from ..jit.specs import Activation, KernelKind, KernelSpec, MoeLayoutSpec
 from ..moe.layer import SPLIT_FROM_ROWS
 from ..moe.routing import routing_specs
-from ..nn.blocks import FusedDecoderLayer, RopeTable
-from ..nn.linear import QuantLinear
-from ..nn.moe import QuantMoE
-from ..ops.norm import norm_spec, RMSNorm
-from ..ops.rotary import rope_spec
-from ..weights.layout import atom_bytes
 from ..weights.types import PackedWeight
 
 __all__ = ["WeightUse", "ExpertsUse", "token_counts", "uses_of", "specs_for", "moe_specs_for", "build_for"]
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightUse:
-    """One packed weight as the GEMM sees it: what decides its kernels.
-
-    Attributes
-    ----------
-    n, k : int
-        The packed weight's shape ``[N, K]`` (a swiglu weight's N holds gate and up).
-    weight_type : WeightType
-    act : ActType
-        Activation dtype (bf16 / fp16).
-    activation : Activation
-        What the calls fuse (``QuantLinear.activation``).
-    zero_offsets : bool
-        Whether the weight has zero offsets (then its activation runs after the kernel).
-    name : str
-        Where it comes from (messages only; not compared).
-    """
-
-    n: int
-    k: int
-    weight_type: WeightType
-    act: ActType
-    activation: Activation = Activation.NONE
-    zero_offsets: bool = False
-    name: str = dataclasses.field(default="", compare=False)
-
-    def __post_init__(self) -> None:
-        self.meta_weight()   # the PackedWeight checks: N % 16, K % 64, ...
-
-    @property
-    def kernel_activation(self) -> Activation:
-        """The activation the kernel itself fuses (none when zero offsets come first)."""
-        return Activation.NONE if self.zero_offsets else self.activation
-
-    def meta_weight(self) -> PackedWeight:
-        """A PackedWeight of this shape and types on the meta device (no memory): what
-        :func:`mixgemm.ops.select_spec` reads."""
-        where = f" ({self.name})" if self.name else ""
-        if self.n <= 0 or self.k <= 0 or self.n % 16 or self.k % 64:
-            raise ValueError(f"a packed weight needs N % 16 == 0 and K % 64 == 0, got N={self.n}, K={self.k}{where}")
-        meta = torch.device("meta")
-        dtype = self.act.torch_dtype
-        scales = torch.empty((1, self.n), dtype=dtype, device=meta)
-        return PackedWeight(
-            qdata=torch.empty((self.n // 16, self.k // 64, atom_bytes(self.weight_type.bits)), dtype=torch.uint8,
-                              device=meta),
-            scales=scales, zeros=torch.empty_like(scales) if self.weight_type.has_zero else None,
-            weight_type=self.weight_type, group_size=self.k, n=self.n, k=self.k)
-
-    @classmethod
-    def of_packed(cls, w: PackedWeight, activation: Union[str, Activation] = "none", name: str = "") -> "WeightUse":
-        return cls(w.n, w.k, w.weight_type, w.act_type, Activation(activation), w.zero_offsets is not None, name)
 
 
 def token_counts(max_tokens: Optional[int] = None) -> list[int]:
@@ -127,54 +69,48 @@ def token_counts(max_tokens: Optional[int] = None) -> list[int]:
     return [m for m in firsts if max_tokens is None or m <= max_tokens]
 
 
-@dataclasses.dataclass(frozen=True)
-class ExpertsUse:
-    """A MoE layer's stacked experts as the grouped kernels see them: ``num_experts`` experts of
-    gate/up ``[2 * intermediate, hidden]`` (interleaved, swiglu) and down ``[hidden, intermediate]``,
-    of one weight type and activation dtype. ``name``: where they come from (messages only)."""
-
-    num_experts: int
-    hidden: int
-    intermediate: int
-    weight_type: WeightType
-    act: ActType
-    name: str = dataclasses.field(default="", compare=False)
-
-    @classmethod
-    def of_layer(cls, layer, name: str = "") -> "ExpertsUse":
-        """From a :class:`~mixgemm.nn.moe.QuantMoE`."""
-        w13 = layer.experts("w13")
-        return cls(layer.num_experts, layer.hidden_size, layer.intermediate_size, w13.weight_type, w13.act_type, name)
-
-
 Item = Union[WeightUse, ExpertsUse, PackedWeight, torch.nn.Module]
 
 
 def uses_of(items: Union[Item, Iterable[Item]]) -> list[WeightUse]:
     """The :class:`WeightUse` of each item: a WeightUse as is; a PackedWeight without an
-    activation; every :class:`~mixgemm.nn.QuantLinear` inside an ``nn.Module`` (the module
-    itself included; tensor-parallel layers hold one) with its activation. Repeats are kept."""
+    activation; every one that the modules inside an ``nn.Module`` report (the module itself
+    included): a :class:`~mixgemm.nn.QuantLinear`'s with its activation (tensor-parallel layers
+    hold one). Repeats are kept."""
+    return [use for use in _kernel_uses(items) if isinstance(use, WeightUse)]
+
+
+def _kernel_uses(items: Union[Item, Iterable[Item]]) -> list[KernelUse]:
+    """The kernel uses of ``items``: WeightUses and ExpertsUses as they are, a PackedWeight's
+    WeightUse without an activation, and what the modules inside each ``nn.Module`` report."""
     if isinstance(items, (WeightUse, PackedWeight, torch.nn.Module)):
         items = [items]
     elif not isinstance(items, _Iterable) or isinstance(items, (str, bytes)):
         raise TypeError(f"expected PackedWeights, QuantLinear layers, nn.Modules or WeightUses, got "
                         f"{type(items).__name__}")
-    out: list[WeightUse] = []
+    out: list[KernelUse] = []
     for item in items:
-        if isinstance(item, ExpertsUse):
-            continue                     # the grouped kernels: moe_specs_for
-        if isinstance(item, WeightUse):
+        if isinstance(item, (WeightUse, ExpertsUse)):
             out.append(item)
         elif isinstance(item, PackedWeight):
             out.append(WeightUse.of_packed(item))
         elif isinstance(item, torch.nn.Module):
-            for name, mod in item.named_modules():
-                if isinstance(mod, QuantLinear):
-                    out.append(WeightUse.of_packed(mod.packed, mod.activation, name))
+            out.extend(_reported(item))
         else:
             raise TypeError(f"expected a PackedWeight, a QuantLinear layer, an nn.Module or a WeightUse, got "
                             f"{type(item).__name__}")
     return out
+
+
+def _reported(module: torch.nn.Module) -> Iterator[KernelUse]:
+    """What ``module`` and every module inside it report through ``kernel_uses()``
+    (:class:`~mixgemm.dispatch.uses.LaunchesKernels`); a WeightUse or ExpertsUse without a name
+    is named by where its module sits."""
+    for name, mod in module.named_modules():
+        if isinstance(mod, LaunchesKernels):
+            for use in mod.kernel_uses():
+                named = isinstance(use, (WeightUse, ExpertsUse)) and not use.name
+                yield dataclasses.replace(use, name=name) if named else use
 
 
 def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = None) -> list[KernelSpec]:
@@ -192,53 +128,24 @@ def specs_for(items: Union[Item, Iterable[Item]], max_tokens: Optional[int] = No
     -------
     list of KernelSpec
         Without repeats, sorted by name: ``{select_spec(m, w, activation)}`` for every weight
-        and one M per token bucket, on any GPU (:func:`mixgemm.dispatch.heuristic.select_specs_any_gpu`).
+        and one M per token bucket, on any GPU (:func:`mixgemm.dispatch.heuristic.select_specs_any_gpu`);
+        :func:`moe_specs_for` of every ExpertsUse; and the kernel specs that the modules report.
     """
     ms = token_counts(max_tokens)
+    uses = _kernel_uses(items)
     specs: dict[str, KernelSpec] = {}
-    for use in set(uses_of(items)):
+    for use in set(use for use in uses if isinstance(use, WeightUse)):
         w = use.meta_weight()
         activation = use.kernel_activation
         for m in ms:
             specs.update((spec.name, spec) for spec in
                          select_specs_any_gpu(m, w, None if activation is Activation.NONE else activation.value))
-    for use in _experts_uses(items):
-        specs.update((spec.name, spec) for spec in moe_specs_for(use, max_tokens))
-    specs.update((spec.name, spec) for spec in _norm_specs(items))
-    specs.update((spec.name, spec) for spec in _rope_specs(items))
+    for use in uses:
+        if isinstance(use, ExpertsUse):
+            specs.update((spec.name, spec) for spec in moe_specs_for(use, max_tokens))
+        elif isinstance(use, KernelSpec):
+            specs[use.name] = use
     return [specs[name] for name in sorted(specs)]
-
-
-def _norm_specs(items) -> list[KernelSpec]:
-    """The RMSNorm kernels of the :class:`~mixgemm.nn.RMSNorm` modules inside the nn.Modules
-    among ``items`` (bf16 / fp16 weights: what their forward launches)."""
-    items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
-    dtypes = {mod.weight.dtype for item in items if isinstance(item, torch.nn.Module)
-              for mod in item.modules() if isinstance(mod, RMSNorm)}
-    return [norm_spec(d, False) for d in sorted(dtypes, key=str) if d in (torch.bfloat16, torch.float16)]
-
-
-def _rope_specs(items) -> list[KernelSpec]:
-    """The kernels of the fused decoder layers (:mod:`mixgemm.nn.blocks`) inside the nn.Modules among
-    ``items``: the rotary / KV-cache kernel of their :class:`~mixgemm.nn.blocks.RopeTable` and the
-    RMSNorm with the residual add (bf16 / fp16)."""
-
-    items = [items] if isinstance(items, torch.nn.Module) or not isinstance(items, _Iterable) else items
-    modules = [mod for item in items if isinstance(item, torch.nn.Module) for mod in item.modules()]
-    half = (torch.bfloat16, torch.float16)
-    ropes = {mod.cos.dtype for mod in modules if isinstance(mod, RopeTable)}
-    norms = {mod.post_attention_layernorm.weight.dtype for mod in modules if isinstance(mod, FusedDecoderLayer)}
-    return ([rope_spec(d) for d in sorted(ropes, key=str) if d in half]
-            + [norm_spec(d, True) for d in sorted(norms, key=str) if d in half])
-
-
-def _experts_uses(items) -> list[ExpertsUse]:
-    """The ExpertsUses among ``items`` and of every QuantMoE inside their nn.Modules."""
-    items = [items] if isinstance(items, (torch.nn.Module, ExpertsUse)) or not isinstance(items, _Iterable) else items
-    out = [item for item in items if isinstance(item, ExpertsUse)]
-    out += [ExpertsUse.of_layer(mod, name) for item in items if isinstance(item, torch.nn.Module)
-            for name, mod in item.named_modules() if isinstance(mod, QuantMoE)]
-    return out
 
 
 def moe_specs_for(use: Union[ExpertsUse, torch.nn.Module], max_tokens: Optional[int] = None) -> list[KernelSpec]:

@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from .linear import QuantizeSummary, QuantLinear, unsupported_reason
-from ..ops.norm import LLAMA_STYLE_NORMS, RMSNorm, rms_norm
-from ..ops.rotary import rotary_kv_cache
+from ..dispatch.uses import KernelUse
+from ..ops.norm import LLAMA_STYLE_NORMS, RMSNorm, norm_spec, rms_norm
+from ..ops.rotary import rope_spec, rotary_kv_cache
 
 __all__ = ["ATTENTIONS", "FusedQKVAttention", "GatedMLP", "FusedDecoderLayer", "RopeTable", "find_attentions",
            "find_gated_mlps", "quantize_model"]
@@ -144,6 +145,11 @@ class RopeTable(nn.Module):
     @property
     def positions(self) -> int:
         return self.cos.shape[0]
+
+    def kernel_uses(self) -> list[KernelUse]:
+        """The rotary / KV-cache kernel of the table's dtype, where it is bf16 or fp16
+        (:class:`~mixgemm.dispatch.uses.LaunchesKernels`)."""
+        return [rope_spec(self.cos.dtype)] if self.cos.dtype in (torch.bfloat16, torch.float16) else []
 
 
 def _cache_of(kwargs: dict, past_key_values):
@@ -296,6 +302,12 @@ class FusedDecoderLayer(nn.Module):
             residual = hidden_states + a
             h = norm(residual)
         return residual + self.mlp(h)
+
+    def kernel_uses(self) -> list[KernelUse]:
+        """The RMSNorm with the residual add (before the MLP) of the norm's dtype, where it is bf16
+        or fp16 (:class:`~mixgemm.dispatch.uses.LaunchesKernels`; the norms' own kernels are theirs)."""
+        dtype = self.post_attention_layernorm.weight.dtype
+        return [norm_spec(dtype, True)] if dtype in (torch.bfloat16, torch.float16) else []
 
     def extra_repr(self) -> str:
         return self.original_class

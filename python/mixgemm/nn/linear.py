@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..dispatch import plans
+from ..dispatch.uses import WeightUse
 from ..dtypes import WeightType
 from ..errors import UnsupportedLayerError
 from ..ops.dense import TOKEN_BUCKETS, gemm_op, gemm_tensors_full
@@ -113,6 +114,10 @@ class QuantLinear(nn.Module):
     def weight_rows(self) -> int:
         """N of the packed weight: out_features, or twice that for a swiglu (gate + up) layer."""
         return self.out_features * (2 if self.activation == "swiglu" else 1)
+
+    def kernel_uses(self) -> list[WeightUse]:
+        """The GEMM's weight as its kernels see it (:class:`~mixgemm.dispatch.uses.LaunchesKernels`)."""
+        return [WeightUse.of_packed(self.packed, self.activation)]
 
     @property
     def packed(self) -> PackedWeight:

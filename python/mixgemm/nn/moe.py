@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import moe
+from ..dispatch.uses import ExpertsUse
 from ..moe import routing as moe_routing
 from ..weights.experts import PackedExperts
 from ..weights.quantize import interleave_gate_up, quantize
@@ -63,6 +64,10 @@ class QuantMoE(nn.Module):
                 else (self.hidden_size, self.intermediate_size))
         return PackedExperts(getattr(self, f"{which}_qdata"), getattr(self, f"{which}_scales"),
                              getattr(self, f"{which}_zeros"), wt, group, n, k)
+
+    def kernel_uses(self) -> list[ExpertsUse]:
+        """The experts as the grouped kernels see them (:class:`~mixgemm.dispatch.uses.LaunchesKernels`)."""
+        return [ExpertsUse.of_layer(self)]
 
     @classmethod
     def from_mlps(cls, mlps: Sequence[nn.Module], bits: int, group_size: int, symmetric: bool = False,

@@ -254,6 +254,11 @@ class RMSNorm(torch.nn.Module):
             return self.weight * h.to(x.dtype)
         return rms_norm(x, self.weight, self.variance_epsilon)
 
+    def kernel_uses(self) -> list[NormSpec]:
+        """The RMSNorm kernel of the weight's dtype, where it is bf16 or fp16
+        (:class:`~mixgemm.dispatch.uses.LaunchesKernels`)."""
+        return [norm_spec(self.weight.dtype, False)] if self.weight.dtype in _KERNEL_DTYPES else []
+
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
 
