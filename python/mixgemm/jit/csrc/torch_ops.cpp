@@ -125,12 +125,12 @@ struct ArenaHash {
   }
 };
 
-// A loaded norm kernel (norm_kernel.hpp): one CTA of kNormThreads per row.
-struct NormKernel {
+// A kernel Python loaded, launched here with plain arguments: one CTA per row.
+struct RowKernel {
   uint64_t function = 0;        // CUfunction
   bool programmatic = false;    // launch with programmatic stream serialization
 };
-constexpr unsigned kNormThreads = 256;
+constexpr unsigned kNormThreads = 256;   // norm_kernel.hpp's
 using LaunchKernelEx = CUresult (*)(CUlaunchConfig const*, CUfunction, void**, void**);
 
 int64_t norm_key(int32_t device, int32_t dtype, bool residual) {
@@ -148,7 +148,7 @@ struct State {
   std::vector<std::string> activations;
   std::unordered_map<MixgemmOpKey, Plan, KeyHash, KeyEqual> plans;
   std::unordered_map<ArenaKey, Arena, ArenaHash> arenas;
-  std::unordered_map<int64_t, NormKernel> norms;
+  std::unordered_map<int64_t, RowKernel> norms;
   LaunchKernelEx launch_kernel_ex = nullptr;
   std::atomic<uint64_t> hits{0};
   std::atomic<uint64_t> fallbacks{0};
@@ -286,24 +286,22 @@ at::Tensor gemm_cuda(at::Tensor const& x, at::Tensor const& qdata, at::Tensor co
 
 
 
-// Launch the norm kernel on `rows` rows of `h` values; false where it cannot (nothing ran).
-bool launch_norm(int32_t device, int32_t dtype, bool residual, void const* x, void const* res, void const* w,
-                 void* out, void* sums, int64_t rows, int64_t h, double eps) {
-  State& s = state();
-  NormKernel kernel;
-  LaunchKernelEx launch = nullptr;
-  {
-    std::shared_lock<std::shared_mutex> lock(s.mutex);
-    auto const it = s.norms.find(norm_key(device, dtype, residual));
-    if (it == s.norms.end() || s.launch_kernel_ex == nullptr) return false;
-    kernel = it->second;
-    launch = s.launch_kernel_ex;
-  }
-  if (rows == 0) return true;
-  if (rows > 0x7fffffff) return false;
-  int row_vecs = int(h / 8);
-  float eps32 = float(eps);
-  void* argv[7] = {&x, &res, &w, &out, &sums, &row_vecs, &eps32};
+// The kernel held under `key` in `kernels`, and cuLaunchKernelEx; false where either is missing.
+bool find_kernel(State& s, std::unordered_map<int64_t, RowKernel> const& kernels, int64_t key, RowKernel& kernel,
+                 LaunchKernelEx& launch) {
+  std::shared_lock<std::shared_mutex> lock(s.mutex);
+  auto const it = kernels.find(key);
+  if (it == kernels.end() || s.launch_kernel_ex == nullptr) return false;
+  kernel = it->second;
+  launch = s.launch_kernel_ex;
+  return true;
+}
+
+// Launch `kernel` with `rows` CTAs of `threads` on the current stream of `device`; false where it
+// did not launch (nothing ran).
+bool launch_rows(LaunchKernelEx launch, RowKernel const& kernel, int64_t rows, unsigned threads, int32_t device,
+                 void** argv) {
+  if (rows <= 0 || rows > 0x7fffffff) return false;
   CUlaunchAttribute attr;
   std::memset(&attr, 0, sizeof(attr));
   attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -312,12 +310,26 @@ bool launch_norm(int32_t device, int32_t dtype, bool residual, void const* x, vo
   std::memset(&config, 0, sizeof(config));
   config.gridDimX = unsigned(rows);
   config.gridDimY = config.gridDimZ = 1;
-  config.blockDimX = kNormThreads;
+  config.blockDimX = threads;
   config.blockDimY = config.blockDimZ = 1;
   config.hStream = reinterpret_cast<CUstream>(c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(device)).stream());
   config.attrs = kernel.programmatic ? &attr : nullptr;
   config.numAttrs = kernel.programmatic ? 1 : 0;
   return launch(&config, reinterpret_cast<CUfunction>(kernel.function), argv, nullptr) == CUDA_SUCCESS;
+}
+
+// Launch the norm kernel on `rows` rows of `h` values; false where it cannot (nothing ran).
+bool launch_norm(int32_t device, int32_t dtype, bool residual, void const* x, void const* res, void const* w,
+                 void* out, void* sums, int64_t rows, int64_t h, double eps) {
+  State& s = state();
+  RowKernel kernel;
+  LaunchKernelEx launch = nullptr;
+  if (!find_kernel(s, s.norms, norm_key(device, dtype, residual), kernel, launch)) return false;
+  if (rows == 0) return true;
+  int row_vecs = int(h / 8);
+  float eps32 = float(eps);
+  void* argv[7] = {&x, &res, &w, &out, &sums, &row_vecs, &eps32};
+  return launch_rows(launch, kernel, rows, kNormThreads, device, argv);
 }
 
 // The checks a plain norm call passes (anything else goes to Python, which raises or copies).
@@ -455,7 +467,7 @@ void mixgemm_ops_put_norm(int32_t residual, int32_t dtype, int32_t device, uint6
                           uint64_t launch_kernel_ex) {
   State& s = state();
   std::unique_lock<std::shared_mutex> lock(s.mutex);
-  s.norms[norm_key(device, dtype, residual != 0)] = NormKernel{function, programmatic != 0};
+  s.norms[norm_key(device, dtype, residual != 0)] = RowKernel{function, programmatic != 0};
   s.launch_kernel_ex = reinterpret_cast<LaunchKernelEx>(launch_kernel_ex);
 }
 
