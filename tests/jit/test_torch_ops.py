@@ -1,11 +1,15 @@
 """The torch operator library (mixgemm.jit.torch_ops) without a GPU: its source compiles against
-the installed torch's headers, its cache key follows the torch it builds against, and the plan
-cache's link to it does nothing until it is attached (and never with MIXGEMM_TORCH_OPS=python)."""
+the installed torch's headers, its cache key follows the torch it builds against, its launches
+agree with the Python kernels' (block sizes, argument counts, the operators' schemas), and the
+plan cache's link to it does nothing until it is attached (and never with
+MIXGEMM_TORCH_OPS=python), then hands each loaded kernel over once."""
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ import torch
 from mixgemm.dispatch import plans
 from mixgemm.jit import build, torch_ops
 from mixgemm.jit.toolchain import include_flags
+from mixgemm.ops import norm, rotary
 
 
 def test_source_compiles_against_the_installed_torch(tmp_path):
@@ -47,8 +52,6 @@ def test_flags_and_key_follow_the_torch():
 
 def test_key_structure_matches_the_source():
     """OpKey mirrors MixgemmOpKey field by field (names and order)."""
-    import re
-
     text = torch_ops.SOURCE.read_text()
     body = text[text.index("struct MixgemmOpKey {"):]
     body = body[:body.index("};")]
@@ -89,3 +92,72 @@ def test_no_cuda_torch_is_refused_in_one_line(monkeypatch):
 
     with pytest.raises(BuildError, match="^the torch operator library cannot be built: this torch has no CUDA$"):
         torch_ops.load()
+
+
+def test_row_kernels_launch_as_python_does():
+    """The C++ kernels launch the norm and rope kernels with the Python kernels' block sizes and
+    as many arguments as the Python launches pass."""
+    text = torch_ops.SOURCE.read_text()
+    assert f"constexpr unsigned kNormThreads = {norm._THREADS};" in text
+    assert f"constexpr unsigned kRopeThreads = {rotary._THREADS};" in text
+    assert f"void* argv[{len(norm._ARG_TYPES)}] = {{&x," in text
+    assert f"void* argv[{len(rotary._ARG_TYPES)}] = {{&qkv_ptr," in text
+
+
+@pytest.mark.parametrize("name,fallback", [("gemm", "gemm_py"), ("rms_norm", "rms_norm_py"),
+                                           ("add_rms_norm", "add_rms_norm_py"),
+                                           ("rotary_kv_cache", "rotary_kv_cache_py")])
+def test_each_cuda_kernel_has_a_python_fallback_of_its_schema(name, fallback):
+    """Every operator the library implements falls back to an operator of the same schema (the C++
+    kernel calls it with its own arguments)."""
+    text = torch_ops.SOURCE.read_text()
+    assert f'm.impl("{name}", ' in text and f'"mixgemm::{fallback}"' in text
+    schema = str(getattr(torch.ops.mixgemm, name).default._schema)
+    assert str(getattr(torch.ops.mixgemm, fallback).default._schema) == schema.replace(
+        f"mixgemm::{name}(", f"mixgemm::{fallback}(", 1)
+
+
+def test_rotary_schema_is_the_cpp_kernels():
+    """The schema torch infers for mixgemm::rotary_kv_cache, which rotary_kv_cache_cuda's signature
+    follows (its SymInts as int64_t)."""
+    assert str(torch.ops.mixgemm.rotary_kv_cache.default._schema) == (
+        "mixgemm::rotary_kv_cache(Tensor qkv, Tensor cos, Tensor sin, Tensor(a3!) k_cache, Tensor(a4!) v_cache, "
+        "Tensor? positions, SymInt pos0, SymInt heads, SymInt kv_heads) -> Tensor")
+    text = torch_ops.SOURCE.read_text()
+    signature = re.search(r"at::Tensor rotary_kv_cache_cuda\(([^)]*)\)", text).group(1)
+    assert re.sub(r"\s+", " ", signature) == (
+        "at::Tensor const& qkv, at::Tensor const& cos, at::Tensor const& sin, at::Tensor& k_cache, "
+        "at::Tensor& v_cache, std::optional<at::Tensor> const& positions, int64_t pos0, int64_t heads, "
+        "int64_t kv_heads")
+
+
+def test_loaded_kernels_are_handed_over_once(monkeypatch):
+    """put_norm / put_rope hand each kernel over once per (kind, dtype, device), and nothing of a
+    dtype the library has no code for."""
+    calls = []
+
+    class Lib:
+        def put_norm(self, *args):
+            calls.append(("norm", *args))
+
+        def put_rope(self, *args):
+            calls.append(("rope", *args))
+
+    monkeypatch.setattr(plans.launcher, "entry_points", lambda: SimpleNamespace(launch_kernel_ex=77))
+    link = plans.OperatorLibrary()
+
+    def kernel(spec, index, function):
+        return SimpleNamespace(spec=spec, device=torch.device("cuda", index), function=function)
+
+    rope = rotary.rope_spec(torch.bfloat16)
+    link.put_rope(kernel(rope, 0, 5), torch.bfloat16)   # not attached: nothing
+    assert calls == []
+    link.lib = Lib()
+    for _ in range(2):
+        link.put_rope(kernel(rope, 0, 5), torch.bfloat16)
+        link.put_rope(kernel(rope, 1, 6), torch.bfloat16)
+        link.put_rope(kernel(rotary.rope_spec(torch.float16), 0, 7), torch.float16)
+        link.put_norm(kernel(norm.norm_spec(torch.bfloat16, True), 0, 8), True, torch.bfloat16)
+    link.put_rope(kernel(rope, 0, 9), torch.float32)
+    assert calls == [("rope", torch.bfloat16, 0, 5, True, 77), ("rope", torch.bfloat16, 1, 6, True, 77),
+                     ("rope", torch.float16, 0, 7, True, 77), ("norm", True, torch.bfloat16, 0, 8, True, 77)]

@@ -1,10 +1,13 @@
-"""The C++ kernel of ``torch.ops.mixgemm.gemm`` (mixgemm.jit.torch_ops) on the GPU.
+"""The C++ kernels of ``torch.ops.mixgemm.gemm``, the RMSNorm operators and
+``torch.ops.mixgemm.rotary_kv_cache`` (mixgemm.jit.torch_ops) on the GPU.
 
 A compiled graph's GEMMs must launch from C++ once their plans exist (the library's counters
 say who launched), with outputs equal to eager's bit for bit; every call it cannot take (no plan,
 zero offsets, a strided x, a bad argument) must reach the Python kernel, with its result or
 its error; its plans must leave with their weights; and it must work under plain CUDA-graph
-capture, with new inputs at each replay.
+capture, with new inputs at each replay. The norms and the rotary / KV-cache write likewise
+launch from C++ (the rotary's caches equal to eager's too) and hand what they cannot take to
+Python.
 """
 from __future__ import annotations
 
@@ -149,3 +152,111 @@ def test_compiled_norms_launch_from_cpp_and_equal_eager(requires_gpu, library):
     assert library.counters()[1] == before + 1
     with pytest.raises(ValueError, match="weight must be a 1-D tensor"):
         torch.ops.mixgemm.rms_norm(x.contiguous(), weight[:-8], 1e-5)
+
+
+ROPE_HEADS, ROPE_KV, ROPE_D, ROPE_LEN = 8, 2, 128, 64
+ROPE_WIDTH = (ROPE_HEADS + 2 * ROPE_KV) * ROPE_D
+
+
+def _rope_tables(dev, positions=ROPE_LEN, d=ROPE_D):
+    """LLaMA's cos / sin tables [positions, D] in bf16."""
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dev, torch.bfloat16), emb.sin().to(dev, torch.bfloat16)
+
+
+def _caches(b, dev, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (b, ROPE_KV, ROPE_LEN, ROPE_D)
+    return (torch.randn(shape, generator=g).to(dev, torch.bfloat16),
+            torch.randn(shape, generator=g).to(dev, torch.bfloat16))
+
+
+def _rope_op(qkv, cos, sin, k_cache, v_cache, positions, pos0=0):
+    return torch.ops.mixgemm.rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions, pos0, ROPE_HEADS, ROPE_KV)
+
+
+def test_compiled_rotary_launches_from_cpp_and_equals_eager(requires_gpu, library):
+    dev = requires_gpu
+    cos, sin = _rope_tables(dev)
+
+    def chain(qkvs, k_cache, v_cache, positions):
+        # each call writes the next T positions (positions: a [B, T] tensor, or the first token's)
+        return [mixgemm.rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions + i * qkv.shape[1], ROPE_HEADS,
+                                        ROPE_KV) for i, qkv in enumerate(qkvs)]
+
+    compiled = torch.compile(chain, fullgraph=True)
+    for b, t in ((1, 1), (4, 1), (2, 5)):
+        g = torch.Generator(device="cpu").manual_seed(b * 10 + t)
+        qkvs = [torch.randn(b, t, ROPE_WIDTH, generator=g).to(dev, torch.bfloat16) for _ in range(3)]
+        starts = torch.randint(0, ROPE_LEN - 3 * t, (b, 1), generator=g)
+        table = (starts + torch.arange(t)[None]).to(dev)                      # int64 [B, T]
+        for positions in (table, 7):
+            k0, v0 = _caches(b + 1, dev, seed=b + t)
+            k_want, v_want = k0.clone(), v0.clone()
+            want = chain(qkvs, k_want, v_want, positions)
+            k_cache, v_cache = k0.clone(), v0.clone()
+            compiled(qkvs, k_cache, v_cache, positions)   # compile, and the kernel handed over
+            torch.cuda.synchronize()
+            k_cache, v_cache = k0.clone(), v0.clone()
+            hits, fallbacks = library.counters()
+            got = compiled(qkvs, k_cache, v_cache, positions)
+            torch.cuda.synchronize()
+            case = (b, t, type(positions).__name__)
+            assert (library.counters()[0] - hits, library.counters()[1] - fallbacks) == (3, 0), case
+            assert all(torch.equal(q, q_want) for q, q_want in zip(got, want)), case
+            assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want), case
+
+
+def test_rotary_calls_it_cannot_take_reach_the_python_kernel(requires_gpu, library):
+    dev = requires_gpu
+    cos, sin = _rope_tables(dev)
+    b, t = 2, 3
+    qkv = torch.randn(b, t, ROPE_WIDTH, device=dev, dtype=torch.bfloat16)
+    k0, v0 = _caches(b, dev, seed=11)
+    _rope_op(qkv, cos, sin, k0.clone(), v0.clone(), None, 0)   # the kernel handed over
+    hits, _ = library.counters()
+    _rope_op(qkv, cos, sin, k0.clone(), v0.clone(), None, 0)
+    assert library.counters()[0] == hits + 1
+    table = torch.tensor([[3, 4, 5], [40, 9, 1]], device=dev)
+
+    def check(k_cache, v_cache, positions, pos0=0, **tables):
+        """The op on these arguments goes to Python, with eager's q and caches."""
+        k_want, v_want = k0.clone(), v0.clone()
+        want = mixgemm.rotary_kv_cache(qkv, cos, sin, k_want, v_want, positions if positions is not None else pos0,
+                                       ROPE_HEADS, ROPE_KV)
+        _, before = library.counters()
+        got = _rope_op(qkv, tables.get("cos", cos), tables.get("sin", sin), k_cache, v_cache, positions, pos0)
+        assert library.counters()[1] == before + 1
+        assert torch.equal(got, want)
+        assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+
+    # int32 positions: Python converts them
+    check(k0.clone(), v0.clone(), table.int())
+    # a non-contiguous position table: Python copies it
+    check(k0.clone(), v0.clone(), table.t().contiguous().t())
+    # caches whose last stride is not 1: Python runs the torch formula (equal to the kernel's)
+    k_big = torch.stack((k0, torch.randn_like(k0)), dim=-1)
+    v_big = torch.stack((v0, torch.randn_like(v0)), dim=-1)
+    k_other, v_other = k_big[..., 1].clone(), v_big[..., 1].clone()
+    check(k_big[..., 0], v_big[..., 0], table)
+    assert torch.equal(k_big[..., 1], k_other) and torch.equal(v_big[..., 1], v_other)
+    # caches of one shape but other strides
+    check(k0.clone(), v0.clone().transpose(1, 2).contiguous().transpose(1, 2), None, 5)
+    # tables that are not contiguous: Python copies them
+    wide = torch.cat((cos, sin), dim=-1)
+    check(k0.clone(), v0.clone(), None, 2, cos=wide[:, :ROPE_D], sin=wide[:, ROPE_D:])
+    # positions outside the tables and the cache: Python raises, nothing is written
+    for pos0 in (ROPE_LEN - t + 1, -1):
+        k_cache, v_cache = k0.clone(), v0.clone()
+        _, before = library.counters()
+        with pytest.raises(ValueError, match="outside the 64 positions"):
+            _rope_op(qkv, cos, sin, k_cache, v_cache, None, pos0)
+        assert library.counters()[1] == before + 1
+        assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
+    # no tokens: an empty q, from C++ without a launch
+    hits, fallbacks = library.counters()
+    q = _rope_op(qkv[:0], cos, sin, k0.clone(), v0.clone(), None, 0)
+    assert q.shape == (0, t, ROPE_HEADS, ROPE_D) and q.dtype == torch.bfloat16
+    assert library.counters() == (hits + 1, fallbacks)

@@ -1,8 +1,8 @@
 """mixgemm.rotary_kv_cache: the rotary / KV-cache kernel's specs and C++, its torch path and
-argument checks on the CPU (against a per-token loop over the models' formula), the custom op, the
-launch on a faked GPU, the kernels built with nvcc, and on an sm_90 GPU the kernel equal bit for
-bit to the torch formula over head layouts, batch / token counts, positions and both dtypes,
-eagerly, with a position tensor and in a CUDA graph."""
+argument checks on the CPU (against a per-token loop over the models' formula), the custom op and
+its Python fallback op, the launch on a faked GPU, the kernels built with nvcc, and on an sm_90
+GPU the kernel equal bit for bit to the torch formula over head layouts, batch / token counts,
+positions and both dtypes, eagerly, with a position tensor and in a CUDA graph."""
 from __future__ import annotations
 
 import struct
@@ -164,6 +164,25 @@ def test_custom_op():
     kc_ref, vc_ref = _args()[3:]
     want = loop_reference(qkv, cos, sin, kc_ref, vc_ref, 3, 4, 2)
     assert torch.equal(q, want) and torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+def test_python_fallback_op():
+    """mixgemm::rotary_kv_cache_py (what the C++ kernel hands its other calls to) is the operator's
+    Python kernel: the same results, and both check their arguments as the function does."""
+    qkv, cos, sin, kc, vc = _args()
+    torch.library.opcheck(torch.ops.mixgemm.rotary_kv_cache_py.default,
+                          (qkv, cos, sin, kc.clone(), vc.clone(), None, 3, 4, 2))
+    pos = torch.tensor([[4], [1]])
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    want = mixgemm.rotary_kv_cache(qkv, cos, sin, kc_ref, vc_ref, pos, 4, 2)
+    for op in (torch.ops.mixgemm.rotary_kv_cache, torch.ops.mixgemm.rotary_kv_cache_py):
+        k2, v2 = kc.clone(), vc.clone()
+        assert torch.equal(op(qkv, cos, sin, k2, v2, pos, 0, 4, 2), want)
+        assert torch.equal(k2, kc_ref) and torch.equal(v2, vc_ref)
+        with pytest.raises(ValueError, match="outside the 10 positions"):
+            op(qkv, cos, sin, k2, v2, None, 10, 4, 2)
+        with pytest.raises(ValueError, match="multiple of kv_heads"):
+            op(qkv, cos, sin, k2, v2, None, 0, 4, 3)
 
 
 def test_torch_compile_on_the_cpu():

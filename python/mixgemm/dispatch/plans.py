@@ -335,20 +335,22 @@ LOCKS = StreamArenas(torch_ops.LOCK_ARENA, zeroed=True)
 
 class OperatorLibrary:
     """The plan cache's link to the torch operator library (:mod:`mixgemm.jit.torch_ops`: the C++
-    kernels of ``mixgemm::gemm`` and the RMSNorm operators, which torch.compile's graphs reach
-    without Python).
+    kernels of ``mixgemm::gemm``, the RMSNorm operators and ``mixgemm::rotary_kv_cache``, which
+    torch.compile's graphs reach without Python).
 
     :meth:`attach` loads the library once per process (the Python kernel of the operator calls it
     on its first CUDA call, so eager-only use never builds it), and hands over every plan made so
     far and every stream's buffers. From then on :class:`PlanCache` hands over each plan it keeps
     (a copy: GEMM plans of the compiled launcher, without zero offsets, for a token bucket) and
     drops each one it forgets, and :class:`StreamArenas` mirrors its buffers; :mod:`mixgemm.ops.norm`
-    hands over its loaded kernels (:meth:`put_norm`). Until then, and
-    where the library cannot be built, every method but :meth:`attach` does nothing."""
+    and :mod:`mixgemm.ops.rotary` hand over their loaded kernels (:meth:`put_norm`,
+    :meth:`put_rope`). Until then, and where the library cannot be built, every method but
+    :meth:`attach` does nothing."""
 
     def __init__(self):
         self.lib: Optional[torch_ops.TorchOps] = None
         self._norms: set = set()
+        self._ropes: set = set()
         self._tried = False
         self._lock = threading.Lock()
 
@@ -421,6 +423,19 @@ class OperatorLibrary:
             return
         self._norms.add(key)
         lib.put_norm(residual, dtype, kernel.device.index, int(kernel.function), kernel.spec.programmatic_launch,
+                     launcher.entry_points().launch_kernel_ex)
+
+    def put_rope(self, kernel: LoadedKernel, dtype: torch.dtype) -> None:
+        """Hand over a loaded rotary / KV-cache kernel (:class:`mixgemm.jit.specs.RopeSpec`) for a
+        qkv of ``dtype``, once per dtype and device."""
+        lib = self.lib
+        if lib is None or dtype not in torch_ops.DTYPE_CODES:
+            return
+        key = (dtype, kernel.device.index)
+        if key in self._ropes:
+            return
+        self._ropes.add(key)
+        lib.put_rope(dtype, kernel.device.index, int(kernel.function), kernel.spec.programmatic_launch,
                      launcher.entry_points().launch_kernel_ex)
 
 

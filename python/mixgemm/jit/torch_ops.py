@@ -1,5 +1,5 @@
-"""The torch operator library: the CUDA kernels of ``mixgemm::gemm``, ``mixgemm::rms_norm`` and
-``mixgemm::add_rms_norm`` in C++ (``csrc/torch_ops.cpp``).
+"""The torch operator library: the CUDA kernels of ``mixgemm::gemm``, ``mixgemm::rms_norm``,
+``mixgemm::add_rms_norm`` and ``mixgemm::rotary_kv_cache`` in C++ (``csrc/torch_ops.cpp``).
 
 torch.compile's default mode calls ``torch.ops.mixgemm.gemm`` through the dispatcher on every
 step; with a Python kernel that is a round trip back into Python per GEMM, more host time than
@@ -8,7 +8,8 @@ launch plans that Python made (:mod:`mixgemm.dispatch.plans` hands each one over
 with its weight) through the compiled launcher, and hands every other call to the Python kernel
 (the operator ``mixgemm::gemm_py``), which validates, raises the errors and makes the plans. The
 RMSNorm operators likewise launch the norm kernels Python loaded, and hand the rest to
-``mixgemm::rms_norm_py`` / ``add_rms_norm_py``.
+``mixgemm::rms_norm_py`` / ``add_rms_norm_py``; ``mixgemm::rotary_kv_cache`` launches the rotary /
+KV-cache kernel Python loaded, and hands the rest to ``mixgemm::rotary_kv_cache_py``.
 
 It is built once per machine and torch version, like the launcher, with nvcc against the
 installed torch's headers and libraries (``<cache>/host/torch_ops-<key>/``), and loaded with
@@ -33,7 +34,7 @@ from .launcher import LAUNCHER_VERSION, LaunchPlanStruct
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_ops.cpp"
 #: csrc/torch_ops.cpp's MIXGEMM_TORCH_OPS_VERSION: the structures below mirror that version's
-TORCH_OPS_VERSION = 2
+TORCH_OPS_VERSION = 3
 TORCH_OPS_ENV = "MIXGEMM_TORCH_OPS"
 NAME = "torch_ops"
 
@@ -143,6 +144,8 @@ class TorchOps:
                                               ctypes.c_uint64]
         lib.mixgemm_ops_put_norm.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64,
                                              ctypes.c_int32, ctypes.c_uint64]
+        lib.mixgemm_ops_put_rope.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32,
+                                             ctypes.c_uint64]
         self.lib = lib
         self.weight_types: tuple[str, ...] = ()
         self.activations: tuple[str, ...] = ()
@@ -186,6 +189,15 @@ class TorchOps:
 
     def clear_norms(self) -> None:
         self.lib.mixgemm_ops_clear_norms()
+
+    def put_rope(self, dtype: torch.dtype, device: int, function: int, programmatic: bool,
+                 launch_kernel_ex: int) -> None:
+        """Hand over a loaded rotary / KV-cache kernel (``function``: its CUfunction) for a qkv of
+        ``dtype`` on ``device``."""
+        self.lib.mixgemm_ops_put_rope(DTYPE_CODES[dtype], device, function, int(programmatic), launch_kernel_ex)
+
+    def clear_ropes(self) -> None:
+        self.lib.mixgemm_ops_clear_ropes()
 
     def plan_count(self) -> int:
         return int(self.lib.mixgemm_ops_plan_count())

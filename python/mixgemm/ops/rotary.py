@@ -18,7 +18,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..dispatch import checks
+from ..dispatch import checks, plans
 from ..dispatch.library import custom_op
 from ..dtypes import ActType
 from ..jit import driver, loader
@@ -201,17 +201,40 @@ def _rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads
     return _torch(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d)
 
 
+def _rotary_kv_cache_dispatched(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads) -> torch.Tensor:
+    """The Python kernel of the operator ``mixgemm::rotary_kv_cache`` (``positions``: a tensor, or
+    None for the first token's position ``pos0``): checked, run, and on a CUDA call that the
+    kernel takes, the torch operator library loaded and handed the kernel, so that it launches
+    every later plain call from C++ (:class:`mixgemm.dispatch.plans.OperatorLibrary`)."""
+    if positions is None:
+        positions = pos0
+    b, t, d = _check(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads)
+    q = _rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d)
+    if qkv.is_cuda and plans.OPERATORS.attach() is not None and _kernel_takes(qkv, k_cache, v_cache, d):
+        kernel = loader.KERNELS.get(rope_spec(qkv.dtype), qkv.device)   # loaded by the call
+        plans.OPERATORS.put_rope(kernel, qkv.dtype)
+    return q
+
+
+def _rotary_kv_cache_fake(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads):
+    b, t, width = qkv.shape
+    return qkv.new_empty(b, t, heads, width // (heads + 2 * kv_heads))
+
+
 @custom_op("mixgemm::rotary_kv_cache", mutates_args=("k_cache", "v_cache"))
 def _rotary_kv_cache_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, positions: Optional[torch.Tensor], pos0: int, heads: int,
                         kv_heads: int) -> torch.Tensor:
-    b, t, width = qkv.shape
-    d = width // (heads + 2 * kv_heads)
-    return _rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions if positions is not None else pos0,
-                            heads, kv_heads, b, t, d)
+    return _rotary_kv_cache_dispatched(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads)
 
 
-@_rotary_kv_cache_op.register_fake
-def _rotary_kv_cache_fake(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads):
-    b, t, width = qkv.shape
-    return qkv.new_empty(b, t, heads, width // (heads + 2 * kv_heads))
+@custom_op("mixgemm::rotary_kv_cache_py", mutates_args=("k_cache", "v_cache"))
+def _rotary_kv_cache_py_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, positions: Optional[torch.Tensor], pos0: int, heads: int,
+                           kv_heads: int) -> torch.Tensor:
+    """The Python kernel of ``mixgemm::rotary_kv_cache``, for the calls its C++ kernel hands over."""
+    return _rotary_kv_cache_dispatched(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads)
+
+
+for _op in (_rotary_kv_cache_op, _rotary_kv_cache_py_op):
+    _op.register_fake(_rotary_kv_cache_fake)

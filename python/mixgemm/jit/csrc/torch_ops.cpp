@@ -1,4 +1,5 @@
-// mixgemm's torch operator library: the CUDA kernel of the operator mixgemm::gemm, in C++.
+// mixgemm's torch operator library: the CUDA kernels of the operator mixgemm::gemm (and of the
+// norm and rotary operators, below), in C++.
 //
 // torch.compile's default mode calls mixgemm::gemm through the dispatcher on every step. With
 // only a Python kernel, each call crosses from the dispatcher back into Python, which costs more
@@ -16,9 +17,11 @@
 // the operator mixgemm::gemm_py: the Python kernel, which validates, raises the errors, makes the
 // plan (and hands it over) and launches.
 //
-// The RMSNorm operators (mixgemm::rms_norm, mixgemm::add_rms_norm) get the same treatment: Python
-// hands over each loaded norm kernel (per dtype, residual or not, and device), and the C++ kernels
-// launch it on plain calls, calling mixgemm::rms_norm_py / add_rms_norm_py for the rest.
+// The RMSNorm operators (mixgemm::rms_norm, mixgemm::add_rms_norm) and the rotary / KV-cache
+// operator (mixgemm::rotary_kv_cache) get the same treatment: Python hands over each loaded norm
+// kernel (per dtype, residual or not, and device) and rope kernel (per dtype and device), and the
+// C++ kernels launch it on plain calls, calling mixgemm::rms_norm_py / add_rms_norm_py /
+// rotary_kv_cache_py for the rest.
 //
 // Python talks to this library through the extern "C" functions below (ctypes).
 #include <ATen/core/Tensor.h>
@@ -30,6 +33,7 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <tuple>
@@ -46,7 +50,7 @@
 
 // Bump on any change of the C functions or structures below (python/mixgemm/jit/torch_ops.py
 // checks it).
-#define MIXGEMM_TORCH_OPS_VERSION 2
+#define MIXGEMM_TORCH_OPS_VERSION 3
 
 extern "C" {
 
@@ -125,16 +129,21 @@ struct ArenaHash {
   }
 };
 
-// A loaded norm kernel (norm_kernel.hpp): one CTA of kNormThreads per row.
-struct NormKernel {
+// A kernel Python loaded, launched here with plain arguments: one CTA per row.
+struct RowKernel {
   uint64_t function = 0;        // CUfunction
   bool programmatic = false;    // launch with programmatic stream serialization
 };
-constexpr unsigned kNormThreads = 256;
+constexpr unsigned kNormThreads = 256;   // norm_kernel.hpp's
+constexpr unsigned kRopeThreads = 256;   // rope_kernel.hpp's
 using LaunchKernelEx = CUresult (*)(CUlaunchConfig const*, CUfunction, void**, void**);
 
 int64_t norm_key(int32_t device, int32_t dtype, bool residual) {
   return (int64_t(device) << 8) | (int64_t(dtype) << 1) | int64_t(residual);
+}
+
+int64_t rope_key(int32_t device, int32_t dtype) {
+  return (int64_t(device) << 8) | int64_t(dtype);
 }
 
 // Everything Python handed over (one per process).
@@ -148,7 +157,8 @@ struct State {
   std::vector<std::string> activations;
   std::unordered_map<MixgemmOpKey, Plan, KeyHash, KeyEqual> plans;
   std::unordered_map<ArenaKey, Arena, ArenaHash> arenas;
-  std::unordered_map<int64_t, NormKernel> norms;
+  std::unordered_map<int64_t, RowKernel> norms;
+  std::unordered_map<int64_t, RowKernel> ropes;
   LaunchKernelEx launch_kernel_ex = nullptr;
   std::atomic<uint64_t> hits{0};
   std::atomic<uint64_t> fallbacks{0};
@@ -286,24 +296,22 @@ at::Tensor gemm_cuda(at::Tensor const& x, at::Tensor const& qdata, at::Tensor co
 
 
 
-// Launch the norm kernel on `rows` rows of `h` values; false where it cannot (nothing ran).
-bool launch_norm(int32_t device, int32_t dtype, bool residual, void const* x, void const* res, void const* w,
-                 void* out, void* sums, int64_t rows, int64_t h, double eps) {
-  State& s = state();
-  NormKernel kernel;
-  LaunchKernelEx launch = nullptr;
-  {
-    std::shared_lock<std::shared_mutex> lock(s.mutex);
-    auto const it = s.norms.find(norm_key(device, dtype, residual));
-    if (it == s.norms.end() || s.launch_kernel_ex == nullptr) return false;
-    kernel = it->second;
-    launch = s.launch_kernel_ex;
-  }
-  if (rows == 0) return true;
-  if (rows > 0x7fffffff) return false;
-  int row_vecs = int(h / 8);
-  float eps32 = float(eps);
-  void* argv[7] = {&x, &res, &w, &out, &sums, &row_vecs, &eps32};
+// The kernel held under `key` in `kernels`, and cuLaunchKernelEx; false where either is missing.
+bool find_kernel(State& s, std::unordered_map<int64_t, RowKernel> const& kernels, int64_t key, RowKernel& kernel,
+                 LaunchKernelEx& launch) {
+  std::shared_lock<std::shared_mutex> lock(s.mutex);
+  auto const it = kernels.find(key);
+  if (it == kernels.end() || s.launch_kernel_ex == nullptr) return false;
+  kernel = it->second;
+  launch = s.launch_kernel_ex;
+  return true;
+}
+
+// Launch `kernel` with `rows` CTAs of `threads` on the current stream of `device`; false where it
+// did not launch (nothing ran).
+bool launch_rows(LaunchKernelEx launch, RowKernel const& kernel, int64_t rows, unsigned threads, int32_t device,
+                 void** argv) {
+  if (rows <= 0 || rows > 0x7fffffff) return false;
   CUlaunchAttribute attr;
   std::memset(&attr, 0, sizeof(attr));
   attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -312,12 +320,26 @@ bool launch_norm(int32_t device, int32_t dtype, bool residual, void const* x, vo
   std::memset(&config, 0, sizeof(config));
   config.gridDimX = unsigned(rows);
   config.gridDimY = config.gridDimZ = 1;
-  config.blockDimX = kNormThreads;
+  config.blockDimX = threads;
   config.blockDimY = config.blockDimZ = 1;
   config.hStream = reinterpret_cast<CUstream>(c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(device)).stream());
   config.attrs = kernel.programmatic ? &attr : nullptr;
   config.numAttrs = kernel.programmatic ? 1 : 0;
   return launch(&config, reinterpret_cast<CUfunction>(kernel.function), argv, nullptr) == CUDA_SUCCESS;
+}
+
+// Launch the norm kernel on `rows` rows of `h` values; false where it cannot (nothing ran).
+bool launch_norm(int32_t device, int32_t dtype, bool residual, void const* x, void const* res, void const* w,
+                 void* out, void* sums, int64_t rows, int64_t h, double eps) {
+  State& s = state();
+  RowKernel kernel;
+  LaunchKernelEx launch = nullptr;
+  if (!find_kernel(s, s.norms, norm_key(device, dtype, residual), kernel, launch)) return false;
+  if (rows == 0) return true;
+  int row_vecs = int(h / 8);
+  float eps32 = float(eps);
+  void* argv[7] = {&x, &res, &w, &out, &sums, &row_vecs, &eps32};
+  return launch_rows(launch, kernel, rows, kNormThreads, device, argv);
 }
 
 // The checks a plain norm call passes (anything else goes to Python, which raises or copies).
@@ -370,12 +392,135 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cuda(at::Tensor const& x, at::Te
   return op.call(x, residual, weight, eps);
 }
 
+// What a plain rotary call launches with (rope_kernel.hpp's MIXGEMM_ROPE_KV_ENTRY arguments).
+struct RopeCall {
+  int32_t device;
+  int32_t dtype;
+  int64_t b, t, d;
+  int64_t const* positions;   // [B, T], or null: the token at index i of a sequence is at pos0 + i
+  int64_t stride_b, stride_h, stride_l;
+  int32_t table_positions, cache_length, pos0;
+};
+
+bool fits_int32(int64_t v) { return v >= 0 && v <= 0x7fffffff; }
+
+bool like_qkv(at::Tensor const& t, at::Tensor const& qkv) {
+  return t.scalar_type() == qkv.scalar_type() && t.is_cuda() && t.get_device() == qkv.get_device();
+}
+
+bool aligned_data(at::Tensor const& t) {
+  return (reinterpret_cast<uintptr_t>(t.const_data_ptr()) & 15) == 0;
+}
+
+// The checks a plain rotary call passes: those of python/mixgemm/ops/rotary.py (_check, and
+// _kernel_takes for the kernel), with every input as the kernel reads it (nothing to copy or
+// convert). Anything else goes to Python, which raises, copies or runs the torch formula.
+bool rope_call_ok(at::Tensor const& qkv, at::Tensor const& cos, at::Tensor const& sin, at::Tensor const& k_cache,
+                  at::Tensor const& v_cache, std::optional<at::Tensor> const& positions, int64_t pos0, int64_t heads,
+                  int64_t kv_heads, RopeCall& call) {
+  if (!qkv.is_cuda() || qkv.dim() != 3 || dtype_code(qkv.scalar_type()) < 0 || !aligned_contiguous(qkv)) return false;
+  if (!fits_int32(heads) || !fits_int32(kv_heads) || heads < 1 || kv_heads < 1 || heads % kv_heads != 0) return false;
+  int64_t const b = qkv.size(0), t = qkv.size(1), width = qkv.size(2);
+  int64_t const groups = heads + 2 * kv_heads;
+  if (width % groups != 0) return false;
+  int64_t const d = width / groups;
+  if (d % 16 != 0) return false;   // the kernel's: whole 16-byte vector pairs (so D is even too)
+  for (at::Tensor const* table : {&cos, &sin}) {
+    if (table->dim() != 2 || table->size(1) != d || !like_qkv(*table, qkv) || !aligned_contiguous(*table)) return false;
+  }
+  if (cos.sizes() != sin.sizes()) return false;
+  for (at::Tensor const* cache : {&k_cache, &v_cache}) {
+    if (cache->dim() != 4 || cache->size(0) < b || cache->size(1) != kv_heads || cache->size(3) != d ||
+        !like_qkv(*cache, qkv) || !aligned_data(*cache)) {
+      return false;
+    }
+  }
+  if (k_cache.sizes() != v_cache.sizes() || k_cache.strides() != v_cache.strides()) return false;
+  if (k_cache.stride(3) != 1 || k_cache.stride(0) % 8 != 0 || k_cache.stride(1) % 8 != 0 ||
+      k_cache.stride(2) % 8 != 0) {
+    return false;
+  }
+  int64_t const table_positions = cos.size(0), cache_length = k_cache.size(2);
+  if (!fits_int32(t) || !fits_int32(d) || !fits_int32(table_positions) || !fits_int32(cache_length)) return false;
+  call.positions = nullptr;
+  call.pos0 = 0;
+  if (positions.has_value()) {
+    // an int64 table as it is; an int32 one Python converts
+    at::Tensor const& pos = *positions;
+    if (pos.scalar_type() != at::kLong || !pos.is_cuda() || pos.get_device() != qkv.get_device() || pos.dim() != 2 ||
+        pos.size(0) != b || pos.size(1) != t || !pos.is_contiguous()) {
+      return false;
+    }
+    call.positions = pos.const_data_ptr<int64_t>();
+  } else {
+    // positions outside the tables or the cache: Python raises
+    if (pos0 < 0 || pos0 > std::min(table_positions, cache_length) - t) return false;
+    call.pos0 = int32_t(pos0);
+  }
+  call.device = qkv.get_device();
+  call.dtype = dtype_code(qkv.scalar_type());
+  call.b = b;
+  call.t = t;
+  call.d = d;
+  call.stride_b = k_cache.stride(0);
+  call.stride_h = k_cache.stride(1);
+  call.stride_l = k_cache.stride(2);
+  call.table_positions = int32_t(table_positions);
+  call.cache_length = int32_t(cache_length);
+  return true;
+}
+
+// The CUDA kernel of mixgemm::rotary_kv_cache: the rope kernel Python loaded, launched on a plain
+// call (see rope_call_ok); anything else, and a call before Python handed the kernel over, goes to
+// the Python kernel mixgemm::rotary_kv_cache_py.
+at::Tensor rotary_kv_cache_cuda(at::Tensor const& qkv, at::Tensor const& cos, at::Tensor const& sin,
+                                at::Tensor& k_cache, at::Tensor& v_cache, std::optional<at::Tensor> const& positions,
+                                int64_t pos0, int64_t heads, int64_t kv_heads) {
+  State& s = state();
+  RopeCall call;
+  RowKernel kernel;
+  LaunchKernelEx launch = nullptr;
+  if (rope_call_ok(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads, call) &&
+      find_kernel(s, s.ropes, rope_key(call.device, call.dtype), kernel, launch)) {
+    at::Tensor q = at::empty({call.b, call.t, heads, call.d}, qkv.options());
+    int64_t const rows = call.b * call.t;
+    if (rows == 0) {
+      s.hits.fetch_add(1, std::memory_order_relaxed);
+      return q;
+    }
+    void const* qkv_ptr = qkv.const_data_ptr();
+    void const* cos_ptr = cos.const_data_ptr();
+    void const* sin_ptr = sin.const_data_ptr();
+    int64_t const* pos_ptr = call.positions;
+    void* q_ptr = q.data_ptr();
+    void* k_ptr = k_cache.data_ptr();
+    void* v_ptr = v_cache.data_ptr();
+    int32_t tokens = int32_t(call.t), heads32 = int32_t(heads), kv_heads32 = int32_t(kv_heads);
+    int32_t head_dim = int32_t(call.d);
+    void* argv[17] = {&qkv_ptr, &cos_ptr, &sin_ptr, &pos_ptr, &q_ptr, &k_ptr, &v_ptr,
+                      &call.stride_b, &call.stride_h, &call.stride_l, &tokens, &heads32, &kv_heads32,
+                      &head_dim, &call.table_positions, &call.cache_length, &call.pos0};
+    if (launch_rows(launch, kernel, rows, kRopeThreads, call.device, argv)) {
+      s.hits.fetch_add(1, std::memory_order_relaxed);
+      return q;
+    }
+  }
+  s.fallbacks.fetch_add(1, std::memory_order_relaxed);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mixgemm::rotary_kv_cache_py", "")
+                       .typed<at::Tensor(at::Tensor const&, at::Tensor const&, at::Tensor const&, at::Tensor&,
+                                         at::Tensor&, std::optional<at::Tensor> const&, int64_t, int64_t,
+                                         int64_t)>();
+  return op.call(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mixgemm, CUDA, m) {
   m.impl("gemm", TORCH_FN(gemm_cuda));
   m.impl("rms_norm", TORCH_FN(rms_norm_cuda));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm_cuda));
+  m.impl("rotary_kv_cache", TORCH_FN(rotary_kv_cache_cuda));
 }
 
 extern "C" {
@@ -455,7 +600,7 @@ void mixgemm_ops_put_norm(int32_t residual, int32_t dtype, int32_t device, uint6
                           uint64_t launch_kernel_ex) {
   State& s = state();
   std::unique_lock<std::shared_mutex> lock(s.mutex);
-  s.norms[norm_key(device, dtype, residual != 0)] = NormKernel{function, programmatic != 0};
+  s.norms[norm_key(device, dtype, residual != 0)] = RowKernel{function, programmatic != 0};
   s.launch_kernel_ex = reinterpret_cast<LaunchKernelEx>(launch_kernel_ex);
 }
 
@@ -464,6 +609,24 @@ void mixgemm_ops_clear_norms() {
   State& s = state();
   std::unique_lock<std::shared_mutex> lock(s.mutex);
   s.norms.clear();
+}
+
+// Hand over a loaded rotary / KV-cache kernel: `function` (a CUfunction) of the kernel for a qkv
+// of `dtype` (0: float16, 1: bfloat16) on `device`; `launch_kernel_ex` is the driver's
+// cuLaunchKernelEx.
+void mixgemm_ops_put_rope(int32_t dtype, int32_t device, uint64_t function, int32_t programmatic,
+                          uint64_t launch_kernel_ex) {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  s.ropes[rope_key(device, dtype)] = RowKernel{function, programmatic != 0};
+  s.launch_kernel_ex = reinterpret_cast<LaunchKernelEx>(launch_kernel_ex);
+}
+
+// Forget every rotary / KV-cache kernel.
+void mixgemm_ops_clear_ropes() {
+  State& s = state();
+  std::unique_lock<std::shared_mutex> lock(s.mutex);
+  s.ropes.clear();
 }
 
 uint64_t mixgemm_ops_plan_count() {
