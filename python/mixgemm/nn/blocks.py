@@ -196,6 +196,7 @@ class FusedQKVAttention(nn.Module):
         super().__init__()
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS   # (the model's library: loaded)
 
+        self.training = attention.training     # (a new module is in training mode: dropout)
         self.config = attention.config
         self.layer_idx = attention.layer_idx
         self.head_dim = attention.head_dim
@@ -291,6 +292,7 @@ class FusedDecoderLayer(nn.Module):
         super().__init__()
         if not isinstance(layer.self_attn, FusedQKVAttention) or not isinstance(layer.mlp, GatedMLP):
             raise TypeError("a FusedDecoderLayer needs a FusedQKVAttention and a GatedMLP")
+        self.training = layer.training
         self.self_attn = layer.self_attn
         self.mlp = layer.mlp
         self.input_layernorm = _mixgemm_norm(layer.input_layernorm)
