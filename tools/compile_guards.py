@@ -45,14 +45,22 @@ import types
 from pathlib import Path
 
 import torch
+import torch._dynamo.guards as dynamo_guards
+import torch.nn.functional as F
+from torch._C._dynamo.guards import DictGuardManager
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+
+import mixgemm  # noqa: E402
+from mixgemm.nn import QuantLinear  # noqa: E402
+from mixgemm.weights.quantize import GATE_UP_STRIPE  # noqa: E402
+
 VARIANTS = ("bf16", "u4", "u4-fused-layers", "u4-per-layer")
 
 
 def build(layers: int, variant: str):
     import transformers
-    import mixgemm
 
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=64, num_hidden_layers=layers,
@@ -69,10 +77,6 @@ def build(layers: int, variant: str):
 
 def reference_forward(self, x):
     """QuantLinear.forward from the reference dequantization (the eager steps, on the CPU)."""
-    import mixgemm
-    import torch.nn.functional as F
-    from mixgemm.weights.quantize import GATE_UP_STRIPE
-
     w = mixgemm.dequantize_reference(self.packed).float()
     if self.perm is not None:
         x = x.index_select(-1, self.perm)
@@ -85,8 +89,6 @@ def reference_forward(self, x):
 
 def decode_kwargs(model) -> dict:
     """The keyword arguments of generate()'s last decode step (its cache initialized)."""
-    from mixgemm.nn import QuantLinear
-
     seen = []
     hook = model.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
     forward, QuantLinear.forward = QuantLinear.forward, reference_forward
@@ -114,8 +116,6 @@ def shapes_backend(captured: dict):
 
 def tree(root) -> tuple[list, int]:
     """(leaf guards as (kind, source, code), guard managers) of a guard tree."""
-    from torch._C._dynamo.guards import DictGuardManager
-
     guards, managers = [], 0
 
     def walk(mgr):
@@ -183,12 +183,9 @@ def main(argv=None) -> int:
     except ImportError:
         print("compile_guards: needs transformers")
         return 2
-    import torch._dynamo.guards as dynamo_guards
-
     if not hasattr(dynamo_guards, "profile_guard_manager"):
         print(f"compile_guards: torch {torch.__version__}'s Dynamo has no profile_guard_manager to hook")
         return 2
-    sys.path.insert(0, str(ROOT / "python"))
     captured: dict = {}
     real = dynamo_guards.profile_guard_manager
 

@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch._C._dynamo.guards import DictGuardManager
 
 transformers = pytest.importorskip("transformers", reason="the fused blocks are transformers modules")
 
@@ -78,8 +79,6 @@ def test_the_compiled_op_gets_the_layers_values(case):
 
 def _guard_sources(guard_manager) -> list[str]:
     """The source of every leaf guard of a Dynamo cache entry's guard tree."""
-    from torch._C._dynamo.guards import DictGuardManager
-
     found = []
 
     def walk(mgr):
@@ -141,4 +140,3 @@ def test_a_compiled_decode_step_guards_only_what_quantlinear_must_read(fuse_laye
     assert set(read) == set(paths), "every QuantLinear is guarded (its tensors at least)"
     for name, heads in read.items():
         assert heads <= set(allowed), f"{name}: guards on {sorted(heads - set(allowed))}"
-
