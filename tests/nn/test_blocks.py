@@ -124,3 +124,19 @@ def test_fuse_layers_needs_fused_projections():
     with pytest.raises(ValueError, match="fuse_layers=True needs fuse_projections=True"):
         mixgemm.nn.quantize_model(tiny_model("llama"), group_size=64, progress=False, fuse_projections=False,
                                   fuse_layers=True)
+
+
+def test_fused_modules_keep_the_models_training_mode(reference_gemm):
+    """A FusedQKVAttention / FusedDecoderLayer is in the mode of the module it replaces: an eval
+    model stays in eval mode, so an attention with a dropout rate applies none (the same logits
+    on every call), and a training model stays in training mode."""
+    for training in (False, True):
+        model = tiny_model("llama").train(training)
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.5
+        mixgemm.nn.quantize_model(model, bits=4, group_size=64, progress=False, dtype=torch.float16, fuse_layers=True)
+        fused = [m for m in model.modules() if isinstance(m, (blocks.FusedQKVAttention, blocks.FusedDecoderLayer))]
+        assert len(fused) == 4 and all(m.training is training for m in fused)
+        if not training:
+            with torch.no_grad():
+                assert torch.equal(model(_ids()).logits, model(_ids()).logits)

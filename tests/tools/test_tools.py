@@ -1,6 +1,7 @@
 """The measurement tools that run on committed data, on the CPU: the decode planner's cost model
 against the committed split sweeps (tools/planner_model.py), the split tables' planner entries
-(tools/freeze_tuning_tables.py), and the decode phase trace's record parser (tools/decode_trace.py)."""
+(tools/freeze_tuning_tables.py), the decode phase trace's record parser (tools/decode_trace.py),
+and the guard count of a compiled decode step (tools/compile_guards.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -113,11 +114,32 @@ def test_decode_trace_parses_records():
     assert "grid_wait_release_after_prev_end_us" in third
 
 
-@pytest.mark.parametrize("tool", ("planner_model", "freeze_tuning_tables", "decode_trace"))
+def test_compile_guards_counts_a_one_layer_step(tmp_path):
+    """`python tools/compile_guards.py --layers 1`: a row per variant, the quantized models' with
+    the three tensors of each GEMM's weight among the graph's inputs."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "guards.json"
+    assert _tool("compile_guards").main(["--layers", "1", "--rounds", "1", "--json", str(out),
+                                         "--dump", str(tmp_path)]) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"bf16", "u4", "u4-fused-layers"}
+    for r in rows.values():
+        assert r["guards"] > 0 and r["guard_check_us"] > 0 and r["call_us"] > 0
+        assert r["tensor_guards"] == r["graph_inputs"]
+    # 7 weights per layer in bf16; 4 GEMMs of 3 tensors each in u4 (fused layers: and the rope table)
+    assert rows["u4"]["graph_inputs"] - rows["bf16"]["graph_inputs"] == 12 - 7
+    assert rows["u4-fused-layers"]["graph_inputs"] - rows["u4"]["graph_inputs"] == 2
+    assert (tmp_path / "u4_1.tsv").read_text().count("TENSOR_MATCH") == rows["u4"]["tensor_guards"]
+
+
+@pytest.mark.parametrize("tool", ("planner_model", "freeze_tuning_tables", "decode_trace", "compile_guards"))
 def test_tool_usage(tool, capsys):
     """Each tool answers a bad command line with its usage, not a traceback."""
     mod = _tool(tool)
-    if tool == "freeze_tuning_tables":
+    if tool == "compile_guards":
+        assert mod.main(["--bogus"]) == 2
+        assert "python tools/" in capsys.readouterr().out
+    elif tool == "freeze_tuning_tables":
         with pytest.raises(SystemExit) as e:
             mod.main(["--bogus"])
         assert e.value.code == 2

@@ -22,9 +22,9 @@ each linear layer alone and logs that it did.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import re
-import sys
 import warnings
 from typing import Iterable, Optional
 
@@ -152,6 +152,23 @@ class RopeTable(nn.Module):
         return [rope_spec(self.cos.dtype)] if self.cos.dtype in (torch.bfloat16, torch.float16) else []
 
 
+#: per transformers modeling module (by name): its ``apply_rotary_pos_emb`` and
+#: ``eager_attention_forward`` (see :func:`_modeling_functions`)
+_MODELING: dict[str, tuple] = {}
+
+
+def _modeling_functions(module: str) -> tuple:
+    """``(apply_rotary_pos_emb, eager_attention_forward)`` of the transformers modeling module
+    named ``module``. A :class:`FusedQKVAttention` keeps the name and looks them up here: under
+    torch.compile that is a guard on a string per layer and one set of guards on the functions
+    for all layers, where functions kept on each module are guarded on each (code, defaults)."""
+    found = _MODELING.get(module)
+    if found is None:
+        modeling = importlib.import_module(module)
+        found = _MODELING[module] = (modeling.apply_rotary_pos_emb, modeling.eager_attention_forward)
+    return found
+
+
 def _cache_of(kwargs: dict, past_key_values):
     """The cache a transformers layer was given (``past_key_values=``, or ``cache=`` in newer
     transformers), removed from ``kwargs``."""
@@ -185,7 +202,7 @@ class FusedQKVAttention(nn.Module):
         super().__init__()
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS   # (the model's library: loaded)
 
-        modeling = sys.modules[type(attention).__module__]
+        self.training = attention.training     # (a new module is in training mode: dropout)
         self.config = attention.config
         self.layer_idx = attention.layer_idx
         self.head_dim = attention.head_dim
@@ -203,70 +220,68 @@ class FusedQKVAttention(nn.Module):
         self.o_proj = attention.o_proj
         d = self.head_dim
         self.sections = (self.heads * d, self.kv_heads * d, self.kv_heads * d)
-        self._apply_rope = modeling.apply_rotary_pos_emb
-        self._eager = modeling.eager_attention_forward
+        self._modeling = type(attention).__module__
+        _modeling_functions(self._modeling)
         self._functions = ALL_ATTENTION_FUNCTIONS
         self.rope: Optional[RopeTable] = None
         self.original_class = type(attention).__name__
-
-    def _attention_function(self):
-        impl = self.config._attn_implementation
-        if impl in (None, "eager"):
-            return self._eager
-        return self._functions[impl]
-
-    def _fast_qkv(self, qkv: torch.Tensor, cache, position_ids) -> Optional[tuple]:
-        """(q, keys, values) from one rotary_kv_cache launch into the cache's static layer, or
-        None where torch's path must run."""
-        rope = self.rope
-        if (rope is None or cache is None or position_ids is None or qkv.dim() != 3 or qkv.shape[0] != 1
-                or self.q_norm is not None or getattr(cache, "offloading", False)):
-            return None
-        layers = getattr(cache, "layers", None)
-        if layers is None or len(layers) <= self.layer_idx:
-            return None
-        layer = layers[self.layer_idx]
-        if type(layer).__name__ != "StaticLayer" or getattr(layer, "max_cache_len", 1 << 62) > rope.positions:
-            return None
-        b, t, _ = qkv.shape
-        if not getattr(layer, "is_initialized", False):
-            kv = qkv.new_empty(b, self.kv_heads, t, self.head_dim)
-            layer.lazy_initialization(kv, kv)
-        q = rotary_kv_cache(qkv, rope.cos, rope.sin, layer.keys, layer.values, position_ids, self.heads,
-                            self.kv_heads)
-        counter = getattr(layer, "cumulative_length", None)
-        if isinstance(counter, torch.Tensor):
-            counter.add_(t)
-        return q.transpose(1, 2), layer.keys, layer.values
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
         cache = _cache_of(kwargs, past_key_values)
         lead = hidden_states.shape[:-1]
         qkv = self.qkv_proj(hidden_states)
-        fast = self._fast_qkv(qkv, cache, kwargs.get("position_ids"))
+        fast = _fused_rope_kv(self, qkv, cache, kwargs.get("position_ids"))
         if fast is not None:
             q, k, v = fast
         else:
-            d = self.head_dim
-            q, k, v = qkv.split(self.sections, dim=-1)
-            q, k, v = q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)
+            # [..., (heads + 2 kv_heads) * D] -> heads, kv heads, kv heads of D values
+            q, k, v = qkv.view(*lead, -1, self.head_dim).split((self.heads, self.kv_heads, self.kv_heads), dim=-2)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             cos, sin = position_embeddings
-            q, k = self._apply_rope(q, k, cos, sin)
+            q, k = _modeling_functions(self._modeling)[0](q, k, cos, sin)
             if cache is not None:   # (transformers 5's caches take their positions from their own state)
                 k, v = cache.update(k, v, self.layer_idx)
+        impl = self.config._attn_implementation
+        attend = _modeling_functions(self._modeling)[1] if impl in (None, "eager") else self._functions[impl]
         extra = {"sliding_window": self.sliding_window} if self._passes_window else {}
-        out, weights = self._attention_function()(
-            self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling, **extra, **kwargs)
+        dropout = 0.0 if not self.training else self.attention_dropout
+        out, weights = attend(self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **extra, **kwargs)
         out = out.reshape(*lead, -1).contiguous()
         return self.o_proj(out), weights
 
     def extra_repr(self) -> str:
         return f"{self.original_class}, heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}"
+
+
+def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_ids) -> Optional[tuple]:
+    """(q, keys, values) from one rotary_kv_cache launch into the cache's static layer, or None
+    where torch's path must run. (A function, not a method, and the cache length read from the
+    keys' shape: under torch.compile every attribute read of a layer is a guard on each call.)"""
+    rope = attn.rope
+    if (rope is None or cache is None or position_ids is None or qkv.dim() != 3 or qkv.shape[0] != 1
+            or attn.q_norm is not None or getattr(cache, "offloading", False)):
+        return None
+    layers = getattr(cache, "layers", None)
+    if layers is None or len(layers) <= attn.layer_idx:
+        return None
+    layer = layers[attn.layer_idx]
+    if type(layer).__name__ != "StaticLayer":
+        return None
+    b, t, _ = qkv.shape
+    if not layer.is_initialized:
+        kv = qkv.new_empty(b, attn.kv_heads, t, attn.head_dim)
+        layer.lazy_initialization(kv, kv)
+    keys, values = layer.keys, layer.values
+    if keys.shape[2] > rope.cos.shape[0]:   # (a cache longer than the table: torch's path)
+        return None
+    q = rotary_kv_cache(qkv, rope.cos, rope.sin, keys, values, position_ids, attn.heads, attn.kv_heads)
+    counter = getattr(layer, "cumulative_length", None)
+    if isinstance(counter, torch.Tensor):
+        counter.add_(t)
+    return q.transpose(1, 2), keys, values
 
 
 class FusedDecoderLayer(nn.Module):
@@ -283,6 +298,7 @@ class FusedDecoderLayer(nn.Module):
         super().__init__()
         if not isinstance(layer.self_attn, FusedQKVAttention) or not isinstance(layer.mlp, GatedMLP):
             raise TypeError("a FusedDecoderLayer needs a FusedQKVAttention and a GatedMLP")
+        self.training = layer.training
         self.self_attn = layer.self_attn
         self.mlp = layer.mlp
         self.input_layernorm = _mixgemm_norm(layer.input_layernorm)

@@ -126,14 +126,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return self._forward_op(x)
+            return _forward_op(self, x, self._buffers, self.bias)
         # (attributes read without nn.Module.__getattr__: this is the hot path)
-        params = self._parameters
+        params, buffers = self._parameters, self._buffers
         bias = params["bias"] if "bias" in params else self.bias
         if (type(x) is not torch.Tensor or x.is_meta or torch._C._len_torch_dispatch_stack()
                 or (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)))):
-            return self._forward_op(x)   # a subclass, meta or a dispatch mode sees the op; autograd records it
-        buffers = self._buffers
+            return _forward_op(self, x, buffers, bias)   # a subclass, meta or a dispatch mode sees the op; autograd records it
         perm = buffers.get("perm")
         if perm is not None:
             x = x.index_select(-1, perm)
@@ -147,14 +146,6 @@ class QuantLinear(nn.Module):
             y = gemm_tensors_full(x, qdata, scales, zeros, offsets, bias, self.weight_type, self.group_size, n,
                                   self.in_features, activation)
         return y
-
-    def _forward_op(self, x: torch.Tensor) -> torch.Tensor:
-        """forward through the custom op (what torch.compile traces)."""
-        if self.perm is not None:
-            x = x.index_select(-1, self.perm)
-        return torch.ops.mixgemm.gemm(x, self.qdata, self.scales, self.zeros, self.zero_offsets, self.bias,
-                                      self.weight_type.value, self.group_size, self.weight_rows,
-                                      self.in_features, self.activation)
 
     def extra_repr(self) -> str:
         act = "" if self.activation == "none" else f", activation={self.activation}"
@@ -271,6 +262,26 @@ class QuantLinear(nn.Module):
             _restripe_state(state_dict, prefix, self, 16)
             state_dict[prefix + "_extra_state"] = {**extra, "gate_up_stripe": GATE_UP_STRIPE}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _forward_op(layer: QuantLinear, x: torch.Tensor, buffers: dict, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``layer``'s forward through the custom op (what torch.compile traces), ``buffers`` its
+    ``_buffers``.
+
+    Under torch.compile every piece of module state read here becomes a guard that each call of
+    the compiled function checks again, so it reads as little as it can: the buffers from their
+    dict (``layer.qdata`` would go through ``nn.Module.__getattr__``: several guards a read), and
+    N, K and the group size from the shapes of qdata ``[N/16, K/64, .]`` and scales
+    ``[K/group_size, N]`` (what :class:`~mixgemm.weights.types.PackedWeight` requires of them, and
+    guarded already with the tensors) instead of the attributes that repeat them.
+    """
+    perm = buffers.get("perm")
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    qdata, scales = buffers["qdata"], buffers["scales"]
+    k = qdata.shape[1] * ATOM_K
+    return torch.ops.mixgemm.gemm(x, qdata, scales, buffers["zeros"], buffers.get("zero_offsets"), bias,
+                                  layer.weight_type.value, k // scales.shape[0], scales.shape[1], k, layer.activation)
 
 
 def _state_stripe(extra: dict) -> int:
