@@ -364,7 +364,8 @@ def test_handed_over_moe_plan_launches_what_python_launches(tmp_path, monkeypatc
         launched = launches[2]
         threads = moe_plan.combine_threads
         row_vecs = h * 2 // 16
-        assert launched["function"] == moe_plan.combine and launched["pdl"] == (1 if moe_plan.combine_programmatic else -1)
+        assert launched["function"] == moe_plan.combine
+        assert launched["pdl"] == (1 if moe_plan.combine_programmatic else -1)
         assert launched["grid"] == (-(-row_vecs // threads), t, 1) and launched["block"] == (threads, 1, 1)
         assert launched["cluster"] == (0, 0, 0) and launched["params"] == struct.pack("=Q", y_ptr)
         assert moe_plan.combine_weights == torch_ops.WEIGHTS_DTYPE_CODES[torch.float32]   # float64: converted
