@@ -2,9 +2,11 @@
 the installed torch's headers, its cache key follows the torch it builds against, its launches
 agree with the Python kernels' (block sizes, argument counts, the operators' schemas), and the
 plan cache's link to it does nothing until it is attached (and never with
-MIXGEMM_TORCH_OPS=python), then hands each loaded kernel over once."""
+MIXGEMM_TORCH_OPS=python), then hands each loaded kernel over once, and each MoE plan once until
+the memory of one of its weights is freed."""
 from __future__ import annotations
 
+import gc
 import re
 import shutil
 import subprocess
@@ -17,6 +19,7 @@ import torch
 from mixgemm.dispatch import plans
 from mixgemm.jit import build, torch_ops
 from mixgemm.jit.toolchain import include_flags
+from mixgemm.moe import layer as moe_layer  # noqa: F401  (registers mixgemm::fused_moe and fused_moe_py)
 from mixgemm.ops import norm, rotary
 
 
@@ -83,6 +86,8 @@ def test_python_mode_never_builds(monkeypatch):
 def test_unattached_link_does_nothing():
     link = plans.OperatorLibrary()
     link.clear_plans()
+    link.clear_moe()
+    assert link.moe_plan_count() == 0
     link.set_arena(torch_ops.WORKSPACE_ARENA, 0, 0, 1 << 20, 1 << 16)
 
 
@@ -106,7 +111,8 @@ def test_row_kernels_launch_as_python_does():
 
 @pytest.mark.parametrize("name,fallback", [("gemm", "gemm_py"), ("rms_norm", "rms_norm_py"),
                                            ("add_rms_norm", "add_rms_norm_py"),
-                                           ("rotary_kv_cache", "rotary_kv_cache_py")])
+                                           ("rotary_kv_cache", "rotary_kv_cache_py"),
+                                           ("fused_moe", "fused_moe_py")])
 def test_each_cuda_kernel_has_a_python_fallback_of_its_schema(name, fallback):
     """Every operator the library implements falls back to an operator of the same schema (the C++
     kernel calls it with its own arguments)."""
@@ -161,3 +167,115 @@ def test_loaded_kernels_are_handed_over_once(monkeypatch):
     link.put_rope(kernel(rope, 0, 9), torch.float32)
     assert calls == [("rope", torch.bfloat16, 0, 5, True, 77), ("rope", torch.bfloat16, 1, 6, True, 77),
                      ("rope", torch.float16, 0, 7, True, 77), ("norm", True, torch.bfloat16, 0, 8, True, 77)]
+
+
+def test_fused_moe_schema_is_the_cpp_kernels():
+    """The schema torch infers for mixgemm::fused_moe, which fused_moe_cuda's signature follows (its
+    optional tensors as std::optional<at::Tensor>, its str as c10::string_view, its SymInts as
+    int64_t)."""
+    assert str(torch.ops.mixgemm.fused_moe.default._schema) == (
+        "mixgemm::fused_moe(Tensor x, Tensor w13_qdata, Tensor w13_scales, Tensor? w13_zeros, Tensor w2_qdata, "
+        "Tensor w2_scales, Tensor? w2_zeros, str weight_type, SymInt w13_group_size, SymInt w2_group_size, "
+        "SymInt hidden, SymInt intermediate, Tensor topk_weights, Tensor topk_ids) -> Tensor")
+    text = torch_ops.SOURCE.read_text()
+    signature = re.search(r"at::Tensor fused_moe_cuda\(([^)]*)\)", text).group(1)
+    assert re.sub(r"\s+", " ", signature) == (
+        "at::Tensor const& x, at::Tensor const& w13_qdata, at::Tensor const& w13_scales, "
+        "std::optional<at::Tensor> const& w13_zeros, at::Tensor const& w2_qdata, at::Tensor const& w2_scales, "
+        "std::optional<at::Tensor> const& w2_zeros, c10::string_view weight_type, int64_t w13_group_size, "
+        "int64_t w2_group_size, int64_t hidden, int64_t intermediate, at::Tensor const& topk_weights, "
+        "at::Tensor const& topk_ids")
+
+
+def test_combine_launch_passes_the_kernels_arguments():
+    """The C++ kernel passes the combine kernel as many arguments as its entry point takes."""
+    header = Path(__file__).resolve().parents[2] / "cutlass_ext" / "mixgemm" / "moe_route_kernel.hpp"
+    text = header.read_text()
+    entry = text[text.index("#define MIXGEMM_MOE_COMBINE_ENTRY"):]
+    params = entry[entry.index("NAME(") + 5:entry.index(")", entry.index("NAME("))]
+    assert f"void* argv_combine[{params.count(',') + 1}] = {{&y_ptr," in torch_ops.SOURCE.read_text()
+
+
+def _source_fields(struct: str) -> list[str]:
+    text = torch_ops.SOURCE.read_text()
+    body = text[text.index(f"struct {struct} {{"):]
+    body = body[:body.index("};")]
+    return re.findall(r"^\s*(?:u?int(?:32|64)_t|mixgemm::abi::GemmArgs|MixgemmMoeGemm)\s+(\w+)(?:\[\d+\])?;", body,
+                      re.M)
+
+
+@pytest.mark.parametrize("struct,mirror", [("MixgemmMoeKey", torch_ops.MoeKey), ("MixgemmMoeGemm", torch_ops.MoeGemm),
+                                           ("MixgemmMoePlan", torch_ops.MoePlan)])
+def test_moe_structures_match_the_source(struct, mirror):
+    """MoeKey, MoeGemm and MoePlan mirror the source's structures field by field (the loaded
+    library's sizes are checked against them too)."""
+    assert _source_fields(struct) == [name for name, _ in mirror._fields_]
+
+
+class _StubOps:
+    """TorchOps' MoE methods without the library: what it is handed, by key."""
+
+    moe_key = torch_ops.TorchOps.moe_key
+
+    def __init__(self):
+        from mixgemm.dtypes import WeightType
+
+        self.weight_types = tuple(wt.value for wt in WeightType)
+        self.held: dict[tuple, torch_ops.MoePlan] = {}
+        self.puts = 0
+
+    def put_moe(self, key, plan):
+        self.puts += 1
+        self.held[key.astuple()] = torch_ops.MoePlan.from_buffer_copy(plan)
+
+    def drop_moe(self, key):
+        return self.held.pop(key.astuple(), None) is not None
+
+    def clear_moe(self):
+        self.held.clear()
+
+
+def _moe_key(lib, tensors, rows=2):
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    return lib.moe_key(w13=tuple(ptr(t) for t in tensors[:3]), w2=tuple(ptr(t) for t in tensors[3:]), hidden=128,
+                       intermediate=64, w13_group_size=64, w2_group_size=64, num_experts=4, rows=rows, topk=2,
+                       weight_type="u4", dtype=torch.bfloat16, ids_bytes=8, weights_dtype=torch.float32, device=0,
+                       capturing=False)
+
+
+def test_moe_plans_are_handed_over_once_and_leave_with_their_weights(monkeypatch):
+    monkeypatch.setattr(plans.launcher, "entry_points", lambda: SimpleNamespace(launch_kernel_ex=0xE0))
+    link, lib = plans.OperatorLibrary(), _StubOps()
+    link.put_moe(_moe_key(lib, [torch.zeros(4)] * 6), torch_ops.MoePlan(), ())   # unattached: nothing
+    assert link.moe_plan_count() == 0 and lib.puts == 0
+    link.lib = lib
+    tensors = [torch.zeros(64, dtype=torch.uint8), torch.zeros(8), torch.zeros(8), torch.zeros(64, dtype=torch.uint8),
+               torch.zeros(8), None]
+    key = _moe_key(lib, tensors)
+    assert key.weight_type == lib.weight_types.index("u4") and key.weights_dtype == 2 and key.w2_zeros == 0
+    link.put_moe(key, torch_ops.MoePlan(), tuple(tensors))
+    link.put_moe(_moe_key(lib, tensors), torch_ops.MoePlan(), tuple(tensors))   # the same key: once
+    assert lib.puts == 1 and link.holds_moe(key) and link.moe_plan_count() == 1
+    assert lib.held[key.astuple()].launch_kernel_ex == 0xE0
+    # another tensor object over the same memory does not keep or drop it; freeing the memory does
+    view = tensors[1].view(2, 4)
+    del view
+    gc.collect()
+    assert link.moe_plan_count() == 1
+    keep = tensors[4][2:]           # w2's scales' memory outlives the tensor object
+    tensors[4] = None
+    gc.collect()
+    assert link.moe_plan_count() == 1 and key.astuple() in lib.held
+    del keep
+    gc.collect()
+    assert link.moe_plan_count() == 0 and lib.held == {} and not link.holds_moe(key)
+    # clear_moe drops every plan
+    other = [torch.zeros(64, dtype=torch.uint8), torch.zeros(8), None] * 2
+    for rows in (2, 4):
+        link.put_moe(_moe_key(lib, other, rows), torch_ops.MoePlan(), tuple(other))
+    assert link.moe_plan_count() == 2 and len(lib.held) == 2
+    link.clear_moe()
+    assert link.moe_plan_count() == 0 and lib.held == {}
+    del other
+    gc.collect()   # (the finalizers of cleared plans find nothing to drop)
+    assert lib.held == {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import types
 
 import pytest
 import torch
@@ -264,6 +265,122 @@ def test_routed_launch_through_the_real_helper(tmp_path, monkeypatch, ids_dtype,
     assert f[20] == 0 and f[24] == e                                  # no offsets
     assert _descriptor(f[18])[:3] == (ex.scales.data_ptr(), n, e * (k // 64))
     assert f[26:] == (ids.data_ptr(), ids.element_size(), t * topk, topk, int(x_by_token), int(y_by_assignment))
+
+
+_ROUTED_PREPARE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(driver.GemmArgs), ctypes.POINTER(moe_grouped._Routed),
+                                   ctypes.c_int32, ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(driver.Launch),
+                                   ctypes.c_char_p, ctypes.c_int)
+
+
+class _HeldPlans:
+    """The torch operator library's MoE functions, holding what they are handed (no library)."""
+
+    def __init__(self):
+        from mixgemm.jit import torch_ops
+
+        self.moe_key = types.MethodType(torch_ops.TorchOps.moe_key, self)
+        self.weight_types = tuple(wt.value for wt in WeightType)
+        self.held = {}
+
+    def put_moe(self, key, plan):
+        self.held[key.astuple()] = (key, type(plan).from_buffer_copy(plan))
+
+    def drop_moe(self, key):
+        return self.held.pop(key.astuple(), None) is not None
+
+
+@pytest_fake
+@pytest.mark.nvcc
+@pytest.mark.parametrize("ids_dtype,weights_dtype,bits,symmetric",
+                         [(torch.int64, torch.float32, 4, False), (torch.int32, torch.float64, 2, True)])
+def test_handed_over_moe_plan_launches_what_python_launches(tmp_path, monkeypatch, ids_dtype, weights_dtype, bits,
+                                                            symmetric):
+    """The MoE plan that fused_moe's Python kernel hands the torch operator library, run as its
+    C++ kernel runs it (each grouped launch's GemmArgs from the plan with x and y set, the
+    plan's routed prepare, the launch shape with the cluster and PDL attributes; the combine
+    kernel's grid, block and weights), reproduces the routed plan's three launches byte for byte."""
+    if paths.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    import gc
+
+    from fake_gpu import build_helper
+    from mixgemm.dispatch import plans
+    from mixgemm.jit import torch_ops
+    from mixgemm.moe import layer as moe_layer
+
+    monkeypatch.setenv("MIXGEMM_CACHE_DIR", str(tmp_path / "cache"))
+    e, h, inter, t, topk = 5, 128, 64, 3, 2
+    w13 = PackedExperts.quantize(torch.randn(e, 2 * inter, h), bits, 64, symmetric)
+    w2 = PackedExperts.quantize(torch.randn(e, h, inter), bits, 64, symmetric)
+    x = torch.randn(t, h).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [3, 4], [1, 7]], dtype=ids_dtype)   # 7: out of range, dropped
+    tw = torch.softmax(torch.randn(t, topk), -1).to(weights_dtype)
+    link, held = plans.OperatorLibrary(), _HeldPlans()
+    link.lib = held
+    monkeypatch.setattr(plans, "OPERATORS", link)
+    # (the routed plan, as on the GPU)
+    monkeypatch.setattr(moe_layer, "routed_plan", lambda plan, a, b, xx, ii: plan.kind == "each")
+    with FakeGpu(tmp_path / "fake") as gpu:
+        plan = moe.plan_fused_moe(t * topk, ActType.BF16, w13.weight_type, e, h, inter)
+        size = driver.HostHelper(str(build_helper(plan.gate_up, gpu.kernels.helper_dir)), plan.gate_up.name).params_size
+        gpu.driver.reset(params_size=size)
+        combine = moe_layer.combine_by_assignment
+
+        def combine_recording_its_first_argument(*args, **kwargs):
+            gpu.driver.lib.fake_set_params_size(8)   # (the combine kernel's first argument: y)
+            return combine(*args, **kwargs)
+
+        monkeypatch.setattr(moe_layer, "combine_by_assignment", combine_recording_its_first_argument)
+        out = torch.ops.mixgemm.fused_moe_py(x, w13.qdata, w13.scales, w13.zeros, w2.qdata, w2.scales, w2.zeros,
+                                             w13.weight_type.value, 64, 64, h, inter, tw, ids)
+        launches = gpu.launches()
+        # (the hand-over of a CUDA call; CPU tensors stand for the GPU's here)
+        moe_layer._hand_over(x, w13, w2, tw, ids)
+        assert out.shape == (t, h) and len(launches) == 3 and len(held.held) == 1
+        (key, moe_plan), = held.held.values()
+        x_ptr, h_ptr, y_ptr = x.data_ptr(), _PARAMS.unpack(launches[0]["params"])[5], \
+            _PARAMS.unpack(launches[1]["params"])[5]
+        for g, (xp, yp), launched in ((moe_plan.gate_up, (x_ptr, h_ptr), launches[0]),
+                                      (moe_plan.down, (h_ptr, y_ptr), launches[1])):
+            args = driver.GemmArgs.from_buffer_copy(g.args)
+            assert args.x == args.y == 0
+            args.x, args.y = xp, yp
+            routed = moe_grouped._Routed(ids.data_ptr(), ids.element_size(), topk, g.x_by_token, g.y_by_assignment)
+            params = ctypes.create_string_buffer(g.params_size)
+            shape = driver.Launch()
+            err = ctypes.create_string_buffer(256)
+            rc = ctypes.cast(g.prepare, _ROUTED_PREPARE)(ctypes.byref(args), ctypes.byref(routed), e, params,
+                                                        g.params_size, ctypes.byref(shape), err, 256)
+            assert rc == 0 and shape.workspace_bytes == shape.lock_bytes == 0, err.value
+            assert params.raw[:size] == launched["params"]
+            assert launched["function"] == g.function and launched["pdl"] == (1 if g.programmatic else -1)
+            assert (launched["grid"], launched["block"], launched["cluster"], launched["smem"]) == \
+                (tuple(shape.grid), tuple(shape.block), tuple(shape.cluster), shape.smem_bytes)
+        assert (moe_plan.gate_up.x_by_token, moe_plan.gate_up.y_by_assignment) == (1, 0)
+        assert (moe_plan.down.x_by_token, moe_plan.down.y_by_assignment) == (0, 1)
+        assert (moe_plan.gate_up.n_out, moe_plan.down.n_out) == (inter, h)
+        assert tuple(moe_plan.gate_up.qdata_sizes) == tuple(w13.qdata.shape)
+        assert tuple(moe_plan.down.scales_sizes) == tuple(w2.scales.shape)
+        launched = launches[2]
+        threads = moe_plan.combine_threads
+        row_vecs = h * 2 // 16
+        assert launched["function"] == moe_plan.combine
+        assert launched["pdl"] == (1 if moe_plan.combine_programmatic else -1)
+        assert launched["grid"] == (-(-row_vecs // threads), t, 1) and launched["block"] == (threads, 1, 1)
+        assert launched["cluster"] == (0, 0, 0) and launched["params"] == struct.pack("=Q", y_ptr)
+        assert moe_plan.combine_weights == torch_ops.WEIGHTS_DTYPE_CODES[torch.float32]   # float64: converted
+        assert moe_plan.launch_kernel_ex != 0
+    pointers = [0 if z is None else z.data_ptr() for z in (w13.qdata, w13.scales, w13.zeros, w2.qdata, w2.scales,
+                                                           w2.zeros)]
+    assert [getattr(key, f) for f in ("w13_qdata", "w13_scales", "w13_zeros", "w2_qdata", "w2_scales",
+                                      "w2_zeros")] == pointers
+    assert (key.hidden, key.intermediate, key.num_experts, key.rows, key.topk, key.ids_bytes) == \
+        (h, inter, e, t * topk, topk, ids.element_size())
+    assert key.weights_dtype == torch_ops.WEIGHTS_DTYPE_CODES[weights_dtype] and key.capturing == 0
+    # the plan leaves with its weights
+    del w13, w2
+    gc.collect()
+    assert held.held == {} and link.moe_plan_count() == 0
 
 
 @pytest_fake

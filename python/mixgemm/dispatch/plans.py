@@ -335,8 +335,8 @@ LOCKS = StreamArenas(torch_ops.LOCK_ARENA, zeroed=True)
 
 class OperatorLibrary:
     """The plan cache's link to the torch operator library (:mod:`mixgemm.jit.torch_ops`: the C++
-    kernels of ``mixgemm::gemm``, the RMSNorm operators and ``mixgemm::rotary_kv_cache``, which
-    torch.compile's graphs reach without Python).
+    kernels of ``mixgemm::gemm``, the RMSNorm operators, ``mixgemm::rotary_kv_cache`` and
+    ``mixgemm::fused_moe``, which torch.compile's graphs reach without Python).
 
     :meth:`attach` loads the library once per process (the Python kernel of the operator calls it
     on its first CUDA call, so eager-only use never builds it), and hands over every plan made so
@@ -344,7 +344,9 @@ class OperatorLibrary:
     (a copy: GEMM plans of the compiled launcher, without zero offsets, for a token bucket) and
     drops each one it forgets, and :class:`StreamArenas` mirrors its buffers; :mod:`mixgemm.ops.norm`
     and :mod:`mixgemm.ops.rotary` hand over their loaded kernels (:meth:`put_norm`,
-    :meth:`put_rope`). Until then, and where the library cannot be built, every method but
+    :meth:`put_rope`), and :mod:`mixgemm.moe.layer` the MoE plans of ``mixgemm::fused_moe``'s
+    routed decode plan (:meth:`put_moe`), each dropped when the memory of one of its weight
+    tensors is freed. Until then, and where the library cannot be built, every method but
     :meth:`attach` does nothing."""
 
     def __init__(self):
@@ -353,6 +355,10 @@ class OperatorLibrary:
         self._ropes: set = set()
         self._tried = False
         self._lock = threading.Lock()
+        #: the MoE plans held: key tuple -> (MoeKey, weak references to its weights' storages)
+        self._moe: dict[tuple, tuple] = {}
+        # (re-entrant: a weight's finalizer may run inside any allocation, the GC's, under put_moe)
+        self._moe_lock = threading.RLock()
 
     def attach(self) -> Optional[torch_ops.TorchOps]:
         """Load the library and hand it what exists (once per process; then a flag check). None
@@ -438,15 +444,68 @@ class OperatorLibrary:
         lib.put_rope(dtype, kernel.device.index, int(kernel.function), kernel.spec.programmatic_launch,
                      launcher.entry_points().launch_kernel_ex)
 
+    def holds_moe(self, key: "torch_ops.MoeKey") -> bool:
+        """Whether the library holds the MoE plan of ``key``."""
+        return key.astuple() in self._moe
+
+    def put_moe(self, key: "torch_ops.MoeKey", plan: "torch_ops.MoePlan", weights: tuple) -> None:
+        """Hand over a MoE plan of ``mixgemm::fused_moe`` (:mod:`mixgemm.moe.layer` builds ``key``
+        and ``plan``; the driver's ``cuLaunchKernelEx`` is filled in here), once per key. The plan
+        is dropped as soon as the memory of any tensor of ``weights`` (the weight tensors of the
+        key's pointers; None for an absent one) is freed: the finalizers watch their storages,
+        whose Python objects torch keeps as long as the memory lives, so a plan outlives neither
+        its weights nor the addresses in its key, whichever tensor objects the calls passed."""
+        lib = self.lib
+        if lib is None:
+            return
+        k = key.astuple()
+        with self._moe_lock:
+            if k in self._moe:
+                return
+            drop = self._moe_dropper(k)
+            refs = tuple(weakref.ref(t.untyped_storage(), drop) for t in weights if t is not None)
+            plan.launch_kernel_ex = launcher.entry_points().launch_kernel_ex
+            self._moe[k] = (key, refs)
+            lib.put_moe(key, plan)
+
+    def _moe_dropper(self, k: tuple):
+        link = weakref.ref(self)
+
+        def drop(ref):
+            me = link()
+            if me is None:
+                return
+            with me._moe_lock:
+                entry = me._moe.get(k)
+                if entry is None or not any(r is ref for r in entry[1]):
+                    return
+                del me._moe[k]
+                if me.lib is not None:
+                    me.lib.drop_moe(entry[0])
+        return drop
+
+    def moe_plan_count(self) -> int:
+        """The MoE plans held (0 while the library is not attached)."""
+        return len(self._moe)
+
+    def clear_moe(self) -> None:
+        """Drop every MoE plan."""
+        with self._moe_lock:
+            self._moe.clear()
+            if self.lib is not None:
+                self.lib.clear_moe()
+
 
 #: the process's link to the torch operator library
 OPERATORS = OperatorLibrary()
 
 
 def clear() -> None:
-    """Drop every cached plan, and free every workspace and lock buffer (after the devices are
-    idle): graphs captured before must not be replayed afterwards."""
+    """Drop every cached plan (the torch operator library's MoE plans too), and free every
+    workspace and lock buffer (after the devices are idle): graphs captured before must not be
+    replayed afterwards."""
     PLANS.clear()
+    OPERATORS.clear_moe()
     WORKSPACES.clear()
     LOCKS.clear()
 

@@ -1,5 +1,6 @@
 """The torch operator library: the CUDA kernels of ``mixgemm::gemm``, ``mixgemm::rms_norm``,
-``mixgemm::add_rms_norm`` and ``mixgemm::rotary_kv_cache`` in C++ (``csrc/torch_ops.cpp``).
+``mixgemm::add_rms_norm``, ``mixgemm::rotary_kv_cache`` and ``mixgemm::fused_moe`` in C++
+(``csrc/torch_ops.cpp``).
 
 torch.compile's default mode calls ``torch.ops.mixgemm.gemm`` through the dispatcher on every
 step; with a Python kernel that is a round trip back into Python per GEMM, more host time than
@@ -9,7 +10,10 @@ with its weight) through the compiled launcher, and hands every other call to th
 (the operator ``mixgemm::gemm_py``), which validates, raises the errors and makes the plans. The
 RMSNorm operators likewise launch the norm kernels Python loaded, and hand the rest to
 ``mixgemm::rms_norm_py`` / ``add_rms_norm_py``; ``mixgemm::rotary_kv_cache`` launches the rotary /
-KV-cache kernel Python loaded, and hands the rest to ``mixgemm::rotary_kv_cache_py``.
+KV-cache kernel Python loaded, and hands the rest to ``mixgemm::rotary_kv_cache_py``;
+``mixgemm::fused_moe`` launches the MoE plans that :mod:`mixgemm.moe.layer` hands over for its
+routed decode plan (two routed grouped decode launches and the combine kernel), and hands the
+rest to ``mixgemm::fused_moe_py``.
 
 It is built once per machine and torch version, like the launcher, with nvcc against the
 installed torch's headers and libraries (``<cache>/host/torch_ops-<key>/``), and loaded with
@@ -30,16 +34,19 @@ import torch
 
 from ..errors import BuildError
 from .build import HOST_LIBRARY_FLAGS, load_host_library
+from .driver import GemmArgs
 from .launcher import LAUNCHER_VERSION, LaunchPlanStruct
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_ops.cpp"
 #: csrc/torch_ops.cpp's MIXGEMM_TORCH_OPS_VERSION: the structures below mirror that version's
-TORCH_OPS_VERSION = 3
+TORCH_OPS_VERSION = 4
 TORCH_OPS_ENV = "MIXGEMM_TORCH_OPS"
 NAME = "torch_ops"
 
 #: MixgemmOpKey's dtype codes
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1}
+#: MixgemmMoeKey's codes of the top-k weights' dtype
+WEIGHTS_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 #: the buffer kinds of mixgemm_ops_set_arena
 WORKSPACE_ARENA, LOCK_ARENA = 0, 1
 
@@ -64,6 +71,68 @@ class OpKey(ctypes.Structure):
 
     def astuple(self) -> tuple:
         return tuple(getattr(self, name) for name, _ in self._fields_)
+
+
+class MoeKey(ctypes.Structure):
+    """``MixgemmMoeKey``: what decides the launches of a MoE plan (csrc/torch_ops.cpp)."""
+
+    _fields_ = [
+        ("w13_qdata", ctypes.c_uint64),
+        ("w13_scales", ctypes.c_uint64),
+        ("w13_zeros", ctypes.c_uint64),
+        ("w2_qdata", ctypes.c_uint64),
+        ("w2_scales", ctypes.c_uint64),
+        ("w2_zeros", ctypes.c_uint64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("w13_group_size", ctypes.c_int64),
+        ("w2_group_size", ctypes.c_int64),
+        ("num_experts", ctypes.c_int64),
+        ("rows", ctypes.c_int32),
+        ("topk", ctypes.c_int32),
+        ("weight_type", ctypes.c_int32),
+        ("dtype", ctypes.c_int32),
+        ("ids_bytes", ctypes.c_int32),
+        ("weights_dtype", ctypes.c_int32),
+        ("device", ctypes.c_int32),
+        ("capturing", ctypes.c_int32),
+    ]
+
+    def astuple(self) -> tuple:
+        return tuple(getattr(self, name) for name, _ in self._fields_)
+
+
+class MoeGemm(ctypes.Structure):
+    """``MixgemmMoeGemm``: one routed grouped decode launch of a MoE plan (csrc/torch_ops.cpp)."""
+
+    _fields_ = [
+        ("function", ctypes.c_uint64),
+        ("prepare", ctypes.c_uint64),
+        ("programmatic", ctypes.c_int32),
+        ("params_size", ctypes.c_uint32),
+        ("x_by_token", ctypes.c_int32),
+        ("y_by_assignment", ctypes.c_int32),
+        ("n_out", ctypes.c_int64),
+        ("qdata_sizes", ctypes.c_int64 * 4),
+        ("scales_sizes", ctypes.c_int64 * 3),
+        ("args", GemmArgs),
+    ]
+
+
+class MoePlan(ctypes.Structure):
+    """``MixgemmMoePlan``: the launches of the routed decode plan of ``mixgemm::fused_moe``:
+    gate/up, down and the combine kernel (csrc/torch_ops.cpp)."""
+
+    _fields_ = [
+        ("gate_up", MoeGemm),
+        ("down", MoeGemm),
+        ("combine", ctypes.c_uint64),
+        ("launch_kernel_ex", ctypes.c_uint64),
+        ("combine_programmatic", ctypes.c_int32),
+        ("combine_threads", ctypes.c_int32),
+        ("combine_weights", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+    ]
 
 
 def mode() -> str:
@@ -123,18 +192,22 @@ class TorchOps:
         self.path = Path(path)
         torch.ops.load_library(str(self.path))   # registers the kernel with the dispatcher
         lib = ctypes.CDLL(str(self.path))
-        for name in ("mixgemm_ops_version", "mixgemm_ops_launcher_version", "mixgemm_ops_drop"):
+        for name in ("mixgemm_ops_version", "mixgemm_ops_launcher_version", "mixgemm_ops_drop",
+                     "mixgemm_ops_drop_moe"):
             getattr(lib, name).restype = ctypes.c_int32
-        for name in ("mixgemm_ops_plan_size", "mixgemm_ops_key_size"):
+        for name in ("mixgemm_ops_plan_size", "mixgemm_ops_key_size", "mixgemm_ops_moe_key_size",
+                     "mixgemm_ops_moe_plan_size"):
             getattr(lib, name).restype = ctypes.c_uint32
-        for name in ("mixgemm_ops_plan_count", "mixgemm_ops_hits", "mixgemm_ops_fallbacks"):
+        for name in ("mixgemm_ops_plan_count", "mixgemm_ops_hits", "mixgemm_ops_fallbacks",
+                     "mixgemm_ops_moe_plan_count"):
             getattr(lib, name).restype = ctypes.c_uint64
         got = (lib.mixgemm_ops_version(), lib.mixgemm_ops_launcher_version(), lib.mixgemm_ops_plan_size(),
-               lib.mixgemm_ops_key_size())
-        want = (TORCH_OPS_VERSION, LAUNCHER_VERSION, ctypes.sizeof(LaunchPlanStruct), ctypes.sizeof(OpKey))
+               lib.mixgemm_ops_key_size(), lib.mixgemm_ops_moe_key_size(), lib.mixgemm_ops_moe_plan_size())
+        want = (TORCH_OPS_VERSION, LAUNCHER_VERSION, ctypes.sizeof(LaunchPlanStruct), ctypes.sizeof(OpKey),
+                ctypes.sizeof(MoeKey), ctypes.sizeof(MoePlan))
         if got != want:
-            raise BuildError(f"{path}: torch operator library (version, launcher version, plan size, key size) "
-                             f"{got} != {want} expected")
+            raise BuildError(f"{path}: torch operator library (version, launcher version, plan size, key size, "
+                             f"MoE key size, MoE plan size) {got} != {want} expected")
         lib.mixgemm_ops_init.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int32),
                                          ctypes.c_int32, ctypes.c_char_p, ctypes.c_char_p]
         lib.mixgemm_ops_put.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -146,6 +219,8 @@ class TorchOps:
                                              ctypes.c_int32, ctypes.c_uint64]
         lib.mixgemm_ops_put_rope.argtypes = [ctypes.c_int32, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32,
                                              ctypes.c_uint64]
+        lib.mixgemm_ops_put_moe.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.mixgemm_ops_drop_moe.argtypes = [ctypes.c_void_p]
         self.lib = lib
         self.weight_types: tuple[str, ...] = ()
         self.activations: tuple[str, ...] = ()
@@ -199,8 +274,32 @@ class TorchOps:
     def clear_ropes(self) -> None:
         self.lib.mixgemm_ops_clear_ropes()
 
+    def moe_key(self, *, w13: tuple, w2: tuple, hidden: int, intermediate: int, w13_group_size: int,
+                w2_group_size: int, num_experts: int, rows: int, topk: int, weight_type: str, dtype: torch.dtype,
+                ids_bytes: int, weights_dtype: torch.dtype, device: int, capturing: bool) -> MoeKey:
+        """The key of a MoE plan. ``w13`` / ``w2``: the data pointers of each weight's ``qdata``,
+        ``scales`` and ``zeros`` (0: symmetric); ``dtype``: x's; ``weights_dtype``: the top-k
+        weights' (a key of :data:`WEIGHTS_DTYPE_CODES`)."""
+        return MoeKey(*w13, *w2, hidden, intermediate, w13_group_size, w2_group_size, num_experts, rows, topk,
+                      self.weight_types.index(weight_type), DTYPE_CODES[dtype], ids_bytes,
+                      WEIGHTS_DTYPE_CODES[weights_dtype], device, int(capturing))
+
+    def put_moe(self, key: MoeKey, plan: MoePlan) -> None:
+        """Hand over a MoE plan (the library keeps a copy), replacing any of the same key."""
+        self.lib.mixgemm_ops_put_moe(ctypes.byref(key), ctypes.byref(plan))
+
+    def drop_moe(self, key: MoeKey) -> bool:
+        return bool(self.lib.mixgemm_ops_drop_moe(ctypes.byref(key)))
+
+    def clear_moe(self) -> None:
+        self.lib.mixgemm_ops_clear_moe()
+
     def plan_count(self) -> int:
         return int(self.lib.mixgemm_ops_plan_count())
+
+    def moe_plan_count(self) -> int:
+        """The MoE plans held."""
+        return int(self.lib.mixgemm_ops_moe_plan_count())
 
     def counters(self) -> tuple[int, int]:
         """(calls launched by the C++ kernel, calls it handed to the Python kernel), process-wide."""

@@ -30,7 +30,7 @@ from ..dispatch import checks, heuristic
 from ..dispatch.library import custom_op
 from ..dtypes import WeightType
 from ..errors import KernelError
-from ..jit import driver, loader as runtime
+from ..jit import driver, loader as runtime, torch_ops
 from ..jit.catalog import GROUPED_GEMM_TILES, TILE_CONFIGS
 from ..jit.driver import GemmArgs, Launch
 from ..jit.loader import aligned_contiguous
@@ -39,7 +39,8 @@ from ..weights.experts import PackedExperts
 from .tiles import TokenTiles, token_tiles
 
 __all__ = ["grouped_gemm", "grouped_gemm_with_spec", "grouped_gemm_op", "grouped_gemm_routed", "launch_tiles",
-           "select_grouped_spec", "grouped_spec_for", "decode_spec_for", "routed_supports", "decode_ctas"]
+           "select_grouped_spec", "grouped_spec_for", "decode_spec_for", "routed_supports", "decode_ctas",
+           "routed_handover"]
 
 #: grouped_gemm's ``activation`` values
 ACTIVATIONS = ("silu", "gelu", "swiglu")
@@ -416,6 +417,46 @@ def _routed_prepare_fn(lib_handle):
     return f
 
 
+def _grouped_args(qdata, scales, zeros, m: int, n: int, k: int, group_size: int, n_out: int,
+                  activation: Optional[str], splits: int, device_index: int) -> GemmArgs:
+    """A grouped decode launch's GemmArgs but for x and y (left 0): ``m`` rows of x (routed: the
+    assignments), experts ``[n, k]``, y of ``n_out`` columns."""
+    a = driver.GemmArgs()
+    a.abi_version = driver.ABI_VERSION
+    a.m, a.n, a.k, a.group_size = m, n, k, group_size
+    a.sm_count = heuristic.sm_count(device_index)
+    a.splits = splits
+    a.activation = Activation(activation or "none").abi
+    a.weight, a.scales = qdata.data_ptr(), scales.data_ptr()
+    a.zeros = 0 if zeros is None else zeros.data_ptr()
+    a.ldx, a.ldy = k, n_out
+    return a
+
+
+def routed_handover(experts: PackedExperts, spec, rows: int, activation: Optional[str], *, x_by_token: bool,
+                    y_by_assignment: bool, device: torch.device) -> torch_ops.MoeGemm:
+    """What :func:`grouped_gemm_routed` launches for ``rows`` assignments over ``experts`` on
+    ``spec`` (default split-K), as the torch operator library's ``MixgemmMoeGemm``: the loaded
+    kernel, its helper's routed prepare function and params size, the GemmArgs but for x and y,
+    the routed flags, y's columns and the shapes of the weight's tensors. The kernel is loaded
+    here if it is not already."""
+    kernel = runtime.KERNELS.get(spec, device)
+    helper = kernel.helper
+    n_out = experts.n // 2 if activation == "swiglu" else experts.n
+    g = torch_ops.MoeGemm()
+    g.function = int(kernel.function)
+    g.prepare = ctypes.cast(_routed_prepare_fn(helper.lib), ctypes.c_void_p).value
+    g.programmatic = int(bool(kernel.spec.programmatic_launch))
+    g.params_size = helper.params_size
+    g.x_by_token, g.y_by_assignment = int(x_by_token), int(y_by_assignment)
+    g.n_out = n_out
+    g.qdata_sizes[:] = tuple(experts.qdata.shape)
+    g.scales_sizes[:] = tuple(experts.scales.shape)
+    g.args = _grouped_args(experts.qdata, experts.scales, experts.zeros, rows, experts.n, experts.k,
+                           experts.group_size, n_out, activation, 0, device.index)
+    return g
+
+
 def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_size: int, n: int, k: int,
             activation: Optional[str], spec, splits: int = 0, routed: Optional[_Routed] = None,
             rows: int = 0) -> torch.Tensor:
@@ -426,16 +467,9 @@ def _launch(x, qdata, scales, zeros, offsets, y, weight_type: WeightType, group_
     x = aligned_contiguous(x)
     kernel = runtime.KERNELS.get(spec, x.device)
     helper = kernel.helper
-    a = driver.GemmArgs()
-    a.abi_version = driver.ABI_VERSION
-    a.m, a.n, a.k, a.group_size = (rows if routed is not None else x.shape[0]), n, k, group_size
-    a.sm_count = heuristic.sm_count(x.get_device())
-    a.splits = splits
-    a.activation = Activation(activation or "none").abi
-    a.weight, a.scales = qdata.data_ptr(), scales.data_ptr()
-    a.zeros = 0 if zeros is None else zeros.data_ptr()
+    a = _grouped_args(qdata, scales, zeros, rows if routed is not None else x.shape[0], n, k, group_size, y.shape[1],
+                      activation, splits, x.get_device())
     a.x, a.y = x.data_ptr(), y.data_ptr()
-    a.ldx, a.ldy = k, y.shape[1]
     params = ctypes.create_string_buffer(helper.params_size)
     launch = driver.Launch()
     err = ctypes.create_string_buffer(512)

@@ -14,6 +14,13 @@ experts, the shapes), one of three plans (:class:`MoePlan`):
   hundreds of rows among many with a few) costs the hot experts one token-tile pass each instead
   of one weight pass per 16 rows, with no host sync. Both kernels are launched; the one with
   nothing to do exits at once.
+
+At decode sizes :func:`fused_moe` takes the routed decode plan (:func:`routed_plan`): three
+launches. The custom op ``mixgemm::fused_moe`` (:func:`fused_moe_op`, :class:`mixgemm.nn.QuantMoE`)
+also has a C++ kernel at its CUDA key (:mod:`mixgemm.jit.torch_ops`): its Python kernel hands the
+torch operator library a MoE plan for each routed call it runs, and the C++ kernel launches the
+three kernels of every later plain call with the same weights, sizes and dtypes without Python.
+Every other call reaches the Python kernel, registered as ``mixgemm::fused_moe_py``.
 """
 from __future__ import annotations
 
@@ -23,15 +30,17 @@ from typing import Optional
 
 import torch
 
-from ..dispatch import heuristic
+from ..dispatch import heuristic, plans
 from ..dispatch.library import custom_op
 from ..dtypes import WeightType
+from ..jit import torch_ops
 from ..jit.catalog import GROUPED_GEMM_TILES
+from ..jit.driver import capturing
 from ..jit.specs import Epilogue, GroupedGemmSpec, KernelKind
 from ..weights.experts import PackedExperts
 from ..weights.quantize import deinterleave_rows
 from . import grouped
-from .routing import combine, combine_by_assignment, route_and_gather
+from .routing import assignment_combine_kernel, combine, combine_by_assignment, route_and_gather
 from .tiles import split_layout, token_tiles
 
 __all__ = ["MoePlan", "plan_fused_moe", "routed_plan", "routed_fits", "fused_moe", "fused_moe_op", "fused_moe_reference",
@@ -218,21 +227,95 @@ def routed_fits(plan: MoePlan, rows: int, num_experts: int, n_gate_up: int, n_do
     return ctas <= ROUTED_MAX_CTAS_PER_SM * sm_count
 
 
+# ---------------------------------------------------------------------------------------------
+# The custom ops
+# ---------------------------------------------------------------------------------------------
+def _fused_moe_dispatched(x, w13_qdata, w13_scales, w13_zeros, w2_qdata, w2_scales, w2_zeros, weight_type,
+                          w13_group_size, w2_group_size, hidden, intermediate, topk_weights, topk_ids):
+    """The Python kernel of the operators ``mixgemm::fused_moe`` and ``mixgemm::fused_moe_py``:
+    :func:`fused_moe`, and on a CUDA call that took the routed plan the torch operator library
+    loaded and handed the call's MoE plan (:func:`_hand_over`), so that its C++ kernel launches
+    every later plain call with these weights, sizes and dtypes
+    (:class:`mixgemm.dispatch.plans.OperatorLibrary`)."""
+    wt = WeightType(weight_type)
+    w13 = PackedExperts(w13_qdata, w13_scales, w13_zeros, wt, w13_group_size, 2 * intermediate, hidden)
+    w2 = PackedExperts(w2_qdata, w2_scales, w2_zeros, wt, w2_group_size, hidden, intermediate)
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids)
+    if x.is_cuda and plans.OPERATORS.attach() is not None:
+        _hand_over(x, w13, w2, topk_weights, topk_ids)
+    return out
+
+
+def _weight_pointers(experts: PackedExperts) -> tuple[int, int, int]:
+    return (experts.qdata.data_ptr(), experts.scales.data_ptr(),
+            0 if experts.zeros is None else experts.zeros.data_ptr())
+
+
+def _hand_over(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor) -> None:
+    """Hand the torch operator library the MoE plan of a call :func:`fused_moe` has just run (its
+    kernels loaded), if it ran the routed plan with the combine kernel: the two routed grouped
+    decode launches (:func:`mixgemm.moe.grouped.routed_handover`) and the combine kernel, keyed by
+    the weights' pointers and shapes, the rows and top-k, x's, the ids' and the weights' dtypes,
+    the device and the capture state. Once per key; nothing for any other call."""
+    lib = plans.OPERATORS.lib
+    if lib is None or topk_weights.dtype not in torch_ops.WEIGHTS_DTYPE_CODES:
+        return
+    rows = topk_ids.numel()
+    plan = plan_fused_moe(rows, w13.act_type, w13.weight_type, w13.num_experts, w2.n, w2.k)
+    if not routed_plan(plan, w13, w2, x, topk_ids):
+        return
+    tokens, topk = topk_ids.shape
+    summing = assignment_combine_kernel(x.dtype, w2.n, tokens, topk_weights.dtype, x.device)
+    if summing is None:
+        return
+    key = lib.moe_key(w13=_weight_pointers(w13), w2=_weight_pointers(w2), hidden=w2.n, intermediate=w2.k,
+                      w13_group_size=w13.group_size, w2_group_size=w2.group_size, num_experts=w13.num_experts,
+                      rows=rows, topk=topk, weight_type=w13.weight_type.value, dtype=x.dtype,
+                      ids_bytes=topk_ids.element_size(), weights_dtype=topk_weights.dtype, device=x.get_device(),
+                      capturing=capturing())
+    if plans.OPERATORS.holds_moe(key):
+        return
+    kernel, weights_dtype, threads = summing
+    moe_plan = torch_ops.MoePlan()
+    moe_plan.gate_up = grouped.routed_handover(w13, plan.gate_up, rows, "swiglu", x_by_token=True,
+                                               y_by_assignment=False, device=x.device)
+    moe_plan.down = grouped.routed_handover(w2, plan.down, rows, None, x_by_token=False, y_by_assignment=True,
+                                            device=x.device)
+    moe_plan.combine = int(kernel.function)
+    moe_plan.combine_programmatic = int(bool(kernel.spec.programmatic_launch))
+    moe_plan.combine_threads = threads
+    moe_plan.combine_weights = torch_ops.WEIGHTS_DTYPE_CODES[weights_dtype]
+    plans.OPERATORS.put_moe(key, moe_plan, (w13.qdata, w13.scales, w13.zeros, w2.qdata, w2.scales, w2.zeros))
+
+
 @custom_op("mixgemm::fused_moe", mutates_args=())
 def _fused_moe_op(x: torch.Tensor, w13_qdata: torch.Tensor, w13_scales: torch.Tensor, w13_zeros: Optional[torch.Tensor],
                   w2_qdata: torch.Tensor, w2_scales: torch.Tensor, w2_zeros: Optional[torch.Tensor], weight_type: str,
                   w13_group_size: int, w2_group_size: int, hidden: int, intermediate: int,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    wt = WeightType(weight_type)
-    w13 = PackedExperts(w13_qdata, w13_scales, w13_zeros, wt, w13_group_size, 2 * intermediate, hidden)
-    w2 = PackedExperts(w2_qdata, w2_scales, w2_zeros, wt, w2_group_size, hidden, intermediate)
-    return fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return _fused_moe_dispatched(x, w13_qdata, w13_scales, w13_zeros, w2_qdata, w2_scales, w2_zeros, weight_type,
+                                 w13_group_size, w2_group_size, hidden, intermediate, topk_weights, topk_ids)
 
 
-@_fused_moe_op.register_fake
+@custom_op("mixgemm::fused_moe_py", mutates_args=())
+def _fused_moe_py_op(x: torch.Tensor, w13_qdata: torch.Tensor, w13_scales: torch.Tensor,
+                     w13_zeros: Optional[torch.Tensor], w2_qdata: torch.Tensor, w2_scales: torch.Tensor,
+                     w2_zeros: Optional[torch.Tensor], weight_type: str, w13_group_size: int, w2_group_size: int,
+                     hidden: int, intermediate: int, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+    """The Python kernel of ``mixgemm::fused_moe``, for the calls its C++ kernel hands over."""
+    return _fused_moe_dispatched(x, w13_qdata, w13_scales, w13_zeros, w2_qdata, w2_scales, w2_zeros, weight_type,
+                                 w13_group_size, w2_group_size, hidden, intermediate, topk_weights, topk_ids)
+
+
 def _fused_moe_fake(x, w13_qdata, w13_scales, w13_zeros, w2_qdata, w2_scales, w2_zeros, weight_type, w13_group_size,
                     w2_group_size, hidden, intermediate, topk_weights, topk_ids):
     return torch.empty_like(x)
+
+
+for _op in (_fused_moe_op, _fused_moe_py_op):
+    _op.register_fake(_fused_moe_fake)
 
 
 def fused_moe_op(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,

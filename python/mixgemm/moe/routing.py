@@ -37,7 +37,7 @@ from ..jit.loader import aligned_contiguous
 from ..jit.specs import IndexType, MoeCombineSpec, MoeRouteSpec, RoutingWeightType
 
 __all__ = ["Routing", "route", "route_and_gather", "combine", "combine_by_assignment", "routing_specs",
-           "ROUTE_MAX_ASSIGNMENTS", "ROUTE_MAX_EXPERTS", "COMBINE_MAX_TOKENS"]
+           "assignment_combine_kernel", "ROUTE_MAX_ASSIGNMENTS", "ROUTE_MAX_EXPERTS", "COMBINE_MAX_TOKENS"]
 
 #: The most assignments (``T * topk``) the routing kernel takes in one launch (mirrors
 #: ``kRouteMaxAssignments``); above it :func:`route_and_gather` takes the torch path.
@@ -259,8 +259,7 @@ def combine_by_assignment(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if t.device != y.device:
             raise ValueError(f"{name} is on {t.device} but y is on {y.device}")
-    if (checks.on_sm90(y.device) and y.dtype in (torch.bfloat16, torch.float16) and (y.shape[1] * 2) % 16 == 0
-            and topk_weights.shape[0] <= COMBINE_MAX_TOKENS):
+    if _combine_kernel_takes(y.device, y.dtype, y.shape[1], topk_weights.shape[0]):
         return _launch_combine(y, None, topk_weights, topk_ids, num_experts)
     t, topk = topk_weights.shape
     keep = ((topk_ids >= 0) & (topk_ids < num_experts)).reshape(-1, 1)
@@ -270,6 +269,24 @@ def combine_by_assignment(y: torch.Tensor, topk_ids: torch.Tensor, topk_weights:
 
 
 _WEIGHT_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def _combine_kernel_takes(device: torch.device, dtype: torch.dtype, h: int, t: int) -> bool:
+    """Whether the combine kernel sums ``t`` tokens' rows of ``h`` values of ``dtype`` on ``device``."""
+    return (checks.on_sm90(device) and dtype in (torch.bfloat16, torch.float16) and (h * 2) % 16 == 0
+            and t <= COMBINE_MAX_TOKENS)
+
+
+def assignment_combine_kernel(y_dtype: torch.dtype, h: int, t: int, weights_dtype: torch.dtype,
+                              device: torch.device) -> Optional[tuple]:
+    """What :func:`combine_by_assignment` launches for ``t`` tokens' rows of ``h`` values of
+    ``y_dtype`` and top-k weights of ``weights_dtype`` on ``device``: ``(kernel, the weights'
+    dtype it reads, threads per CTA)`` (its grid: ``(ceil(h * itemsize / 16 / threads), t)``;
+    the kernel loaded here if it is not already), or None where the call takes torch ops."""
+    if not _combine_kernel_takes(device, y_dtype, h, t):
+        return None
+    spec = combine_spec(torch.empty(0, dtype=y_dtype), torch.empty(0, dtype=weights_dtype))
+    return runtime.KERNELS.get(spec, device), _WEIGHT_DTYPES[spec.weight.value], _COMBINE_THREADS
 
 
 def combine(y_sorted: torch.Tensor, routing: Routing, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -305,9 +322,8 @@ def combine(y_sorted: torch.Tensor, routing: Routing, topk_weights: torch.Tensor
     for name, t in (("topk_weights", topk_weights), ("routing.order", routing.order), ("routing.inv", routing.inv)):
         if t is not None and t.device != y_sorted.device:
             raise ValueError(f"{name} is on {t.device} but y_sorted is on {y_sorted.device}")
-    if (routing.inv is not None and checks.on_sm90(y_sorted.device) and y_sorted.dtype in (torch.bfloat16, torch.float16)
-            and (y_sorted.shape[1] * 2) % 16 == 0
-            and topk_weights.shape[0] <= COMBINE_MAX_TOKENS):
+    if routing.inv is not None and _combine_kernel_takes(y_sorted.device, y_sorted.dtype, y_sorted.shape[1],
+                                                         topk_weights.shape[0]):
         return _launch_combine(y_sorted, routing.inv, topk_weights)
     return _combine_torch(y_sorted, routing, topk_weights)
 

@@ -50,7 +50,7 @@
 
 // Bump on any change of the C functions or structures below (python/mixgemm/jit/torch_ops.py
 // checks it).
-#define MIXGEMM_TORCH_OPS_VERSION 3
+#define MIXGEMM_TORCH_OPS_VERSION 4
 
 extern "C" {
 
@@ -638,5 +638,402 @@ uint64_t mixgemm_ops_plan_count() {
 // Calls launched here, and calls handed to the Python kernel, since the process started.
 uint64_t mixgemm_ops_hits() { return state().hits.load(); }
 uint64_t mixgemm_ops_fallbacks() { return state().fallbacks.load(); }
+
+}  // extern "C"
+
+
+// =============================================================================================
+// mixgemm::fused_moe: the routed decode plan in C++
+// =============================================================================================
+//
+// At decode sizes python/mixgemm/moe/layer.py's fused_moe makes three launches (its "routed"
+// plan): gate/up on the grouped decode kernel in its routed mode (x read by token, h written
+// sorted by expert), down on it (h read sorted, y written by assignment), and the combine kernel
+// (out[t] = sum_s w[t, s] * y[t * topk + s] over the slots whose id is in [0, E)). Python hands
+// over a MoE plan for each (weights, rows, ids, weights' dtype, device, capture state) it ran
+// that way: both grouped kernels (CUfunction, its helper's routed prepare function, the GemmArgs
+// of the launch but for x and y, the Routed flags) and the combine kernel. The C++ kernel of
+// mixgemm::fused_moe checks a call, finds its plan, allocates h, y and the output, prepares both
+// grouped launches' params through the helpers and launches the three kernels with the driver's
+// cuLaunchKernelEx, as Python does (moe/grouped.py's _launch, jit/loader.py's launch_prepared
+// and launch_kernel, moe/routing.py's _launch_combine). Every other call (no plan, a strided or
+// misaligned x, non-contiguous ids or weights, a prepare that refuses, a launch that asks for a
+// workspace or locks, a driver error) goes to mixgemm::fused_moe_py, the Python kernel, which
+// validates, raises the errors, runs the call and hands the plan over.
+//
+// topk_weights of a dtype the combine kernel does not read (float64: its float32 kernel) are
+// converted here with at::Tensor::to, as Python converts them.
+//
+// A plan is keyed by the six weight pointers, the shapes, group sizes and weight type, the rows
+// (T * topk) and top-k, x's dtype, the ids' element size, the weights' dtype, the device and the
+// capture state; it holds the shapes of the weight tensors it was made for, which every call
+// checks too. Python drops a plan when any of its weight tensors is freed.
+
+extern "C" {
+
+// The key of a MoE plan (python/mixgemm/jit/torch_ops.py MoeKey).
+struct MixgemmMoeKey {
+  uint64_t w13_qdata;
+  uint64_t w13_scales;
+  uint64_t w13_zeros;       // 0: symmetric
+  uint64_t w2_qdata;
+  uint64_t w2_scales;
+  uint64_t w2_zeros;        // 0: symmetric
+  int64_t hidden;
+  int64_t intermediate;
+  int64_t w13_group_size;
+  int64_t w2_group_size;
+  int64_t num_experts;
+  int32_t rows;             // T * topk
+  int32_t topk;
+  int32_t weight_type;      // index into the weight-type names given to mixgemm_ops_init
+  int32_t dtype;            // x's: 0 float16, 1 bfloat16
+  int32_t ids_bytes;        // topk_ids' element size: 4 (int32) or 8 (int64)
+  int32_t weights_dtype;    // topk_weights': 0 float16, 1 bfloat16, 2 float32, 3 float64
+  int32_t device;           // CUDA device index
+  int32_t capturing;        // 1: the plan for launches under CUDA-graph capture
+};
+
+// One routed grouped decode launch of a MoE plan.
+struct MixgemmMoeGemm {
+  uint64_t function;                // CUfunction
+  uint64_t prepare;                 // the helper's mixgemm_grouped_routed_prepare
+  int32_t programmatic;             // 1: launch with programmatic stream serialization (PDL)
+  uint32_t params_size;             // the helper's mixgemm_params_size()
+  int32_t x_by_token;               // Routed::x_by_token
+  int32_t y_by_assignment;          // Routed::y_by_assignment
+  int64_t n_out;                    // y's columns (I for gate/up with swiglu, H for down)
+  int64_t qdata_sizes[4];           // the weight's qdata [E, N/16, K/64, 128*bits]
+  int64_t scales_sizes[3];          // its scales (and zeros) [E, G, N]
+  mixgemm::abi::GemmArgs args;      // every field but x and y
+};
+
+// A MoE plan: gate/up, down and the combine kernel.
+struct MixgemmMoePlan {
+  MixgemmMoeGemm gate_up;
+  MixgemmMoeGemm down;
+  uint64_t combine;                 // CUfunction of the combine kernel
+  uint64_t launch_kernel_ex;        // the driver's cuLaunchKernelEx
+  int32_t combine_programmatic;     // 1: launch with programmatic stream serialization (PDL)
+  int32_t combine_threads;          // threads per CTA
+  int32_t combine_weights;          // the weights' dtype the kernel reads (MixgemmMoeKey's codes)
+  int32_t reserved;
+};
+
+}  // extern "C"
+
+namespace {
+
+// mixgemm::grouped_decode::Routed (cutlass_ext/mixgemm/grouped_decode_kernel.hpp)
+struct MoeRouted {
+  uint64_t ids;
+  int32_t ids_bytes;
+  int32_t topk;
+  int32_t x_by_token;
+  int32_t y_by_assignment;
+};
+using RoutedPrepare = int (*)(mixgemm::abi::GemmArgs const*, MoeRouted const*, int32_t, void*, uint32_t,
+                              mixgemm::abi::Launch*, char*, int);
+
+// The most assignments the routed grouped kernels rank (moe/grouped.py ROUTED_MAX_ASSIGNMENTS).
+constexpr int64_t kMoeMaxRows = 256;
+
+struct MoeKeyHash {
+  size_t operator()(MixgemmMoeKey const& key) const noexcept {
+    uint64_t h = 1469598103934665603ull;
+    uint64_t words[sizeof(MixgemmMoeKey) / 8];
+    static_assert(sizeof(MixgemmMoeKey) % 8 == 0, "MixgemmMoeKey: whole words");
+    std::memcpy(words, &key, sizeof(key));
+    for (uint64_t w : words) h ^= w + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    return size_t(h);
+  }
+};
+
+struct MoeKeyEqual {
+  bool operator()(MixgemmMoeKey const& a, MixgemmMoeKey const& b) const noexcept {
+    return std::memcmp(&a, &b, sizeof(MixgemmMoeKey)) == 0;
+  }
+};
+
+// The MoE plans Python handed over (one per process), under a lock of their own.
+struct MoeState {
+  std::shared_mutex mutex;
+  std::unordered_map<MixgemmMoeKey, MixgemmMoePlan, MoeKeyHash, MoeKeyEqual> plans;
+};
+
+MoeState& moe_state() {
+  static MoeState* s = new MoeState();   // never destroyed (as state())
+  return *s;
+}
+
+int32_t moe_weights_code(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return 0;
+    case at::kBFloat16: return 1;
+    case at::kFloat: return 2;
+    case at::kDouble: return 3;
+    default: return -1;
+  }
+}
+
+at::ScalarType moe_weights_type(int32_t code) {
+  return code == 0 ? at::kHalf : code == 1 ? at::kBFloat16 : at::kFloat;
+}
+
+bool same_sizes(at::Tensor const& t, int64_t const* sizes, int64_t dims) {
+  if (t.dim() != dims) return false;
+  for (int64_t i = 0; i < dims; ++i) {
+    if (t.size(i) != sizes[i]) return false;
+  }
+  return true;
+}
+
+// A weight's tensors are those the plan was made for: shapes, dtypes, contiguous, on x's device.
+bool moe_weight_ok(MixgemmMoeGemm const& g, at::Tensor const& qdata, at::Tensor const& scales,
+                   std::optional<at::Tensor> const& zeros, at::ScalarType act, c10::Device device) {
+  auto ok = [&](at::Tensor const& t, at::ScalarType type, int64_t const* sizes, int64_t dims) {
+    return t.scalar_type() == type && t.device() == device && t.is_contiguous() && same_sizes(t, sizes, dims);
+  };
+  return ok(qdata, at::kByte, g.qdata_sizes, 4) && ok(scales, act, g.scales_sizes, 3) &&
+         (!zeros.has_value() || ok(*zeros, act, g.scales_sizes, 3));
+}
+
+// The grouped launch's params into `params` and its shape into `launch`; false where the helper
+// refuses or the launch asks for memory (nothing is launched here).
+bool moe_prepare(MixgemmMoeGemm const& g, uint64_t x, uint64_t y, MoeRouted const& routed, int32_t experts,
+                 unsigned char* params, mixgemm::abi::Launch& launch) {
+  mixgemm::abi::GemmArgs args = g.args;
+  args.x = x;
+  args.y = y;
+  char err[256];
+  std::memset(&launch, 0, sizeof(launch));
+  int const rc = reinterpret_cast<RoutedPrepare>(g.prepare)(&args, &routed, experts, params, g.params_size, &launch,
+                                                            err, int(sizeof(err)));
+  return rc == 0 && launch.workspace_bytes == 0 && launch.lock_bytes == 0;
+}
+
+// cuLaunchKernelEx of `function` with `argv`: the cluster shape if given, then PDL where allowed
+// (jit/loader.py _launch_config's attributes, in its order).
+bool moe_launch(LaunchKernelEx launch_ex, uint64_t function, bool programmatic, uint32_t const grid[3],
+                uint32_t const block[3], uint32_t const* cluster, uint32_t smem, CUstream stream, void** argv) {
+  CUlaunchAttribute attrs[2];
+  std::memset(attrs, 0, sizeof(attrs));
+  unsigned n = 0;
+  if (cluster != nullptr) {
+    attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attrs[n].value.clusterDim.x = cluster[0];
+    attrs[n].value.clusterDim.y = cluster[1];
+    attrs[n].value.clusterDim.z = cluster[2];
+    ++n;
+  }
+  if (programmatic) {
+    attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attrs[n].value.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  CUlaunchConfig config;
+  std::memset(&config, 0, sizeof(config));
+  config.gridDimX = grid[0];
+  config.gridDimY = grid[1];
+  config.gridDimZ = grid[2];
+  config.blockDimX = block[0];
+  config.blockDimY = block[1];
+  config.blockDimZ = block[2];
+  config.sharedMemBytes = smem;
+  config.hStream = stream;
+  config.attrs = n ? attrs : nullptr;
+  config.numAttrs = n;
+  return launch_ex(&config, reinterpret_cast<CUfunction>(function), argv, nullptr) == CUDA_SUCCESS;
+}
+
+// The plan of `key` (its weight type and capture state filled in here), copied into `plan`; false
+// when there is none (or the library is not initialized).
+bool moe_find(MixgemmMoeKey& key, c10::string_view weight_type, CUstream stream, MixgemmMoePlan& plan) {
+  StreamIsCapturing is_capturing = nullptr;
+  {
+    State& s = state();
+    std::shared_lock<std::shared_mutex> lock(s.mutex);
+    if (!s.ready) return false;
+    key.weight_type = index_of(s.weight_types, weight_type);
+    is_capturing = s.is_capturing;
+  }
+  if (key.weight_type < 0) return false;
+  int capturing = 0;
+  // CU_STREAM_CAPTURE_STATUS_NONE (0) or _ACTIVE (1); an invalidated capture goes to Python
+  if (is_capturing(reinterpret_cast<CUstreamHandle>(stream), &capturing) != 0 || capturing > 1) return false;
+  key.capturing = capturing;
+  MoeState& m = moe_state();
+  std::shared_lock<std::shared_mutex> lock(m.mutex);
+  auto const it = m.plans.find(key);
+  if (it == m.plans.end()) return false;
+  plan = it->second;
+  return true;
+}
+
+at::Tensor fused_moe_py(at::Tensor const& x, at::Tensor const& w13_qdata, at::Tensor const& w13_scales,
+                        std::optional<at::Tensor> const& w13_zeros, at::Tensor const& w2_qdata,
+                        at::Tensor const& w2_scales, std::optional<at::Tensor> const& w2_zeros,
+                        c10::string_view weight_type, int64_t w13_group_size, int64_t w2_group_size, int64_t hidden,
+                        int64_t intermediate, at::Tensor const& topk_weights, at::Tensor const& topk_ids) {
+  state().fallbacks.fetch_add(1, std::memory_order_relaxed);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mixgemm::fused_moe_py", "")
+                       .typed<at::Tensor(at::Tensor const&, at::Tensor const&, at::Tensor const&,
+                                         std::optional<at::Tensor> const&, at::Tensor const&, at::Tensor const&,
+                                         std::optional<at::Tensor> const&, c10::string_view, int64_t, int64_t,
+                                         int64_t, int64_t, at::Tensor const&, at::Tensor const&)>();
+  return op.call(x, w13_qdata, w13_scales, w13_zeros, w2_qdata, w2_scales, w2_zeros, weight_type, w13_group_size,
+                 w2_group_size, hidden, intermediate, topk_weights, topk_ids);
+}
+
+uint64_t ptr_of(at::Tensor const& t) { return reinterpret_cast<uint64_t>(t.const_data_ptr()); }
+
+// The CUDA kernel of mixgemm::fused_moe (see the section's comment).
+at::Tensor fused_moe_cuda(at::Tensor const& x, at::Tensor const& w13_qdata, at::Tensor const& w13_scales,
+                          std::optional<at::Tensor> const& w13_zeros, at::Tensor const& w2_qdata,
+                          at::Tensor const& w2_scales, std::optional<at::Tensor> const& w2_zeros,
+                          c10::string_view weight_type, int64_t w13_group_size, int64_t w2_group_size,
+                          int64_t hidden, int64_t intermediate, at::Tensor const& topk_weights,
+                          at::Tensor const& topk_ids) {
+  auto fallback = [&]() {
+    return fused_moe_py(x, w13_qdata, w13_scales, w13_zeros, w2_qdata, w2_scales, w2_zeros, weight_type,
+                        w13_group_size, w2_group_size, hidden, intermediate, topk_weights, topk_ids);
+  };
+  // the plain call: x [T, H] contiguous, aligned, bf16 / fp16 on a GPU; ids and weights [T, topk]
+  // contiguous on x's device; 1 <= T * topk <= the routed kernels' most
+  if (!x.is_cuda() || x.dim() != 2 || x.size(1) != hidden || !aligned_contiguous(x)) return fallback();
+  int32_t const dtype = dtype_code(x.scalar_type());
+  int32_t const ids_bytes = topk_ids.scalar_type() == at::kInt ? 4 : topk_ids.scalar_type() == at::kLong ? 8 : 0;
+  int32_t const weights_code = moe_weights_code(topk_weights.scalar_type());
+  c10::Device const device = x.device();
+  if (dtype < 0 || ids_bytes == 0 || weights_code < 0 || topk_ids.dim() != 2 || topk_ids.size(0) != x.size(0) ||
+      !topk_ids.is_contiguous() || topk_ids.device() != device || topk_weights.sizes() != topk_ids.sizes() ||
+      !topk_weights.is_contiguous() || topk_weights.device() != device || w13_qdata.dim() != 4) {
+    return fallback();
+  }
+  int64_t const tokens = x.size(0), topk = topk_ids.size(1), rows = tokens * topk;
+  if (rows < 1 || rows > kMoeMaxRows) return fallback();
+  if ((w13_zeros.has_value() && w13_zeros->const_data_ptr() == nullptr) ||
+      (w2_zeros.has_value() && w2_zeros->const_data_ptr() == nullptr)) {
+    return fallback();
+  }
+
+  MixgemmMoeKey key;
+  std::memset(&key, 0, sizeof(key));
+  key.w13_qdata = ptr_of(w13_qdata);
+  key.w13_scales = ptr_of(w13_scales);
+  key.w13_zeros = w13_zeros.has_value() ? ptr_of(*w13_zeros) : 0;
+  key.w2_qdata = ptr_of(w2_qdata);
+  key.w2_scales = ptr_of(w2_scales);
+  key.w2_zeros = w2_zeros.has_value() ? ptr_of(*w2_zeros) : 0;
+  key.hidden = hidden;
+  key.intermediate = intermediate;
+  key.w13_group_size = w13_group_size;
+  key.w2_group_size = w2_group_size;
+  key.num_experts = w13_qdata.size(0);
+  key.rows = int32_t(rows);
+  key.topk = int32_t(topk);
+  key.dtype = dtype;
+  key.ids_bytes = ids_bytes;
+  key.weights_dtype = weights_code;
+  key.device = x.get_device();
+  CUstream const stream = reinterpret_cast<CUstream>(
+      c10::cuda::getCurrentCUDAStream(c10::DeviceIndex(key.device)).stream());
+
+  // Under the locks: no fallback (the Python kernel hands plans over, which takes them).
+  MixgemmMoePlan plan;
+  if (!moe_find(key, weight_type, stream, plan)) return fallback();
+  at::ScalarType const act = x.scalar_type();
+  if (!moe_weight_ok(plan.gate_up, w13_qdata, w13_scales, w13_zeros, act, device) ||
+      !moe_weight_ok(plan.down, w2_qdata, w2_scales, w2_zeros, act, device)) {
+    return fallback();
+  }
+
+  at::Tensor h = at::empty({rows, plan.gate_up.n_out}, x.options());
+  at::Tensor y = at::empty({rows, plan.down.n_out}, x.options());
+  uint64_t const ids = ptr_of(topk_ids);
+  int32_t const experts = int32_t(key.num_experts);
+  // both launches prepared before either is queued: a refusal leaves nothing launched
+  uint32_t const p13 = plan.gate_up.params_size, p2 = plan.down.params_size;
+  thread_local std::vector<unsigned char> params;
+  if (params.size() < size_t(p13) + p2) params.resize(size_t(p13) + p2);
+  mixgemm::abi::Launch l13, l2;
+  MoeRouted const r13{ids, ids_bytes, int32_t(topk), plan.gate_up.x_by_token, plan.gate_up.y_by_assignment};
+  MoeRouted const r2{ids, ids_bytes, int32_t(topk), plan.down.x_by_token, plan.down.y_by_assignment};
+  if (!moe_prepare(plan.gate_up, ptr_of(x), ptr_of(h), r13, experts, params.data(), l13) ||
+      !moe_prepare(plan.down, ptr_of(h), ptr_of(y), r2, experts, params.data() + p13, l2)) {
+    return fallback();
+  }
+  // the weights as the combine kernel reads them (float64: its float32 kernel, as Python converts)
+  at::Tensor const weights = weights_code == plan.combine_weights
+                                 ? topk_weights
+                                 : topk_weights.to(moe_weights_type(plan.combine_weights));
+  at::Tensor out = at::empty({tokens, hidden}, x.options());
+
+  auto const launch_ex = reinterpret_cast<LaunchKernelEx>(plan.launch_kernel_ex);
+  void* argv13[1] = {params.data()};
+  void* argv2[1] = {params.data() + p13};
+  void const* y_ptr = y.const_data_ptr();
+  void const* w_ptr = weights.const_data_ptr();
+  void const* inv_ptr = nullptr;
+  void const* ids_ptr = topk_ids.const_data_ptr();
+  int ids_size = ids_bytes, num_experts = experts, topk_i = int(topk);
+  void* out_ptr = out.data_ptr();
+  int row_vecs = int(hidden * x.element_size() / 16);
+  void* argv_combine[9] = {&y_ptr, &w_ptr, &inv_ptr, &ids_ptr, &ids_size, &num_experts, &out_ptr, &topk_i,
+                           &row_vecs};
+  uint32_t const threads = uint32_t(plan.combine_threads);
+  uint32_t const grid[3] = {(uint32_t(row_vecs) + threads - 1) / threads, uint32_t(tokens), 1};
+  uint32_t const block[3] = {threads, 1, 1};
+  // (a driver error: Python runs the call again and raises it)
+  if (!moe_launch(launch_ex, plan.gate_up.function, plan.gate_up.programmatic != 0, l13.grid, l13.block,
+                  l13.cluster, l13.smem_bytes, stream, argv13) ||
+      !moe_launch(launch_ex, plan.down.function, plan.down.programmatic != 0, l2.grid, l2.block, l2.cluster,
+                  l2.smem_bytes, stream, argv2) ||
+      !moe_launch(launch_ex, plan.combine, plan.combine_programmatic != 0, grid, block, nullptr, 0, stream,
+                  argv_combine)) {
+    return fallback();
+  }
+  state().hits.fetch_add(1, std::memory_order_relaxed);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mixgemm, CUDA, m) {
+  m.impl("fused_moe", TORCH_FN(fused_moe_cuda));
+}
+
+extern "C" {
+
+uint32_t mixgemm_ops_moe_key_size() { return uint32_t(sizeof(MixgemmMoeKey)); }
+uint32_t mixgemm_ops_moe_plan_size() { return uint32_t(sizeof(MixgemmMoePlan)); }
+
+// Hand over a MoE plan (a copy is kept), replacing any of the same key.
+void mixgemm_ops_put_moe(MixgemmMoeKey const* key, MixgemmMoePlan const* plan) {
+  MoeState& m = moe_state();
+  std::unique_lock<std::shared_mutex> lock(m.mutex);
+  m.plans[*key] = *plan;
+}
+
+// Forget a MoE plan (one of its weights was freed). Returns 1 if it was held.
+int32_t mixgemm_ops_drop_moe(MixgemmMoeKey const* key) {
+  MoeState& m = moe_state();
+  std::unique_lock<std::shared_mutex> lock(m.mutex);
+  return int32_t(m.plans.erase(*key));
+}
+
+// Forget every MoE plan.
+void mixgemm_ops_clear_moe() {
+  MoeState& m = moe_state();
+  std::unique_lock<std::shared_mutex> lock(m.mutex);
+  m.plans.clear();
+}
+
+uint64_t mixgemm_ops_moe_plan_count() {
+  MoeState& m = moe_state();
+  std::shared_lock<std::shared_mutex> lock(m.mutex);
+  return uint64_t(m.plans.size());
+}
 
 }  // extern "C"
