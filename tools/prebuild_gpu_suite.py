@@ -54,6 +54,11 @@ def main(argv=None) -> int:
              WeightUse(5632, 1024, u4, bf16, Activation.SWIGLU), WeightUse(1024, 2816, u4, bf16),
              WeightUse(256, 128, u4, bf16), WeightUse(128, 128, u4, bf16),
              WeightUse(512, 128, u4, bf16, Activation.SWIGLU), WeightUse(128, 256, u4, bf16)]
+    # tests/ops/test_gpu_torch_ops.py: 1024x1024 layers of each width and a 512x1024 one
+    uses += [WeightUse(1024, 1024, u2, bf16), WeightUse(512, 1024, u4, bf16)]
+    # tests/moe/test_gpu_moe_torch_ops.py: 16 experts [1024, 512] of u4, u2 and s4
+    s4 = WeightType.S4
+    uses += [ExpertsUse(16, 1024, 512, wt, bf16) for wt in (u4, u2, s4)]
     uses += [ExpertsUse(8, 1024, 2048, u4, bf16), ExpertsUse(16, 4096, 1024, u4, bf16)]
     specs = {s.name: s for s in specs_for(uses)}
     for s in (norm_spec(bf16.torch_dtype, False), norm_spec(bf16.torch_dtype, True), rope_spec(bf16.torch_dtype)):
