@@ -22,6 +22,8 @@ import re
 import pytest
 import torch
 
+from mixgemm.dispatch import plans
+
 
 def has_hopper_gpu() -> bool:
     """True when torch can use CUDA and device 0 is compute capability 9.0 (sm_90)."""
@@ -34,6 +36,16 @@ def requires_gpu():
     if not has_hopper_gpu():
         pytest.skip("needs an NVIDIA Hopper (sm_90) GPU")
     return torch.device("cuda", 0)
+
+
+@pytest.fixture
+def library(requires_gpu):
+    """The torch operator library (:data:`mixgemm.dispatch.plans.OPERATORS`), loaded; on a GPU
+    machine it must load."""
+    lib = plans.OPERATORS.attach()
+    if lib is None:
+        pytest.fail("the torch operator library did not load on a GPU machine")
+    return lib
 
 
 @pytest.fixture

@@ -47,14 +47,6 @@ def _py(layer: QuantMoE, x, w, ids):
         H, I, w, ids)
 
 
-@pytest.fixture
-def library(requires_gpu):
-    lib = plans.OPERATORS.attach()
-    if lib is None:
-        pytest.fail("the torch operator library did not load on a GPU machine")
-    return lib
-
-
 def _counted(library, fn):
     """fn()'s result and the (hits, fallbacks) it added, after the GPU is idle."""
     torch.cuda.synchronize()

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 import mixgemm
-from mixgemm.dispatch import plans
 from mixgemm.nn import QuantLinear
 
 pytestmark = pytest.mark.gpu
@@ -33,14 +32,6 @@ def _linear(n, k, dev, seed=0, bits=4, **kw):
     if lin.bias is not None:
         lin.bias.data = torch.randn(n, generator=g) * 0.1
     return QuantLinear.from_linear(lin.to(dev, torch.bfloat16), bits=bits, group_size=128, **kw)
-
-
-@pytest.fixture
-def library(requires_gpu):
-    lib = plans.OPERATORS.attach()
-    if lib is None:
-        pytest.fail("the torch operator library did not load on a GPU machine")
-    return lib
 
 
 def _op(layer: QuantLinear, x):
