@@ -2,8 +2,8 @@
 the installed torch's headers, its cache key follows the torch it builds against, its launches
 agree with the Python kernels' (block sizes, argument counts, the operators' schemas), and the
 plan cache's link to it does nothing until it is attached (and never with
-MIXGEMM_TORCH_OPS=python), then hands each loaded kernel over once, and each MoE plan once until
-the memory of one of its weights is freed."""
+MIXGEMM_TORCH_OPS=python), then hands each loaded kernel over once (and says which it holds, for
+the eager paths), and each MoE plan once until the memory of one of its weights is freed."""
 from __future__ import annotations
 
 import gc
@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mixgemm.dispatch import plans
 from mixgemm.jit import build, torch_ops
@@ -167,6 +168,36 @@ def test_loaded_kernels_are_handed_over_once(monkeypatch):
     link.put_rope(kernel(rope, 0, 9), torch.float32)
     assert calls == [("rope", torch.bfloat16, 0, 5, True, 77), ("rope", torch.bfloat16, 1, 6, True, 77),
                      ("rope", torch.float16, 0, 7, True, 77), ("norm", True, torch.bfloat16, 0, 8, True, 77)]
+
+
+def test_holds_says_which_kernels_were_handed_over(monkeypatch):
+    """holds_norm / holds_rope (the eager paths' query) are true for a tensor of the dtype and
+    CUDA device of a kernel handed over, false for any other, for CPU tensors, and always while
+    the library is not attached (MIXGEMM_TORCH_OPS=python: never attached)."""
+    monkeypatch.setattr(plans.launcher, "entry_points", lambda: SimpleNamespace(launch_kernel_ex=77))
+    monkeypatch.setenv(torch_ops.TORCH_OPS_ENV, "python")
+    link = plans.OperatorLibrary()
+    assert link.attach() is None
+
+    def kernel(spec, index):
+        return SimpleNamespace(spec=spec, device=torch.device("cuda", index), function=1)
+
+    with FakeTensorMode():   # (CUDA tensors without a GPU)
+        bf16 = [torch.empty(2, 64, dtype=torch.bfloat16, device=f"cuda:{i}") for i in (0, 1)]
+        fp16 = torch.empty(2, 64, dtype=torch.float16, device="cuda:0")
+    cpu = torch.empty(2, 64, dtype=torch.bfloat16)
+    link.put_norm(kernel(norm.norm_spec(torch.bfloat16, True), 0), True, torch.bfloat16)
+    link.put_rope(kernel(rotary.rope_spec(torch.bfloat16), 0), torch.bfloat16)
+    assert not any(link.holds_norm(t, r) for t in (*bf16, fp16, cpu) for r in (False, True))
+    assert not any(link.holds_rope(t) for t in (*bf16, fp16, cpu))
+    link.lib = SimpleNamespace(put_norm=lambda *a: None, put_rope=lambda *a: None)   # attached
+    link.put_norm(kernel(norm.norm_spec(torch.bfloat16, True), 0), True, torch.bfloat16)
+    link.put_rope(kernel(rotary.rope_spec(torch.bfloat16), 1), torch.bfloat16)
+    assert link.holds_norm(bf16[0], True)
+    assert not (link.holds_norm(bf16[0], False) or link.holds_norm(bf16[1], True) or link.holds_norm(fp16, True)
+                or link.holds_norm(cpu, True))
+    assert link.holds_rope(bf16[1])
+    assert not (link.holds_rope(bf16[0]) or link.holds_rope(fp16) or link.holds_rope(cpu))
 
 
 def test_fused_moe_schema_is_the_cpp_kernels():

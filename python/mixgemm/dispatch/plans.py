@@ -338,15 +338,18 @@ class OperatorLibrary:
     kernels of ``mixgemm::gemm``, the RMSNorm operators, ``mixgemm::rotary_kv_cache`` and
     ``mixgemm::fused_moe``, which torch.compile's graphs reach without Python).
 
-    :meth:`attach` loads the library once per process (the Python kernel of the operator calls it
-    on its first CUDA call, so eager-only use never builds it), and hands over every plan made so
-    far and every stream's buffers. From then on :class:`PlanCache` hands over each plan it keeps
-    (a copy: GEMM plans of the compiled launcher, without zero offsets, for a token bucket) and
-    drops each one it forgets, and :class:`StreamArenas` mirrors its buffers; :mod:`mixgemm.ops.norm`
-    and :mod:`mixgemm.ops.rotary` hand over their loaded kernels (:meth:`put_norm`,
-    :meth:`put_rope`), and :mod:`mixgemm.moe.layer` the MoE plans of ``mixgemm::fused_moe``'s
-    routed decode plan (:meth:`put_moe`), each dropped when the memory of one of its weight
-    tensors is freed. Until then, and where the library cannot be built, every method but
+    :meth:`attach` loads the library once per process (the Python kernel of an operator calls it
+    on its first CUDA call, and so do the eager :func:`mixgemm.ops.norm.rms_norm` and
+    :func:`mixgemm.ops.rotary.rotary_kv_cache` on their first CUDA call that the kernel takes;
+    eager GEMMs alone never build it), and hands over every plan made so far and every stream's
+    buffers. From then on :class:`PlanCache` hands over each plan it keeps (a copy: GEMM plans of
+    the compiled launcher, without zero offsets, for a token bucket) and drops each one it
+    forgets, and :class:`StreamArenas` mirrors its buffers; :mod:`mixgemm.ops.norm` and
+    :mod:`mixgemm.ops.rotary` hand over their loaded kernels (:meth:`put_norm`, :meth:`put_rope`;
+    :meth:`holds_norm` and :meth:`holds_rope` say which it holds, so that their eager calls go to
+    the operators, whose C++ kernels launch them), and :mod:`mixgemm.moe.layer` the MoE plans of
+    ``mixgemm::fused_moe``'s routed decode plan (:meth:`put_moe`), each dropped when the memory
+    of one of its weight tensors is freed. Until then, and where the library cannot be built, every method but
     :meth:`attach` does nothing."""
 
     def __init__(self):
@@ -384,7 +387,8 @@ class OperatorLibrary:
                 if want == "compiled":
                     raise
                 log.warning("mixgemm: the torch operator library is not available (%s); compiled graphs call "
-                            "mixgemm's Python kernel, which costs more host time per call",
+                            "mixgemm's Python kernels (and eager norm and rotary calls launch from Python), "
+                            "which costs more host time per call",
                             str(e).splitlines()[0])
                 return None
             self.lib = lib
@@ -443,6 +447,20 @@ class OperatorLibrary:
         self._ropes.add(key)
         lib.put_rope(dtype, kernel.device.index, int(kernel.function), kernel.spec.programmatic_launch,
                      launcher.entry_points().launch_kernel_ex)
+
+    def holds_norm(self, x: torch.Tensor, residual: bool) -> bool:
+        """Whether the library holds the norm kernel for rows like ``x`` (its dtype, on its CUDA
+        device), with the residual add or not (:meth:`put_norm` handed it over): a set lookup,
+        for the eager path of :func:`mixgemm.ops.norm.rms_norm`. False for a tensor not on a
+        CUDA device."""
+        return x.is_cuda and (residual, x.dtype, x.get_device()) in self._norms
+
+    def holds_rope(self, qkv: torch.Tensor) -> bool:
+        """Whether the library holds the rotary / KV-cache kernel for a ``qkv`` like this one (its
+        dtype, on its CUDA device; :meth:`put_rope` handed it over): a set lookup, for the eager
+        path of :func:`mixgemm.ops.rotary.rotary_kv_cache`. False for a tensor not on a CUDA
+        device."""
+        return qkv.is_cuda and (qkv.dtype, qkv.get_device()) in self._ropes
 
     def holds_moe(self, key: "torch_ops.MoeKey") -> bool:
         """Whether the library holds the MoE plan of ``key``."""
