@@ -1,7 +1,9 @@
 """mixgemm.rms_norm: the RMSNorm kernel's specs and C++, its torch path and argument checks on the
-CPU, the custom ops (fake implementations checked by torch.library.opcheck), the launch on a faked
-GPU, the kernels built with nvcc, and on an sm_90 GPU the kernel against a float64 reference and
-torch's F.rms_norm over odd row lengths, row counts and both dtypes, eagerly and in a CUDA graph."""
+CPU, the custom ops (fake implementations checked by torch.library.opcheck), the eager calls'
+route to the operators once the torch operator library holds the kernel (its C++ kernel stood in
+for on the CPU), the launch on a faked GPU, the kernels built with nvcc, and on an sm_90 GPU the
+kernel against a float64 reference and torch's F.rms_norm over odd row lengths, row counts and
+both dtypes, eagerly and in a CUDA graph."""
 from __future__ import annotations
 
 import struct
@@ -12,8 +14,10 @@ import torch.nn.functional as F
 
 import fake_driver
 from fake_gpu import FakeGpu, function_handle
+from stand_in_ops import cpu_stand_in
 
 import mixgemm
+from mixgemm.dispatch import plans
 from mixgemm.jit import catalog
 from mixgemm.jit import env as paths
 from mixgemm.ops import norm
@@ -89,18 +93,22 @@ def test_inputs_are_not_modified():
     assert torch.equal(x, x0) and torch.equal(r, r0)
 
 
-@pytest.mark.parametrize("call,exc,msg", [
-    (lambda x, w, r: mixgemm.rms_norm(x.int(), w), TypeError, "floating-point tensor"),
-    (lambda x, w, r: mixgemm.rms_norm("x", w), TypeError, "floating-point tensor"),
-    (lambda x, w, r: mixgemm.rms_norm(x, w[:-1]), ValueError, "1-D tensor of H=64"),
-    (lambda x, w, r: mixgemm.rms_norm(x, w.float()), ValueError, "x's dtype and device"),
-    (lambda x, w, r: mixgemm.rms_norm(x, w, -1.0), ValueError, "eps must be"),
-    (lambda x, w, r: mixgemm.rms_norm(x, w, float("nan")), ValueError, "eps must be"),
-    (lambda x, w, r: mixgemm.rms_norm(x, w, True), ValueError, "eps must be"),
-    (lambda x, w, r: mixgemm.rms_norm(x, w, residual=r[:1]), ValueError, "residual must be a tensor of x's shape"),
-    (lambda x, w, r: mixgemm.rms_norm(x, w, residual=r.half()), ValueError, "residual must have x's dtype"),
-])
-def test_bad_arguments_are_refused(call, exc, msg):
+BAD_CALLS = [   # (call, exception, message, whether the eager route hands it to the operators)
+    (lambda x, w, r: mixgemm.rms_norm(x.int(), w), TypeError, "floating-point tensor", True),
+    (lambda x, w, r: mixgemm.rms_norm("x", w), TypeError, "floating-point tensor", False),
+    (lambda x, w, r: mixgemm.rms_norm(x, w[:-1]), ValueError, "1-D tensor of H=64", True),
+    (lambda x, w, r: mixgemm.rms_norm(x, w.float()), ValueError, "x's dtype and device", True),
+    (lambda x, w, r: mixgemm.rms_norm(x, w, -1.0), ValueError, "eps must be", True),
+    (lambda x, w, r: mixgemm.rms_norm(x, w, float("nan")), ValueError, "eps must be", True),
+    (lambda x, w, r: mixgemm.rms_norm(x, w, True), ValueError, "eps must be", False),
+    (lambda x, w, r: mixgemm.rms_norm(x, w, residual=r[:1]), ValueError, "residual must be a tensor of x's shape",
+     True),
+    (lambda x, w, r: mixgemm.rms_norm(x, w, residual=r.half()), ValueError, "residual must have x's dtype", True),
+]
+
+
+@pytest.mark.parametrize("call,exc,msg,routed", BAD_CALLS)
+def test_bad_arguments_are_refused(call, exc, msg, routed):
     x, r, w = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16(), torch.ones(64).bfloat16()
     with pytest.raises(exc, match=msg):
         call(x, w, r)
@@ -112,6 +120,82 @@ def test_custom_ops_fake_implementations():
     torch.library.opcheck(torch.ops.mixgemm.add_rms_norm.default, (x, r, w, 1e-6))
     y, s = torch.ops.mixgemm.add_rms_norm(x, r, w, 1e-6)
     assert torch.equal(s, x + r) and torch.equal(y, F.rms_norm(x + r, (64,), w, 1e-6))
+
+
+# ---------------------------------------------------------------------------------------------- the eager route
+@pytest.fixture
+def held(monkeypatch):
+    """The torch operator library "holds" every norm kernel, and the C++ kernels of
+    ``mixgemm::rms_norm`` / ``add_rms_norm`` are stood in for on the CPU (each call recorded, and
+    run by the ``_py`` operator, as the C++ kernel runs a call it cannot take): the calls made
+    in the test, by operator."""
+    monkeypatch.setattr(plans.OPERATORS, "holds_norm", lambda x, residual: True)
+    with cpu_stand_in("rms_norm") as plain, cpu_stand_in("add_rms_norm") as added:
+        yield {"rms_norm": plain, "add_rms_norm": added}
+
+
+def _ids(args: tuple) -> tuple:
+    """A call's arguments, each tensor by its identity."""
+    return tuple(id(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def test_eager_calls_go_to_the_operators_once_the_kernel_is_held(held):
+    """Plain tensors and a float eps go to torch.ops.mixgemm.rms_norm / add_rms_norm with the
+    call's own tensors, and give what the Python path gives."""
+    x, r = torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16()
+    w = torch.nn.Parameter(torch.rand(64).bfloat16() + 0.5, requires_grad=False)   # (a module's weight)
+    y = mixgemm.rms_norm(x, w, 1e-5)
+    y2, s = mixgemm.rms_norm(x, w, 1e-5, residual=r)
+    assert [_ids(c) for c in held["rms_norm"]] == [(id(x), id(w), 1e-5)]
+    assert [_ids(c) for c in held["add_rms_norm"]] == [(id(x), id(r), id(w), 1e-5)]
+    assert torch.equal(y, F.rms_norm(x, (64,), w, 1e-5))
+    assert torch.equal(s, x + r) and torch.equal(y2, F.rms_norm(x + r, (64,), w, 1e-5))
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (the eager route takes plain tensors only)."""
+
+
+@pytest.mark.parametrize("call,error", [
+    (lambda x, w, r: mixgemm.rms_norm(x, w, 0), None),                                  # an int eps
+    (lambda x, w, r: mixgemm.rms_norm(x, w.tolist()), "weight must be a 1-D tensor"),   # not a tensor
+    (lambda x, w, r: mixgemm.rms_norm(x.as_subclass(_Sub), w, 1e-5), None),             # a tensor subclass
+    (lambda x, w, r: mixgemm.rms_norm(x, w, 1e-5, residual=r.as_subclass(_Sub)), None),
+])
+def test_other_argument_types_take_the_python_path(held, call, error):
+    x, r, w = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16(), torch.ones(64).bfloat16()
+    if error is None:
+        call(x, w, r)
+    else:
+        with pytest.raises(ValueError, match=error):
+            call(x, w, r)
+    assert held["rms_norm"] == [] and held["add_rms_norm"] == []
+
+
+@pytest.mark.parametrize("call,exc,msg,routed", BAD_CALLS)
+def test_bad_arguments_raise_the_same_errors_through_the_operators(held, monkeypatch, call, exc, msg, routed):
+    """An invalid call that reaches an operator (every bad tensor or value of the types it
+    takes) is handed to the ``_py`` operator (as the C++ kernel hands over every call it does
+    not take), whose checks raise what the Python path raises: the same type and message."""
+    x, r, w = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16(), torch.ones(64).bfloat16()
+    with pytest.raises(exc, match=msg) as routed_error:
+        call(x, w, r)
+    assert len(held["rms_norm"]) + len(held["add_rms_norm"]) == int(routed)
+    monkeypatch.setattr(plans.OPERATORS, "holds_norm", lambda x, residual: False)
+    with pytest.raises(exc) as direct:
+        call(x, w, r)
+    assert type(routed_error.value) is type(direct.value) and str(routed_error.value) == str(direct.value)
+    assert len(held["rms_norm"]) + len(held["add_rms_norm"]) == int(routed)
+
+
+def test_cpu_calls_take_the_python_path():
+    """Without a kernel held for the call's device (never for CPU tensors), nothing reaches the
+    operators."""
+    x, r, w = torch.randn(2, 64).bfloat16(), torch.randn(2, 64).bfloat16(), torch.ones(64).bfloat16()
+    with cpu_stand_in("rms_norm") as plain, cpu_stand_in("add_rms_norm") as added:
+        mixgemm.rms_norm(x, w, 1e-5)
+        mixgemm.rms_norm(x, w, 1e-5, residual=r)
+    assert plain == [] and added == []
 
 
 # ---------------------------------------------------------------------------------------------- fake GPU

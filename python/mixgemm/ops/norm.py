@@ -30,6 +30,7 @@ __all__ = ["rms_norm", "norm_spec", "RMSNorm", "replace_rms_norms", "LLAMA_STYLE
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _THREADS = 256   # norm_kernel.hpp's kNormThreads
+_Tensor = torch.Tensor
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,32 +128,49 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     dtype where that moves the last bit of the float32 scale). Otherwise it is ``x + residual``
     and ``F.rms_norm``. Under torch.compile it goes through ``torch.ops.mixgemm.rms_norm`` /
     ``add_rms_norm``.
+
+    In eager mode, once the torch operator library (:mod:`mixgemm.jit.torch_ops`) holds the
+    kernel for x's dtype and CUDA device (the first such call launches from Python, loads the
+    library and hands the kernel over), a call of plain tensors and a float ``eps`` goes to those
+    operators, whose C++ kernel launches it: the same kernel with the same arguments, so the same
+    results. A call the C++ kernel does not take (a strided or misaligned input, a bad argument)
+    goes on to the Python kernel, which checks it as here: the same results and errors.
     """
-    _check(x, weight, eps, residual)
-    eps = float(eps)
     if torch.compiler.is_compiling():
+        _check(x, weight, eps, residual)
+        eps = float(eps)
         if residual is None:
             return torch.ops.mixgemm.rms_norm(x, weight, eps)
         return tuple(torch.ops.mixgemm.add_rms_norm(x, residual, weight, eps))
-    return _rms_norm(x, weight, eps, residual)
+    # the types the operators' schema takes, checked here; their values the C++ kernel checks
+    if (type(x) is _Tensor and plans.OPERATORS.holds_norm(x, residual is not None)
+            and isinstance(weight, _Tensor) and type(eps) is float
+            and (residual is None or type(residual) is _Tensor)):
+        if residual is None:
+            return _rms_norm_call(x, weight, eps)
+        return _add_rms_norm_call(x, residual, weight, eps)
+    _check(x, weight, eps, residual)
+    return _rms_norm(x, weight, float(eps), residual)
 
 
 def _rms_norm(x, weight, eps, residual):
-    if _kernel_takes(x):
-        return _launch(x, weight, eps, residual)
-    return _torch(x, weight, eps, residual)
-
-
-def _rms_norm_dispatched(x, weight, eps, residual):
-    """The Python kernel of the operators (``mixgemm::rms_norm`` / ``add_rms_norm``): checked,
-    and on a CUDA call the torch operator library loaded and handed the kernel, so that it
-    launches every later plain call from C++ (:class:`mixgemm.dispatch.plans.OperatorLibrary`)."""
-    _check(x, weight, eps, residual)
-    out = _rms_norm(x, weight, eps, residual)
-    if x.is_cuda and plans.OPERATORS.attach() is not None and _kernel_takes(x):
+    """A checked call: the kernel where it takes x, else torch's ops. After a CUDA launch the
+    torch operator library is loaded and handed the kernel (once), so that its C++ kernel
+    launches every later plain call (:class:`mixgemm.dispatch.plans.OperatorLibrary`)."""
+    if not _kernel_takes(x):
+        return _torch(x, weight, eps, residual)
+    out = _launch(x, weight, eps, residual)
+    if x.is_cuda and plans.OPERATORS.attach() is not None:
         kernel = loader.KERNELS.get(norm_spec(x.dtype, residual is not None), x.device)   # loaded by the call
         plans.OPERATORS.put_norm(kernel, residual is not None, x.dtype)
     return out
+
+
+def _rms_norm_dispatched(x, weight, eps, residual):
+    """The Python kernel of the operators (``mixgemm::rms_norm`` / ``add_rms_norm``, and the
+    ``_py`` operators their C++ kernel hands its other calls to): checked, then :func:`_rms_norm`."""
+    _check(x, weight, eps, residual)
+    return _rms_norm(x, weight, eps, residual)
 
 
 def _norm_fake(x, weight, eps):
@@ -192,6 +210,11 @@ for _op in (_rms_norm_op, _rms_norm_py_op):
     _op.register_fake(_norm_fake)
 for _op in (_add_rms_norm_op, _add_rms_norm_py_op):
     _op.register_fake(_add_norm_fake)
+
+#: the operators' overloads, called by the eager path (an overload's call skips the packet's
+#: overload resolution)
+_rms_norm_call = torch.ops.mixgemm.rms_norm.default
+_add_rms_norm_call = torch.ops.mixgemm.add_rms_norm.default
 
 
 # ---------------------------------------------------------------------------------------------
