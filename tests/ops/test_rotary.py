@@ -1,8 +1,10 @@
 """mixgemm.rotary_kv_cache: the rotary / KV-cache kernel's specs and C++, its torch path and
 argument checks on the CPU (against a per-token loop over the models' formula), the custom op and
-its Python fallback op, the launch on a faked GPU, the kernels built with nvcc, and on an sm_90
-GPU the kernel equal bit for bit to the torch formula over head layouts, batch / token counts,
-positions and both dtypes, eagerly, with a position tensor and in a CUDA graph."""
+its Python fallback op, the eager calls' route to the operator once the torch operator library
+holds the kernel (its C++ kernel stood in for on the CPU), the launch on a faked GPU, the kernels
+built with nvcc, and on an sm_90 GPU the kernel equal bit for bit to the torch formula over head
+layouts, batch / token counts, positions and both dtypes, eagerly, with a position tensor and in a
+CUDA graph."""
 from __future__ import annotations
 
 import struct
@@ -12,8 +14,10 @@ import torch
 
 import fake_driver
 from fake_gpu import FakeGpu, function_handle
+from stand_in_ops import cpu_stand_in
 
 import mixgemm
+from mixgemm.dispatch import plans
 from mixgemm.jit import catalog
 from mixgemm.jit import env as paths
 from mixgemm.ops import rotary
@@ -128,27 +132,35 @@ def _args():
     return inputs(2, 1, 4, 2, 16, 10, torch.bfloat16)
 
 
-@pytest.mark.parametrize("call,exc,msg", [
-    (lambda a: mixgemm.rotary_kv_cache(a[0][0], *a[1:], 0, 4, 2), TypeError, "qkv must be"),
-    (lambda a: mixgemm.rotary_kv_cache(a[0].int(), *a[1:], 0, 4, 2), TypeError, "qkv must be"),
-    (lambda a: mixgemm.rotary_kv_cache(*a, 0, 4, 3), ValueError, "multiple of kv_heads"),
-    (lambda a: mixgemm.rotary_kv_cache(*a, 0, 5, 1), ValueError, "is not .* heads of an even head size"),
-    (lambda a: mixgemm.rotary_kv_cache(*a, 0, 0, 2), ValueError, "heads must be a positive int"),
-    (lambda a: mixgemm.rotary_kv_cache(a[0], a[1][:, :8], *a[2:], 0, 4, 2), ValueError, r"cos must be a table"),
-    (lambda a: mixgemm.rotary_kv_cache(a[0], a[1], a[2].half(), *a[3:], 0, 4, 2), ValueError, "sin must have"),
-    (lambda a: mixgemm.rotary_kv_cache(*a[:2], a[2][:5], *a[3:], 0, 4, 2), ValueError, "one shape"),
-    (lambda a: mixgemm.rotary_kv_cache(*a[:3], a[3][:1], a[4], 0, 4, 2), ValueError, r"k_cache must be \[batch >= 2"),
-    (lambda a: mixgemm.rotary_kv_cache(*a[:4], a[4][:, :, :5], 0, 4, 2), ValueError, "one shape"),
-    (lambda a: mixgemm.rotary_kv_cache(*a[:4], a[4].half(), 0, 4, 2), ValueError, "v_cache must have"),
-    (lambda a: mixgemm.rotary_kv_cache(*a, 10, 4, 2), ValueError, "outside the 10 positions"),
-    (lambda a: mixgemm.rotary_kv_cache(*a, -1, 4, 2), ValueError, "outside"),
-    (lambda a: mixgemm.rotary_kv_cache(*a, 1.0, 4, 2), TypeError, "positions must be an int"),
+BAD_CALLS = [   # (call, exception, message, whether the eager route hands it to the operator)
+    (lambda a: mixgemm.rotary_kv_cache(a[0][0], *a[1:], 0, 4, 2), TypeError, "qkv must be", True),
+    (lambda a: mixgemm.rotary_kv_cache(a[0].int(), *a[1:], 0, 4, 2), TypeError, "qkv must be", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a, 0, 4, 3), ValueError, "multiple of kv_heads", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a, 0, 5, 1), ValueError, "is not .* heads of an even head size", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a, 0, 0, 2), ValueError, "heads must be a positive int", False),
+    (lambda a: mixgemm.rotary_kv_cache(a[0], a[1][:, :8], *a[2:], 0, 4, 2), ValueError, r"cos must be a table", True),
+    (lambda a: mixgemm.rotary_kv_cache(a[0], a[1], a[2].half(), *a[3:], 0, 4, 2), ValueError, "sin must have", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a[:2], a[2][:5], *a[3:], 0, 4, 2), ValueError, "one shape", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a[:3], a[3][:1], a[4], 0, 4, 2), ValueError, r"k_cache must be \[batch >= 2",
+     True),
+    (lambda a: mixgemm.rotary_kv_cache(*a[:4], a[4][:, :, :5], 0, 4, 2), ValueError, "one shape", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a[:4], a[4].half(), 0, 4, 2), ValueError, "v_cache must have", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a, 10, 4, 2), ValueError, "outside the 10 positions", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a, -1, 4, 2), ValueError, "outside", False),
+    (lambda a: mixgemm.rotary_kv_cache(*a, 1.0, 4, 2), TypeError, "positions must be an int", False),
     (lambda a: mixgemm.rotary_kv_cache(*a, torch.zeros(2, 2, dtype=torch.int64), 4, 2), ValueError,
-     r"positions must be an int32 / int64 tensor \[B=2, T=1\]"),
-    (lambda a: mixgemm.rotary_kv_cache(*a, torch.zeros(2, 1), 4, 2), ValueError, "positions must be"),
-    (lambda a: mixgemm.rotary_kv_cache(*a, torch.full((2, 1), 10), 4, 2), ValueError, r"must lie in \[0, 10\)"),
-])
-def test_bad_arguments_are_refused(call, exc, msg):
+     r"positions must be an int32 / int64 tensor \[B=2, T=1\]", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a, torch.zeros(2, 1), 4, 2), ValueError, "positions must be", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a, torch.full((2, 1), 10), 4, 2), ValueError, r"must lie in \[0, 10\)", True),
+    (lambda a: mixgemm.rotary_kv_cache(*a, 2 ** 40, 4, 2), ValueError, "outside the 10 positions", False),
+    (lambda a: mixgemm.rotary_kv_cache(*a, 0, 2 ** 70, 2), ValueError, "is not .* heads of an even head size", False),
+    (lambda a: mixgemm.rotary_kv_cache(*a, 0, True, 2), ValueError, "heads must be a positive int", False),
+    (lambda a: mixgemm.rotary_kv_cache(a[0], a[1].tolist(), *a[2:], 0, 4, 2), ValueError, "cos must be a table", False),
+]
+
+
+@pytest.mark.parametrize("call,exc,msg,routed", BAD_CALLS)
+def test_bad_arguments_are_refused(call, exc, msg, routed):
     a = _args()
     k0 = a[3].clone()
     with pytest.raises(exc, match=msg):
@@ -183,6 +195,87 @@ def test_python_fallback_op():
             op(qkv, cos, sin, k2, v2, None, 10, 4, 2)
         with pytest.raises(ValueError, match="multiple of kv_heads"):
             op(qkv, cos, sin, k2, v2, None, 0, 4, 3)
+
+
+# ---------------------------------------------------------------------------------------------- the eager route
+@pytest.fixture
+def held(monkeypatch):
+    """The torch operator library "holds" every rotary kernel, and the C++ kernel of
+    ``mixgemm::rotary_kv_cache`` is stood in for on the CPU (each call recorded, and run by
+    ``rotary_kv_cache_py``, as the C++ kernel runs a call it cannot take): the calls made in the
+    test."""
+    monkeypatch.setattr(plans.OPERATORS, "holds_rope", lambda qkv: True)
+    with cpu_stand_in("rotary_kv_cache") as calls:
+        yield calls
+
+
+def test_eager_calls_go_to_the_operator_once_the_kernel_is_held(held):
+    """Plain tensors, int head counts and an int or tensor position go to
+    torch.ops.mixgemm.rotary_kv_cache with the call's own tensors (an int position as pos0, a
+    tensor as the position table), and give what the Python path gives, caches included."""
+    qkv, cos, sin, kc, vc = _args()
+    pos = torch.tensor([[4], [1]])
+    for positions in (3, pos):
+        k_want, v_want = kc.clone(), vc.clone()
+        want = loop_reference(qkv, cos, sin, k_want, v_want, positions, 4, 2)
+        k2, v2 = kc.clone(), vc.clone()
+        held.clear()
+        q = mixgemm.rotary_kv_cache(qkv, cos, sin, k2, v2, positions, 4, 2)
+        table, pos0 = (None, 3) if isinstance(positions, int) else (id(pos), 0)
+        assert [tuple(id(a) if isinstance(a, torch.Tensor) else a for a in c) for c in held] == [
+            (id(qkv), id(cos), id(sin), id(k2), id(v2), table, pos0, 4, 2)]
+        assert torch.equal(q, want) and torch.equal(k2, k_want) and torch.equal(v2, v_want)
+
+
+class _Sub(torch.Tensor):
+    """A tensor subclass (the eager route takes plain tensors only)."""
+
+
+@pytest.mark.parametrize("which,positions,routed", [(0, 0, False), (5, "table", False), (1, 0, True), (3, 2, True)])
+def test_tensor_subclasses(held, which, positions, routed):
+    """A tensor subclass for qkv or the position table takes the Python path; for a table or a
+    cache it reaches the operator (as a module's buffer may be a subclass); the results are the
+    Python path's."""
+    pos = torch.tensor([[4], [1]]) if positions == "table" else positions
+    a = list(_args())
+    want_args = [t.clone() for t in a]
+    want = mixgemm.rotary_kv_cache(*want_args, pos, 4, 2)
+    held.clear()
+    args = a + [pos]
+    args[which] = args[which].as_subclass(_Sub)
+    got = mixgemm.rotary_kv_cache(*args, 4, 2)
+    assert len(held) == int(routed)
+    assert torch.equal(got, want)
+    assert torch.equal(a[3], want_args[3]) and torch.equal(a[4], want_args[4])
+
+
+@pytest.mark.parametrize("call,exc,msg,routed", BAD_CALLS)
+def test_bad_arguments_raise_the_same_errors_through_the_operator(held, monkeypatch, call, exc, msg, routed):
+    """An invalid call that reaches the operator (every bad tensor or value of the types it
+    takes) is handed to ``rotary_kv_cache_py`` (as the C++ kernel hands over every call it does
+    not take), whose checks raise what the Python path raises: the same type and message, and
+    nothing written."""
+    a = _args()
+    k0, v0 = a[3].clone(), a[4].clone()
+    with pytest.raises(exc, match=msg) as routed_error:
+        call(a)
+    assert len(held) == int(routed)
+    assert torch.equal(a[3], k0) and torch.equal(a[4], v0)
+    monkeypatch.setattr(plans.OPERATORS, "holds_rope", lambda qkv: False)
+    with pytest.raises(exc) as direct:
+        call(a)
+    assert type(routed_error.value) is type(direct.value) and str(routed_error.value) == str(direct.value)
+    assert len(held) == int(routed)
+
+
+def test_cpu_calls_take_the_python_path():
+    """Without a kernel held for the call's device (never for CPU tensors), nothing reaches the
+    operator."""
+    qkv, cos, sin, kc, vc = _args()
+    with cpu_stand_in("rotary_kv_cache") as calls:
+        mixgemm.rotary_kv_cache(qkv, cos, sin, kc, vc, 2, 4, 2)
+        mixgemm.rotary_kv_cache(qkv, cos, sin, kc, vc, torch.tensor([[4], [1]]), 4, 2)
+    assert calls == []
 
 
 def test_torch_compile_on_the_cpu():

@@ -29,6 +29,10 @@ __all__ = ["rotary_kv_cache", "rope_spec", "rotate"]
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _THREADS = 256   # rope_kernel.hpp's kRopeThreads
+_Tensor = torch.Tensor
+#: the largest head count and first position that the eager path hands to the operator (the C++
+#: kernel's int32 arguments; larger ones take the Python path, which raises or runs them)
+_INT32_MAX = 2 ** 31 - 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,34 +190,55 @@ def rotary_kv_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_c
     kernel (capturable in a CUDA graph after a first call has loaded it); otherwise the same
     formula runs in torch ops. Under torch.compile it goes through
     ``torch.ops.mixgemm.rotary_kv_cache``.
+
+    In eager mode, once the torch operator library (:mod:`mixgemm.jit.torch_ops`) holds the
+    kernel for qkv's dtype and CUDA device (the first such call launches from Python, loads the
+    library and hands the kernel over), a call of plain tensors, int head counts and an int or
+    tensor ``positions`` goes to that operator, whose C++ kernel launches it: the same kernel
+    with the same arguments, so the same results. A call the C++ kernel does not take (int32 or
+    strided positions, tables to copy, caches it cannot address, a bad argument) goes on to the
+    Python kernel, which checks it as here: the same results and errors, nothing written before
+    an error.
     """
-    b, t, d = _check(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads)
     if torch.compiler.is_compiling():
+        _check(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads)
         table = positions if isinstance(positions, torch.Tensor) else None
         return torch.ops.mixgemm.rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, table,
                                                  0 if table is not None else positions, heads, kv_heads)
+    # the types (and int ranges) the operator's schema takes, checked here; the rest the C++ kernel checks
+    if (type(qkv) is _Tensor and plans.OPERATORS.holds_rope(qkv)
+            and type(heads) is int and type(kv_heads) is int and 0 < heads <= _INT32_MAX
+            and 0 < kv_heads <= _INT32_MAX and isinstance(cos, _Tensor) and isinstance(sin, _Tensor)
+            and isinstance(k_cache, _Tensor) and isinstance(v_cache, _Tensor)):
+        if type(positions) is _Tensor:
+            return _rotary_kv_cache_call(qkv, cos, sin, k_cache, v_cache, positions, 0, heads, kv_heads)
+        if type(positions) is int and 0 <= positions <= _INT32_MAX:
+            return _rotary_kv_cache_call(qkv, cos, sin, k_cache, v_cache, None, positions, heads, kv_heads)
+    b, t, d = _check(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads)
     return _rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d)
 
 
 def _rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d) -> torch.Tensor:
-    if _kernel_takes(qkv, k_cache, v_cache, d):
-        return _launch(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d)
-    return _torch(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d)
-
-
-def _rotary_kv_cache_dispatched(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads) -> torch.Tensor:
-    """The Python kernel of the operator ``mixgemm::rotary_kv_cache`` (``positions``: a tensor, or
-    None for the first token's position ``pos0``): checked, run, and on a CUDA call that the
-    kernel takes, the torch operator library loaded and handed the kernel, so that it launches
-    every later plain call from C++ (:class:`mixgemm.dispatch.plans.OperatorLibrary`)."""
-    if positions is None:
-        positions = pos0
-    b, t, d = _check(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads)
-    q = _rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d)
-    if qkv.is_cuda and plans.OPERATORS.attach() is not None and _kernel_takes(qkv, k_cache, v_cache, d):
+    """A checked call: the kernel where it takes the call, else the torch formula. After a CUDA
+    launch the torch operator library is loaded and handed the kernel (once), so that its C++
+    kernel launches every later plain call (:class:`mixgemm.dispatch.plans.OperatorLibrary`)."""
+    if not _kernel_takes(qkv, k_cache, v_cache, d):
+        return _torch(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d)
+    q = _launch(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d)
+    if qkv.is_cuda and plans.OPERATORS.attach() is not None:
         kernel = loader.KERNELS.get(rope_spec(qkv.dtype), qkv.device)   # loaded by the call
         plans.OPERATORS.put_rope(kernel, qkv.dtype)
     return q
+
+
+def _rotary_kv_cache_dispatched(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads) -> torch.Tensor:
+    """The Python kernel of the operator ``mixgemm::rotary_kv_cache`` (and of
+    ``rotary_kv_cache_py``, which its C++ kernel hands its other calls to; ``positions``: a
+    tensor, or None for the first token's position ``pos0``): checked, then :func:`_rotary_kv_cache`."""
+    if positions is None:
+        positions = pos0
+    b, t, d = _check(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads)
+    return _rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions, heads, kv_heads, b, t, d)
 
 
 def _rotary_kv_cache_fake(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads):
@@ -238,3 +263,7 @@ def _rotary_kv_cache_py_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 for _op in (_rotary_kv_cache_op, _rotary_kv_cache_py_op):
     _op.register_fake(_rotary_kv_cache_fake)
+
+#: the operator's overload, called by the eager path (an overload's call skips the packet's
+#: overload resolution)
+_rotary_kv_cache_call = torch.ops.mixgemm.rotary_kv_cache.default
