@@ -7,7 +7,7 @@ zero offsets, a strided x, a bad argument) must reach the Python kernel, with it
 its error; its plans must leave with their weights; and it must work under plain CUDA-graph
 capture, with new inputs at each replay. The norms and the rotary / KV-cache write likewise
 launch from C++ (the rotary's caches equal to eager's too) and hand what they cannot take to
-Python.
+Python, in compiled graphs and in eager calls after the first.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import mixgemm
+from mixgemm.dispatch import plans
 from mixgemm.nn import QuantLinear
 
 pytestmark = pytest.mark.gpu
@@ -145,6 +146,44 @@ def test_compiled_norms_launch_from_cpp_and_equal_eager(requires_gpu, library):
         torch.ops.mixgemm.rms_norm(x.contiguous(), weight[:-8], 1e-5)
 
 
+def test_eager_norms_launch_from_cpp_after_the_first_call(requires_gpu, library):
+    """Eager mixgemm.rms_norm, with and without the residual: once a call on the device has
+    handed the kernel over, every plain call launches from C++ (the hits grow, the fallbacks do
+    not), with outputs equal bit for bit to the Python kernel's (``rms_norm_py`` /
+    ``add_rms_norm_py``); a strided x reaches Python with its result, a bad weight with its
+    error."""
+    dev = requires_gpu
+    for dtype in (torch.bfloat16, torch.float16):
+        weight = (torch.rand(H, device=dev) + 0.5).to(dtype)
+        x = torch.randn(2, H, device=dev, dtype=dtype)
+        mixgemm.rms_norm(x, weight, 1e-5)
+        mixgemm.rms_norm(x, weight, 1e-5, residual=x)
+        assert plans.OPERATORS.holds_norm(x, False) and plans.OPERATORS.holds_norm(x, True)
+        for m in (1, 5, 300):
+            x = torch.randn(m, H, device=dev, dtype=dtype)
+            r = torch.randn(m, H, device=dev, dtype=dtype)
+            want = torch.ops.mixgemm.rms_norm_py(x, weight, 1e-5)
+            want_y, want_s = torch.ops.mixgemm.add_rms_norm_py(x, r, weight, 1e-5)
+            torch.cuda.synchronize()
+            hits, fallbacks = library.counters()
+            got = mixgemm.rms_norm(x, weight, 1e-5)
+            got_y, got_s = mixgemm.rms_norm(x, weight, 1e-5, residual=r)
+            torch.cuda.synchronize()
+            case = (dtype, m)
+            assert (library.counters()[0] - hits, library.counters()[1] - fallbacks) == (2, 0), case
+            assert torch.equal(got, want) and torch.equal(got_y, want_y) and torch.equal(got_s, want_s), case
+        # a strided x goes to the Python kernel, which copies it
+        x = torch.randn(4, 2 * H, device=dev, dtype=dtype)[:, ::2]
+        _, before = library.counters()
+        want = torch.ops.mixgemm.rms_norm_py(x.contiguous(), weight, 1e-5)
+        assert torch.equal(mixgemm.rms_norm(x, weight, 1e-5), want)
+        assert library.counters()[1] == before + 1
+        # a bad weight: the Python kernel's error, the same as the Python path's
+        with pytest.raises(ValueError, match=r"weight must be a 1-D tensor of H=1024 values, got \[1016\]"):
+            mixgemm.rms_norm(x.contiguous(), weight[:-8], 1e-5)
+        assert library.counters()[1] == before + 2
+
+
 ROPE_HEADS, ROPE_KV, ROPE_D, ROPE_LEN = 8, 2, 128, 64
 ROPE_WIDTH = (ROPE_HEADS + 2 * ROPE_KV) * ROPE_D
 
@@ -251,3 +290,48 @@ def test_rotary_calls_it_cannot_take_reach_the_python_kernel(requires_gpu, libra
     q = _rope_op(qkv[:0], cos, sin, k0.clone(), v0.clone(), None, 0)
     assert q.shape == (0, t, ROPE_HEADS, ROPE_D) and q.dtype == torch.bfloat16
     assert library.counters() == (hits + 1, fallbacks)
+
+
+def test_eager_rotary_launches_from_cpp_after_the_first_call(requires_gpu, library):
+    """Eager mixgemm.rotary_kv_cache: once a call on the device has handed the kernel over, every
+    plain call (an int first position or an int64 position table) launches from C++, with q and
+    the caches equal bit for bit to the Python kernel's (``rotary_kv_cache_py``); int32
+    positions reach Python with their result, a first position out of range with its error and
+    nothing written."""
+    dev = requires_gpu
+    cos, sin = _rope_tables(dev)
+    b, t = 2, 3
+    qkv = torch.randn(b, t, ROPE_WIDTH, device=dev, dtype=torch.bfloat16)
+    k0, v0 = _caches(b, dev, seed=21)
+    mixgemm.rotary_kv_cache(qkv, cos, sin, k0.clone(), v0.clone(), 0, ROPE_HEADS, ROPE_KV)
+    assert plans.OPERATORS.holds_rope(qkv)
+    table = torch.tensor([[3, 4, 5], [40, 9, 1]], device=dev)
+    for seed, positions in enumerate((7, table, 0)):
+        qkv = torch.randn(b, t, ROPE_WIDTH, device=dev, dtype=torch.bfloat16,
+                          generator=torch.Generator(dev).manual_seed(seed))
+        k_want, v_want = k0.clone(), v0.clone()
+        given = positions if isinstance(positions, torch.Tensor) else None
+        want = torch.ops.mixgemm.rotary_kv_cache_py(qkv, cos, sin, k_want, v_want, given,
+                                                    0 if given is not None else positions, ROPE_HEADS, ROPE_KV)
+        k_cache, v_cache = k0.clone(), v0.clone()
+        torch.cuda.synchronize()
+        hits, fallbacks = library.counters()
+        got = mixgemm.rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, positions, ROPE_HEADS, ROPE_KV)
+        torch.cuda.synchronize()
+        case = type(positions).__name__
+        assert (library.counters()[0] - hits, library.counters()[1] - fallbacks) == (1, 0), case
+        assert torch.equal(got, want) and torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want), case
+    # int32 positions: the Python kernel converts them
+    k_want, v_want = k0.clone(), v0.clone()
+    want = mixgemm.rotary_kv_cache(qkv, cos, sin, k_want, v_want, table, ROPE_HEADS, ROPE_KV)
+    k_cache, v_cache = k0.clone(), v0.clone()
+    _, before = library.counters()
+    got = mixgemm.rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, table.int(), ROPE_HEADS, ROPE_KV)
+    assert library.counters()[1] == before + 1
+    assert torch.equal(got, want) and torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+    # a first position out of range: the Python kernel's error, nothing written
+    k_cache, v_cache = k0.clone(), v0.clone()
+    with pytest.raises(ValueError, match="positions 62..64 are outside the 64 positions"):
+        mixgemm.rotary_kv_cache(qkv, cos, sin, k_cache, v_cache, ROPE_LEN - t + 1, ROPE_HEADS, ROPE_KV)
+    assert library.counters()[1] == before + 2
+    assert torch.equal(k_cache, k0) and torch.equal(v_cache, v0)
