@@ -114,7 +114,8 @@ class GatedMLP(nn.Module):
         self.down_proj = down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up(x))
+        modules = self._modules   # (read without nn.Module.__getattr__: the eager hot path)
+        return modules["down_proj"](modules["gate_up"](x))
 
 
 class RopeTable(nn.Module):
@@ -229,8 +230,9 @@ class FusedQKVAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
         cache = _cache_of(kwargs, past_key_values)
+        modules = self._modules   # (read without nn.Module.__getattr__: the eager hot path)
         lead = hidden_states.shape[:-1]
-        qkv = self.qkv_proj(hidden_states)
+        qkv = modules["qkv_proj"](hidden_states)
         fast = _fused_rope_kv(self, qkv, cache, kwargs.get("position_ids"))
         if fast is not None:
             q, k, v = fast
@@ -250,7 +252,7 @@ class FusedQKVAttention(nn.Module):
         dropout = 0.0 if not self.training else self.attention_dropout
         out, weights = attend(self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **extra, **kwargs)
         out = out.reshape(*lead, -1).contiguous()
-        return self.o_proj(out), weights
+        return modules["o_proj"](out), weights
 
     def extra_repr(self) -> str:
         return f"{self.original_class}, heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}"
@@ -260,7 +262,7 @@ def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_i
     """(q, keys, values) from one rotary_kv_cache launch into the cache's static layer, or None
     where torch's path must run. (A function, not a method, and the cache length read from the
     keys' shape: under torch.compile every attribute read of a layer is a guard on each call.)"""
-    rope = attn.rope
+    rope = attn._modules.get("rope")   # (None, or the RopeTable; read without nn.Module.__getattr__)
     if (rope is None or cache is None or position_ids is None or qkv.dim() != 3 or qkv.shape[0] != 1
             or attn.q_norm is not None or getattr(cache, "offloading", False)):
         return None
@@ -275,9 +277,11 @@ def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_i
         kv = qkv.new_empty(b, attn.kv_heads, t, attn.head_dim)
         layer.lazy_initialization(kv, kv)
     keys, values = layer.keys, layer.values
-    if keys.shape[2] > rope.cos.shape[0]:   # (a cache longer than the table: torch's path)
+    tables = rope._buffers
+    cos, sin = tables["cos"], tables["sin"]
+    if keys.shape[2] > cos.shape[0]:   # (a cache longer than the table: torch's path)
         return None
-    q = rotary_kv_cache(qkv, rope.cos, rope.sin, keys, values, position_ids, attn.heads, attn.kv_heads)
+    q = rotary_kv_cache(qkv, cos, sin, keys, values, position_ids, attn.heads, attn.kv_heads)
     counter = getattr(layer, "cumulative_length", None)
     if isinstance(counter, torch.Tensor):
         counter.add_(t)
@@ -308,16 +312,18 @@ class FusedDecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
         cache = _cache_of(kwargs, past_key_values)
-        h = self.input_layernorm(hidden_states)
-        a, _ = self.self_attn(h, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                              past_key_values=cache, position_ids=position_ids, use_cache=use_cache, **kwargs)
-        norm = self.post_attention_layernorm
-        if a.dtype == norm.weight.dtype:
-            h, residual = rms_norm(a, norm.weight, norm.variance_epsilon, residual=hidden_states)
+        modules = self._modules   # (read without nn.Module.__getattr__: the eager hot path)
+        h = modules["input_layernorm"](hidden_states)
+        a, _ = modules["self_attn"](h, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                                    past_key_values=cache, position_ids=position_ids, use_cache=use_cache, **kwargs)
+        norm = modules["post_attention_layernorm"]
+        weight = norm._parameters["weight"]
+        if a.dtype == weight.dtype:
+            h, residual = rms_norm(a, weight, norm.variance_epsilon, residual=hidden_states)
         else:
             residual = hidden_states + a
             h = norm(residual)
-        return residual + self.mlp(h)
+        return residual + modules["mlp"](h)
 
     def kernel_uses(self) -> list[KernelUse]:
         """The RMSNorm with the residual add (before the MLP) of the norm's dtype, where it is bf16

@@ -271,11 +271,12 @@ class RMSNorm(torch.nn.Module):
         return norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype:
+        weight = self._parameters["weight"]   # (read without nn.Module.__getattr__: the eager hot path)
+        if x.dtype != weight.dtype:
             h = x.to(torch.float32)
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-            return self.weight * h.to(x.dtype)
-        return rms_norm(x, self.weight, self.variance_epsilon)
+            return weight * h.to(x.dtype)
+        return rms_norm(x, weight, self.variance_epsilon)
 
     def kernel_uses(self) -> list[NormSpec]:
         """The RMSNorm kernel of the weight's dtype, where it is bf16 or fp16
