@@ -77,6 +77,16 @@ class GemmArgs(ctypes.Structure):
     ]
 
 
+class Fp8GemmArgs(ctypes.Structure):
+    """``abi::Fp8GemmArgs`` (cutlass_ext/mixgemm/gemm_entry_fp8.hpp): the arguments of an e4m3
+    GEMM kernel, :class:`GemmArgs` (``x``: the e4m3 activations) and the per-token scales."""
+
+    _fields_ = [
+        ("gemm", GemmArgs),
+        ("x_scales", ctypes.c_uint64),   # float32 [m]
+    ]
+
+
 class Launch(ctypes.Structure):
     _fields_ = [
         ("grid", ctypes.c_uint32 * 3),
@@ -159,6 +169,36 @@ class HostHelper:
         decode kernels' helpers have no such function)."""
         fn = self._lock_bytes
         return 0 if fn is None else int(fn(ctypes.byref(args)))
+
+    def _fp8(self, name: str):
+        fn = getattr(self.lib, name, None)
+        if fn is None:
+            raise KernelError(f"{self.name} is not an e4m3 GEMM kernel (its helper has no {name})")
+        if fn.argtypes is None:
+            if name == "mixgemm_fp8_gemm_check":
+                fn.argtypes = [ctypes.POINTER(Fp8GemmArgs), ctypes.c_char_p, ctypes.c_int]
+            else:
+                fn.argtypes = [ctypes.POINTER(Fp8GemmArgs), ctypes.c_void_p, ctypes.c_uint32,
+                               ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
+            fn.restype = ctypes.c_int
+        return fn
+
+    def check_fp8(self, args: Fp8GemmArgs) -> Optional[str]:
+        """An e4m3 GEMM kernel's check of ``args`` (None: it can run them)."""
+        err = ctypes.create_string_buffer(512)
+        rc = self._fp8("mixgemm_fp8_gemm_check")(ctypes.byref(args), err, len(err))
+        return None if rc == 0 else err.value.decode()
+
+    def prepare_fp8(self, args: Fp8GemmArgs) -> tuple[ctypes.Array, Launch]:
+        """An e4m3 GEMM kernel's params and launch shape for ``args`` (:meth:`prepare`'s)."""
+        buf = ctypes.create_string_buffer(self.params_size)
+        launch = Launch()
+        err = ctypes.create_string_buffer(512)
+        rc = self._fp8("mixgemm_fp8_gemm_prepare")(ctypes.byref(args), buf, self.params_size, ctypes.byref(launch),
+                                                   err, len(err))
+        if rc != 0:
+            raise KernelError(f"{self.name}: {err.value.decode()}")
+        return buf, launch
 
     def prepare(self, args: GemmArgs) -> tuple[ctypes.Array, Launch]:
         buf = ctypes.create_string_buffer(self.params_size)

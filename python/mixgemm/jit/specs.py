@@ -3,10 +3,11 @@
 Every kernel mixgemm can run is described by a frozen spec dataclass (:class:`GemmSpec`,
 :class:`DecodeSpec`, :class:`GroupedDecodeSpec`, :class:`GroupedGemmSpec`, :class:`DequantSpec`,
 :class:`MoeRouteSpec`, :class:`MoeCombineSpec`, :class:`MoeLayoutSpec`, :class:`NormSpec`,
-:class:`RopeSpec`: together :data:`KernelSpec`) whose ``name`` encodes every field; :func:`parse_name` is its inverse. That
-name is the cubin's kernel symbol, the generated file's name, the cache-key prefix and the test
-id. The enums here (:class:`Schedule`, :class:`Scheduler`, :class:`Epilogue`,
-:class:`Activation`, :class:`Raster`, ...) are the specs' fields and the kernels' launch options.
+:class:`RopeSpec`, :class:`Fp8GemmSpec`, :class:`QuantFp8Spec`: together :data:`KernelSpec`) whose
+``name`` encodes every field; :func:`parse_name` is its inverse. That name is the cubin's kernel
+symbol, the generated file's name, the cache-key prefix and the test id. The enums here
+(:class:`Schedule`, :class:`Scheduler`, :class:`Epilogue`, :class:`Activation`, :class:`Raster`, ...)
+are the specs' fields and the kernels' launch options.
 
 Which specs exist and their C++ sources are :mod:`mixgemm.jit.render`'s; building and loading are
 separate steps (:mod:`mixgemm.jit.build`, :mod:`mixgemm.jit.loader`).
@@ -100,6 +101,8 @@ class KernelKind(enum.Enum):
     MOE_LAYOUT = "moe_layout"
     NORM = "norm"
     ROPE = "rope"
+    FP8_GEMM = "f8gemm"
+    QUANT_FP8 = "quant_fp8"
 
 
 class IndexType(enum.Enum):
@@ -435,12 +438,87 @@ class RopeSpec:
         return f"mixgemm_rope_kv_{self.act.value}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmSpec:
+    """One GEMM kernel with e4m3 (FP8) activations (``cutlass_ext/mixgemm/collective/
+    sm90_mma_prepacked_fp8.hpp``, docs/fp8.md): ``y[M, N] = s_x[M] * (xq[M, K] @ dequant(W)[N, K]^T)
+    (+ bias)``, xq the activations quantized per token by :class:`QuantFp8Spec`'s kernel (in the
+    MMA's K order), the 4- and 2-bit codes converted to e4m3 exactly, wgmma ``m64nNk32`` e4m3 x
+    e4m3 into float32, the group scales applied to the float32 accumulator once per k-tile.
+
+    ``act`` is the type of the weight's scales and zero points and of the output (bf16 or fp16);
+    ``tile_m`` tiles the weight rows N (the MMA's M mode), ``tile_n`` the tokens, ``tile_k`` the
+    reduction (64 or 128). Cooperative schedule, persistent tile scheduler, no cluster: the
+    first form of these kernels (docs/fp8.md says what is left). ``stages = 0`` lets the builder
+    fill shared memory. The epilogue is the bf16 kernels' bias + runtime activation
+    (none / silu / gelu).
+    """
+
+    act: ActType
+    weight: WeightType
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 128
+    stages: int = 0
+
+    kind = KernelKind.FP8_GEMM
+    schedule = Schedule.COOPERATIVE
+    scheduler = Scheduler.PERSISTENT
+    epilogue = Epilogue.BIAS_ACT
+    cluster_m = 1
+    programmatic_launch = False   # as GemmSpec
+    #: the weight types whose codes (and codes minus zero points) e4m3 holds exactly
+    WEIGHTS = ("s4", "u4", "s2", "u2")
+
+    def __post_init__(self) -> None:
+        if self.weight.value not in self.WEIGHTS:
+            raise ValueError(f"the e4m3 GEMM takes {', '.join(self.WEIGHTS)} weights (every code and code minus "
+                             f"zero point is exact in e4m3), got {self.weight.value}")
+        if self.tile_m not in (128, 256):
+            raise ValueError(f"tile_m must be 128 or 256 (two consumer warp groups), got {self.tile_m}")
+        if self.tile_n % 8 or not 8 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n must be a multiple of 8 in [8, 256], got {self.tile_n}")
+        if self.tile_k not in (64, 128):
+            raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
+        if self.stages < 0 or self.stages == 1:
+            raise ValueError("stages must be 0 (auto) or >= 2")
+
+    #: the call chooses none / silu / gelu
+    fixed_activation = None
+    #: no stream-K locks
+    self_resetting_locks = False
+
+    @functools.cached_property
+    def name(self) -> str:
+        return (f"mixgemm_f8gemm_{self.act.value}_{self.weight.value}_"
+                f"t{self.tile_m}x{self.tile_n}x{self.tile_k}_s{self.stages}")
+
+    #: any number of tokens
+    max_tokens = None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFp8Spec:
+    """The FP8 activation quantizer (``cutlass_ext/mixgemm/quant_fp8_kernel.hpp``) for rows of
+    type ``act``: per-token scales ``amax / 448`` and the e4m3 codes in the MMA's K order, one
+    launch. Launched by :func:`mixgemm.ops.fp8.quantize_fp8`."""
+
+    act: ActType
+
+    kind = KernelKind.QUANT_FP8
+    programmatic_launch = False
+
+    @functools.cached_property
+    def name(self) -> str:
+        return f"mixgemm_quant_fp8_{self.act.value}"
+
+
 KernelSpec = Union[GemmSpec, DecodeSpec, GroupedDecodeSpec, GroupedGemmSpec, DequantSpec, MoeRouteSpec,
-                   MoeCombineSpec, MoeLayoutSpec, NormSpec, RopeSpec]
+                   MoeCombineSpec, MoeLayoutSpec, NormSpec, RopeSpec, Fp8GemmSpec, QuantFp8Spec]
 #: The kernels that compute a GEMM (and have a host helper): what gemm_with_spec takes.
 GEMM_KINDS = (GemmSpec, DecodeSpec)
 #: The kernels built with a host helper library (helper.so).
-HELPER_KINDS = (GemmSpec, DecodeSpec, GroupedDecodeSpec, GroupedGemmSpec)
+HELPER_KINDS = (GemmSpec, DecodeSpec, GroupedDecodeSpec, GroupedGemmSpec, Fp8GemmSpec)
 
 _GEMM_NAME = re.compile(
     r"^mixgemm_gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)(?:_c(?P<cluster>\d+))?_"
@@ -460,6 +538,9 @@ _MOE_ROUTE_NAME = re.compile(r"^mixgemm_moe_route_(?P<index>i32|i64)$")
 _MOE_COMBINE_NAME = re.compile(r"^mixgemm_moe_combine_(?P<act>bf16|fp16)_w(?P<weight>f32|bf16|f16)$")
 _NORM_NAME = re.compile(r"^mixgemm_(?P<add>add_)?rmsnorm_(?P<act>bf16|fp16)$")
 _ROPE_NAME = re.compile(r"^mixgemm_rope_kv_(?P<act>bf16|fp16)$")
+_FP8_GEMM_NAME = re.compile(
+    r"^mixgemm_f8gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)_s(?P<stages>\d+)$")
+_QUANT_FP8_NAME = re.compile(r"^mixgemm_quant_fp8_(?P<act>bf16|fp16)$")
 
 
 def parse_name(name: str) -> KernelSpec:
@@ -500,4 +581,11 @@ def parse_name(name: str) -> KernelSpec:
     m = _ROPE_NAME.match(name)
     if m:
         return RopeSpec(ActType(m["act"]))
+    m = _FP8_GEMM_NAME.match(name)
+    if m:
+        return Fp8GemmSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["m"]), int(m["n"]), int(m["k"]),
+                           int(m["stages"]))
+    m = _QUANT_FP8_NAME.match(name)
+    if m:
+        return QuantFp8Spec(ActType(m["act"]))
     raise ValueError(f"not a mixgemm kernel name: {name!r}")
