@@ -24,6 +24,7 @@ from ..jit import loader as runtime
 from ..jit.catalog import launch_order
 from ..jit.specs import Activation, DequantSpec, Epilogue, GEMM_KINDS, Raster, SWIZZLES
 from ..weights.quantize import GATE_UP_STRIPE as S
+from . import fp8
 
 
 #: gemm's ``activation`` values
@@ -60,9 +61,11 @@ def _weight_problem(w) -> Optional[str]:
     return None
 
 
-def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtype] = None) -> tuple[bool, str]:
-    """Whether ``gemm(x, w)`` can run for an ``x`` of shape ``x_shape``; the reason if not
-    (w's device first: a weight on the CPU, or no usable GPU, is the reason before any other).
+def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtype] = None,
+             act_format: str = "bf16") -> tuple[bool, str]:
+    """Whether ``gemm(x, w, act_format=act_format)`` can run for an ``x`` of shape ``x_shape``;
+    the reason if not (w's device first: a weight on the CPU, or no usable GPU, is the reason
+    before any other).
 
     Parameters
     ----------
@@ -72,6 +75,9 @@ def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtyp
         The prepacked weight.
     dtype : torch.dtype, optional
         dtype of x; defaults to w's activation dtype.
+    act_format : {"bf16", "fp8"}
+        As :func:`gemm`'s: ``"fp8"`` also needs a u4, s4, u2 or s2 weight with integer zero
+        points (:func:`mixgemm.ops.fp8.fp8_problem`).
 
     Returns
     -------
@@ -90,7 +96,17 @@ def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtyp
     m = math.prod(x_shape[:-1])
     if m >= 2 ** 31:
         return False, f"M={m} tokens is too many for one call"
+    if act_format != "bf16":
+        why = _act_format_problem(act_format) or fp8.fp8_problem(w)
+        if why:
+            return False, why
     return True, ""
+
+
+def _act_format_problem(act_format) -> Optional[str]:
+    if act_format not in fp8.ACT_FORMATS:
+        return f"act_format must be one of {fp8.ACT_FORMATS} ('auto' is not implemented yet), got {act_format!r}"
+    return None
 
 
 def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optional[str] = None) -> None:
@@ -129,7 +145,8 @@ def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out, activation: 
 
 
 def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
-         out: Optional[torch.Tensor] = None, activation: Optional[str] = None) -> torch.Tensor:
+         out: Optional[torch.Tensor] = None, activation: Optional[str] = None,
+         act_format: str = "bf16") -> torch.Tensor:
     """``y = act(x @ dequant(w).T (+ bias))`` with the dequantization fused into the GEMM.
 
     Parameters
@@ -154,6 +171,14 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
         stripes alternating, ``N = 2I``) and returns ``silu(gate) * up``, ``[..., I]`` (a bias
         must be interleaved the same way). Every activation is fused into every kernel's
         epilogue: one launch, at any M (swiglu by a GEMM kernel with the gated epilogue).
+    act_format : {"bf16", "fp8"}
+        ``"bf16"`` (the default): x is used as given (bf16 or fp16), exactly. ``"fp8"``: x is
+        quantized to e4m3 with one scale per token (:func:`mixgemm.ops.fp8.quantize_fp8`, a
+        launch of its own) and multiplied on the FP8 tensor cores
+        (:func:`mixgemm.ops.fp8.gemm_fp8`, docs/fp8.md): u4, s4, u2 and s2 weights with integer
+        zero points, activation None, ``"silu"`` or ``"gelu"``, not under torch.compile yet. The
+        weights are used exactly; only the activations are rounded (3 mantissa bits). The
+        prepacked weight is the same for both formats.
 
     Returns
     -------
@@ -178,6 +203,13 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     So write a packed weight's tensors in place (``copy_``) at load time, not in the last two
     launches before a call that reads them on the same stream.
     """
+    if act_format != "bf16":
+        why = _act_format_problem(act_format)
+        if why:
+            raise ValueError(why)
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("act_format='fp8' is not traceable by torch.compile yet; call it eagerly")
+        return fp8.gemm_fp8(x, w, bias, out, activation)
     if torch.compiler.is_compiling():
         return _gemm_compiling(x, w, bias, out, activation)
     if type(w) is PackedWeight:

@@ -1,0 +1,341 @@
+"""FP8 (e4m3) activations: the per-token quantizer (:func:`quantize_fp8`), its torch definition
+(:func:`quantize_fp8_reference`) and inverse (:func:`dequantize_fp8`), and the K order the e4m3
+GEMMs read (:func:`k_permutation`).
+
+The e4m3 GEMMs (:class:`mixgemm.jit.specs.Fp8GemmSpec`, ``mixgemm.gemm(..., act_format="fp8")``)
+multiply e4m3 weights, converted exactly from 4- and 2-bit codes in the wgmma's 8-bit A-fragment
+order, by e4m3 activations. That fragment holds the weight's columns permuted inside every block
+of 32 (``converters/mixgemm/e4m3.hpp``):
+
+    MMA column F = 16 p + 4 t + j  holds weight column  L = 8 j + 2 t + p
+
+so the quantizer writes activation column ``L`` at position ``F`` (``xq[:, F] = q[:, L]``), and
+the GEMM reads the activations as a plain K-major operand. docs/fp8.md has the whole design.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ..dispatch import checks, heuristic
+from ..dtypes import ActType
+from ..jit import driver, loader
+from ..jit.specs import Activation, Fp8GemmSpec, QuantFp8Spec
+
+if TYPE_CHECKING:
+    from ..weights.types import PackedWeight
+
+__all__ = ["E4M3_MAX", "ACT_FORMATS", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
+           "mma_to_weight_col", "weight_to_mma_col", "quant_spec", "gemm_fp8", "gemm_quantized", "fp8_problem",
+           "select_fp8_spec", "FP8_TILE"]
+
+#: ``mixgemm.gemm``'s ``act_format`` values: exact bf16/fp16 activations, or e4m3 ones
+ACT_FORMATS = ("bf16", "fp8")
+
+#: The largest finite e4m3 (float8_e4m3fn) value: a token's scale is its amax over this.
+E4M3_MAX = 448.0
+#: The quantizer's block of columns (the K permutation's period); K must be a multiple of it.
+BLOCK = 32
+_THREADS = 128   # quant_fp8_kernel.hpp's kQuantThreads
+
+
+def mma_to_weight_col(f: int) -> int:
+    """The weight (and activation) column that MMA column ``f`` holds (e4m3.hpp's function of
+    the same name)."""
+    return (f & ~31) + 8 * (f % 4) + 2 * ((f // 4) % 4) + (f % 32) // 16
+
+
+def weight_to_mma_col(col: int) -> int:
+    """The MMA column that holds weight column ``col``: the inverse of :func:`mma_to_weight_col`."""
+    return (col & ~31) + 16 * (col % 2) + 4 * ((col // 2) % 4) + (col % 32) // 8
+
+
+@functools.lru_cache(maxsize=None)
+def _permutation(k: int) -> tuple[int, ...]:
+    return tuple(mma_to_weight_col(f) for f in range(k))
+
+
+def k_permutation(k: int, device: "torch.device | str | None" = None) -> torch.Tensor:
+    """``perm`` (int64, ``[k]``) with ``xq[:, f] = q[:, perm[f]]``: the MMA order of ``k``
+    columns (``k % 32 == 0``). Its inverse is ``argsort(perm)``."""
+    if k % BLOCK:
+        raise ValueError(f"K={k} must be a multiple of {BLOCK}")
+    return torch.tensor(_permutation(k), dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def quant_spec(dtype: torch.dtype) -> QuantFp8Spec:
+    """The quantizer kernel for rows of ``dtype`` (bf16 or fp16)."""
+    return QuantFp8Spec(ActType.from_torch(dtype))
+
+
+def _check(x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., K]")
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"x has K={x.shape[-1]}: the FP8 quantizer needs K % {BLOCK} == 0")
+
+
+def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition of :func:`quantize_fp8` in torch (any device), bit for bit the kernel's.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., K]``, bfloat16 or float16, ``K % 32 == 0``.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        ``xq``: ``torch.float8_e4m3fn`` ``[..., K]``, the codes in the MMA's K order; ``scales``:
+        float32 ``[...]``, one per token (row of x), such that ``xq * scales`` (in the natural
+        order, :func:`dequantize_fp8`) approximates x.
+
+    Notes
+    -----
+    In float32, per row: ``amax = max |x|``; ``s = amax / 448`` (or 1 for a row of zeros);
+    ``q = (x / s).clamp(-448, 448).to(float8_e4m3fn)`` (round to nearest even); then
+    ``xq[:, f] = q[:, perm[f]]`` with :func:`k_permutation`. Each step is one correctly rounded
+    float32 operation, which the kernel performs in the same order.
+    """
+    _check(x)
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (xf / s.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    perm = k_permutation(x.shape[-1], x.device)
+    return q.index_select(-1, perm).contiguous(), s
+
+
+def dequantize_fp8(xq: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``xq * scales`` in the natural column order: the activations an e4m3 GEMM multiplies.
+
+    Parameters
+    ----------
+    xq : torch.Tensor
+        ``torch.float8_e4m3fn`` (or its bytes as ``torch.uint8``) ``[..., K]`` in the MMA's K
+        order, as :func:`quantize_fp8` returns it.
+    scales : torch.Tensor
+        float32 ``[...]``.
+    dtype : torch.dtype
+        Of the result (float32 or float64 hold every product exactly).
+    """
+    if xq.dtype == torch.uint8:
+        xq = xq.view(torch.float8_e4m3fn)
+    inv = torch.argsort(k_permutation(xq.shape[-1], xq.device))
+    return xq.index_select(-1, inv).to(dtype) * scales.to(dtype).unsqueeze(-1)
+
+
+def _kernel_takes(x: torch.Tensor) -> bool:
+    return checks.device_problem(x.device) is None
+
+
+#: the argument types of MIXGEMM_QUANT_FP8_ENTRY: x, xq, scales, ldx_vecs, ldq_vecs, blocks
+_ARG_TYPES = (ctypes.c_void_p,) * 3 + (ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
+
+
+def _launch(x: torch.Tensor, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.stride(0) * x2.element_size()) % 16 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()
+    rows = x2.shape[0]
+    if out is None:
+        xq = torch.empty((rows, k), dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    else:
+        xq, scales = out
+    if rows:
+        launch = loader.KERNELS.plain_launch(quant_spec(x.dtype), x.device, _ARG_TYPES, _THREADS)
+        launch(rows, driver.current_stream(x.device.index), x2.data_ptr(), xq.data_ptr(), scales.data_ptr(),
+               x2.stride(0) // 8, xq.stride(0) // 16, k // BLOCK)
+    return xq.view(*x.shape), scales.view(x.shape[:-1])
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations to e4m3 with one scale per token, in the e4m3 GEMMs' K order.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., K]``, bfloat16 or float16, ``K % 32 == 0``. Any strides (a row stride that is
+        not a multiple of 16 bytes is copied first).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        ``(xq, scales)``: ``torch.float8_e4m3fn`` ``[..., K]`` (contiguous, columns permuted
+        inside every block of 32: :func:`k_permutation`) and float32 ``[...]``; exactly
+        :func:`quantize_fp8_reference` of x.
+
+    Notes
+    -----
+    On an sm_90 GPU this is one launch of :class:`mixgemm.jit.specs.QuantFp8Spec`'s kernel (one
+    CTA per token); elsewhere it runs :func:`quantize_fp8_reference`.
+    """
+    _check(x)
+    if _kernel_takes(x):
+        return _launch(x)
+    return quantize_fp8_reference(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# The e4m3 GEMM
+# ---------------------------------------------------------------------------------------------
+#: The tile (weight rows, tokens, k) of every e4m3 GEMM launch in this first form: one kernel
+#: per (output dtype, weight type); docs/fp8.md says what is left (smaller tiles for few tokens,
+#: wider ones, clusters, stream-K).
+FP8_TILE = (128, 128, 128)
+#: the activations gemm_fp8 fuses (swiglu's gated epilogue has no e4m3 form yet)
+_FP8_ACTIVATIONS = (None, "silu", "gelu")
+
+
+def fp8_problem(w: "PackedWeight") -> Optional[str]:
+    """Why ``w`` cannot run with e4m3 activations (``act_format="fp8"``), or None if it can."""
+    if w.weight_type.value not in Fp8GemmSpec.WEIGHTS:
+        return (f"act_format='fp8' takes u4, s4, u2 and s2 weights (their codes, minus integer zero points, are "
+                f"exact in e4m3); w is {w.weight_type.value}: use act_format='bf16'")
+    if w.zero_offsets is not None:
+        return ("act_format='fp8' needs integer zero points; w has fractional ones (zero_offsets): "
+                "use act_format='bf16'")
+    if w.group_size % 32:
+        return f"act_format='fp8' needs a group size that is a multiple of 32, w has {w.group_size}"
+    return None
+
+
+def select_fp8_spec(m: int, w: "PackedWeight") -> Fp8GemmSpec:
+    """The e4m3 GEMM kernel :func:`gemm_fp8` runs for ``m`` tokens (one tile for now: :data:`FP8_TILE`)."""
+    return Fp8GemmSpec(w.act_type, w.weight_type, *FP8_TILE)
+
+
+def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = None,
+             out: Optional[torch.Tensor] = None, activation: Optional[str] = None,
+             spec: Optional[Fp8GemmSpec] = None) -> torch.Tensor:
+    """``mixgemm.gemm(x, w, ..., act_format="fp8")``: x quantized to e4m3 per token
+    (:func:`quantize_fp8`), then one e4m3 GEMM launch.
+
+    Parameters
+    ----------
+    x, w, bias, out, activation
+        As :func:`mixgemm.gemm`; ``w`` is u4, s4, u2 or s2 with integer zero points, and
+        ``activation`` is None, ``"silu"`` or ``"gelu"``.
+    spec : Fp8GemmSpec, optional
+        The kernel (default: :func:`select_fp8_spec`); its types must be w's.
+
+    Returns
+    -------
+    torch.Tensor
+        ``act(s_x * (xq @ (q - z)^T) * s_w + bias)`` rounded once to x's dtype, ``[..., N]``:
+        the product of the e4m3-rounded activations (:func:`dequantize_fp8` of
+        :func:`quantize_fp8`) with exactly the dequantized weight ``(q - z) * s``, accumulated in
+        float32 (docs/fp8.md).
+    """
+    from . import dense   # deferred: dense imports this module
+
+    dense._check_gemm_inputs(x, w, bias, out, activation)
+    why = fp8_problem(w)
+    if why:
+        raise ValueError(why)
+    if activation not in _FP8_ACTIVATIONS:
+        raise ValueError(f"act_format='fp8' fuses activation None, 'silu' or 'gelu', not {activation!r}")
+    spec = _checked_spec(spec, w)
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    y = out if out is not None else torch.empty((*lead, w.n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    xq, xs = _launch(x.reshape(m, w.k))
+    _launch_gemm(spec, w, xq, xs, bias, y, activation)
+    # xq and xs go back to torch's allocator, which reuses them only after this stream's work
+    return y
+
+
+def gemm_quantized(xq: torch.Tensor, x_scales: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = None,
+                   out: Optional[torch.Tensor] = None, activation: Optional[str] = None,
+                   spec: Optional[Fp8GemmSpec] = None) -> torch.Tensor:
+    """The e4m3 GEMM alone, on activations already quantized by :func:`quantize_fp8` (a producer
+    that writes them itself, or a benchmark that times the GEMM apart).
+
+    Parameters
+    ----------
+    xq : torch.Tensor
+        ``torch.float8_e4m3fn`` ``[M, K]``, contiguous, in the MMA's K order.
+    x_scales : torch.Tensor
+        float32 ``[M]``, contiguous.
+    w, bias, out, activation, spec
+        As :func:`gemm_fp8`; the output is in w's dtype.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[M, N]``.
+    """
+    if not isinstance(xq, torch.Tensor) or xq.dtype != torch.float8_e4m3fn or xq.dim() != 2:
+        raise TypeError("xq must be a 2-D torch.float8_e4m3fn tensor [M, K] (mixgemm.ops.quantize_fp8)")
+    m, k = xq.shape
+    if k != w.k or not xq.is_contiguous():
+        raise ValueError(f"xq must be contiguous [M, K={w.k}], got {list(xq.shape)}")
+    if (not isinstance(x_scales, torch.Tensor) or x_scales.dtype != torch.float32 or tuple(x_scales.shape) != (m,)
+            or not x_scales.is_contiguous()):
+        raise ValueError(f"x_scales must be a contiguous float32 tensor of shape [{m}]")
+    from . import dense   # deferred: dense imports this module
+
+    why = dense._weight_problem(w) or fp8_problem(w)
+    if why:
+        raise ValueError(why)
+    if xq.device != w.device or x_scales.device != w.device:
+        raise ValueError(f"xq and x_scales must be on w's device {w.device}")
+    if activation not in _FP8_ACTIVATIONS:
+        raise ValueError(f"act_format='fp8' fuses activation None, 'silu' or 'gelu', not {activation!r}")
+    for name, t, shape in (("bias", bias, (w.n,)), ("out", out, (m, w.n))):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != w.dtype
+                              or t.device != w.device or not t.is_contiguous() or t.data_ptr() % 16):
+            raise ValueError(f"{name} must be a contiguous, 16-byte aligned {w.dtype} tensor of shape "
+                             f"{list(shape)} on {w.device}")
+    spec = _checked_spec(spec, w)
+    y = out if out is not None else torch.empty((m, w.n), dtype=w.dtype, device=xq.device)
+    if m:
+        _launch_gemm(spec, w, xq, x_scales, bias, y, activation)
+    return y
+
+
+def _checked_spec(spec: Optional[Fp8GemmSpec], w: "PackedWeight") -> Fp8GemmSpec:
+    if spec is None:
+        return select_fp8_spec(0, w)
+    if not isinstance(spec, Fp8GemmSpec):
+        raise TypeError(f"spec must be an Fp8GemmSpec, got {type(spec).__name__}")
+    if spec.act is not w.act_type or spec.weight is not w.weight_type:
+        raise ValueError(f"kernel {spec.name} is for {spec.act.value} x {spec.weight.value}, "
+                         f"w is {w.act_type.value} x {w.weight_type.value}")
+    return spec
+
+
+def _launch_gemm(spec: Fp8GemmSpec, w: "PackedWeight", xq: torch.Tensor, xs: torch.Tensor,
+                 bias: Optional[torch.Tensor], y: torch.Tensor, activation: Optional[str]) -> None:
+    m = xq.shape[0]
+    kernel = loader.KERNELS.get(spec, xq.device)
+    args = driver.Fp8GemmArgs()
+    a = args.gemm
+    a.abi_version = driver.ABI_VERSION
+    a.m, a.n, a.k, a.group_size = m, w.n, w.k, w.group_size
+    a.sm_count = heuristic.sm_count(xq.get_device())
+    a.splits, a.raster, a.swizzle = 0, 0, 1
+    a.activation = Activation(activation or "none").abi
+    a.weight, a.scales = w.qdata.data_ptr(), w.scales.data_ptr()
+    a.zeros = 0 if w.zeros is None else w.zeros.data_ptr()
+    a.x, a.ldx = xq.data_ptr(), w.k
+    a.bias = 0 if bias is None else bias.data_ptr()
+    a.y, a.ldy = y.data_ptr(), w.n
+    args.x_scales = xs.data_ptr()
+    params, launch = kernel.helper.prepare_fp8(args)
+    loader.launch_prepared(kernel, params, launch)

@@ -1,0 +1,248 @@
+"""GPU correctness of the FP8 (e4m3) activation path (needs an sm_90 GPU; skipped cleanly without one).
+
+* The quantizer kernel (mixgemm.ops.quantize_fp8) equals its torch definition
+  (quantize_fp8_reference) bit for bit: codes, their K order and the per-token scales.
+* ``mixgemm.gemm(x, w, act_format="fp8")`` against a float64 product of the SAME operands the
+  kernel multiplies: the activations quantized by the reference and dequantized
+  (dequantize_fp8), and the weight dequantized exactly in float64, ``(q - z) * s`` (the kernel
+  applies the bf16/fp16 scale in float32 to the group's exact sum, so it is not rounded to the
+  activation dtype first, as mixgemm.dequantize_reference's is). u4, s4, u2, s2; groups of 32 to
+  per-channel; M from 1 to 1000; bias, silu / gelu, out=, fp16, CUDA graphs.
+
+The kernels these tests build (``python tools/fp8_check.py --list``; ``--build -j 14`` builds them):
+mixgemm_quant_fp8_{bf16,fp16}, mixgemm_f8gemm_bf16_{u4,s4,u2,s2}_t128x128x128_s0 and
+mixgemm_f8gemm_fp16_{u4,s2}_t128x128x128_s0.
+
+With MIXGEMM_FP8_REPORT=path, every GEMM check (weight type, group, shape, M, error, bound) is
+written there as JSON.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import mixgemm
+from mixgemm.dtypes import WeightType
+from mixgemm.jit import loader as runtime
+from mixgemm.ops import fp8
+
+pytestmark = pytest.mark.gpu
+
+WEIGHTS = (WeightType.U4, WeightType.S4, WeightType.U2, WeightType.S2)
+# (N, K): two layer shapes, a partial weight tile with K of 18 k-tiles (N = 16 * 97, K = 2304),
+# and K = 192: one and a half k-tiles of 128.
+SHAPES = ((4096, 4096), (1024, 2048), (1552, 2304), (256, 192))
+GROUPS = (32, 64, 128, 256, "K")
+MS = (1, 16, 64, 256, 1000)
+
+_REPORT: list = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_report():
+    yield
+    path = os.environ.get("MIXGEMM_FP8_REPORT")
+    if path and _REPORT:
+        with open(path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "checks": _REPORT}, f, indent=1)
+
+
+def tolerance(k: int, dtype: torch.dtype) -> float:
+    """Bound on ||y - ref|| / ||ref||: the bf16 GEMM tests' (tests/ops/test_gpu_gemm.py: 4x the
+    output rounding plus 64 sqrt(K) 2^-24 for the float32 accumulation), plus 2^-12 for the FP8
+    tensor cores' accumulation inside a k-tile (128 products summed with fewer bits than float32
+    before each float32 promotion; docs/fp8.md). The products themselves are exact: both
+    operands are e4m3 values and the kernel's weight scale is applied in float32."""
+    out_round = 2.0 ** -9 if dtype == torch.bfloat16 else 2.0 ** -12
+    return 4 * out_round + 64 * math.sqrt(k) * 2.0 ** -24 + 2.0 ** -12
+
+
+def _dev():
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)):
+        pytest.skip("needs an NVIDIA Hopper (sm_90) GPU")
+    return torch.device("cuda", 0)
+
+
+def exact_weight(qw) -> torch.Tensor:
+    """``(q - z) * s`` in float64 ([N, K]): the weight the e4m3 kernels multiply."""
+    g = qw.group_size
+    q = qw.qweight.double()
+    z = 0.0 if qw.zeros is None else qw.zeros.double().repeat_interleave(g, dim=1)
+    return (q - z) * qw.scales.double().repeat_interleave(g, dim=1)
+
+
+@functools.lru_cache(maxsize=4)
+def _weights(wt: WeightType, group, n: int, k: int, dtype: torch.dtype = torch.bfloat16):
+    dev = torch.device("cuda", 0)
+    gen = torch.Generator(device=dev).manual_seed(hash((wt.value, str(group), n, k, str(dtype))) % 2**31)
+    w = torch.randn(n, k, device=dev, generator=gen) * 0.02
+    qw = mixgemm.quantize(w, wt.bits, k if group == "K" else group, symmetric=wt.signed, dtype=dtype)
+    return mixgemm.prepack(qw), exact_weight(qw)
+
+
+def _activations(m: int, k: int, dtype, seed: int) -> torch.Tensor:
+    """Rows of magnitudes from 1e-2 to 1e2 (the per-token scales differ), with outliers."""
+    dev = torch.device("cuda", 0)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(m, k, device=dev, generator=gen)
+    x = x * torch.logspace(-2, 2, m, device=dev).unsqueeze(1)[torch.randperm(m, device=dev, generator=gen)]
+    x[:, ::97] *= 8
+    return x.to(dtype)
+
+
+def reference(x: torch.Tensor, w64: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+    """float64 product of the e4m3-rounded activations (the quantizer's definition, torch on the
+    CPU) and w64."""
+    xq, s = fp8.quantize_fp8_reference(x.reshape(-1, x.shape[-1]).cpu())
+    y = fp8.dequantize_fp8(xq, s, torch.float64).to(w64.device) @ w64.t()
+    if bias is not None:
+        y = y + bias.double()
+    if activation == "silu":
+        y = torch.nn.functional.silu(y)
+    elif activation == "gelu":
+        y = torch.nn.functional.gelu(y)
+    return y.reshape(*x.shape[:-1], w64.shape[0])
+
+
+def _check(y, ref, k, dtype, what: dict) -> None:
+    err = ((y.double() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+    bound = tolerance(k, dtype)
+    _REPORT.append({**what, "rel_error": err, "bound": bound})
+    assert bool(torch.isfinite(y).all()), what
+    assert err <= bound, f"{what}: relative error {err:.3e} > {bound:.3e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The quantizer
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows,k", [(1, 4096), (1000, 4096), (7, 20480), (3, 96), (64, 14336), (2, 32), (300, 2048)])
+def test_quantizer_is_bit_exact(dtype, rows, k):
+    dev = _dev()
+    x = _activations(rows, k, dtype, seed=rows * k)
+    if rows >= 3:
+        x[0] = 0                                             # scale 1, codes 0
+        x[1, ::2] = -0.0                                     # negative zeros, and tiny values
+        x[1, 1::2] = torch.finfo(dtype).tiny * torch.arange(k // 2, device=dev)
+        x[2, k // 3] = torch.finfo(dtype).max / 4            # one outlier: most codes subnormal or 0
+    xq, s = mixgemm.ops.quantize_fp8(x)
+    assert runtime.KERNELS.get(fp8.quant_spec(dtype), dev) is not None
+    assert xq.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    # the definition: torch on the CPU
+    ref_q, ref_s = fp8.quantize_fp8_reference(x.cpu())
+    assert torch.equal(s.cpu(), ref_s), (s.cpu() != ref_s).nonzero()[:4].tolist()
+    differ = (xq.view(torch.uint8).cpu() != ref_q.view(torch.uint8)).nonzero()
+    assert differ.numel() == 0, f"{len(differ)} codes differ, first at {differ[:4].tolist()}"
+    # and the same torch ops on the GPU agree
+    gpu_q, gpu_s = fp8.quantize_fp8_reference(x)
+    assert torch.equal(gpu_s, s) and torch.equal(gpu_q.view(torch.uint8), xq.view(torch.uint8))
+
+
+def test_quantizer_strided_and_batched_inputs():
+    dev = _dev()
+    big = _activations(40, 4096 + 64, torch.bfloat16, seed=3)
+    odd = torch.randn(5, 4100, device=dev, dtype=torch.float16)[:, :4064]   # row stride not 16 bytes: copied
+    for x in (big[:, :4096], big[:, 8:4104], big[::3, :4096], big.view(8, 5, 4160)[..., :4096], odd):
+        xq, s = mixgemm.ops.quantize_fp8(x)
+        ref_q, ref_s = fp8.quantize_fp8_reference(x.cpu())
+        assert xq.shape == x.shape and s.shape == x.shape[:-1]
+        assert torch.equal(xq.view(torch.uint8).cpu(), ref_q.view(torch.uint8)) and torch.equal(s.cpu(), ref_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# The GEMM
+# ---------------------------------------------------------------------------------------------
+def _gemm_cases():
+    out = []
+    for wt in WEIGHTS:
+        for n, k in SHAPES:
+            for group in GROUPS:
+                if group != "K" and k % group:
+                    continue
+                out.append(pytest.param(wt, group, (n, k), id=f"{wt.value}-g{group}-{n}x{k}"))
+    return out
+
+
+@pytest.mark.parametrize("wt,group,shape", _gemm_cases())
+def test_gemm_fp8_against_float64(wt, group, shape):
+    _dev()
+    n, k = shape
+    w, w64 = _weights(wt, group, n, k)
+    for m in MS:
+        x = _activations(m, k, torch.bfloat16, seed=m + n)
+        y = mixgemm.gemm(x, w, act_format="fp8")
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        _check(y, reference(x, w64), k, torch.bfloat16,
+               {"weight": wt.value, "group": str(group), "n": n, "k": k, "m": m, "dtype": "bf16"})
+
+
+@pytest.mark.parametrize("wt", [WeightType.U4, WeightType.S2], ids=lambda w: w.value)
+@pytest.mark.parametrize("group", [128, "K"])
+def test_gemm_fp8_fp16(wt, group):
+    _dev()
+    n, k = 1024, 2048
+    w, w64 = _weights(wt, group, n, k, torch.float16)
+    for m in (1, 64, 1000):
+        x = _activations(m, k, torch.float16, seed=m)
+        y = mixgemm.gemm(x, w, act_format="fp8")
+        assert y.dtype == torch.float16
+        _check(y, reference(x, w64), k, torch.float16,
+               {"weight": wt.value, "group": str(group), "n": n, "k": k, "m": m, "dtype": "fp16"})
+
+
+@pytest.mark.parametrize("activation", [None, "silu", "gelu"])
+def test_gemm_fp8_bias_activation_out_and_batch_dims(activation):
+    dev = _dev()
+    n, k = 1024, 2048
+    w, w64 = _weights(WeightType.U4, 128, n, k)
+    bias = (torch.randn(n, device=dev) * 0.5).to(torch.bfloat16)
+    x = _activations(6 * 50, k, torch.bfloat16, seed=11).view(6, 50, k)
+    out = torch.empty(6, 50, n, device=dev, dtype=torch.bfloat16)
+    y = mixgemm.gemm(x, w, bias=bias, out=out, activation=activation, act_format="fp8")
+    assert y is out
+    _check(y, reference(x, w64, bias, activation), k, torch.bfloat16,
+           {"weight": "u4", "group": "128", "n": n, "k": k, "m": 300, "dtype": "bf16", "bias": True,
+            "activation": activation or "none"})
+
+
+def test_gemm_fp8_is_close_to_the_exact_path():
+    """The same prepacked weight in both paths: the e4m3 result differs from the bf16 one by about
+    the activations' rounding (3 mantissa bits: a few percent in norm), no more."""
+    _dev()
+    w, _ = _weights(WeightType.U4, 128, 4096, 4096)
+    x = _activations(256, 4096, torch.bfloat16, seed=5)
+    exact = mixgemm.gemm(x, w).double()
+    rel = ((mixgemm.gemm(x, w, act_format="fp8").double() - exact).norm() / exact.norm()).item()
+    assert 1e-3 < rel < 0.05, rel
+
+
+def test_gemm_fp8_empty_and_graphs():
+    dev = _dev()
+    w, w64 = _weights(WeightType.S4, 64, 1024, 2048)
+    assert mixgemm.gemm(torch.empty(0, 2048, device=dev, dtype=torch.bfloat16), w, act_format="fp8").shape == (0, 1024)
+    x = _activations(64, 2048, torch.bfloat16, seed=9)
+    eager = mixgemm.gemm(x, w, act_format="fp8")              # loads both kernels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mixgemm.gemm(x, w, act_format="fp8")
+    x.copy_(_activations(64, 2048, torch.bfloat16, seed=10))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, mixgemm.gemm(x, w, act_format="fp8"))
+    assert not torch.equal(y, eager)
+    _check(y, reference(x, w64), 2048, torch.bfloat16,
+           {"weight": "s4", "group": "64", "n": 1024, "k": 2048, "m": 64, "dtype": "bf16", "graph": True})
+
+
+def test_gemm_fp8_is_deterministic():
+    _dev()
+    w, _ = _weights(WeightType.U2, 32, 4096, 4096)
+    x = _activations(1000, 4096, torch.bfloat16, seed=12)
+    a = mixgemm.gemm(x, w, act_format="fp8")
+    b = mixgemm.gemm(x, w, act_format="fp8")
+    assert torch.equal(a, b)
