@@ -146,3 +146,18 @@ def test_tool_usage(tool, capsys):
     else:
         assert mod.main(["--help"] if tool == "decode_trace" else ["bogus"]) == 2
         assert "python tools/" in capsys.readouterr().out
+
+
+def test_fp8_check_lists_its_kernels(capsys):
+    """`python tools/fp8_check.py --list`: the quantizers, the e4m3 GEMM kernels of
+    tests/ops/test_gpu_fp8.py, and for the timed rows the bf16 path's kernels; a bad option is a
+    usage error."""
+    mod = _tool("fp8_check")
+    assert mod.main(["--list", "--shapes", "256x512", "--m", "256"]) == 0
+    names = capsys.readouterr().out.split()
+    assert {"mixgemm_quant_fp8_bf16", "mixgemm_quant_fp8_fp16", "mixgemm_f8gemm_bf16_u4_t128x128x128_s0",
+            "mixgemm_f8gemm_bf16_s2_t128x128x128_s0", "mixgemm_f8gemm_fp16_u4_t128x128x128_s0"} <= set(names)
+    assert len(names) == len(set(names)) == 9 and any(n.startswith("mixgemm_gemm_bf16_u4_") for n in names)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--bogus"])
+    assert e.value.code == 2
