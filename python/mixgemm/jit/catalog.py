@@ -11,9 +11,9 @@ import dataclasses
 from typing import Iterable, Union
 
 from ..dtypes import ActType, WeightType
-from .specs import (SWIZZLES, Activation, DecodeSpec, DequantSpec, Epilogue, GemmSpec, GroupedDecodeSpec,
-                    GroupedGemmSpec, IndexType, KernelSpec, MoeCombineSpec, MoeLayoutSpec, MoeRouteSpec, NormSpec,
-                    Raster, RopeSpec, RoutingWeightType, Schedule, Scheduler)
+from .specs import (SWIZZLES, Activation, DecodeSpec, DequantSpec, Epilogue, Fp8GemmSpec, GemmSpec,
+                    GroupedDecodeSpec, GroupedGemmSpec, IndexType, KernelSpec, MoeCombineSpec, MoeLayoutSpec,
+                    MoeRouteSpec, NormSpec, QuantFp8Spec, Raster, RopeSpec, RoutingWeightType, Schedule, Scheduler)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +148,24 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
     specs += grouped_gemm_specs(acts, weights)
     specs += moe_specs(acts)
     specs += layer_specs(acts)
+    specs += fp8_specs(acts, weights)
     return specs
+
+
+#: The tile (weight rows, tokens, k) of every e4m3 GEMM launch in this first form: one kernel
+#: per (output dtype, weight type); docs/fp8.md says what is left (smaller tiles for few tokens,
+#: wider ones, clusters, stream-K).
+FP8_TILE = (128, 128, 128)
+
+
+def fp8_specs(acts: Iterable[ActType] = ALL_ACTS,
+              weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[Union[QuantFp8Spec, Fp8GemmSpec]]:
+    """The kernels of ``gemm(..., act_format="fp8")``: the activation quantizer of each activation
+    type, and the e4m3 GEMM (:data:`FP8_TILE`) of each activation type and each weight type whose
+    codes e4m3 holds exactly (:attr:`Fp8GemmSpec.WEIGHTS`). Part of :func:`default_specs`."""
+    acts, weights = list(acts), list(weights)
+    return [QuantFp8Spec(a) for a in acts] + [Fp8GemmSpec(a, w, *FP8_TILE) for a in acts for w in weights
+                                              if w.value in Fp8GemmSpec.WEIGHTS]
 
 
 def norm_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[NormSpec]:

@@ -24,6 +24,7 @@ import torch
 from ..dispatch import checks, heuristic
 from ..dtypes import ActType
 from ..jit import driver, loader
+from ..jit.catalog import FP8_TILE
 from ..jit.specs import Activation, Fp8GemmSpec, QuantFp8Spec
 
 if TYPE_CHECKING:
@@ -192,10 +193,6 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 # The e4m3 GEMM
 # ---------------------------------------------------------------------------------------------
-#: The tile (weight rows, tokens, k) of every e4m3 GEMM launch in this first form: one kernel
-#: per (output dtype, weight type); docs/fp8.md says what is left (smaller tiles for few tokens,
-#: wider ones, clusters, stream-K).
-FP8_TILE = (128, 128, 128)
 #: the activations gemm_fp8 fuses (swiglu's gated epilogue has no e4m3 form yet)
 _FP8_ACTIVATIONS = (None, "silu", "gelu")
 
