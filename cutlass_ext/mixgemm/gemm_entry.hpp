@@ -54,7 +54,8 @@ template <class Kernel>
 typename Kernel::Arguments make_arguments(abi::GemmArgs const& a, Grouping const& g = {}) {
   using Mainloop = typename Kernel::CollectiveMainloop;
   using Epilogue = typename Kernel::CollectiveEpilogue;
-  using ElementAct = typename Mainloop::ElementAct;
+  using ElementB = typename Mainloop::ElementB;           // the activations
+  using ElementScale = typename Mainloop::ElementScale;   // the scales and zero points
   using ElementD = typename Epilogue::ElementD;
 
   typename Kernel::Arguments args{};
@@ -63,10 +64,10 @@ typename Kernel::Arguments make_arguments(abi::GemmArgs const& a, Grouping const
   args.problem_shape = typename Kernel::ProblemShape{a.n, a.m, a.k, 1};
 
   args.mainloop.ptr_A = reinterpret_cast<uint8_t const*>(a.weight);
-  args.mainloop.ptr_B = reinterpret_cast<ElementAct const*>(a.x);
+  args.mainloop.ptr_B = reinterpret_cast<ElementB const*>(a.x);
   args.mainloop.dB = cute::make_stride(int64_t(a.ldx), cute::Int<1>{}, int64_t(0));
-  args.mainloop.ptr_S = reinterpret_cast<ElementAct const*>(a.scales);
-  args.mainloop.ptr_Z = reinterpret_cast<ElementAct const*>(a.zeros);
+  args.mainloop.ptr_S = reinterpret_cast<ElementScale const*>(a.scales);
+  args.mainloop.ptr_Z = reinterpret_cast<ElementScale const*>(a.zeros);
   args.mainloop.group_size = a.group_size;
   args.mainloop.tile_expert = g.tiles ? g.tiles + 1 : nullptr;
   args.mainloop.num_experts = g.experts;

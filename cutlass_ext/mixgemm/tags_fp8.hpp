@@ -4,10 +4,10 @@
 // A kernel whose operand A names mixgemm::layout::PrepackedSm90 (tags.hpp), whose operand B is
 // cutlass::float_e4m3_t and whose schedule is mixgemm::KernelPrepackedFp8Cooperative gets
 // CollectiveMmaPrepackedFp8. The schedule derives from CUTLASS's cooperative one, so the kernel
-// layer (GemmUniversal) is the warp-specialized cooperative kernel.
+// layer (GemmUniversal) is the warp-specialized cooperative kernel; the dispatch policy is the
+// bf16 mainloop's (tags.hpp's MainloopSm90Prepacked, which names the schedule).
 #pragma once
 
-#include "cutlass/arch/arch.h"
 #include "cutlass/gemm/dispatch_policy.hpp"
 
 #include "mixgemm/tags.hpp"
@@ -15,14 +15,5 @@
 namespace mixgemm {
 
 struct KernelPrepackedFp8Cooperative : cutlass::gemm::KernelTmaWarpSpecializedCooperative {};
-
-// Dispatch policy of CollectiveMmaPrepackedFp8.
-template <int Stages_, class ClusterShape_, class KernelSchedule_>
-struct MainloopSm90PrepackedFp8 {
-  static constexpr int Stages = Stages_;
-  using ClusterShape = ClusterShape_;
-  using ArchTag = cutlass::arch::Sm90;
-  using Schedule = KernelSchedule_;
-};
 
 }  // namespace mixgemm
