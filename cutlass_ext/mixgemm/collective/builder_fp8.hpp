@@ -9,7 +9,7 @@
 
 #include "cutlass/gemm/collective/collective_builder.hpp"
 
-#include "mixgemm/collective/builder.hpp"   // mixgemm::detail::is_stage_count
+#include "mixgemm/collective/builder.hpp"   // mixgemm::detail: operand A, the B atom, the stage count
 #include "mixgemm/collective/sm90_mma_prepacked_fp8.hpp"
 #include "mixgemm/tags_fp8.hpp"
 
@@ -23,39 +23,20 @@ struct CollectiveBuilder<
     ElementB, GmemLayoutBTag, AlignmentB,
     float, TileShape_MNK, ClusterShape_MNK, StageCountType, KernelScheduleType,
     cute::enable_if_t<cute::is_same_v<KernelScheduleType, mixgemm::KernelPrepackedFp8Cooperative>>> {
-  static_assert(cute::is_tuple<ElementPairA>::value,
-                "operand A must be cute::tuple<code, scale> or cute::tuple<code, scale, zero>");
-  static constexpr int kTuple = cute::tuple_size_v<ElementPairA>;
-  static_assert(kTuple == 2 || kTuple == 3, "operand A must be (code, scale) or (code, scale, zero)");
-  using ElementCode = cute::tuple_element_t<0, ElementPairA>;
-  using ElementScale = cute::tuple_element_t<1, ElementPairA>;
-  static constexpr bool HasZero = kTuple == 3;
+  using OperandA = mixgemm::detail::PrepackedElementA<ElementPairA>;
+  using ElementScale = typename OperandA::ElementScale;
   static_assert(cute::is_same_v<ElementB, cutlass::float_e4m3_t>, "the activations are e4m3");
   static_assert(cute::is_same_v<GmemLayoutBTag, cutlass::layout::ColumnMajor>,
                 "the activations are operand B, K-major (xq[M, K] row-major)");
   static_assert(cute::is_same_v<ElementScale, cutlass::bfloat16_t> || cute::is_same_v<ElementScale, cutlass::half_t>,
                 "scales (and the output) are bf16 or fp16");
 
-  using SmemLayoutAtomB = decltype(detail::ss_smem_selector<cute::GMMA::Major::K, ElementB,
-                                   decltype(cute::get<1>(TileShape_MNK{})), decltype(cute::get<2>(TileShape_MNK{}))>());
-
   template <int Stages>
-  using Op = mixgemm::collective::CollectiveMmaPrepackedFp8<ElementCode, ElementScale, HasZero, TileShape_MNK,
-                                                            ClusterShape_MNK, Stages, KernelScheduleType,
-                                                            SmemLayoutAtomB>;
-
-  static constexpr int compute_stages() {
-    if constexpr (mixgemm::detail::is_stage_count<StageCountType>::value) {
-      return StageCountType::value;
-    } else {
-      // as builder.hpp: the kernel's barriers and the padding between the tensor arrays
-      constexpr int kKernelCarveout = 2048;
-      constexpr int bytes = detail::sm90_smem_capacity_bytes - StageCountType::bytes - kKernelCarveout;
-      constexpr int stages = bytes / Op<2>::kStageSmemBytes;
-      return stages > 12 ? 12 : stages;
-    }
-  }
-  static constexpr int PipelineStages = compute_stages();
+  using Op = mixgemm::collective::CollectiveMmaPrepackedFp8<typename OperandA::ElementCode, ElementScale,
+                                                            OperandA::HasZero, TileShape_MNK, ClusterShape_MNK, Stages,
+                                                            KernelScheduleType,
+                                                            mixgemm::detail::PrepackedSmemLayoutAtomB<ElementB, TileShape_MNK>>;
+  static constexpr int PipelineStages = mixgemm::detail::prepacked_stages<StageCountType, Op<2>::kStageSmemBytes>();
   static_assert(PipelineStages >= 2, "the tile does not fit two pipeline stages in shared memory");
 
   using CollectiveOp = Op<PipelineStages>;
