@@ -161,6 +161,21 @@ uint64_t lock_bytes(abi::GemmArgs const* a) {
   }
 }
 
+// The last step of a prepare: the Params bytes into `dst` and the launch geometry into `out`.
+template <class Kernel>
+int write_params(typename Kernel::Params const& params, void* dst, abi::Launch* out) {
+  std::memcpy(dst, &params, sizeof(params));
+  dim3 grid = Kernel::get_grid_shape(params);
+  dim3 block = Kernel::get_block_shape();
+  using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
+  out->grid[0] = grid.x; out->grid[1] = grid.y; out->grid[2] = grid.z;
+  out->block[0] = block.x; out->block[1] = block.y; out->block[2] = block.z;
+  out->cluster[0] = cute::size<0>(Cluster{}); out->cluster[1] = cute::size<1>(Cluster{}); out->cluster[2] = cute::size<2>(Cluster{});
+  out->smem_bytes = uint32_t(Kernel::SharedStorageSize);
+  out->params_bytes = uint32_t(sizeof(typename Kernel::Params));
+  return 0;
+}
+
 // Params bytes and launch geometry. Encodes the TMA descriptors (a driver call).
 template <class Kernel>
 int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* out, char* err, int errlen,
@@ -185,16 +200,7 @@ int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* o
   if constexpr (has_locks<typename Kernel::TileSchedulerArguments>::value) {
     if (char const* why = Scheduler::why_not(params.scheduler, out->lock_bytes)) return fail(err, errlen, why);
   }
-  std::memcpy(dst, &params, sizeof(params));
-  dim3 grid = Kernel::get_grid_shape(params);
-  dim3 block = Kernel::get_block_shape();
-  using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
-  out->grid[0] = grid.x; out->grid[1] = grid.y; out->grid[2] = grid.z;
-  out->block[0] = block.x; out->block[1] = block.y; out->block[2] = block.z;
-  out->cluster[0] = cute::size<0>(Cluster{}); out->cluster[1] = cute::size<1>(Cluster{}); out->cluster[2] = cute::size<2>(Cluster{});
-  out->smem_bytes = uint32_t(Kernel::SharedStorageSize);
-  out->params_bytes = uint32_t(sizeof(typename Kernel::Params));
-  return 0;
+  return write_params<Kernel>(params, dst, out);
 }
 
 }  // namespace mixgemm::host
@@ -208,7 +214,9 @@ int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* o
                 "the kernel's shared memory exceeds the sm90 opt-in limit (227 KiB)");
 
 #if defined(MIXGEMM_HOST_HELPER)
-#define MIXGEMM_GEMM_ENTRY(NAME, KERNEL)                                                          \
+// The host helper's functions of every GEMM kernel but mixgemm_gemm_prepare (gemm_entry_fp8.hpp's
+// entry has its own).
+#define MIXGEMM_GEMM_HELPER_COMMON(NAME, KERNEL)                                                  \
   MIXGEMM_CHECK_SMEM(KERNEL)                                                                      \
   extern "C" int32_t mixgemm_abi_version() { return mixgemm::abi::kAbiVersion; }                  \
   extern "C" char const* mixgemm_kernel_name() { return MIXGEMM_STR(NAME); }                       \
@@ -223,7 +231,9 @@ int prepare(abi::GemmArgs const* a, void* dst, uint32_t capacity, abi::Launch* o
   }                                                                                               \
   extern "C" uint64_t mixgemm_gemm_lock_bytes(mixgemm::abi::GemmArgs const* a) {                  \
     return mixgemm::host::lock_bytes<KERNEL>(a);                                                  \
-  }                                                                                               \
+  }
+#define MIXGEMM_GEMM_ENTRY(NAME, KERNEL)                                                          \
+  MIXGEMM_GEMM_HELPER_COMMON(NAME, KERNEL)                                                        \
   extern "C" int mixgemm_gemm_prepare(mixgemm::abi::GemmArgs const* a, void* dst, uint32_t cap,    \
                                       mixgemm::abi::Launch* out, char* err, int errlen) {         \
     return mixgemm::host::prepare<KERNEL>(a, dst, cap, out, err, errlen);                         \

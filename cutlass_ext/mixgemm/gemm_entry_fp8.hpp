@@ -57,35 +57,14 @@ int prepare_fp8(abi::Fp8GemmArgs const* a, void* dst, uint32_t capacity, abi::La
   out->workspace_zero_bytes = 0xffffffffu;
   if (out->workspace_bytes && a->gemm.workspace == 0) return fail(err, errlen, "this launch needs a workspace");
   auto params = Kernel::to_underlying_arguments(args, reinterpret_cast<void*>(a->gemm.workspace));
-  std::memcpy(dst, &params, sizeof(params));
-  dim3 grid = Kernel::get_grid_shape(params);
-  dim3 block = Kernel::get_block_shape();
-  using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
-  out->grid[0] = grid.x; out->grid[1] = grid.y; out->grid[2] = grid.z;
-  out->block[0] = block.x; out->block[1] = block.y; out->block[2] = block.z;
-  out->cluster[0] = cute::size<0>(Cluster{}); out->cluster[1] = cute::size<1>(Cluster{}); out->cluster[2] = cute::size<2>(Cluster{});
-  out->smem_bytes = uint32_t(Kernel::SharedStorageSize);
-  out->params_bytes = uint32_t(sizeof(typename Kernel::Params));
-  return 0;
+  return write_params<Kernel>(params, dst, out);
 }
 
 }  // namespace mixgemm::host
 
 #if defined(MIXGEMM_HOST_HELPER)
 #define MIXGEMM_FP8_GEMM_ENTRY(NAME, KERNEL)                                                      \
-  MIXGEMM_CHECK_SMEM(KERNEL)                                                                      \
-  extern "C" int32_t mixgemm_abi_version() { return mixgemm::abi::kAbiVersion; }                  \
-  extern "C" char const* mixgemm_kernel_name() { return MIXGEMM_STR(NAME); }                       \
-  extern "C" uint32_t mixgemm_params_size() { return uint32_t(sizeof(KERNEL::Params)); }          \
-  extern "C" uint32_t mixgemm_smem_size() { return uint32_t(KERNEL::SharedStorageSize); }        \
-  extern "C" int mixgemm_gemm_check(mixgemm::abi::GemmArgs const* a, char* err, int errlen) {     \
-    char const* why = mixgemm::host::check<KERNEL>(a);                                            \
-    return why ? mixgemm::host::fail(err, errlen, why) : 0;                                       \
-  }                                                                                               \
-  extern "C" uint64_t mixgemm_gemm_workspace_size(mixgemm::abi::GemmArgs const* a) {              \
-    return mixgemm::host::workspace_size<KERNEL>(a);                                              \
-  }                                                                                               \
-  extern "C" uint64_t mixgemm_gemm_lock_bytes(mixgemm::abi::GemmArgs const*) { return 0; }        \
+  MIXGEMM_GEMM_HELPER_COMMON(NAME, KERNEL)                                                        \
   extern "C" int mixgemm_gemm_prepare(mixgemm::abi::GemmArgs const*, void*, uint32_t,              \
                                       mixgemm::abi::Launch*, char* err, int errlen) {             \
     return mixgemm::host::fail(err, errlen,                                                       \
@@ -100,13 +79,5 @@ int prepare_fp8(abi::Fp8GemmArgs const* a, void* dst, uint32_t capacity, abi::La
     return mixgemm::host::prepare_fp8<KERNEL>(a, dst, cap, out, err, errlen);                     \
   }
 #else
-#define MIXGEMM_FP8_GEMM_ENTRY(NAME, KERNEL)                                                      \
-  MIXGEMM_CHECK_SMEM(KERNEL)                                                                      \
-  extern "C" __global__ void __launch_bounds__(KERNEL::MaxThreadsPerBlock,                        \
-                                               KERNEL::MinBlocksPerMultiprocessor)                \
-  NAME(CUTLASS_GRID_CONSTANT KERNEL::Params const params) {                                       \
-    extern __shared__ char smem[];                                                                \
-    KERNEL op;                                                                                    \
-    op(params, smem);                                                                             \
-  }
+#define MIXGEMM_FP8_GEMM_ENTRY(NAME, KERNEL) MIXGEMM_GEMM_ENTRY(NAME, KERNEL)
 #endif
