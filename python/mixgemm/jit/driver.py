@@ -157,9 +157,7 @@ class HostHelper:
             setter(driver_entry_point("cuTensorMapEncodeTiled"))
 
     def check(self, args: GemmArgs) -> Optional[str]:
-        err = ctypes.create_string_buffer(512)
-        rc = self.lib.mixgemm_gemm_check(ctypes.byref(args), err, len(err))
-        return None if rc == 0 else err.value.decode()
+        return _checked(self.lib.mixgemm_gemm_check, args)
 
     def workspace_size(self, args: GemmArgs) -> int:
         return int(self.lib.mixgemm_gemm_workspace_size(ctypes.byref(args)))
@@ -185,30 +183,31 @@ class HostHelper:
 
     def check_fp8(self, args: Fp8GemmArgs) -> Optional[str]:
         """An e4m3 GEMM kernel's check of ``args`` (None: it can run them)."""
-        err = ctypes.create_string_buffer(512)
-        rc = self._fp8("mixgemm_fp8_gemm_check")(ctypes.byref(args), err, len(err))
-        return None if rc == 0 else err.value.decode()
+        return _checked(self._fp8("mixgemm_fp8_gemm_check"), args)
 
     def prepare_fp8(self, args: Fp8GemmArgs) -> tuple[ctypes.Array, Launch]:
         """An e4m3 GEMM kernel's params and launch shape for ``args`` (:meth:`prepare`'s)."""
+        return self._prepared(self._fp8("mixgemm_fp8_gemm_prepare"), args)
+
+    def prepare(self, args: GemmArgs) -> tuple[ctypes.Array, Launch]:
+        return self._prepared(self.lib.mixgemm_gemm_prepare, args)
+
+    def _prepared(self, fn, args) -> tuple[ctypes.Array, Launch]:
+        """The params bytes and launch shape that the helper's prepare function ``fn`` writes for ``args``."""
         buf = ctypes.create_string_buffer(self.params_size)
         launch = Launch()
         err = ctypes.create_string_buffer(512)
-        rc = self._fp8("mixgemm_fp8_gemm_prepare")(ctypes.byref(args), buf, self.params_size, ctypes.byref(launch),
-                                                   err, len(err))
+        rc = fn(ctypes.byref(args), buf, self.params_size, ctypes.byref(launch), err, len(err))
         if rc != 0:
             raise KernelError(f"{self.name}: {err.value.decode()}")
         return buf, launch
 
-    def prepare(self, args: GemmArgs) -> tuple[ctypes.Array, Launch]:
-        buf = ctypes.create_string_buffer(self.params_size)
-        launch = Launch()
-        err = ctypes.create_string_buffer(512)
-        rc = self.lib.mixgemm_gemm_prepare(ctypes.byref(args), buf, self.params_size, ctypes.byref(launch),
-                                          err, len(err))
-        if rc != 0:
-            raise KernelError(f"{self.name}: {err.value.decode()}")
-        return buf, launch
+
+def _checked(fn, args) -> Optional[str]:
+    """What the helper's check function ``fn`` says of ``args`` (None: the kernel can run them)."""
+    err = ctypes.create_string_buffer(512)
+    rc = fn(ctypes.byref(args), err, len(err))
+    return None if rc == 0 else err.value.decode()
 
 
 @dataclasses.dataclass
