@@ -129,6 +129,16 @@ class RoutingWeightType(enum.Enum):
                 RoutingWeightType.F16: "cutlass::half_t"}[self]
 
 
+def _check_sm90_tile(tile_n: int, tile_k: int, stages: int) -> None:
+    """The token tile, k-tile and stage count checks of the sm90 prepacked GEMMs (bf16 and e4m3)."""
+    if tile_n % 8 or not 8 <= tile_n <= 256:
+        raise ValueError(f"tile_n must be a multiple of 8 in [8, 256], got {tile_n}")
+    if tile_k not in (64, 128):
+        raise ValueError(f"tile_k must be 64 or 128, got {tile_k}")
+    if stages < 0 or stages == 1:
+        raise ValueError("stages must be 0 (auto) or >= 2")
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmSpec:
     """One GEMM kernel: ``y[M, N] = x[M, K] @ dequant(W)[N, K]^T (+ bias)``.
@@ -162,12 +172,7 @@ class GemmSpec:
             raise ValueError(f"tile_m must be 64, 128 or 256, got {self.tile_m}")
         if self.schedule is Schedule.COOPERATIVE and self.tile_m < 128:
             raise ValueError("the cooperative schedule needs tile_m >= 128")
-        if self.tile_n % 8 or not 8 <= self.tile_n <= 256:
-            raise ValueError(f"tile_n must be a multiple of 8 in [8, 256], got {self.tile_n}")
-        if self.tile_k not in (64, 128):
-            raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
-        if self.stages < 0 or self.stages == 1:
-            raise ValueError("stages must be 0 (auto) or >= 2")
+        _check_sm90_tile(self.tile_n, self.tile_k, self.stages)
         if self.cluster_m not in (1, 2):
             raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
 
@@ -476,12 +481,7 @@ class Fp8GemmSpec:
                              f"zero point is exact in e4m3), got {self.weight.value}")
         if self.tile_m not in (128, 256):
             raise ValueError(f"tile_m must be 128 or 256 (two consumer warp groups), got {self.tile_m}")
-        if self.tile_n % 8 or not 8 <= self.tile_n <= 256:
-            raise ValueError(f"tile_n must be a multiple of 8 in [8, 256], got {self.tile_n}")
-        if self.tile_k not in (64, 128):
-            raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
-        if self.stages < 0 or self.stages == 1:
-            raise ValueError("stages must be 0 (auto) or >= 2")
+        _check_sm90_tile(self.tile_n, self.tile_k, self.stages)
 
     #: the call chooses none / silu / gelu
     fixed_activation = None
