@@ -110,7 +110,9 @@ def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     _check(x)
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # (a tensor divisor: torch's CUDA division by a Python number multiplies by its reciprocal,
+    # which is not the correctly rounded quotient the kernel computes)
+    s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     q = (xf / s.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     perm = k_permutation(x.shape[-1], x.device)
     return q.index_select(-1, perm).contiguous(), s
