@@ -7,6 +7,9 @@
 //   s[m]    = amax / 448 (IEEE division), or 1 where amax == 0
 //   q[m, k] = e4m3(clamp(x[m, k] / s[m], -448, 448))      (IEEE division, then round to nearest
 //                                                          even into e4m3, OCP E4M3 / float8_e4m3fn)
+// or, given a static scale (a float32 scalar in device memory, e.g. a checkpoint's per-tensor
+// input_scale), s[m] = that scale for every row, no max taken, and q as above: the clamp then
+// saturates the values beyond 448 s.
 // and q is written in the wgmma's K order: inside every block of 32 columns,
 //   xq[m, 32 b + F] = q[m, 32 b + L],   F = 16 p + 4 t + j,  L = 8 j + 2 t + p
 // (converters/mixgemm/e4m3.hpp, mma_to_weight_col), the order in which the e4m3 weight
@@ -106,7 +109,8 @@ CUTLASS_DEVICE float block_max(float v) {
 
 template <class Act>
 CUTLASS_DEVICE void quantize_row(uint4 const* __restrict__ x, uint4* __restrict__ xq, float* __restrict__ scales,
-                                 int64_t ldx_vecs, int64_t ldq_vecs, int blocks) {
+                                 float const* __restrict__ static_scale, int64_t ldx_vecs, int64_t ldq_vecs,
+                                 int blocks) {
   int64_t const m = blockIdx.x;
   uint4 const* row = x + m * ldx_vecs;      // 8 values per uint4
   uint4* out = xq + m * ldq_vecs;           // 16 bytes per uint4
@@ -117,17 +121,22 @@ CUTLASS_DEVICE void quantize_row(uint4 const* __restrict__ x, uint4* __restrict_
     int const b = tid + i * kQuantThreads;
     if (b < blocks) cache[i] = load_block(row, b);
   }
-  float amax = 0.0f;
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < kQuantCached; ++i) {
-    int const b = tid + i * kQuantThreads;
-    if (b < blocks) amax = fmaxf(amax, block_amax<Act>(cache[i]));
+  float s;
+  if (static_scale != nullptr) {   // a kernel argument: every thread takes the same branch
+    s = *static_scale;
+  } else {
+    float amax = 0.0f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kQuantCached; ++i) {
+      int const b = tid + i * kQuantThreads;
+      if (b < blocks) amax = fmaxf(amax, block_amax<Act>(cache[i]));
+    }
+    for (int b = tid + kQuantCached * kQuantThreads; b < blocks; b += kQuantThreads) {
+      amax = fmaxf(amax, block_amax<Act>(load_block(row, b)));
+    }
+    amax = block_max(amax);
+    s = amax > 0.0f ? __fdiv_rn(amax, kE4M3Max) : 1.0f;
   }
-  for (int b = tid + kQuantCached * kQuantThreads; b < blocks; b += kQuantThreads) {
-    amax = fmaxf(amax, block_amax<Act>(load_block(row, b)));
-  }
-  amax = block_max(amax);
-  float const s = amax > 0.0f ? __fdiv_rn(amax, kE4M3Max) : 1.0f;
   if (tid == 0) scales[m] = s;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kQuantCached; ++i) {
@@ -151,11 +160,14 @@ CUTLASS_DEVICE void quantize_row(uint4 const* __restrict__ x, uint4* __restrict_
 
 }  // namespace mixgemm::quant
 
-// extern "C" NAME(x, xq, scales, ldx_vecs, ldq_vecs, blocks): grid (M), block kQuantThreads.
-// x: ACT [M, K] with a row stride of ldx_vecs 16-byte vectors (8 values); xq: e4m3 [M, K] with a
-// row stride of ldq_vecs 16-byte vectors (16 values); scales: float32 [M]; blocks = K / 32.
+// extern "C" NAME(x, xq, scales, static_scale, ldx_vecs, ldq_vecs, blocks): grid (M), block
+// kQuantThreads. x: ACT [M, K] with a row stride of ldx_vecs 16-byte vectors (8 values); xq: e4m3
+// [M, K] with a row stride of ldq_vecs 16-byte vectors (16 values); scales: float32 [M], written;
+// static_scale: null (per-token scales, amax / 448) or a float32 scalar used for every row (and
+// written to scales[m], which the GEMM reads either way); blocks = K / 32.
 #define MIXGEMM_QUANT_FP8_ENTRY(NAME, ACT)                                                          \
   extern "C" __global__ void __launch_bounds__(mixgemm::quant::kQuantThreads)                       \
-  NAME(uint4 const* x, uint4* xq, float* scales, int64_t ldx_vecs, int64_t ldq_vecs, int blocks) {  \
-    mixgemm::quant::quantize_row<ACT>(x, xq, scales, ldx_vecs, ldq_vecs, blocks);                  \
+  NAME(uint4 const* x, uint4* xq, float* scales, float const* static_scale, int64_t ldx_vecs,       \
+       int64_t ldq_vecs, int blocks) {                                                              \
+    mixgemm::quant::quantize_row<ACT>(x, xq, scales, static_scale, ldx_vecs, ldq_vecs, blocks);    \
   }

@@ -135,6 +135,63 @@ def test_quantize_fp8_shapes_and_cpu_path():
     assert xq1.shape == (64,) and s1.shape == ()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0-d", "1-elem"])
+def test_static_scale_reference_is_the_definition(dtype, shape):
+    """With a static scale s every token is e4m3(clamp(x / s, -448, 448)) (checked against the
+    independent rounding), values beyond 448 s saturate to +-448, a row of zeros stays zero, and
+    the returned scales are s repeated (contiguous)."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 128, generator=g) * torch.logspace(-3, 2, 5).unsqueeze(1)).to(dtype)
+    x[1] = 0
+    s = torch.tensor(0.0123, dtype=torch.float32).reshape(shape)
+    xq, scales = fp8.quantize_fp8_reference(x, s)
+    assert scales.shape == (5,) and scales.is_contiguous() and bool((scales == s.reshape(())).all())
+    q = (x.float() / s.reshape(())).clamp(-448, 448).numpy().astype(np.float64)
+    got = xq.view(torch.uint8).to(torch.int64).numpy()[:, np.argsort(fp8.k_permutation(128).numpy())]
+    assert (got == _round_e4m3(q)).all()
+    nat = fp8.dequantize_fp8(xq, scales, torch.float64)
+    assert bool((nat[1] == 0).all())
+    big = x.float().abs() > 448 * float(s)
+    assert bool(big.any()) and bool((nat[big].abs() == 448 * float(s)).all())     # saturated
+    # batch dimensions, and the CPU path of quantize_fp8 (the kernel's definition)
+    xq3, s3 = mixgemm.ops.quantize_fp8(x.reshape(5, 1, 128), s)
+    assert s3.shape == (5, 1) and torch.equal(xq3.reshape(5, 128).view(torch.uint8), xq.view(torch.uint8))
+
+
+def test_static_scale_equals_per_token_where_they_agree():
+    """A static scale equal to a row's amax / 448 quantizes that row exactly as the per-token
+    quantizer does (the same division, the same rounding)."""
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    ref_q, ref_s = fp8.quantize_fp8_reference(x)
+    for r in range(3):
+        q, s = fp8.quantize_fp8_reference(x[r:r + 1], ref_s[r].clone())
+        assert torch.equal(q.view(torch.uint8), ref_q[r:r + 1].view(torch.uint8)) and s[0] == ref_s[r]
+
+
+@pytest.mark.parametrize("scale,msg", [
+    (lambda: torch.tensor([0.5, 0.5]), "input_scale must be a float32 tensor of one element (shape [] or [1]), "
+     "got a torch.float32 tensor of shape [2]"),
+    (lambda: torch.tensor([[0.5]]), "got a torch.float32 tensor of shape [1, 1]"),
+    (lambda: torch.tensor(0.5, dtype=torch.bfloat16), "got a torch.bfloat16 tensor of shape [] (convert it with .float())"),
+    (lambda: 0.5, "input_scale must be a float32 tensor of one element (shape [] or [1]), got float"),
+    (lambda: torch.tensor(0.5, device="meta"), "input_scale is on meta but x is on cpu"),
+])
+def test_static_scale_refused(scale, msg):
+    x = torch.randn(2, 64).bfloat16()
+    for call in (mixgemm.ops.quantize_fp8, fp8.quantize_fp8_reference):
+        with pytest.raises(ValueError) as excinfo:
+            call(x, scale())
+        assert msg in str(excinfo.value) and "\n" not in str(excinfo.value), str(excinfo.value)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_check_input_scale_value(value):
+    with pytest.raises(ValueError, match="input_scale must be positive and finite"):
+        fp8.check_input_scale_value(torch.tensor(value))
+    fp8.check_input_scale_value(torch.tensor([2.0 ** -20]))
+
+
 @pytest.mark.parametrize("x,exc,msg", [
     (lambda: torch.randn(2, 48).bfloat16(), ValueError, "K % 32 == 0"),
     (lambda: torch.randn(2, 64), TypeError, "bfloat16 or float16"),
@@ -227,6 +284,12 @@ def on_gpu(monkeypatch):
      "act_format='fp8' fuses activation None, 'silu' or 'gelu', not 'swiglu'"),
     ("act_format='auto'", lambda: _packed(), dict(act_format="auto"), ValueError,
      "act_format must be one of ('bf16', 'fp8') ('auto' is not implemented yet), got 'auto'"),
+    ("a bf16 input_scale", lambda: _packed(), dict(input_scale=torch.tensor(1.0).bfloat16()), ValueError,
+     "input_scale must be a float32 tensor of one element (shape [] or [1]), got a torch.bfloat16 tensor of "
+     "shape [] (convert it with .float())"),
+    ("act_format='bf16' with an input_scale", lambda: _packed(),
+     dict(act_format="bf16", input_scale=torch.tensor(1.0)), ValueError,
+     "input_scale is the static scale of act_format='fp8'; act_format='bf16' uses x exactly and takes none"),
 ])
 def test_gemm_fp8_refuses(on_gpu, case, weight, kw, exc, message, pin_case):
     w = weight()
@@ -235,7 +298,7 @@ def test_gemm_fp8_refuses(on_gpu, case, weight, kw, exc, message, pin_case):
     with pytest.raises(exc) as excinfo:
         mixgemm.gemm(x, w, **kw)
     assert str(excinfo.value).splitlines()[0] == message
-    if "activation" not in kw:
+    if "activation" not in kw and "input_scale" not in kw:
         ok, why = mixgemm.supports(tuple(x.shape), w, x.dtype, act_format=kw["act_format"])
         assert not ok and why == message
     pin_case("API", f"gemm(act_format='fp8') with {case}", "mixgemm.gemm(x, w, act_format='fp8')",
@@ -306,6 +369,39 @@ def test_quantizer_launch_on_a_faked_gpu(tmp_path):
     assert struct.unpack("=Q", launches[2]["params"])[0] == x.data_ptr() and launches[2]["grid"] == (3, 1, 1)
 
 
+class _RecordingLaunch:
+    """A plain launch that records its arguments (what the quantizer kernel would be given)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid, stream, *args):
+        self.calls.append((grid, args))
+
+
+@pytest.fixture
+def recorded_quantizer(on_gpu, monkeypatch):
+    """The quantizer's launches, recorded instead of made (the CPU passes for an sm_90 device)."""
+    rec = _RecordingLaunch()
+    monkeypatch.setattr(fp8.loader.KERNELS, "plain_launch", lambda spec, device, types, block: rec)
+    monkeypatch.setattr(fp8.driver, "current_stream", lambda index: 0)
+    return rec
+
+
+def test_quantizer_arguments_with_and_without_a_static_scale(recorded_quantizer):
+    """The kernel's arguments: x, xq, scales, the static scale's address (0 without one), the row
+    strides in 16-byte vectors and K / 32; one CTA per token either way."""
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    scale = torch.tensor([0.25])
+    mixgemm.ops.quantize_fp8(x)
+    xq, s = mixgemm.ops.quantize_fp8(x, scale)
+    (g0, a0), (g1, a1) = recorded_quantizer.calls
+    assert g0 == g1 == 4 and len(a0) == len(fp8._ARG_TYPES) == 7
+    assert a0[0] == x.data_ptr() and a0[3] == 0 and a0[4:] == (256 // 8, 256 // 16, 256 // 32)
+    assert a1[0] == x.data_ptr() and a1[1] == xq.data_ptr() and a1[2] == s.data_ptr() and a1[3] == scale.data_ptr()
+    assert xq.shape == (4, 256) and s.shape == (4,)
+
+
 @pytest_fake
 @pytest.mark.parametrize("wt", [WeightType.U4, WeightType.S2], ids=lambda w: w.value)
 def test_gemm_launches_on_a_faked_gpu(tmp_path, wt):
@@ -337,6 +433,21 @@ def test_gemm_launches_on_a_faked_gpu(tmp_path, wt):
     assert gemm_launch["block"] == (384, 1, 1) and gemm_launch["smem"] == 200 * 1024
     assert driver.Fp8GemmArgs.from_buffer_copy(gemm_launch["params"]).x_scales == a.x_scales
     assert y.shape == (5, 64) and y.dtype == torch.bfloat16
+
+
+def test_gemm_hands_the_static_scale_to_the_quantizer(recorded_quantizer, monkeypatch):
+    """gemm(..., act_format='fp8', input_scale=s): the quantizer is given s's address, and the
+    GEMM the token scales it writes (s repeated), as for per-token scales."""
+    w = _packed(4, False, group=32, n=64, k=256)
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    scale = torch.tensor(0.5)
+    given = []
+    monkeypatch.setattr(fp8, "_launch_gemm", lambda spec, w, xq, xs, bias, y, act: given.append((xq, xs)))
+    mixgemm.gemm(x, w, act_format="fp8", input_scale=scale)
+    ((_, args),) = recorded_quantizer.calls
+    ((xq, xs),) = given
+    assert args[3] == scale.data_ptr() and args[2] == xs.data_ptr() and args[1] == xq.data_ptr()
+    assert xs.shape == (5,) and xq.shape == (5, 256)
 
 
 @pytest.mark.parametrize("call,exc,msg", [

@@ -1,13 +1,14 @@
 """GPU correctness of the FP8 (e4m3) activation path (needs an sm_90 GPU; skipped cleanly without one).
 
 * The quantizer kernel (mixgemm.ops.quantize_fp8) equals its torch definition
-  (quantize_fp8_reference) bit for bit: codes, their K order and the per-token scales.
+  (quantize_fp8_reference) bit for bit: codes, their K order and the per-token scales; and with a
+  static per-tensor scale (``input_scale``), saturation included.
 * ``mixgemm.gemm(x, w, act_format="fp8")`` against a float64 product of the SAME operands the
   kernel multiplies: the activations quantized by the reference and dequantized
   (dequantize_fp8), and the weight dequantized exactly in float64, ``(q - z) * s`` (the kernel
   applies the bf16/fp16 scale in float32 to the group's exact sum, so it is not rounded to the
   activation dtype first, as mixgemm.dequantize_reference's is). u4, s4, u2, s2; groups of 32 to
-  per-channel; M from 1 to 1000; bias, silu / gelu, out=, fp16, CUDA graphs.
+  per-channel; M from 1 to 1000; bias, silu / gelu, out=, fp16, CUDA graphs; static input scales.
 
 The kernels these tests build (``python tools/fp8_check.py --list``; ``--build -j 14`` builds them):
 mixgemm_quant_fp8_{bf16,fp16}, mixgemm_f8gemm_bf16_{u4,s4,u2,s2}_t128x128x128_s0 and
@@ -95,10 +96,11 @@ def _activations(m: int, k: int, dtype, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
-def reference(x: torch.Tensor, w64: torch.Tensor, bias=None, activation=None) -> torch.Tensor:
+def reference(x: torch.Tensor, w64: torch.Tensor, bias=None, activation=None, input_scale=None) -> torch.Tensor:
     """float64 product of the e4m3-rounded activations (the quantizer's definition, torch on the
-    CPU) and w64."""
-    xq, s = fp8.quantize_fp8_reference(x.reshape(-1, x.shape[-1]).cpu())
+    CPU, per token or with the static ``input_scale``) and w64."""
+    xq, s = fp8.quantize_fp8_reference(x.reshape(-1, x.shape[-1]).cpu(),
+                                       None if input_scale is None else input_scale.cpu())
     y = fp8.dequantize_fp8(xq, s, torch.float64).to(w64.device) @ w64.t()
     if bias is not None:
         y = y + bias.double()
@@ -152,6 +154,27 @@ def test_quantizer_strided_and_batched_inputs():
         ref_q, ref_s = fp8.quantize_fp8_reference(x.cpu())
         assert xq.shape == x.shape and s.shape == x.shape[:-1]
         assert torch.equal(xq.view(torch.uint8).cpu(), ref_q.view(torch.uint8)) and torch.equal(s.cpu(), ref_s)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("rows,k", [(1, 4096), (1000, 4096), (7, 20480), (3, 96), (2, 32)])
+def test_quantizer_with_a_static_scale_is_bit_exact(dtype, rows, k):
+    """input_scale: every row divided by the one scale (no max taken), values beyond 448 s
+    saturated, the scales written as s for every row; bit for bit the definition's."""
+    dev = _dev()
+    x = _activations(rows, k, dtype, seed=rows + k)
+    for scale in (torch.tensor(0.0123, device=dev), torch.tensor([2.0 ** -7], device=dev),
+                  x.float().abs().amax().reshape(1) / 448 / 16):         # a sixteenth of the range: saturates
+        xq, s = mixgemm.ops.quantize_fp8(x, scale)
+        ref_q, ref_s = fp8.quantize_fp8_reference(x.cpu(), scale.cpu())
+        assert torch.equal(s.cpu(), ref_s) and bool((ref_s == scale.cpu().reshape(())).all())
+        differ = (xq.view(torch.uint8).cpu() != ref_q.view(torch.uint8)).nonzero()
+        assert differ.numel() == 0, f"{len(differ)} codes differ, first at {differ[:4].tolist()}"
+    # strided and batched inputs take it too
+    xs = _activations(12, 4096 + 64, dtype, seed=4)[:, 8:4104].reshape(3, 4, 4096)
+    xq, s = mixgemm.ops.quantize_fp8(xs, scale)
+    ref_q, ref_s = fp8.quantize_fp8_reference(xs.cpu(), scale.cpu())
+    assert s.shape == (3, 4) and torch.equal(xq.view(torch.uint8).cpu(), ref_q.view(torch.uint8))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,6 +231,29 @@ def test_gemm_fp8_bias_activation_out_and_batch_dims(activation):
     _check(y, reference(x, w64, bias, activation), k, torch.bfloat16,
            {"weight": "u4", "group": "128", "n": n, "k": k, "m": 300, "dtype": "bf16", "bias": True,
             "activation": activation or "none"})
+
+
+@pytest.mark.parametrize("wt", [WeightType.U4, WeightType.S2], ids=lambda w: w.value)
+def test_gemm_fp8_with_a_static_scale(wt):
+    """gemm(..., act_format='fp8', input_scale=s) against float64 on the activations quantized
+    with s (some saturated); bias and gelu; in a CUDA graph the scale is read at replay."""
+    dev = _dev()
+    n, k = 1024, 2048
+    w, w64 = _weights(wt, 128, n, k)
+    bias = (torch.randn(n, device=dev) * 0.5).to(torch.bfloat16)
+    x = _activations(64, k, torch.bfloat16, seed=21)
+    scale = (x.float().abs().amax() / 448 / 4).reshape(1)       # the largest quarter of the range saturates
+    for m in (1, 64):
+        y = mixgemm.gemm(x[:m], w, bias=bias, activation="gelu", act_format="fp8", input_scale=scale)
+        _check(y, reference(x[:m], w64, bias, "gelu", input_scale=scale), k, torch.bfloat16,
+               {"weight": wt.value, "group": "128", "n": n, "k": k, "m": m, "dtype": "bf16", "static_scale": True})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        yg = mixgemm.gemm(x, w, act_format="fp8", input_scale=scale)
+    scale.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(yg, mixgemm.gemm(x, w, act_format="fp8", input_scale=scale))
 
 
 def test_gemm_fp8_is_close_to_the_exact_path():

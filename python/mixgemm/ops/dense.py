@@ -146,7 +146,7 @@ def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out, activation: 
 
 def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
          out: Optional[torch.Tensor] = None, activation: Optional[str] = None,
-         act_format: str = "bf16") -> torch.Tensor:
+         act_format: str = "bf16", input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y = act(x @ dequant(w).T (+ bias))`` with the dequantization fused into the GEMM.
 
     Parameters
@@ -179,6 +179,12 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
         zero points, activation None, ``"silu"`` or ``"gelu"``, not under torch.compile yet. The
         weights are used exactly; only the activations are rounded (3 mantissa bits). The
         prepacked weight is the same for both formats.
+    input_scale : torch.Tensor, optional
+        ``act_format="fp8"`` only: a static per-tensor activation scale (a W4A8 checkpoint's
+        ``input_scale``), float32 with one element on x's device, positive and finite (not
+        read here: a check would synchronize with the GPU). Every token is then quantized as
+        ``e4m3(clamp(x / input_scale, -448, 448))`` instead of with its own ``amax / 448``;
+        values beyond ``448 * input_scale`` saturate.
 
     Returns
     -------
@@ -209,7 +215,10 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
             raise ValueError(why)
         if torch.compiler.is_compiling():
             raise NotImplementedError("act_format='fp8' is not traceable by torch.compile yet; call it eagerly")
-        return fp8.gemm_fp8(x, w, bias, out, activation)
+        return fp8.gemm_fp8(x, w, bias, out, activation, input_scale=input_scale)
+    if input_scale is not None:
+        raise ValueError("input_scale is the static scale of act_format='fp8'; act_format='bf16' uses x exactly "
+                         "and takes none")
     if torch.compiler.is_compiling():
         return _gemm_compiling(x, w, bias, out, activation)
     if type(w) is PackedWeight:

@@ -1,6 +1,6 @@
-"""FP8 (e4m3) activations: the per-token quantizer (:func:`quantize_fp8`), its torch definition
-(:func:`quantize_fp8_reference`) and inverse (:func:`dequantize_fp8`), and the K order the e4m3
-GEMMs read (:func:`k_permutation`).
+"""FP8 (e4m3) activations: the quantizer (:func:`quantize_fp8`: a scale per token, or one static
+scale given for every token), its torch definition (:func:`quantize_fp8_reference`) and inverse
+(:func:`dequantize_fp8`), and the K order the e4m3 GEMMs read (:func:`k_permutation`).
 
 The e4m3 GEMMs (:class:`mixgemm.jit.specs.Fp8GemmSpec`, ``mixgemm.gemm(..., act_format="fp8")``)
 multiply e4m3 weights, converted exactly from 4- and 2-bit codes in the wgmma's 8-bit A-fragment
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ..weights.types import PackedWeight
 
 __all__ = ["E4M3_MAX", "ACT_FORMATS", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
+           "input_scale_problem", "check_input_scale_value",
            "mma_to_weight_col", "weight_to_mma_col", "quant_spec", "gemm_fp8", "gemm_quantized", "fp8_problem",
            "select_fp8_spec", "FP8_TILE"]
 
@@ -74,7 +75,7 @@ def quant_spec(dtype: torch.dtype) -> QuantFp8Spec:
     return QuantFp8Spec(ActType.from_torch(dtype))
 
 
-def _check(x) -> None:
+def _check(x, input_scale=None) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -83,36 +84,72 @@ def _check(x) -> None:
         raise ValueError("x must have at least one dimension [..., K]")
     if x.shape[-1] % BLOCK:
         raise ValueError(f"x has K={x.shape[-1]}: the FP8 quantizer needs K % {BLOCK} == 0")
+    if input_scale is not None:
+        why = input_scale_problem(input_scale, x.device)
+        if why:
+            raise ValueError(why)
 
 
-def quantize_fp8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def input_scale_problem(input_scale, device: "torch.device | None" = None) -> Optional[str]:
+    """Why ``input_scale`` is not a static activation scale that the quantizer takes (on
+    ``device``), or None. Its value is not read (that would synchronize with the GPU): see
+    :func:`check_input_scale_value`."""
+    if (not isinstance(input_scale, torch.Tensor) or input_scale.dtype != torch.float32
+            or input_scale.numel() != 1 or input_scale.dim() > 1):
+        what = (f"a {input_scale.dtype} tensor of shape {list(input_scale.shape)}"
+                if isinstance(input_scale, torch.Tensor) else type(input_scale).__name__)
+        return (f"input_scale must be a float32 tensor of one element (shape [] or [1]), got {what}"
+                + (" (convert it with .float())" if isinstance(input_scale, torch.Tensor)
+                   and input_scale.numel() == 1 and input_scale.dim() <= 1 else ""))
+    if device is not None and input_scale.device != device:
+        return f"input_scale is on {input_scale.device} but x is on {device}"
+    return None
+
+
+def check_input_scale_value(input_scale: torch.Tensor, name: str = "input_scale") -> None:
+    """Raise ValueError unless the one value of ``input_scale`` is positive and finite (reads
+    it: call it where the scale is set, not per call)."""
+    v = float(input_scale.detach().reshape(()).to("cpu", torch.float64))
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be positive and finite, got {v!r}")
+
+
+def quantize_fp8_reference(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The definition of :func:`quantize_fp8` in torch (any device), bit for bit the kernel's.
 
     Parameters
     ----------
     x : torch.Tensor
         ``[..., K]``, bfloat16 or float16, ``K % 32 == 0``.
+    input_scale : torch.Tensor, optional
+        A static scale: float32, one element, on x's device, positive and finite (not
+        checked here). None: a scale per token.
 
     Returns
     -------
     (torch.Tensor, torch.Tensor)
         ``xq``: ``torch.float8_e4m3fn`` ``[..., K]``, the codes in the MMA's K order; ``scales``:
-        float32 ``[...]``, one per token (row of x), such that ``xq * scales`` (in the natural
-        order, :func:`dequantize_fp8`) approximates x.
+        float32 ``[...]``, one per token (row of x; each ``input_scale`` when given), such that
+        ``xq * scales`` (in the natural order, :func:`dequantize_fp8`) approximates x.
 
     Notes
     -----
-    In float32, per row: ``amax = max |x|``; ``s = amax / 448`` (or 1 for a row of zeros);
-    ``q = (x / s).clamp(-448, 448).to(float8_e4m3fn)`` (round to nearest even); then
+    In float32, per row: ``amax = max |x|``; ``s = amax / 448`` (or 1 for a row of zeros), or
+    ``s = input_scale``; ``q = (x / s).clamp(-448, 448).to(float8_e4m3fn)`` (round to nearest
+    even; with a static scale the clamp saturates values beyond ``448 s``); then
     ``xq[:, f] = q[:, perm[f]]`` with :func:`k_permutation`. Each step is one correctly rounded
     float32 operation, which the kernel performs in the same order.
     """
-    _check(x)
+    _check(x, input_scale)
     xf = x.float()
-    amax = xf.abs().amax(dim=-1)
-    # (a tensor divisor: torch's CUDA division by a Python number multiplies by its reciprocal,
-    # which is not the correctly rounded quotient the kernel computes)
-    s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    if input_scale is None:
+        amax = xf.abs().amax(dim=-1)
+        # (a tensor divisor: torch's CUDA division by a Python number multiplies by its reciprocal,
+        # which is not the correctly rounded quotient the kernel computes)
+        s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    else:
+        s = input_scale.reshape(()).expand(x.shape[:-1]).contiguous()
     q = (xf / s.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     perm = k_permutation(x.shape[-1], x.device)
     return q.index_select(-1, perm).contiguous(), s
@@ -141,11 +178,12 @@ def _kernel_takes(x: torch.Tensor) -> bool:
     return checks.device_problem(x.device) is None
 
 
-#: the argument types of MIXGEMM_QUANT_FP8_ENTRY: x, xq, scales, ldx_vecs, ldq_vecs, blocks
-_ARG_TYPES = (ctypes.c_void_p,) * 3 + (ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
+#: the argument types of MIXGEMM_QUANT_FP8_ENTRY: x, xq, scales, static_scale, ldx_vecs, ldq_vecs, blocks
+_ARG_TYPES = (ctypes.c_void_p,) * 4 + (ctypes.c_int64, ctypes.c_int64, ctypes.c_int)
 
 
-def _launch(x: torch.Tensor, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+def _launch(x: torch.Tensor, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+            input_scale: Optional[torch.Tensor] = None):
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1 or (x2.stride(0) * x2.element_size()) % 16 or x2.data_ptr() % 16:
@@ -160,36 +198,45 @@ def _launch(x: torch.Tensor, out: Optional[tuple[torch.Tensor, torch.Tensor]] = 
         xq, scales = out
     if rows:
         launch = loader.KERNELS.plain_launch(quant_spec(x.dtype), x.device, _ARG_TYPES, _THREADS)
+        static = 0 if input_scale is None else input_scale.data_ptr()
         launch(rows, driver.current_stream(x.device.index), x2.data_ptr(), xq.data_ptr(), scales.data_ptr(),
-               x2.stride(0) // 8, xq.stride(0) // 16, k // BLOCK)
+               static, x2.stride(0) // 8, xq.stride(0) // 16, k // BLOCK)
     return xq.view(*x.shape), scales.view(x.shape[:-1])
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize activations to e4m3 with one scale per token, in the e4m3 GEMMs' K order.
+def quantize_fp8(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations to e4m3 with one scale per token, or with one static scale for
+    every token, in the e4m3 GEMMs' K order.
 
     Parameters
     ----------
     x : torch.Tensor
         ``[..., K]``, bfloat16 or float16, ``K % 32 == 0``. Any strides (a row stride that is
         not a multiple of 16 bytes is copied first).
+    input_scale : torch.Tensor, optional
+        A static per-tensor scale (as W4A8 checkpoints carry per layer): float32, one element
+        (shape ``[]`` or ``[1]``), on x's device. Every token is quantized as
+        ``e4m3(clamp(x / input_scale, -448, 448))``. Its value must be positive and finite; it
+        is not read here (:func:`check_input_scale_value` checks it where it is set). None (the
+        default): a scale per token, ``amax / 448``.
 
     Returns
     -------
     (torch.Tensor, torch.Tensor)
         ``(xq, scales)``: ``torch.float8_e4m3fn`` ``[..., K]`` (contiguous, columns permuted
-        inside every block of 32: :func:`k_permutation`) and float32 ``[...]``; exactly
-        :func:`quantize_fp8_reference` of x.
+        inside every block of 32: :func:`k_permutation`) and float32 ``[...]`` (``input_scale``
+        repeated when given); exactly :func:`quantize_fp8_reference` of x.
 
     Notes
     -----
     On an sm_90 GPU this is one launch of :class:`mixgemm.jit.specs.QuantFp8Spec`'s kernel (one
-    CTA per token); elsewhere it runs :func:`quantize_fp8_reference`.
+    CTA per token; with ``input_scale`` the kernel reads the scale instead of taking the row's
+    max); elsewhere it runs :func:`quantize_fp8_reference`.
     """
-    _check(x)
+    _check(x, input_scale)
     if _kernel_takes(x):
-        return _launch(x)
-    return quantize_fp8_reference(x)
+        return _launch(x, input_scale=input_scale)
+    return quantize_fp8_reference(x, input_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,9 +266,9 @@ def select_fp8_spec(m: int, w: "PackedWeight") -> Fp8GemmSpec:
 
 def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None, activation: Optional[str] = None,
-             spec: Optional[Fp8GemmSpec] = None) -> torch.Tensor:
-    """``mixgemm.gemm(x, w, ..., act_format="fp8")``: x quantized to e4m3 per token
-    (:func:`quantize_fp8`), then one e4m3 GEMM launch.
+             spec: Optional[Fp8GemmSpec] = None, input_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``mixgemm.gemm(x, w, ..., act_format="fp8")``: x quantized to e4m3 per token, or with a
+    static scale (:func:`quantize_fp8`), then one e4m3 GEMM launch.
 
     Parameters
     ----------
@@ -230,6 +277,8 @@ def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = 
         ``activation`` is None, ``"silu"`` or ``"gelu"``.
     spec : Fp8GemmSpec, optional
         The kernel (default: :func:`select_fp8_spec`); its types must be w's.
+    input_scale : torch.Tensor, optional
+        A static per-tensor activation scale, as for :func:`quantize_fp8`; None: per token.
 
     Returns
     -------
@@ -242,7 +291,7 @@ def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = 
     from . import dense   # deferred: dense imports this module
 
     dense._check_gemm_inputs(x, w, bias, out, activation)
-    why = fp8_problem(w)
+    why = fp8_problem(w) or (None if input_scale is None else input_scale_problem(input_scale, x.device))
     if why:
         raise ValueError(why)
     if activation not in _FP8_ACTIVATIONS:
@@ -253,7 +302,7 @@ def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = 
     y = out if out is not None else torch.empty((*lead, w.n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    xq, xs = _launch(x.reshape(m, w.k))
+    xq, xs = _launch(x.reshape(m, w.k), input_scale=input_scale)
     _launch_gemm(spec, w, xq, xs, bias, y, activation)
     # xq and xs go back to torch's allocator, which reuses them only after this stream's work
     return y
