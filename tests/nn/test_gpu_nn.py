@@ -108,3 +108,20 @@ def test_gate_up_layer_on_gpu_and_in_a_graph(requires_gpu):
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, layer(xs)), m
+
+
+def test_quantlinear_fp8_with_and_without_a_static_scale(requires_gpu):
+    """act_format='fp8': the layer's output is mixgemm.gemm(..., act_format='fp8') of its weight,
+    per token or with its input_scale, bit for bit (the same two launches)."""
+    dev = requires_gpu
+    torch.manual_seed(2)
+    lin = nn.Linear(2048, 1024, bias=True).to(dev, torch.bfloat16)
+    layer = QuantLinear.from_linear(lin, bits=4, group_size=128)
+    layer.set_act_format("fp8")
+    x = torch.randn(3, 40, 2048, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), mixgemm.gemm(x, layer.packed, layer.bias, act_format="fp8"))
+        layer.set_input_scale(torch.tensor(x.float().abs().amax().item() / 448))
+        assert layer.input_scale.device == dev and layer.input_scale.dtype == torch.float32
+        assert torch.equal(layer(x), mixgemm.gemm(x, layer.packed, layer.bias, act_format="fp8",
+                                                  input_scale=layer.input_scale))

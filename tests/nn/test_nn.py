@@ -183,3 +183,90 @@ def test_gate_up_state_from_mixgemm_0_1_is_restriped(symmetric):
     bad["_extra_state"] = {**bad["_extra_state"], "gate_up_stripe": 4}
     with pytest.raises(ValueError):
         QuantLinear(128, 96, bits=2, group_size=64, symmetric=symmetric, activation="swiglu").load_state_dict(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# act_format="fp8" and the static input scale
+# ---------------------------------------------------------------------------------------------
+def test_act_format_defaults_and_refusals():
+    q = QuantLinear(128, 64)
+    assert q.act_format == "bf16" and q.input_scale is None
+    assert "act_format" not in q.state_dict()["_extra_state"]           # the default state is unchanged
+    assert QuantLinear(128, 64, bits=2, act_format="fp8").act_format == "fp8"
+    for kw, msg in ((dict(act_format="auto"), "act_format must be one of ('bf16', 'fp8'), got 'auto'"),
+                    (dict(bits=8, act_format="fp8"), "act_format='fp8' takes u4, s4, u2 and s2 weights"),
+                    (dict(activation="swiglu", act_format="fp8"), "not swiglu")):
+        with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            QuantLinear(128, 64, **kw)
+    with pytest.raises(ValueError, match="act_format='fp8' takes u4"):
+        QuantLinear(128, 64, bits=8).set_act_format("fp8")
+    with pytest.raises(ValueError, match="act_format='fp8' takes u4"):
+        QuantLinear.from_packed(QuantLinear(128, 64, bits=8).packed, act_format="fp8")
+
+
+@pytest.mark.parametrize("scale,msg", [
+    (torch.tensor(0.0), "input_scale must be positive and finite, got 0.0"),
+    (torch.tensor([float("nan")]), "input_scale must be positive and finite, got nan"),
+    (torch.tensor([1.0, 2.0]), "input_scale must be a floating-point tensor of one element, got [2]"),
+    (torch.tensor(3), "input_scale must be a floating-point tensor of one element"),
+])
+def test_input_scale_refused(scale, msg):
+    q = QuantLinear(128, 64, act_format="fp8")
+    with pytest.raises(ValueError) as excinfo:
+        q.set_input_scale(scale)
+    assert str(excinfo.value).startswith(msg) and q.input_scale is None
+
+
+def test_input_scale_and_act_format_round_trip_through_state_dict():
+    """The scale is stored float32 (a bf16 checkpoint value converted exactly); act_format is in
+    the metadata; a bf16 module refuses an fp8 state and the other way round."""
+    lin = _linear()
+    base = QuantLinear.from_linear(lin, bits=4, group_size=64)
+    scale = torch.tensor([0.0123], dtype=torch.bfloat16)
+    q = QuantLinear.from_packed(base.packed, bias=lin.bias.detach(), act_format="fp8", input_scale=scale)
+    assert q.input_scale.dtype == torch.float32 and q.input_scale.shape == () and q.input_scale == scale.float()
+    assert "act_format=fp8, input_scale=static" in repr(q)
+    sd = q.state_dict()
+    assert sd["_extra_state"]["act_format"] == "fp8" and torch.equal(sd["input_scale"], q.input_scale)
+    dst = QuantLinear(128, 64, bits=4, group_size=64, act_format="fp8")
+    dst.load_state_dict(sd)
+    assert torch.equal(dst.input_scale, q.input_scale) and dst.act_format == "fp8"
+    with pytest.raises((ValueError, RuntimeError), match="mismatch"):
+        QuantLinear(128, 64, bits=4, group_size=64).load_state_dict(sd)
+    with pytest.raises((ValueError, RuntimeError), match="mismatch"):
+        dst.load_state_dict(base.state_dict())
+    q.set_input_scale(None)
+    assert q.input_scale is None and "input_scale" not in q.state_dict()
+
+
+def test_fp8_forward_calls_the_e4m3_gemm(monkeypatch):
+    """forward with act_format='fp8': x permuted (act-order) then mixgemm.gemm(..., act_format='fp8')
+    with the layer's weight, bias, activation and input scale (float32 even after a dtype cast)."""
+    from mixgemm.nn import linear as linear_mod
+
+    calls = []
+    monkeypatch.setattr(linear_mod, "gemm", lambda x, w, bias, activation=None, act_format="bf16", input_scale=None:
+                        calls.append((x, w, bias, activation, act_format, input_scale)) or x[..., :w.n])
+    lin = _linear()
+    perm = torch.randperm(128)
+    q = QuantLinear.from_packed(QuantLinear.from_linear(lin, bits=4, group_size=64).packed, bias=lin.bias.detach(),
+                                perm=perm, act_format="fp8", input_scale=torch.tensor(0.5))
+    q.activation = "gelu"
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    q(x)
+    ((gx, w, bias, act, fmt, scale),) = calls
+    assert torch.equal(gx, x[:, perm]) and w.n == 64 and bias is q.bias and act == "gelu" and fmt == "fp8"
+    assert scale is q.input_scale
+    q.input_scale.data = q.input_scale.data.to(torch.bfloat16)      # as model.to(torch.bfloat16) leaves it
+    q(x)
+    assert calls[-1][5].dtype == torch.float32 and calls[-1][5] == 0.5
+    q.set_input_scale(None)
+    q(x)
+    assert calls[-1][5] is None                                     # per-token scales
+
+
+def test_fp8_forward_on_the_cpu_names_the_device():
+    q = QuantLinear.from_linear(_linear(), bits=4, group_size=64)
+    q.set_act_format("fp8")
+    with pytest.raises(ValueError, match="mixgemm kernels run on CUDA tensors"):
+        q(torch.randn(2, 128).to(torch.bfloat16))

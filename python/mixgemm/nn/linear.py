@@ -25,7 +25,9 @@ from ..dispatch import plans
 from ..dispatch.uses import WeightUse
 from ..dtypes import WeightType
 from ..errors import UnsupportedLayerError
-from ..ops.dense import TOKEN_BUCKETS, gemm_op, gemm_tensors_full
+from ..jit.specs import Fp8GemmSpec
+from ..ops.dense import TOKEN_BUCKETS, gemm, gemm_op, gemm_tensors_full
+from ..ops.fp8 import ACT_FORMATS, check_input_scale_value
 from ..weights.layout import ATOM_K, ATOM_N, prepack, unpack
 from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_gate_up, interleave_rows, quantize
 from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, check_group_size
@@ -57,6 +59,14 @@ class QuantLinear(nn.Module):
     dtype : torch.dtype
         Activation dtype, bf16 or fp16 (scales, zeros, bias and output use it too).
     device : torch.device, optional
+    activation : {"none", "silu", "gelu", "swiglu"}
+        Fused into the GEMM's epilogue (below).
+    act_format : {"bf16", "fp8"}
+        ``"bf16"`` (the default): the activations are used exactly. ``"fp8"``: they are
+        quantized to e4m3 and multiplied on the FP8 tensor cores (``mixgemm.gemm(...,
+        act_format="fp8")``, docs/fp8.md), with a scale per token, or with the static
+        ``input_scale`` buffer when it is set (:meth:`set_input_scale`); 4- and 2-bit weights,
+        activation none / silu / gelu, eager mode only (not under torch.compile yet).
 
     Notes
     -----
@@ -75,14 +85,19 @@ class QuantLinear(nn.Module):
     """
 
     activation = "none"
+    act_format = "bf16"
 
     def __init__(self, in_features: int, out_features: int, bits: int = 4, group_size: int = 128,
                  symmetric: bool = False, bias: bool = True, dtype: torch.dtype = torch.bfloat16,
-                 device=None, activation: str = "none"):
+                 device=None, activation: str = "none", act_format: str = "bf16"):
         super().__init__()
         if activation not in ("none", "silu", "gelu", "swiglu"):
             raise ValueError(f"activation must be none, silu, gelu or swiglu, got {activation!r}")
+        why = _act_format_problem(act_format, WeightType.of(bits, symmetric), activation)
+        if why:
+            raise ValueError(why)
         self.activation = activation
+        self.act_format = act_format
         if out_features % ATOM_N or in_features % ATOM_K:
             raise ValueError(f"QuantLinear needs out_features % {ATOM_N} == 0 and in_features % {ATOM_K} == 0, "
                              f"got {out_features} x {in_features}")
@@ -99,6 +114,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", None if symmetric else torch.zeros(sshape, dtype=dtype, device=device))
         self.register_buffer("perm", None)
         self.register_buffer("zero_offsets", None)   # fractional zero points (HQQ imports)
+        self.register_buffer("input_scale", None)    # the static e4m3 activation scale (act_format="fp8")
         self.bias = nn.Parameter(torch.zeros(rows, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
 
@@ -124,7 +140,31 @@ class QuantLinear(nn.Module):
         return PackedWeight(self.qdata, self.scales, self.zeros, self.weight_type, self.group_size,
                             self.weight_rows, self.in_features, zero_offsets=self.zero_offsets)
 
+    def set_input_scale(self, input_scale: Optional[torch.Tensor]) -> None:
+        """Set (or, with None, remove) the static activation scale that ``act_format="fp8"``
+        quantizes every token with: a tensor of one element, positive and finite (checked
+        here), stored as float32 on the layer's device in the ``input_scale`` buffer (and in
+        the state dict)."""
+        if input_scale is not None:
+            if not isinstance(input_scale, torch.Tensor) or input_scale.numel() != 1 \
+                    or not input_scale.is_floating_point():
+                raise ValueError(f"input_scale must be a floating-point tensor of one element, got "
+                                 f"{type(input_scale).__name__ if not isinstance(input_scale, torch.Tensor) else list(input_scale.shape)}")
+            check_input_scale_value(input_scale)
+            input_scale = input_scale.detach().reshape(()).to(self.qdata.device, torch.float32).clone()
+        self.register_buffer("input_scale", input_scale)
+
+    def set_act_format(self, act_format: str) -> None:
+        """Switch between exact (``"bf16"``) and e4m3 (``"fp8"``) activations; the weight is
+        the same for both."""
+        why = _act_format_problem(act_format, self.weight_type, self.activation)
+        if why:
+            raise ValueError(why)
+        self.act_format = act_format
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_format == "fp8":
+            return self._forward_fp8(x)
         if torch.compiler.is_compiling():
             return _forward_op(self, x, self._buffers, self.bias)
         # (attributes read without nn.Module.__getattr__: this is the hot path)
@@ -147,8 +187,20 @@ class QuantLinear(nn.Module):
                                   self.in_features, activation)
         return y
 
+    def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        """forward with e4m3 activations (``mixgemm.gemm(..., act_format="fp8")``)."""
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        scale = self.input_scale
+        if scale is not None and scale.dtype != torch.float32:   # a model cast by .to(dtype)
+            scale = scale.float()
+        return gemm(x, self.packed, self.bias, activation=None if self.activation == "none" else self.activation,
+                    act_format="fp8", input_scale=scale)
+
     def extra_repr(self) -> str:
         act = "" if self.activation == "none" else f", activation={self.activation}"
+        if self.act_format != "bf16":
+            act += f", act_format={self.act_format}" + (", input_scale=static" if self.input_scale is not None else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, symmetric={self.symmetric}, bias={self.bias is not None}, "
                 f"dtype={self.scales.dtype}{act}, layout=sm90a/v{LAYOUT_VERSION}")
@@ -156,12 +208,18 @@ class QuantLinear(nn.Module):
     # -- construction -----------------------------------------------------------------------
     @classmethod
     def from_packed(cls, packed: PackedWeight, bias: Optional[torch.Tensor] = None,
-                    perm: Optional[torch.Tensor] = None) -> "QuantLinear":
-        """Wrap an existing PackedWeight (no copy of its tensors)."""
+                    perm: Optional[torch.Tensor] = None, *, act_format: str = "bf16",
+                    input_scale: Optional[torch.Tensor] = None) -> "QuantLinear":
+        """Wrap an existing PackedWeight (no copy of its tensors); ``act_format`` and
+        ``input_scale`` as for the constructor and :meth:`set_input_scale`."""
         if not isinstance(packed, PackedWeight):
             raise TypeError(f"expected a PackedWeight, got {type(packed).__name__}")
+        why = _act_format_problem(act_format, packed.weight_type, "none")
+        if why:
+            raise ValueError(why)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
+        layer.act_format = act_format
         layer.in_features, layer.out_features = packed.k, packed.n
         layer.weight_type, layer.group_size = packed.weight_type, packed.group_size
         layer.register_buffer("qdata", packed.qdata)
@@ -171,6 +229,7 @@ class QuantLinear(nn.Module):
         if perm is not None and (perm.shape != (packed.k,) or perm.dtype != torch.int64):
             raise ValueError(f"perm must be int64 of shape [{packed.k}]")
         layer.register_buffer("perm", perm)
+        layer.set_input_scale(input_scale)
         if bias is not None:
             if bias.shape != (packed.n,):
                 raise ValueError(f"bias must have shape [{packed.n}], got {list(bias.shape)}")
@@ -233,6 +292,8 @@ class QuantLinear(nn.Module):
                  "layout_version": LAYOUT_VERSION, "arch": "sm90a"}
         if self.activation == "swiglu":
             state["gate_up_stripe"] = GATE_UP_STRIPE
+        if self.act_format != "bf16":     # absent: bf16 (the states of mixgemm before act_format)
+            state["act_format"] = self.act_format
         return state
 
     def set_extra_state(self, state) -> None:
@@ -243,15 +304,16 @@ class QuantLinear(nn.Module):
             raise ValueError(f"state has layout version {state['layout_version']}; upgrade mixgemm to read it")
         # absent keys: mixgemm 0.1's states (_load_from_state_dict re-stripes a 0.1 swiglu state
         # and records today's stripe before this runs)
-        default = {"activation": "none", "gate_up_stripe": 16}
+        default = {"activation": "none", "gate_up_stripe": 16, "act_format": "bf16"}
+        mine.setdefault("act_format", "bf16")
         diff = {k: (state.get(k, default.get(k)), v) for k, v in mine.items() if state.get(k, default.get(k)) != v}
         if diff:
             raise ValueError(f"QuantLinear metadata mismatch (state, module): {diff}")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # The act-order permutation and the zero offsets are optional: create the buffers to
-        # match the state.
-        for name in ("perm", "zero_offsets"):
+        # The act-order permutation, the zero offsets and the static input scale are optional:
+        # create the buffers to match the state.
+        for name in ("perm", "zero_offsets", "input_scale"):
             key = prefix + name
             if key in state_dict and getattr(self, name) is None:
                 self.register_buffer(name, torch.empty_like(state_dict[key], device=self.qdata.device))
@@ -282,6 +344,18 @@ def _forward_op(layer: QuantLinear, x: torch.Tensor, buffers: dict, bias: Option
     k = qdata.shape[1] * ATOM_K
     return torch.ops.mixgemm.gemm(x, qdata, scales, buffers["zeros"], buffers.get("zero_offsets"), bias,
                                   layer.weight_type.value, k // scales.shape[0], scales.shape[1], k, layer.activation)
+
+
+def _act_format_problem(act_format, weight_type: WeightType, activation: str) -> Optional[str]:
+    """Why a QuantLinear of ``weight_type`` and ``activation`` cannot take ``act_format``, or None."""
+    if act_format not in ACT_FORMATS:
+        return f"act_format must be one of {ACT_FORMATS}, got {act_format!r}"
+    if act_format == "fp8" and weight_type.value not in Fp8GemmSpec.WEIGHTS:
+        return (f"act_format='fp8' takes u4, s4, u2 and s2 weights (their codes, minus integer zero points, are "
+                f"exact in e4m3); this layer is {weight_type.value}: use act_format='bf16'")
+    if act_format == "fp8" and activation == "swiglu":
+        return "act_format='fp8' fuses activation none, silu or gelu, not swiglu (no gated e4m3 epilogue yet)"
+    return None
 
 
 def _state_stripe(extra: dict) -> int:
