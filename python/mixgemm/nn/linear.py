@@ -148,8 +148,9 @@ class QuantLinear(nn.Module):
         if input_scale is not None:
             if not isinstance(input_scale, torch.Tensor) or input_scale.numel() != 1 \
                     or not input_scale.is_floating_point():
-                raise ValueError(f"input_scale must be a floating-point tensor of one element, got "
-                                 f"{type(input_scale).__name__ if not isinstance(input_scale, torch.Tensor) else list(input_scale.shape)}")
+                what = (list(input_scale.shape) if isinstance(input_scale, torch.Tensor)
+                        else type(input_scale).__name__)
+                raise ValueError(f"input_scale must be a floating-point tensor of one element, got {what}")
             check_input_scale_value(input_scale)
             input_scale = input_scale.detach().reshape(()).to(self.qdata.device, torch.float32).clone()
         self.register_buffer("input_scale", input_scale)
