@@ -83,7 +83,7 @@ def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tens
                  group_size: Optional[int] = None,
                  checkpoint_format: Union[GPTQCheckpointFormat, str, None] = None,
                  symmetric: Optional[bool] = None, tp_rank: int = 0, tp_size: int = 1, tp_dim: int = 0,
-                 tp_sections: Optional[Tuple[int, ...]] = None) -> ImportedLayer:
+                 tp_sections: Optional[Tuple[int, ...]] = None, activations: Optional[str] = None) -> ImportedLayer:
     """Convert the layer ``prefix`` of a loaded state dict.
 
     Parameters
@@ -109,11 +109,16 @@ def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tens
         1`` the rank's shard of the layer, bias included, along ``tp_dim``.
     tp_sections : tuple of int, optional
         ``tp_dim=0``: the row sections of a fused layer (q/k/v), each split on its own.
+    activations : {None, "fp8-token", "fp8-tensor"}
+        compressed-tensors only: the layer's e4m3 input quantization, from its config group's
+        ``input_activations`` (:func:`mixgemm.formats.compressed_tensors.activation_scheme`);
+        ``"fp8-tensor"`` reads ``<prefix>.input_scale``. None: the weights alone.
 
     Returns
     -------
     ImportedLayer
-        The weight, the K permutation (act-order only) and ``<prefix>.bias`` if present.
+        The weight, the K permutation (act-order only), ``<prefix>.bias`` if present, and the
+        activation format and static input scale when ``activations`` is given.
 
     Raises
     ------
@@ -123,9 +128,15 @@ def import_layer(fmt: Union[Format, str, None], tensors: Mapping[str, torch.Tens
         Valid layers mixgemm cannot represent exactly.
     """
     fmt = detect_format(tensors, prefix) if fmt is None or fmt == "auto" else Format.parse(fmt)
+    extra = {}
+    if activations is not None:       # checkpoints of the other formats quantize weights alone
+        if fmt is not Format.COMPRESSED_TENSORS:
+            raise ValueError(f"activations={activations!r}: e4m3 input activations are read from compressed-tensors "
+                             f"checkpoints only, this layer is {fmt.value}")
+        extra["activations"] = activations
     get = lambda suffix, required=True: _get(tensors, prefix, suffix, fmt, required)  # noqa: E731
     layer = HANDLERS[fmt].import_tensors(get, tensors, prefix, dtype=dtype, bits=bits, group_size=group_size,
-                                         checkpoint_format=checkpoint_format, symmetric=symmetric)
+                                         checkpoint_format=checkpoint_format, symmetric=symmetric, **extra)
     bias = tensors.get(tensor_key(prefix, "bias"))
     layer = dataclasses.replace(layer, bias=bias) if bias is not None else layer
     return shard_imported(layer, prefix, tp_rank, tp_size, tp_dim, tp_sections)

@@ -35,11 +35,20 @@ class ImportedLayer:
         ``x[..., perm]`` before the GEMM** (:meth:`permute_input`). ``None``: no permutation.
     bias : torch.Tensor or None
         The layer's bias ``[N]`` as stored in the checkpoint (unchanged), if any.
+    act_format : str
+        How the checkpoint quantizes the layer's input: ``"bf16"`` (it does not: the weights
+        alone are quantized) or ``"fp8"`` (e4m3 activations, as ``mixgemm.gemm(...,
+        act_format="fp8")`` and ``QuantLinear(act_format="fp8")`` compute).
+    input_scale : torch.Tensor or None
+        With ``act_format="fp8"``: the static per-tensor activation scale (float32, 0-d,
+        positive and finite), or None for a scale per token (dynamic).
     """
 
     qweight: QuantizedWeight
     perm: Optional[torch.Tensor] = None
     bias: Optional[torch.Tensor] = None
+    act_format: str = "bf16"
+    input_scale: Optional[torch.Tensor] = None
 
     def permute_input(self, x: torch.Tensor) -> torch.Tensor:
         """Return ``x[..., perm]`` (``x`` itself when there is no permutation).
@@ -63,7 +72,8 @@ class ImportedLayer:
             (which selects input columns) is kept whole. 1: input columns (row parallel); the
             bias is kept whole (a row-parallel layer adds it once, after the all-reduce) and
             ``perm``, if any, keeps the rank's entries (indices into the *whole* input:
-            :class:`mixgemm.nn.RowParallelQuantLinear` with ``input_is_parallel=False``).
+            :class:`mixgemm.nn.RowParallelQuantLinear` with ``input_is_parallel=False``). The
+            activation format and a static ``input_scale`` are kept by every shard.
         rank, world_size : int
         sections : sequence of int, optional
             ``dim=0``: the rows of a fused layer's sections (e.g. ``(q, k, v)``), each sliced
@@ -80,10 +90,16 @@ class ImportedLayer:
         Raises
         ------
         ShardError
-            The split cuts an atom or a group, or ``sections`` do not divide.
+            The split cuts an atom or a group, or ``sections`` do not divide; or ``dim=1`` of a
+            layer with per-token e4m3 activations (a token's scale is the amax of its whole row,
+            which a rank holding K/W of its columns does not see).
         """
         if world_size == 1 and rank == 0:
             return self
+        if dim % 2 == 1 and self.act_format == "fp8" and self.input_scale is None:
+            raise ShardError(f"layer {name!r}: a row-parallel split (along K) of a layer with per-token e4m3 "
+                             f"activations: each token's scale is the amax of its whole row, which a rank does not "
+                             f"see (import it with activations=None, or with tp_dim=0)")
         try:
             qw = self.qweight.shard(dim, rank, world_size, sections)
         except ValueError as e:
@@ -103,7 +119,7 @@ class ImportedLayer:
             bias, perm = self.bias, self.perm
             if perm is not None:
                 perm = perm[rank * qw.k:(rank + 1) * qw.k].clone()
-        return ImportedLayer(qweight=qw, perm=perm, bias=bias)
+        return dataclasses.replace(self, qweight=qw, perm=perm, bias=bias)
 
 
 def shard_imported(layer: "ImportedLayer", name: str, tp_rank: int, tp_size: int, tp_dim: int,

@@ -1,9 +1,11 @@
-"""compressed-tensors ``format="pack-quantized"`` layers: :func:`from_compressed_tensors`, and the
-format's rules: its ``quantization_config`` (:func:`parse_config`), a layer of a state dict
-(:func:`import_tensors`), its own dequantization formula (:func:`dequantize`) and a layer from
-safetensors headers (:func:`header_layer`)."""
+"""compressed-tensors integer-weight layers: :func:`from_compressed_tensors` (``format="pack-quantized"``,
+and the unpacked int8 codes of ``"int-quantized"``; weights alone, or with e4m3 input activations:
+:func:`activation_scheme`), and the format's rules: its ``quantization_config``
+(:func:`parse_config`), a layer of a state dict (:func:`import_tensors`), its own dequantization
+formula (:func:`dequantize`) and a layer from safetensors headers (:func:`header_layer`)."""
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from typing import List, Mapping, Optional, Tuple, Union
@@ -14,7 +16,7 @@ from ..dtypes import WeightType
 from ..errors import CheckpointError, FormatError, UnsupportedLayerError, UserError
 from .common import (shard_imported, WORD_BITS, DTypeLike, ImportedLayer, apply_groups, check_bits,
                      check_kernel_shape, check_tensor, dequant_groups, layer_error, finalize_layer, layer_dtype,
-                     required_tensor, resolve_group_size, resolve_groups, unpack_stream, unpack_words)
+                     required_tensor, resolve_group_size, resolve_groups, tensor_key, unpack_stream, unpack_words)
 from .registry import Format
 from .rules import (HeaderLayer, LayerScheme, QuantizationConfig, Rule, SkipLayer, config_int, header_group,
                     header_shape, kernel_bits)
@@ -72,6 +74,109 @@ def _packed_bits(name: str, packed: torch.Tensor, k: int, bits: Optional[int]) -
     return fits[0]
 
 
+#: The activation schemes :func:`from_compressed_tensors` takes (``activations=``): e4m3 input
+#: activations with a scale per token computed at run time, or with one static scale per layer.
+ACTIVATION_SCHEMES = ("fp8-token", "fp8-tensor")
+
+
+def activation_scheme(input_activations: Mapping) -> str:
+    """mixgemm's name for a compressed-tensors ``input_activations`` config, if mixgemm's e4m3
+    path computes it.
+
+    Parameters
+    ----------
+    input_activations : Mapping
+        A config group's ``input_activations`` (as in ``config.json``, or a ``QuantizationArgs``'s
+        ``model_dump()``).
+
+    Returns
+    -------
+    str
+        ``"fp8-token"`` for ``{type: "float", num_bits: 8, strategy: "token", dynamic: true}``
+        (a scale per token, ``amax / 448``), ``"fp8-tensor"`` for ``{type: "float", num_bits: 8,
+        strategy: "tensor", dynamic: false}`` (each layer's ``input_scale``); both symmetric,
+        without a ``scale_dtype``.
+
+    Raises
+    ------
+    ValueError
+        Any other scheme (integer or 4-bit activations, groups, dynamic per-tensor scales,
+        asymmetric, rounded scales), naming what it is.
+    """
+    if not isinstance(input_activations, Mapping):
+        raise TypeError(f"input_activations must be a mapping (a config group's), got "
+                        f"{type(input_activations).__name__}")
+    a = input_activations
+    kind, bits = str(a.get("type", "int")), a.get("num_bits", 8)
+    group = a.get("group_size")
+    strategy = str(a.get("strategy") or ("tensor" if group is None else "group" if group > 0 else "channel"))
+    dynamic = a.get("dynamic", False)
+    what = (f"{kind} {bits}-bit input activations, strategy {strategy!r}, "
+            f"{'dynamic' if dynamic is True else 'static' if dynamic is False else f'dynamic={dynamic!r}'}")
+    if kind != "float" or bits != 8:
+        raise ValueError(f"{what}: mixgemm's e4m3 activations are float 8-bit ones")
+    if not a.get("symmetric", True):
+        raise ValueError(f"{what}, asymmetric: mixgemm's e4m3 activations are symmetric")
+    if a.get("scale_dtype") is not None:
+        raise ValueError(f"{what}, scales rounded to {a.get('scale_dtype')}: mixgemm's activation scales are "
+                         f"float32")
+    if strategy == "token" and dynamic is True:
+        return "fp8-token"
+    if strategy == "tensor" and dynamic is False:
+        return "fp8-tensor"
+    raise ValueError(f"{what}: mixgemm's e4m3 activations take a scale per token (strategy 'token', dynamic) or "
+                     f"one static scale per layer (strategy 'tensor', not dynamic)")
+
+
+def _int_codes(name: str, codes: torch.Tensor, weight_shape, bits: Optional[int]) -> Tuple[torch.Tensor, int]:
+    """The unsigned codes ``q + 2^(b-1)`` (uint8 ``[N, K]``) of an ``"int-quantized"`` layer's int8
+    ``weight`` (signed codes, unpacked), and ``bits``, which the config must give."""
+    n, k = codes.shape
+    if weight_shape is not None:
+        shape = [int(v) for v in (weight_shape.flatten().tolist()
+                                  if isinstance(weight_shape, torch.Tensor) else weight_shape)]
+        if shape != [n, k]:
+            raise layer_error(name, f"weight_shape {shape} does not match the int8 codes {[n, k]}")
+    if bits is None:
+        raise layer_error(name, "an int-quantized layer's int8 codes do not say their width: pass bits (the "
+                          "config's num_bits)")
+    check_bits(name, bits, "compressed-tensors")
+    check_kernel_shape(name, n, k)
+    offset = 1 << (bits - 1)
+    lo, hi = int(codes.min()), int(codes.max())
+    if lo < -offset or hi > offset - 1:
+        raise layer_error(name, f"int8 codes in [{lo}, {hi}] are not {bits}-bit ones ([{-offset}, {offset - 1}])")
+    return (codes.to(torch.int16) + offset).to(torch.uint8), bits
+
+
+def _input_quantization(name: str, activations: Optional[str], input_scale, bits: int):
+    """``(act_format, input_scale)`` of an imported layer: ``("bf16", None)``, ``("fp8", None)``
+    (per token) or ``("fp8", scale)`` (static: float32, 0-d, checked positive and finite)."""
+    if activations is None:
+        if input_scale is not None:
+            raise layer_error(name, "input_scale is given, but activations is None: pass activations='fp8-tensor'")
+        return "bf16", None
+    if activations not in ACTIVATION_SCHEMES:
+        raise ValueError(f"activations must be None or one of {ACTIVATION_SCHEMES}, got {activations!r}")
+    if bits not in (4, 2):
+        raise layer_error(name, f"e4m3 activations need 4- or 2-bit weights (their codes are exact in e4m3); this "
+                          f"layer is {bits}-bit: import it with activations=None (bf16/fp16 activations)",
+                          UnsupportedLayerError)
+    if activations == "fp8-token":
+        if input_scale is not None:
+            raise layer_error(name, "an input_scale is given, but the activations are quantized per token (dynamic)")
+        return "fp8", None
+    if input_scale is None:
+        raise layer_error(name, "static per-tensor e4m3 activations need the layer's input_scale")
+    check_tensor(name, "input_scale", input_scale, floating=True)
+    if input_scale.numel() != 1:
+        raise layer_error(name, f"input_scale must hold one value (per tensor), got shape {list(input_scale.shape)}")
+    v = float(input_scale.double())
+    if not (math.isfinite(v) and v > 0):
+        raise layer_error(name, f"input_scale must be positive and finite, got {v!r}")
+    return "fp8", input_scale.detach().reshape(()).to(torch.float32).clone()   # exact from bf16 / fp16
+
+
 def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
                             weight_shape: Optional[Union[torch.Tensor, Tuple[int, int]]] = None,
                             weight_zero_point: Optional[torch.Tensor] = None,
@@ -79,9 +184,10 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
                             bits: Optional[int] = None, group_size: Optional[int] = None,
                             dtype: DTypeLike = None, symmetric: Optional[bool] = None,
                             name: str = "<compressed-tensors>", tp_rank: int = 0, tp_size: int = 1,
-             tp_dim: int = 0) -> ImportedLayer:
-    """Convert a compressed-tensors ``format="pack-quantized"`` layer (int, "group" or
-    "channel" strategy).
+                            tp_dim: int = 0, activations: Optional[str] = None,
+                            input_scale: Optional[torch.Tensor] = None) -> ImportedLayer:
+    """Convert a compressed-tensors ``format="pack-quantized"`` (or ``"int-quantized"``) layer
+    (int, "group" or "channel" strategy), with its e4m3 input activations if it has them.
 
     compressed-tensors stores signed codes ``q`` (and zero points ``z``) in
     ``[-2^(b-1), 2^(b-1)-1]`` and dequantizes (``_dequantize``)::
@@ -103,7 +209,10 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
         i.e. code ``j`` of word ``c`` is element ``c * 32/bits + j`` at bits ``bits*j ..``.
         A 3, 5, 6 or 7-bit layer (which mixgemm cannot represent: UnsupportedLayerError) is
         recognised in both of compressed-tensors' layouts, told apart by the word count
-        (:func:`packed_words`): dense (0.18 on) or padded (up to 0.17).
+        (:func:`packed_words`): dense (0.18 on) or padded (up to 0.17). Or the int8 ``weight``
+        ``[N, K]`` of an ``"int-quantized"`` layer (``NaiveQuantizationCompressor``: the signed
+        codes unpacked, the format compressed-tensors infers for integer weights with quantized
+        input activations); ``bits`` is then required.
     weight_scale : torch.Tensor
         ``[N, G]`` ("group") or ``[N, 1]`` ("channel"), floating point.
     weight_shape : torch.Tensor or tuple, optional
@@ -120,24 +229,44 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
     group_size, dtype, symmetric, name, tp_rank, tp_size, tp_dim
         As for :func:`from_gptq` (``symmetric=None``: symmetric iff there is no zero point
         or every zero point is 0).
+    activations : {None, "fp8-token", "fp8-tensor"}
+        The layer's input quantization (:func:`activation_scheme` of its config group's
+        ``input_activations``): None, the weights alone; ``"fp8-token"``, e4m3 activations
+        with a scale per token; ``"fp8-tensor"``, e4m3 activations with the static
+        ``input_scale``. Either fp8 scheme needs 4- or 2-bit weights.
+    input_scale : torch.Tensor, optional
+        ``"fp8-tensor"`` only, and required there: the layer's ``input_scale`` (one value,
+        any floating dtype, positive and finite), kept as float32 (exact).
 
     Returns
     -------
     ImportedLayer
-        ``qweight`` ``[N, K]``; ``perm`` for act-order layers (see the module docstring).
+        ``qweight`` ``[N, K]``; ``perm`` for act-order layers (see the module docstring);
+        ``act_format`` ``"fp8"`` and ``input_scale`` (None per token) when ``activations`` is
+        given. The activations the layer then computes with are
+        ``e4m3(clamp(x / s, -448, 448)) * s``, ``s`` the token's ``amax / 448`` or
+        ``input_scale``, in float32: compressed-tensors' own ``quantize`` of the same x and
+        scale, bit for bit (docs/fp8.md).
 
     Raises
     ------
     FormatError
         Inconsistent shapes/dtypes or ``bits``, zero points out of range; N % 16, K % 64 or
         the group size unsupported.
+        An ``input_scale`` with ``activations`` other than ``"fp8-tensor"``, or none with it;
+        one that is not one positive finite value.
     UnsupportedLayerError
-        Other bit widths (3, 5, 6, 7: in either layout); the "tensor" strategy (a scalar scale).
+        Other bit widths (3, 5, 6, 7: in either layout); the "tensor" strategy (a scalar scale);
+        e4m3 activations with 8-bit weights.
     """
-    check_tensor(name, "weight_packed", weight_packed, 2, (torch.int32,))
+    check_tensor(name, "weight_packed", weight_packed, 2, (torch.int32, torch.int8))
     check_tensor(name, "weight_scale", weight_scale, floating=True)
     n, words = weight_packed.shape
-    if weight_shape is not None:
+    codes = None
+    if weight_packed.dtype == torch.int8:                    # int-quantized: the codes, unpacked
+        codes, bits = _int_codes(name, weight_packed, weight_shape, bits)
+        k = words
+    elif weight_shape is not None:
         shape = [int(v) for v in (weight_shape.flatten().tolist()
                                   if isinstance(weight_shape, torch.Tensor) else weight_shape)]
         if len(shape) != 2:
@@ -188,10 +317,12 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
             raise layer_error(name, f"weight_zero_point must be int32 [{packed_rows}, {num_groups}] "
                              f"(packed along N) or [{n}, {num_groups}], got {zp.dtype} "
                              f"{list(zp.shape)}")
-    q_u = unpack_words(weight_packed, bits, dim=1)[:, :k]     # [N, K], q + offset
+    act_format, in_scale = _input_quantization(name, activations, input_scale, bits)
+    q_u = codes if codes is not None else unpack_words(weight_packed, bits, dim=1)[:, :k]   # [N, K], q + offset
     q_u, z_u, s = apply_groups(q_u, z_u, weight_scale, perm, labels)
     qw = finalize_layer(name, q_u, z_u, s, bits=bits, group_size=gs, symmetric=symmetric, act=act)
-    return shard_imported(ImportedLayer(qweight=qw, perm=perm), name, tp_rank, tp_size, tp_dim)
+    layer = ImportedLayer(qweight=qw, perm=perm, act_format=act_format, input_scale=in_scale)
+    return shard_imported(layer, name, tp_rank, tp_size, tp_dim)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +356,10 @@ def packing_of_version(version) -> Optional[str]:
 
 def parse_config(qc: Mapping, raw: dict, where: str) -> QuantizationConfig:
     """A ``"compressed-tensors"`` ``quantization_config`` (``format="pack-quantized"``): each
-    ``config_groups`` entry's ``targets`` and ``weights``, ``ignore``, ``version``."""
+    ``config_groups`` entry's ``targets``, ``weights`` and ``input_activations``
+    (:func:`activation_scheme`, into :attr:`LayerScheme.activations`; a warning says that
+    ``from_pretrained`` computes with bf16/fp16 activations all the same), ``ignore``,
+    ``version``."""
     fmt = qc.get("format")
     packing = packing_of_version(qc.get("version"))
     rules: List[Rule] = _ct_rules(qc.get("ignore"), LayerScheme(quantized=False))
@@ -240,29 +374,52 @@ def parse_config(qc: Mapping, raw: dict, where: str) -> QuantizationConfig:
             continue
         gfmt = group.get("format") or fmt
         if gfmt != "pack-quantized":
+            also = (" (mixgemm.formats.import_layer reads an 'int-quantized' layer's int8 codes)"
+                    if gfmt == "int-quantized" else "")
             raise CheckpointError(f"{where}: compressed-tensors format {gfmt!r} (config group {gname!r}) is not "
-                                  f"supported: mixgemm reads integer weights in the 'pack-quantized' format")
+                                  f"supported: mixgemm reads integer weights in the 'pack-quantized' format{also}")
         if str(weights.get("type", "int")) != "int":
             raise CheckpointError(f"{where}: compressed-tensors config group {gname!r} has {weights.get('type')!r} "
                                   f"weights; mixgemm reads integer ones")
+        activations = None
         if group.get("input_activations"):
-            warnings.warn(f"mixgemm.hf: {where}: compressed-tensors config group {gname!r} quantizes the input "
-                          f"activations; mixgemm computes with bf16/fp16 activations and ignores that",
-                          stacklevel=3)
+            try:
+                activations = activation_scheme(group["input_activations"])
+            except (TypeError, ValueError) as e:
+                warnings.warn(f"mixgemm.hf: {where}: compressed-tensors config group {gname!r} quantizes the input "
+                              f"activations ({e}); mixgemm computes with bf16/fp16 activations and ignores that",
+                              stacklevel=3)
+            else:
+                warnings.warn(f"mixgemm.hf: {where}: compressed-tensors config group {gname!r} quantizes the input "
+                              f"activations to e4m3 ({activations}); from_pretrained computes with bf16/fp16 "
+                              f"activations (exact) and does not apply that yet (mixgemm.formats.import_layer(..., "
+                              f"activations={activations!r}) and QuantLinear(act_format='fp8') do)", stacklevel=3)
         strategy = str(weights.get("strategy", "group"))
         group_size = {"group": config_int(weights, "group_size"), "channel": -1}.get(strategy)
-        scheme = LayerScheme(bits=config_int(weights, "num_bits"), group_size=group_size, packing=packing)
+        scheme = LayerScheme(bits=config_int(weights, "num_bits"), group_size=group_size, packing=packing,
+                             activations=activations)
         rules.extend(_ct_rules(group.get("targets"), scheme))
     return QuantizationConfig(Format.COMPRESSED_TENSORS, raw, LayerScheme(quantized=False), tuple(rules))
 
 
-def import_tensors(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric):
+def import_tensors(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric,
+                   activations=None):
     """The layer ``prefix`` of a state dict (``get(suffix)``: its tensor), by
-    :func:`from_compressed_tensors`."""
+    :func:`from_compressed_tensors`: ``weight_packed`` (pack-quantized) or, without one, an int8
+    ``weight`` (int-quantized); with ``activations`` (:data:`ACTIVATION_SCHEMES`), its
+    ``input_scale`` (static) and an ``input_zero_point``, which must be 0."""
+    packed = get("weight_packed", False)
+    if packed is None:
+        codes = tensors.get(tensor_key(prefix, "weight"))
+        packed = codes if isinstance(codes, torch.Tensor) and codes.dtype == torch.int8 else get("weight_packed")
+    input_scale = get("input_scale", False) if activations is not None else None
+    zero = get("input_zero_point", False) if activations is not None else None
+    if zero is not None and bool((zero.float() != 0).any()):
+        raise layer_error(prefix, "input_zero_point is not 0: mixgemm's e4m3 activations are symmetric")
     return from_compressed_tensors(
-        get("weight_packed"), get("weight_scale"), get("weight_shape"), get("weight_zero_point", False),
+        packed, get("weight_scale"), get("weight_shape", packed.dtype != torch.int8), get("weight_zero_point", False),
         get("weight_g_idx", False), bits=bits, group_size=group_size, dtype=dtype, symmetric=symmetric,
-        name=prefix)
+        name=prefix, activations=activations, input_scale=input_scale)
 
 
 def _ct_layout(prefix: str, what: str, words: torch.Tensor, count: int, dim: int, bits: Optional[int],

@@ -17,7 +17,10 @@ stored; the bits and group size it gives are checked against each layer's tensor
 * ``"compressed-tensors"`` with ``format="pack-quantized"``: each ``config_groups`` entry's
   ``targets`` (``"Linear"``, a module name or ``"re:regex"``) and ``weights``
   (``num_bits``, ``strategy`` "group" / "channel", ``group_size``), and ``ignore``; ``version``
-  (the writer's compressed-tensors version) says how 3/5/6/7-bit codes are packed.
+  (the writer's compressed-tensors version) says how 3/5/6/7-bit codes are packed. A group's
+  e4m3 ``input_activations`` (per token, dynamic; or per tensor, static) are recorded in
+  :attr:`LayerScheme.activations` (``from_pretrained`` still computes with bf16/fp16
+  activations, with a warning); other activation schemes are ignored with a warning.
 * ``"mixgemm"``: the shards are :func:`mixgemm.save` files (see :data:`MIXGEMM_FORMAT_VERSION`).
 
 The mixgemm checkpoint format

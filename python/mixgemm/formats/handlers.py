@@ -28,7 +28,8 @@ class FormatHandlers:
         :meth:`Format.quant_methods` lists).
     import_tensors : callable or None
         ``(get, tensors, prefix, *, dtype, bits, group_size, checkpoint_format, symmetric) ->
-        ImportedLayer``: a layer of a state dict (the formats :meth:`Format.importable` lists).
+        ImportedLayer``: a layer of a state dict (the formats :meth:`Format.importable` lists);
+        compressed-tensors' also takes ``activations`` (its e4m3 input quantization).
     dequantize : callable or None
         ``(tensors, prefix, scheme) -> torch.Tensor``: the format's own dequantization formula.
     header_layer : callable or None

@@ -34,6 +34,10 @@ class LayerScheme:
         compressed-tensors only: how its writer packed 3, 5, 6 and 7-bit codes, from the
         config's ``version``: ``"padded"`` (``32 // bits`` codes per int32 word, up to 0.17) or
         ``"dense"`` (0.18 on); ``None`` when the config does not say.
+    activations : str or None
+        compressed-tensors only: the layer's e4m3 input quantization, ``"fp8-token"`` or
+        ``"fp8-tensor"`` (:func:`mixgemm.formats.compressed_tensors.activation_scheme`); None
+        when the config quantizes the weights alone (or activations mixgemm does not compute).
     """
 
     quantized: bool = True
@@ -41,6 +45,7 @@ class LayerScheme:
     group_size: Optional[int] = None
     checkpoint_format: Optional[str] = None
     packing: Optional[str] = None
+    activations: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
