@@ -17,7 +17,7 @@ import dataclasses
 import json
 import zlib
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -209,10 +209,13 @@ def write_gptq(model_dir: Path, bits: int = 4, group_size: int = 64, symmetric: 
 
 def write_compressed_tensors(model_dir: Path, bits: int = 4, group_size: int = 64, symmetric: bool = True,
                              act_order: bool = False, tensor_strategy_o_proj: bool = False,
-                             tie: bool = False) -> Reference:
+                             tie: bool = False, fp8_activations: Optional[str] = None) -> Reference:
     """compressed-tensors pack-quantized, bf16 scales, strategy "group" (group_size=-1:
     "channel"), optional actorder "group" (weight_g_idx); with ``tensor_strategy_o_proj`` a second
-    config group quantizes o_proj with one scale per tensor, which mixgemm cannot represent."""
+    config group quantizes o_proj with one scale per tensor, which mixgemm cannot represent.
+    ``fp8_activations``: the group also quantizes the input activations to fp8, ``"token"``
+    (dynamic) or ``"tensor"`` (static: a bf16 ``input_scale`` per layer, as compressed-tensors
+    stores it)."""
     config = llama_config(tie=tie, dtype="bfloat16")
     g = gen("ct", bits, group_size, symmetric, act_order, tensor_strategy_o_proj, tie)
     tensors = _plain_tensors(config, torch.bfloat16, g)
@@ -242,12 +245,17 @@ def write_compressed_tensors(model_dir: Path, bits: int = 4, group_size: int = 6
                 prefix["weight_g_idx"] = g_idx.clone()
             linears[name] = rp.ct_reference_dequant(prefix["weight_packed"], s, prefix["weight_shape"], bits,
                                                     prefix.get("weight_zero_point"), prefix.get("weight_g_idx"))
+        if fp8_activations == "tensor":
+            prefix["input_scale"] = (torch.rand(1, generator=g) * 0.1 + 0.01).to(torch.bfloat16)
         tensors.update({f"{name}.{key}": v for key, v in prefix.items()})
     weights = {"num_bits": bits, "type": "int", "symmetric": symmetric,
                "strategy": "channel" if group_size == -1 else "group",
                "group_size": None if group_size == -1 else group_size,
                "actorder": "group" if act_order else None, "dynamic": False, "observer": "minmax"}
-    groups = {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+    acts = None if fp8_activations is None else {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": fp8_activations, "group_size": None,
+        "dynamic": fp8_activations == "token"}
+    groups = {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                           "output_activations": None}}
     if tensor_strategy_o_proj:   # listed first: the first matching group wins
         groups = {"group_1": {"targets": ["re:.*o_proj$"], "weights": {**weights, "strategy": "tensor",
@@ -308,6 +316,8 @@ WRITERS = {
     "ct-sym": lambda d: write_compressed_tensors(d),
     "ct-asym-act-order": lambda d: write_compressed_tensors(d, bits=4, group_size=128, symmetric=False, act_order=True),
     "ct-8bit-channel": lambda d: write_compressed_tensors(d, bits=8, group_size=-1),
+    "ct-w4a8-token": lambda d: write_compressed_tensors(d, fp8_activations="token"),
+    "ct-w2a8-static": lambda d: write_compressed_tensors(d, bits=2, symmetric=False, fp8_activations="tensor"),
     "mixgemm": lambda d: write_mixgemm(d),
     "mixgemm-from-gptq-act-order": lambda d: write_mixgemm(d, from_gptq_act_order=True),
 }
