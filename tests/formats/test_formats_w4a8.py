@@ -264,7 +264,7 @@ def test_tensor_parallel_shards_keep_the_activation_scheme(ct, tmp_path):
 
 
 def test_weights_alone_are_unchanged(ct, tmp_path):
-    """Without activations the import is the weight-only one (act_format 'bf16'), as before."""
+    """Without activations the import is the weight-only one (act_format 'bf16'), silently."""
     _, packer = ct
     reference, _ = packer.w4a8_checkpoint(tmp_path, _weight(), 4, False, "token", 64, "pack-quantized")
     _, tensors = _read(tmp_path)

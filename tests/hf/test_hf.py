@@ -650,9 +650,9 @@ def test_package_imports_without_transformers():
 
 @pytest.mark.parametrize("kind,scheme", [("ct-w4a8-token", "fp8-token"), ("ct-w2a8-static", "fp8-tensor")])
 def test_w4a8_checkpoints_load_with_exact_activations_and_say_so(tmp_path, kind, scheme):
-    """A compressed-tensors checkpoint whose layers also quantize their inputs to fp8 loads as
-    before: the weights exactly, the activations bf16 (the input scales read and set aside), with
-    a warning that names the scheme and where it is applied."""
+    """A compressed-tensors checkpoint whose layers also quantize their inputs to fp8 loads with
+    the weights exact and the activations bf16 (the input scales read and set aside), with a
+    warning that names the scheme and where it is applied."""
     ref = hc.WRITERS[kind](tmp_path / kind)
     with pytest.warns(UserWarning, match=f"to e4m3 \\({scheme}\\); from_pretrained computes with bf16/fp16 "
                                          f"activations"):

@@ -173,7 +173,8 @@ def test_static_scale_equals_per_token_where_they_agree():
     (lambda: torch.tensor([0.5, 0.5]), "input_scale must be a float32 tensor of one element (shape [] or [1]), "
      "got a torch.float32 tensor of shape [2]"),
     (lambda: torch.tensor([[0.5]]), "got a torch.float32 tensor of shape [1, 1]"),
-    (lambda: torch.tensor(0.5, dtype=torch.bfloat16), "got a torch.bfloat16 tensor of shape [] (convert it with .float())"),
+    (lambda: torch.tensor(0.5, dtype=torch.bfloat16),
+     "got a torch.bfloat16 tensor of shape [] (convert it with .float())"),
     (lambda: 0.5, "input_scale must be a float32 tensor of one element (shape [] or [1]), got float"),
     (lambda: torch.tensor(0.5, device="meta"), "input_scale is on meta but x is on cpu"),
 ])
