@@ -97,7 +97,7 @@ class QuantLinear(nn.Module):
         if why:
             raise ValueError(why)
         self.activation = activation
-        self.act_format = act_format
+        _store_act_format(self, act_format)
         if out_features % ATOM_N or in_features % ATOM_K:
             raise ValueError(f"QuantLinear needs out_features % {ATOM_N} == 0 and in_features % {ATOM_K} == 0, "
                              f"got {out_features} x {in_features}")
@@ -161,7 +161,7 @@ class QuantLinear(nn.Module):
         why = _act_format_problem(act_format, self.weight_type, self.activation)
         if why:
             raise ValueError(why)
-        self.act_format = act_format
+        _store_act_format(self, act_format)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_format == "fp8":
@@ -220,7 +220,7 @@ class QuantLinear(nn.Module):
             raise ValueError(why)
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.act_format = act_format
+        _store_act_format(layer, act_format)
         layer.in_features, layer.out_features = packed.k, packed.n
         layer.weight_type, layer.group_size = packed.weight_type, packed.group_size
         layer.register_buffer("qdata", packed.qdata)
@@ -345,6 +345,16 @@ def _forward_op(layer: QuantLinear, x: torch.Tensor, buffers: dict, bias: Option
     k = qdata.shape[1] * ATOM_K
     return torch.ops.mixgemm.gemm(x, qdata, scales, buffers["zeros"], buffers.get("zero_offsets"), bias,
                                   layer.weight_type.value, k // scales.shape[0], scales.shape[1], k, layer.activation)
+
+
+def _store_act_format(layer: QuantLinear, act_format: str) -> None:
+    """Set ``layer.act_format``. The default, bf16, is the class attribute and stays out of the
+    instance dict: a compiled forward then reads it without a guard on the layer
+    (tests/nn/test_compile_guards.py); fp8 is an instance attribute."""
+    if act_format == "bf16":
+        layer.__dict__.pop("act_format", None)
+    else:
+        layer.act_format = act_format
 
 
 def _act_format_problem(act_format, weight_type: WeightType, activation: str) -> Optional[str]:
