@@ -270,3 +270,17 @@ def test_fp8_forward_on_the_cpu_names_the_device():
     q.set_act_format("fp8")
     with pytest.raises(ValueError, match="mixgemm kernels run on CUDA tensors"):
         q(torch.randn(2, 128).to(torch.bfloat16))
+
+
+def test_prebuild_lists_the_e4m3_kernels_of_an_fp8_layer():
+    """specs_for a model with an act_format='fp8' layer: its quantizer and its e4m3 GEMM, and none
+    of the bf16-activation GEMMs it never launches; a bf16 layer of the same weight lists those."""
+    from mixgemm.aot.prebuild import specs_for
+
+    model = torch.nn.Sequential(QuantLinear(256, 128, bits=4, group_size=64, act_format="fp8"))
+    names = [s.name for s in specs_for(model)]
+    assert names == sorted(["mixgemm_quant_fp8_bf16", "mixgemm_f8gemm_bf16_u4_t128x128x128_s0"]), names
+    model[0].set_act_format("bf16")
+    names = [s.name for s in specs_for(model)]
+    assert names and not any("fp8" in n or "f8gemm" in n for n in names), names
+    assert any(n.startswith("mixgemm_gemm_bf16_u4") for n in names) and any("decode" in n for n in names), names

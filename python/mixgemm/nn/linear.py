@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from ..dispatch import plans
-from ..dispatch.uses import WeightUse
+from ..dispatch.uses import KernelUse, WeightUse
 from ..dtypes import WeightType
 from ..errors import UnsupportedLayerError
 from ..jit.specs import Fp8GemmSpec
 from ..ops.dense import TOKEN_BUCKETS, gemm, gemm_op, gemm_tensors_full
-from ..ops.fp8 import ACT_FORMATS, check_input_scale_value
+from ..ops.fp8 import ACT_FORMATS, check_input_scale_value, quant_spec, select_fp8_spec
 from ..weights.layout import ATOM_K, ATOM_N, prepack, unpack
 from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_gate_up, interleave_rows, quantize
 from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, check_group_size
@@ -131,8 +131,12 @@ class QuantLinear(nn.Module):
         """N of the packed weight: out_features, or twice that for a swiglu (gate + up) layer."""
         return self.out_features * (2 if self.activation == "swiglu" else 1)
 
-    def kernel_uses(self) -> list[WeightUse]:
-        """The GEMM's weight as its kernels see it (:class:`~mixgemm.dispatch.uses.LaunchesKernels`)."""
+    def kernel_uses(self) -> list[KernelUse]:
+        """The GEMM's weight as its kernels see it (:class:`~mixgemm.dispatch.uses.LaunchesKernels`);
+        with ``act_format="fp8"``, the activation quantizer and the e4m3 GEMM that every call
+        launches instead."""
+        if self.act_format == "fp8":
+            return [quant_spec(self.scales.dtype), select_fp8_spec(1, self.packed)]
         return [WeightUse.of_packed(self.packed, self.activation)]
 
     @property
