@@ -81,9 +81,9 @@ def reference_gemm(x, w, bias=None):
     then runtime.launch_gemm (new params, Launch, CUlaunchConfig and attribute objects)."""
     from mixgemm.jit import catalog
     from mixgemm.jit import loader as runtime
-    from mixgemm.ops import dense as ops
+    from mixgemm.ops import args as op_args, dense as ops
 
-    ops._check_gemm_inputs(x, w, bias, None, None)
+    op_args.check_gemm_inputs(x, w, bias, None, None)
     m = x.shape[0]
     spec = ops.select_spec(m, w)
     splits = ops._tuned_splits(spec, w, x.device)
@@ -128,7 +128,7 @@ def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
     import mixgemm
     from mixgemm.jit import driver
     from mixgemm.jit import render as codegen, loader as runtime
-    from mixgemm.ops import dense as ops
+    from mixgemm.ops import args as op_args, dense as ops
     from mixgemm.dispatch import plans
     from mixgemm.nn import QuantLinear
 
@@ -205,7 +205,7 @@ def calls_and_steps(dev, iters: int, batch: int, fake: bool) -> dict:
 
         # -- the reference path, step by step
         kernel = runtime.KERNELS.get(spec, x.device)
-        t("steps", "ref: _check_gemm_inputs", lambda: ops._check_gemm_inputs(x, packed, bias, None, None))
+        t("steps", "ref: check_gemm_inputs", lambda: op_args.check_gemm_inputs(x, packed, bias, None, None))
         t("steps", "ref: select_spec", lambda: ops.select_spec(1, packed))
         t("steps", "ref: _tuned_splits", lambda: ops._tuned_splits(spec, packed, x.device))
         t("steps", "ref: launch_order", lambda: catalog.launch_order(spec))

@@ -1,5 +1,5 @@
 """The GPU operators: the mixed-input GEMM (:mod:`.dense`, and with e4m3 activations
-:mod:`.fp8`), RMSNorm (:mod:`.norm`) and rotary embedding (:mod:`.rotary`), registered as
+:mod:`.fp8`; the argument checks both share in :mod:`.args`), RMSNorm (:mod:`.norm`) and rotary embedding (:mod:`.rotary`), registered as
 ``torch.ops.mixgemm`` (:mod:`mixgemm.dispatch.library`; the e4m3 path is not registered yet)."""
 from .dense import dequantize, gemm, gemm_op, gemm_with_spec, select_spec, select_tile, supports
 from .fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_reference

@@ -19,16 +19,13 @@ from ..dispatch import checks, heuristic, plans, tuning
 from ..dispatch.library import custom_op
 from ..dispatch.heuristic import TOKEN_BUCKETS, select_spec, select_tile, tile_labels, token_bucket  # noqa: F401 (the API)
 from ..dtypes import WeightType
-from ..weights.types import LAYOUT_VERSION, SUPPORTED_ARCHS, PackedWeight
+from ..weights.types import PackedWeight
 from ..jit import loader as runtime
 from ..jit.catalog import launch_order
 from ..jit.specs import Activation, DequantSpec, Epilogue, GEMM_KINDS, Raster, SWIZZLES
 from ..weights.quantize import GATE_UP_STRIPE as S
-from . import fp8
-
-
-#: gemm's ``activation`` values
-ACTIVATIONS = ("silu", "gelu", "swiglu")
+from . import args, fp8
+from .args import ACTIVATIONS  # noqa: F401 (gemm's activation values, where they were)
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,24 +38,6 @@ def _tuned_splits(spec, w: PackedWeight, device: torch.device) -> int:
     if spec.max_tokens is None:
         return 0
     return tuning.decode_splits(_gpu_name(device.index), w.n, w.k, spec.tokens, spec.weight.bits)
-
-
-def _weight_problem(w) -> Optional[str]:
-    if not isinstance(w, PackedWeight):
-        return f"w must be a mixgemm.PackedWeight (see mixgemm.prepack), got {type(w).__name__}"
-    why = checks.device_problem(w.device)       # first: without a usable GPU, nothing else matters
-    if why:
-        return why
-    if w.arch not in SUPPORTED_ARCHS:
-        return f"w is packed for {w.arch}, this mixgemm runs {SUPPORTED_ARCHS}"
-    if w.layout_version != LAYOUT_VERSION:
-        return f"w has layout version {w.layout_version}, this mixgemm reads {LAYOUT_VERSION}"
-    for name, t in (("qdata", w.qdata), ("scales", w.scales), ("zeros", w.zeros)):
-        if t is not None and (not t.is_contiguous() or t.data_ptr() % 16):
-            return f"w.{name} must be contiguous and 16-byte aligned"
-    if w.n % 8:
-        return f"N={w.n} must be a multiple of 8"
-    return None
 
 
 def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtype] = None,
@@ -84,18 +63,9 @@ def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtyp
     (bool, str)
         ``(True, "")`` or ``(False, reason)``.
     """
-    why = _weight_problem(w)
+    why = args.weight_problem(w) or args.shape_problem(x_shape, w, dtype)
     if why:
         return False, why
-    if len(x_shape) < 1:
-        return False, "x must have at least one dimension [..., K]"
-    if x_shape[-1] != w.k:
-        return False, f"x has K={x_shape[-1]} but w has K={w.k}"
-    if dtype is not None and dtype != w.dtype:
-        return False, f"x is {dtype} but w was packed for {w.dtype}"
-    m = math.prod(x_shape[:-1])
-    if m >= 2 ** 31:
-        return False, f"M={m} tokens is too many for one call"
     if act_format != "bf16":
         why = _act_format_problem(act_format) or fp8.fp8_problem(w)
         if why:
@@ -107,41 +77,6 @@ def _act_format_problem(act_format) -> Optional[str]:
     if act_format not in fp8.ACT_FORMATS:
         return f"act_format must be one of {fp8.ACT_FORMATS} ('auto' is not implemented yet), got {act_format!r}"
     return None
-
-
-def _check_gemm_inputs(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optional[str] = None) -> None:
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
-    if activation == "swiglu" and w.n % 16:
-        raise ValueError(f"activation='swiglu' needs a gate/up interleaved weight with N % 16 == 0, got N={w.n}")
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(w, PackedWeight):
-        raise TypeError(f"w must be a mixgemm.PackedWeight (see mixgemm.prepack), got {type(w).__name__}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"x must be bfloat16 or float16, got {x.dtype}")
-    if x.dtype != w.dtype:
-        raise TypeError(f"x is {x.dtype} but w was packed for {w.dtype}")
-    ok, why = supports(tuple(x.shape), w, x.dtype)
-    if not ok:
-        raise ValueError(why)
-    if x.device != w.device:
-        raise ValueError(f"x is on {x.device} but w is on {w.device}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != (w.n,) or bias.dtype != x.dtype:
-            raise ValueError(f"bias must be a {x.dtype} tensor of shape [{w.n}]")
-        if bias.device != x.device:
-            raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
-        if not bias.is_contiguous():
-            raise ValueError("bias must be contiguous")
-    if out is not None:
-        want = (*x.shape[:-1], w.n // 2 if activation == "swiglu" else w.n)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype:
-            raise ValueError(f"out must be a {x.dtype} tensor of shape {list(want)}")
-        if out.device != x.device:
-            raise ValueError(f"out is on {out.device} but x is on {x.device}")
-        if not out.is_contiguous() or out.data_ptr() % 16:
-            raise ValueError("out must be contiguous and 16-byte aligned")
 
 
 def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
@@ -296,8 +231,8 @@ def _gemm_compiling(x, w, bias, out, activation) -> torch.Tensor:
     """:func:`gemm` while torch.compile traces it: the op, and ``out`` written by a copy."""
     if not isinstance(w, PackedWeight):
         raise TypeError(f"w must be a mixgemm.PackedWeight (see mixgemm.prepack), got {type(w).__name__}")
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or one of {ACTIVATIONS}, got {activation!r}")
+    if activation is not None and activation not in args.ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {args.ACTIVATIONS}, got {activation!r}")
     y = gemm_op(x, w, bias, activation)
     if out is None:
         return y
@@ -308,7 +243,7 @@ def _gemm_compiling(x, w, bias, out, activation) -> torch.Tensor:
 def _gemm_planned(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optional[str]) -> torch.Tensor:
     """The full path of :func:`gemm`: every check, the kernel choice, and a launch plan that the
     next calls reuse."""
-    _check_gemm_inputs(x, w, bias, out, activation)
+    args.check_gemm_inputs(x, w, bias, out, activation)
     lead = x.shape[:-1]
     m = math.prod(lead)
     # zero offsets (fractional zero points) are added after the kernel, so the activation too
@@ -396,7 +331,7 @@ def gemm_with_spec(x: torch.Tensor, w: PackedWeight, spec: "GemmSpec | DecodeSpe
                              f"added before it: use the spec without activation, or mixgemm.gemm")
         kernel_activation = None     # applied in torch after the offsets
     if not _checked:
-        _check_gemm_inputs(x, w, bias, out, activation)
+        args.check_gemm_inputs(x, w, bias, out, activation)
     if spec.act is not w.act_type or spec.weight is not w.weight_type:
         raise ValueError(f"kernel {spec.name} is for {spec.act.value} x {spec.weight.value}, "
                          f"w is {w.act_type.value} x {w.weight_type.value}")
@@ -442,7 +377,7 @@ def dequantize(w: PackedWeight, dtype: Optional[torch.dtype] = None) -> torch.Te
         ``[N, K]`` in w's dtype: exactly :func:`mixgemm.dequantize_reference` of ``w``.
     """
 
-    why = _weight_problem(w) or checks.device_problem(w.device)
+    why = args.weight_problem(w) or checks.device_problem(w.device)
     if why:
         raise ValueError(why)
     if dtype is not None and dtype != w.dtype:

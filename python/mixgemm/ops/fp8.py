@@ -26,6 +26,7 @@ from ..dtypes import ActType
 from ..jit import driver, loader
 from ..jit.catalog import FP8_TILE
 from ..jit.specs import Activation, Fp8GemmSpec, QuantFp8Spec
+from . import args
 
 if TYPE_CHECKING:
     from ..weights.types import PackedWeight
@@ -288,9 +289,7 @@ def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = 
         :func:`quantize_fp8`) with exactly the dequantized weight ``(q - z) * s``, accumulated in
         float32 (docs/fp8.md).
     """
-    from . import dense   # deferred: dense imports this module
-
-    dense._check_gemm_inputs(x, w, bias, out, activation)
+    args.check_gemm_inputs(x, w, bias, out, activation)
     why = fp8_problem(w) or (None if input_scale is None else input_scale_problem(input_scale, x.device))
     if why:
         raise ValueError(why)
@@ -336,9 +335,7 @@ def gemm_quantized(xq: torch.Tensor, x_scales: torch.Tensor, w: "PackedWeight", 
     if (not isinstance(x_scales, torch.Tensor) or x_scales.dtype != torch.float32 or tuple(x_scales.shape) != (m,)
             or not x_scales.is_contiguous()):
         raise ValueError(f"x_scales must be a contiguous float32 tensor of shape [{m}]")
-    from . import dense   # deferred: dense imports this module
-
-    why = dense._weight_problem(w) or fp8_problem(w)
+    why = args.weight_problem(w) or fp8_problem(w)
     if why:
         raise ValueError(why)
     if xq.device != w.device or x_scales.device != w.device:
