@@ -75,11 +75,19 @@ def job(tmp_path):
             "ready": tmp_path / "ready", "tmp": tmp_path}
 
 
+def _default_signals() -> None:
+    """The child's SIGHUP and SIGTERM at their defaults, whatever the test runner inherited (under
+    nohup SIGHUP is ignored, and mixgemm leaves an ignored signal alone, as it should)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def start(job, stage):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     argv = ["prepack", str(job["src"]), "-o", str(job["out"]), "--bits", "4", "--group-size", "128"]
     proc = subprocess.Popen([sys.executable, str(job["wrapper"]), stage, str(job["ready"]), *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=job["tmp"])
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=job["tmp"],
+                            preexec_fn=_default_signals)
     deadline = time.monotonic() + 120
     while not job["ready"].exists():
         if proc.poll() is not None or time.monotonic() > deadline:
