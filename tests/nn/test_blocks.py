@@ -142,12 +142,14 @@ def test_fused_modules_keep_the_models_training_mode(reference_gemm):
                 assert torch.equal(model(_ids()).logits, model(_ids()).logits)
 
 
+@pytest.mark.parametrize("batch", (1, 3))
 @pytest.mark.parametrize("kv_heads", (1, 2, 4))
 @pytest.mark.parametrize("mask_kind", ("bool", "additive"))
-def test_decode_attention_equals_repeated_kv_heads(kv_heads, mask_kind):
+def test_decode_attention_equals_repeated_kv_heads(kv_heads, mask_kind, batch):
     """One query token against the static cache with each KV head's query group taken as its
     query rows: the output of transformers' sdpa function (each KV head repeated) to float64
-    rounding, for a boolean and an additive mask that hides the cache's unwritten slots."""
+    rounding, for a boolean and an additive mask that hides the cache's unwritten slots, one
+    sequence or several with their own masks."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     heads, d, slots, filled = 4, 16, 24, 11
@@ -155,34 +157,39 @@ def test_decode_attention_equals_repeated_kv_heads(kv_heads, mask_kind):
     attn.heads, attn.kv_heads, attn.scaling = heads, kv_heads, d ** -0.5
     attn.num_key_value_groups, attn.is_causal = heads // kv_heads, True
     g = torch.Generator().manual_seed(kv_heads)
-    q = torch.randn(1, heads, 1, d, generator=g, dtype=torch.float64)
-    keys, values = (torch.randn(1, kv_heads, slots, d, generator=g, dtype=torch.float64) for _ in range(2))
-    keep = (torch.arange(slots) < filled).view(1, 1, 1, slots)
-    mask = keep if mask_kind == "bool" else torch.zeros(1, 1, 1, slots, dtype=torch.float64).masked_fill(
+    q = torch.randn(batch, heads, 1, d, generator=g, dtype=torch.float64)
+    keys, values = (torch.randn(batch, kv_heads, slots, d, generator=g, dtype=torch.float64) for _ in range(2))
+    # per sequence its own filled length (a left-padded batch hides other slots per row)
+    keep = torch.arange(slots) < torch.tensor([filled - 3 * i for i in range(batch)]).view(batch, 1, 1, 1)
+    mask = keep if mask_kind == "bool" else torch.zeros(batch, 1, 1, slots, dtype=torch.float64).masked_fill(
         ~keep, torch.finfo(torch.float64).min)
     attn.attention_dropout = 0.0
     assert blocks._packs_decode(attn.eval(), q, keys, mask, {})
     got = blocks._decode_attention(attn, q, keys, values, mask)
     want, _ = sdpa_attention_forward(attn, q, keys, values, mask, scaling=attn.scaling)
-    assert got.shape == want.shape == (1, 1, heads, d)
+    assert got.shape == want.shape == (batch, 1, heads, d)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # the slots past the mask do not count: changing them changes nothing
     keys[..., filled:, :] += 100.0
     torch.testing.assert_close(blocks._decode_attention(attn, q, keys, values, mask), want, rtol=1e-12, atol=1e-12)
 
 
-def test_decode_steps_take_the_packed_attention(reference_gemm, monkeypatch):
-    """At batch 1 over the static cache every decode step's attention is _decode_attention (one
-    call per layer and step), the prompt's is transformers'; batch 2 never takes it."""
-    model, _ = quantized("llama", fuse_layers=True)
+@pytest.mark.parametrize("fuse_layers", (True, False))
+def test_decode_steps_take_the_packed_attention(reference_gemm, monkeypatch, fuse_layers):
+    """Over the static cache every decode step's attention is _decode_attention (one call per
+    layer and step, batch 1 and 2, fused layers or fused projections alone), the prompt's is
+    transformers'; a dynamic cache without a mask keeps transformers' path."""
+    model, _ = quantized("llama", fuse_layers=fuse_layers)
     calls = []
     real = blocks._decode_attention
-    monkeypatch.setattr(blocks, "_decode_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(blocks, "_decode_attention", lambda *a: calls.append(a[1].shape[0]) or real(*a))
     with torch.no_grad():
-        model.generate(_ids(1), max_new_tokens=4, do_sample=False)
-        assert len(calls) == 2 * 3, "two layers, three decode steps"
+        for batch in (1, 2):
+            calls.clear()
+            model.generate(_ids(batch), max_new_tokens=4, do_sample=False, cache_implementation="static")
+            assert calls == [batch] * (2 * 3), "two layers, three decode steps"
         calls.clear()
-        model.generate(_ids(2), max_new_tokens=3, do_sample=False)
+        model.generate(_ids(1), max_new_tokens=3, do_sample=False, cache_implementation="dynamic")
     assert not calls
 
 

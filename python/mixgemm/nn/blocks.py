@@ -196,7 +196,10 @@ class FusedQKVAttention(nn.Module):
     :func:`quantize_model` with ``fuse_layers=True``), a call of one sequence (batch 1, where
     positions and cache slots agree) whose cache layer is transformers' static layer takes the
     rotary embedding and the KV-cache write in one launch (:func:`rotary_kv_cache`); any other
-    call runs transformers' rotary embedding and ``cache.update``.
+    call runs transformers' rotary embedding and ``cache.update``. With the ``sdpa`` backend, a
+    decode step (one token per sequence, a mask of one row over the cache) attends in one SDPA
+    call without repeating the KV heads (:func:`_decode_attention`); other calls run the model's
+    attention function.
     """
 
     def __init__(self, attention: nn.Module, qkv_proj: nn.Module):
@@ -247,7 +250,7 @@ class FusedQKVAttention(nn.Module):
             if cache is not None:   # (transformers 5's caches take their positions from their own state)
                 k, v = cache.update(k, v, self.layer_idx)
         impl = self.config._attn_implementation
-        if fast is not None and impl == "sdpa" and _packs_decode(self, q, k, attention_mask, kwargs):
+        if impl == "sdpa" and _packs_decode(self, q, k, attention_mask, kwargs):
             out, weights = _decode_attention(self, q, k, v, attention_mask), None
         else:
             attend = _modeling_functions(self._modeling)[1] if impl in (None, "eager") else self._functions[impl]
@@ -293,14 +296,15 @@ def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_i
 
 
 def _packs_decode(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, mask, kwargs: dict) -> bool:
-    """Whether :func:`_decode_attention` computes this call: one query token (``q`` is
-    ``[1, heads, 1, D]``), a boolean or additive mask of one query row over the cache
-    (``[1, 1, 1, L]`` over the cache's ``L`` slots, what transformers' sdpa mask functions give
-    over a static cache), whole
-    groups of query heads per KV head, no dropout, and nothing asked of the attention function
-    that SDPA itself would have to do (attention weights, a soft cap, sinks)."""
-    return (q.shape[2] == 1 and isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[0] == 1
-            and mask.shape[1] == 1 and mask.shape[2] == 1 and mask.shape[3] == keys.shape[2]
+    """Whether :func:`_decode_attention` computes this call: one query token per sequence (``q``
+    is ``[B, heads, 1, D]``), a boolean or additive mask of one query row over the cache
+    (``[B or 1, 1, 1, L]`` over the cache's ``L`` slots, what transformers' sdpa mask functions
+    give over a static cache), whole groups of query heads per KV head, no dropout, and nothing
+    asked of the attention function that SDPA itself would have to do (attention weights, a soft
+    cap, sinks)."""
+    return (q.shape[2] == 1 and keys.shape[0] == q.shape[0] and isinstance(mask, torch.Tensor)
+            and mask.dim() == 4 and mask.shape[0] in (1, q.shape[0]) and mask.shape[1] == 1
+            and mask.shape[2] == 1 and mask.shape[3] == keys.shape[2]
             and attn.heads % attn.kv_heads == 0
             and not (attn.training and attn.attention_dropout)
             and not kwargs.get("output_attentions") and kwargs.get("softcap") is None
@@ -309,18 +313,18 @@ def _packs_decode(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, 
 
 def _decode_attention(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor:
-    """One decode token's attention over the static cache, the ``heads / kv_heads`` query heads
-    that share a KV head taken as that head's query rows: ``q [1, heads, 1, D]`` becomes
-    ``[1, kv_heads, group, D]`` against ``keys / values [1, kv_heads, L, D]``, with the mask
-    ``[1, 1, 1, L]`` broadcast over both. The same scores and softmax as repeating each KV head
-    ``group`` times (transformers' ``repeat_kv``), without that copy of the cache, in one SDPA
-    call that every backend and ``torch.compile`` take. Returns ``[1, 1, heads, D]``, the layout
-    transformers' attention functions return."""
-    group = attn.heads // attn.kv_heads
-    packed = q.reshape(1, attn.kv_heads, group, q.shape[-1])
+    """One decode token per sequence attending over the cache, the ``heads / kv_heads`` query
+    heads that share a KV head taken as that head's query rows: ``q [B, heads, 1, D]`` becomes
+    ``[B, kv_heads, group, D]`` against ``keys / values [B, kv_heads, L, D]``, with the mask
+    ``[B or 1, 1, 1, L]`` broadcast over both. The same scores and softmax as repeating each KV
+    head ``group`` times (transformers' ``repeat_kv``, which it does whenever a mask is given and
+    always under torch.compile), without that copy of the cache, in one SDPA call. Returns
+    ``[B, 1, heads, D]``, the layout transformers' attention functions return."""
+    b, d = q.shape[0], q.shape[-1]
+    packed = q.reshape(b, attn.kv_heads, attn.heads // attn.kv_heads, d)
     out = torch.nn.functional.scaled_dot_product_attention(packed, keys, values, attn_mask=mask,
                                                            scale=attn.scaling)
-    return out.reshape(1, attn.heads, 1, q.shape[-1]).transpose(1, 2)
+    return out.reshape(b, attn.heads, 1, d).transpose(1, 2)
 
 
 class FusedDecoderLayer(nn.Module):
