@@ -25,7 +25,6 @@ from ..jit.catalog import launch_order
 from ..jit.specs import Activation, DequantSpec, Epilogue, GEMM_KINDS, Raster, SWIZZLES
 from ..weights.quantize import GATE_UP_STRIPE as S
 from . import args, fp8
-from .args import ACTIVATIONS  # noqa: F401 (gemm's activation values, where they were)
 
 
 @functools.lru_cache(maxsize=None)
