@@ -1,7 +1,8 @@
 """The measurement tools that run on committed data, on the CPU: the decode planner's cost model
 against the committed split sweeps (tools/planner_model.py), the split tables' planner entries
 (tools/freeze_tuning_tables.py), the decode phase trace's record parser (tools/decode_trace.py),
-and the guard count of a compiled decode step (tools/compile_guards.py)."""
+the guard count of a compiled decode step (tools/compile_guards.py), and the generate() profiler's
+refusals of a bad command line (tools/profile_generate.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "tools"
@@ -161,3 +163,19 @@ def test_fp8_check_lists_its_kernels(capsys):
     with pytest.raises(SystemExit) as e:
         mod.main(["--bogus"])
     assert e.value.code == 2
+
+
+def test_profile_generate_refuses_before_any_work(capsys):
+    """`python tools/profile_generate.py`: an unknown variant is a one-line usage error naming the
+    known ones; without a CUDA GPU it says so instead of failing inside the profiler."""
+    mod = _tool("profile_generate")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--variants", "bf16,u3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown variant(s) u3" in err and "u4-on" in err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            mod.main([])
+        assert e.value.code == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err

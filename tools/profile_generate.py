@@ -1,0 +1,67 @@
+"""Where the GPU time of a decode token goes in transformers' ``generate()``: a torch profile of
+the static-cache mode (generate()'s own compile) for bf16 and mixgemm u4 (fused projections and
+``fuse_layers=True``), the kernels sorted by GPU time (docs/compile-and-graphs.md)::
+
+    python tools/profile_generate.py --layers 8 --batch 16 [--variants bf16,u4-off,u4-on]
+
+A LLaMA-3-8B-shaped model with ``--layers`` layers and random weights, a 128-token prompt per
+sequence and ``--new-tokens`` greedy tokens; three generate() calls warm the compile and the
+CUDA graphs, the fourth is profiled. A kernel's calls divided by ``(new tokens - 1) * layers``
+give its launches per layer and decode step (the prompt's GEMMs are other kernels).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import mixgemm
+from mixgemm.bench.decoder import PRESETS
+from mixgemm.bench.generate_run import build_preset_model
+
+VARIANTS = ("bf16", "u4-off", "u4-on")
+
+
+def profile_variant(variant: str, layers: int, batch: int, new_tokens: int, rows: int) -> str:
+    torch._dynamo.reset()
+    model = build_preset_model(PRESETS["llama3-8b"], layers, torch.device("cuda"), 0)
+    if variant != "bf16":
+        mixgemm.nn.quantize_model(model, bits=4, group_size=128, progress=False, fuse_layers=variant == "u4-on")
+    ids = torch.randint(0, 1000, (batch, 128), device="cuda")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              cache_implementation="static", attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        for _ in range(3):
+            model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            model.generate(ids, **kw)
+            torch.cuda.synchronize()
+    del model
+    torch.cuda.empty_cache()
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=90)
+    return f"===== {variant}: {layers} layers, batch {batch}, {new_tokens} new tokens\n{table}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--rows", type=int, default=25, help="kernels listed per variant")
+    args = p.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    for v in variants:
+        print(profile_variant(v, args.layers, args.batch, args.new_tokens, args.rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
