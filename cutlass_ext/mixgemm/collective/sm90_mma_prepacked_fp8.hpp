@@ -220,8 +220,15 @@ struct CollectiveMmaPrepackedFp8
         }
       }
 
-      // Wait for k-tile t's stage and convert its A fragments into `frag`; returns the stage.
-      auto convert = [&](auto& frag, int t) {
+      // With one group row per k-tile, a group spans tiles_per_group whole k-tiles (a group of K
+      // that is not a multiple of BLK_K: every k-tile), so a countdown finds the k-tiles that
+      // start one, where (t * BLK_K) % group_size would be a runtime division per k-tile.
+      int const tiles_per_group = (group_size + BLK_K - 1) / BLK_K;
+      int group_tiles_left = 0;
+
+      // Wait for the next k-tile's stage and convert its A fragments into `frag` (called once
+      // per k-tile, in order); returns the stage.
+      auto convert = [&](auto& frag) {
         Tensor tCrA_u32 = recast<uint32_t>(frag);                            // (4,MMA_M,MMA_K)
         auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
         pipeline.consumer_wait(smem_pipe_read, barrier_token);
@@ -230,8 +237,12 @@ struct CollectiveMmaPrepackedFp8
 
         uint32_t chunk[MMA_M][Base::kAtomsK][kBits];
         Base::load_chunks(smem_A, stage, atom_row, lane, chunk);
-        // (uniform across the warp group: t and group_size are)
-        bool const new_group = kRows > 1 || (t * BLK_K) % group_size == 0;
+        // (uniform across the warp group: the countdown depends on group_size only)
+        bool new_group = true;
+        if constexpr (kRows == 1) {
+          new_group = group_tiles_left == 0;
+          group_tiles_left = (new_group ? tiles_per_group : group_tiles_left) - 1;
+        }
 
         CUTLASS_PRAGMA_UNROLL
         for (int kb = 0; kb < kKBlocks; ++kb) {
@@ -306,7 +317,7 @@ struct CollectiveMmaPrepackedFp8
           warpgroup_commit_batch();
           warpgroup_fence_operand(acc_g);
           if (seg == kRows - 1 && !last) {
-            next_stage = convert(next, t + 1);
+            next_stage = convert(next);
           }
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_g);
@@ -319,7 +330,7 @@ struct CollectiveMmaPrepackedFp8
         return next_stage;
       };
 
-      int stage = convert(tCrA0, 0);
+      int stage = convert(tCrA0);
       int last_stage = stage;
       CUTLASS_PRAGMA_NO_UNROLL
       for (int t = 0; t < k_tile_count; t += 2) {
