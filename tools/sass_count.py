@@ -88,15 +88,30 @@ def find_cuobjdump() -> str:
     sys.exit("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 
 
-def sass(cubin: str) -> str:
+def cuobjdump(flag: str, cubin: str) -> str:
     tool = find_cuobjdump()
     env = dict(os.environ)
     # cuobjdump -sass runs nvdisasm; the wheel puts it in cuobjdump's own folder.
     env["PATH"] = str(Path(tool).parent) + os.pathsep + env.get("PATH", "")
-    res = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, env=env)
-    if res.returncode != 0 or "Function :" not in res.stdout:
-        sys.exit(f"cuobjdump -sass {cubin} failed: {res.stderr.strip()[-400:]}")
+    res = subprocess.run([tool, flag, cubin], capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        sys.exit(f"cuobjdump {flag} {cubin} failed: {res.stderr.strip()[-400:]}")
     return res.stdout
+
+
+def sass(cubin: str) -> str:
+    text = cuobjdump("-sass", cubin)
+    if "Function :" not in text:
+        sys.exit(f"cuobjdump -sass {cubin}: no functions")
+    return text
+
+
+def resources(cubin: str) -> dict[str, str]:
+    """name -> 'REG:n STACK:n LOCAL:n' (registers per thread before setmaxnreg, local memory)."""
+    found = {}
+    for m in re.finditer(r"Function (\S+):\s*\n\s*(REG:\d+) (STACK:\d+) \S+ (LOCAL:\d+)", cuobjdump("-res-usage", cubin)):
+        found[m.group(1)] = " ".join(m.group(2, 3, 4))
+    return found
 
 
 def functions(text: str) -> dict[str, list[tuple[int, str, str]]]:
@@ -143,9 +158,10 @@ def ktile_mmas(name: str, body) -> int | None:
 
 
 def report(cubin: str, show_ops: bool, per_ktile_override: int | None) -> None:
+    usage = resources(cubin)
     for name, insns in functions(sass(cubin)).items():
         loops = k_loops(insns)
-        print(f"{name}  ({len(insns)} instructions, {len(loops)} k-loop(s))  {cubin}")
+        print(f"{name}  ({len(insns)} instructions, {usage.get(name, '?')}, {len(loops)} k-loop(s))  {cubin}")
         for first, last in loops:
             body = insns[first:last + 1]
             ops = collections.Counter(full_op(full) for _, _, full in body)

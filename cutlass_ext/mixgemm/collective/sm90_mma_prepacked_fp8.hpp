@@ -278,15 +278,20 @@ struct CollectiveMmaPrepackedFp8
         return stage;
       };
 
-      // accum += s_w[row, group row r of the stage] * acc_g
-      auto promote = [&](int stage, int r) {
+      // The scales s_w of the thread's rows (g, g + 8) per 64-row block, group row r of the stage.
+      // Read before the wgmmas are waited for (warpgroup_wait is a memory barrier to the compiler:
+      // a load after it would put its latency between the wait and the promotion).
+      auto load_scales = [&](int stage, int r, float (&s)[MMA_M][2]) {
         ElementScale const* srow = smem_S + (stage * kGroupRowsMax + r) * BLK_M;
-        float s[MMA_M][2];
         CUTLASS_PRAGMA_UNROLL
         for (int mm = 0; mm < MMA_M; ++mm) {
           s[mm][0] = float(srow[tile_row[mm]]);
           s[mm][1] = float(srow[tile_row[mm] + 8]);
         }
+      };
+
+      // accum += s_w * acc_g, s from load_scales
+      auto promote = [&](float const (&s)[MMA_M][2]) {
         CUTLASS_PRAGMA_UNROLL
         for (int mm = 0; mm < size<1>(accum); ++mm) {
           CUTLASS_PRAGMA_UNROLL
@@ -304,6 +309,11 @@ struct CollectiveMmaPrepackedFp8
       auto step = [&](auto& cur, auto& next, int stage, int t) {
         bool const last = t + 1 == k_tile_count;
         int next_stage = stage;
+        float s[kRows][MMA_M][2];
+        CUTLASS_PRAGMA_UNROLL
+        for (int seg = 0; seg < kRows; ++seg) {
+          load_scales(stage, seg, s[seg]);
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int seg = 0; seg < kRows; ++seg) {
           warpgroup_fence_operand(acc_g);
@@ -321,7 +331,7 @@ struct CollectiveMmaPrepackedFp8
           }
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_g);
-          promote(stage, seg);
+          promote(s[seg]);
         }
         if (!last) {   // the last k-tile's stage is released by mma_tail, after its token scales are read
           pipeline.consumer_release(smem_pipe_release);
