@@ -220,8 +220,15 @@ struct CollectiveMmaPrepackedFp8
         }
       }
 
-      // Wait for k-tile t's stage and convert its A fragments into `frag`; returns the stage.
-      auto convert = [&](auto& frag, int t) {
+      // With one group row per k-tile, a group spans tiles_per_group whole k-tiles (a group of K
+      // that is not a multiple of BLK_K: every k-tile), so a countdown finds the k-tiles that
+      // start one, where (t * BLK_K) % group_size would be a runtime division per k-tile.
+      int const tiles_per_group = (group_size + BLK_K - 1) / BLK_K;
+      int group_tiles_left = 0;
+
+      // Wait for the next k-tile's stage and convert its A fragments into `frag` (called once
+      // per k-tile, in order); returns the stage.
+      auto convert = [&](auto& frag) {
         Tensor tCrA_u32 = recast<uint32_t>(frag);                            // (4,MMA_M,MMA_K)
         auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
         pipeline.consumer_wait(smem_pipe_read, barrier_token);
@@ -230,8 +237,12 @@ struct CollectiveMmaPrepackedFp8
 
         uint32_t chunk[MMA_M][Base::kAtomsK][kBits];
         Base::load_chunks(smem_A, stage, atom_row, lane, chunk);
-        // (uniform across the warp group: t and group_size are)
-        bool const new_group = kRows > 1 || (t * BLK_K) % group_size == 0;
+        // (uniform across the warp group: the countdown depends on group_size only)
+        bool new_group = true;
+        if constexpr (kRows == 1) {
+          new_group = group_tiles_left == 0;
+          group_tiles_left = (new_group ? tiles_per_group : group_tiles_left) - 1;
+        }
 
         CUTLASS_PRAGMA_UNROLL
         for (int kb = 0; kb < kKBlocks; ++kb) {
@@ -267,15 +278,20 @@ struct CollectiveMmaPrepackedFp8
         return stage;
       };
 
-      // accum += s_w[row, group row r of the stage] * acc_g
-      auto promote = [&](int stage, int r) {
+      // The scales s_w of the thread's rows (g, g + 8) per 64-row block, group row r of the stage.
+      // Read before the wgmmas are waited for (warpgroup_wait is a memory barrier to the compiler:
+      // a load after it would put its latency between the wait and the promotion).
+      auto load_scales = [&](int stage, int r, float (&s)[MMA_M][2]) {
         ElementScale const* srow = smem_S + (stage * kGroupRowsMax + r) * BLK_M;
-        float s[MMA_M][2];
         CUTLASS_PRAGMA_UNROLL
         for (int mm = 0; mm < MMA_M; ++mm) {
           s[mm][0] = float(srow[tile_row[mm]]);
           s[mm][1] = float(srow[tile_row[mm] + 8]);
         }
+      };
+
+      // accum += s_w * acc_g, s from load_scales
+      auto promote = [&](float const (&s)[MMA_M][2]) {
         CUTLASS_PRAGMA_UNROLL
         for (int mm = 0; mm < size<1>(accum); ++mm) {
           CUTLASS_PRAGMA_UNROLL
@@ -293,6 +309,11 @@ struct CollectiveMmaPrepackedFp8
       auto step = [&](auto& cur, auto& next, int stage, int t) {
         bool const last = t + 1 == k_tile_count;
         int next_stage = stage;
+        float s[kRows][MMA_M][2];
+        CUTLASS_PRAGMA_UNROLL
+        for (int seg = 0; seg < kRows; ++seg) {
+          load_scales(stage, seg, s[seg]);
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int seg = 0; seg < kRows; ++seg) {
           warpgroup_fence_operand(acc_g);
@@ -306,11 +327,11 @@ struct CollectiveMmaPrepackedFp8
           warpgroup_commit_batch();
           warpgroup_fence_operand(acc_g);
           if (seg == kRows - 1 && !last) {
-            next_stage = convert(next, t + 1);
+            next_stage = convert(next);
           }
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc_g);
-          promote(stage, seg);
+          promote(s[seg]);
         }
         if (!last) {   // the last k-tile's stage is released by mma_tail, after its token scales are read
           pipeline.consumer_release(smem_pipe_release);
@@ -319,7 +340,7 @@ struct CollectiveMmaPrepackedFp8
         return next_stage;
       };
 
-      int stage = convert(tCrA0, 0);
+      int stage = convert(tCrA0);
       int last_stage = stage;
       CUTLASS_PRAGMA_NO_UNROLL
       for (int t = 0; t < k_tile_count; t += 2) {
