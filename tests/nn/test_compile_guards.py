@@ -1,11 +1,14 @@
-"""What torch.compile sees of mixgemm's modules (CPU): the op's arguments, and the guards.
+"""What torch.compile sees of mixgemm's modules (CPU): the op's arguments, the guards, and the
+graphs generate() traces.
 
 A compiled decode step (generate() with a static cache) checks all its guards before every
 call, so each piece of module state that a traced forward reads is host time on every token.
 QuantLinear reads its buffers from their dict and takes N, K and the group size from the
 buffers' shapes; these tests check that the op still gets the layer's values and that no guard
-is left on the attributes that repeat them (or on nn.Module.__getattr__'s lookups). The
-compiled graphs never run here: the backend returns outputs of the traced shapes.
+is left on the attributes that repeat them (or on nn.Module.__getattr__'s lookups). A graph
+break or a recompile would cost more: the step traces as one graph, once, in every way
+generate() gets it compiled. The compiled graphs never run here: the backend returns outputs of
+the traced shapes.
 """
 from __future__ import annotations
 
@@ -140,3 +143,44 @@ def test_a_compiled_decode_step_guards_only_what_quantlinear_must_read(fuse_laye
     assert set(read) == set(paths), "every QuantLinear is guarded (its tensors at least)"
     for name, heads in read.items():
         assert heads <= set(allowed), f"{name}: guards on {sorted(heads - set(allowed))}"
+
+
+def _reference_when_eager(forward):
+    """``forward`` while Dynamo traces, the reference product otherwise (the eager prompt steps)."""
+    def either(self, x):
+        return forward(self, x) if torch.compiler.is_compiling() else reference_forward(self, x)
+    return either
+
+
+@pytest.mark.parametrize("fuse_layers", [False, True])
+def test_generate_traces_the_decode_step_once(monkeypatch, fuse_layers):
+    """generate()'s own compile of the decode step with transformers' default CompileConfig
+    (``fullgraph=False``, where a graph break would split the step) traces one graph and reuses it
+    over generate() calls of two lengths, each on a new static cache; the model's forward compiled
+    by hand (``fullgraph=True``, the prompt compiled too) traces two, the prompt's and the step's.
+    No graph break, no recompile, for the fused projections and the fused layers."""
+    if not hasattr(transformers.CompileConfig, "_compile_all_devices"):
+        pytest.skip("this transformers compiles generate()'s step on accelerators only")
+    monkeypatch.setattr(QuantLinear, "forward", _reference_when_eager(QuantLinear.forward))
+    ids = torch.randint(0, 160, (1, 9), generator=torch.Generator().manual_seed(0))
+
+    def traced(compile_forward: bool) -> int:
+        torch._dynamo.reset()
+        model = tiny_model("llama")
+        mixgemm.nn.quantize_model(model, bits=4, group_size=64, progress=False, dtype=torch.float16,
+                                  fuse_layers=fuse_layers)
+        graphs = []
+        config = transformers.CompileConfig()   # (generate()'s default, but for the backend)
+        config.backend, config.mode, config._compile_all_devices = shapes_backend(graphs), None, True
+        kw = dict(do_sample=False, cache_implementation="static", compile_config=config)
+        if compile_forward:
+            model.forward = torch.compile(model.forward, fullgraph=True, backend=shapes_backend(graphs))
+            kw["disable_compile"] = True
+        with torch.no_grad():
+            for _ in range(3):
+                for tokens in (5, 1):
+                    model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
+        return len(graphs)
+
+    assert traced(compile_forward=False) == 1
+    assert traced(compile_forward=True) == 2
