@@ -3,8 +3,8 @@
     python tools/compile_guards.py [--layers 4 16] [--variants bf16 u4 u4-fused-layers u4-per-layer]
                                    [--rounds 15] [--dump DIR] [--json PATH]
 
-generate() with a static cache compiles its decode step (torch.compile of the model,
-``fullgraph=True``); every call of the step first checks all the step's guards, on the host,
+generate() with a static cache compiles its decode step (torch.compile of the model; transformers'
+default CompileConfig has ``fullgraph=False``, and the step traces to one graph either way); every call of the step first checks all the step's guards, on the host,
 before the CUDA-graph tree replays the graph, so the guards are host time on every token
 (docs/compile-and-graphs.md). This tool builds a tiny random LLaMA (hidden 256, intermediate
 512, 4 heads, 2 KV heads of 64, vocabulary 1000) in bf16 and quantizes it with

@@ -212,7 +212,8 @@ def _m(variant, fuse, mode="eager", batch=1, gen_s=(2.0,), pre_s=(0.2,), step_us
 def _points():
     meas = [_m("bf16", "-", gen_s=(2.0, 2.2, 1.9), pre_s=(0.2, 0.1, 0.3)),
             _m("mixgemm-u4", "off", gen_s=(1.0, 1.0, 1.0), pre_s=(0.1, 0.1, 0.1), step_us=4_000.0, host_us=30_000.0),
-            _m("mixgemm-u4", "on", gen_s=(0.5,), pre_s=(0.05,), step_us=3_500.0, host_us=5_000.0),
+            _m("mixgemm-u4", "on", gen_s=(0.5,), pre_s=(0.05,), step_us=3_500.0, host_us=5_000.0,
+               mode_step_us=3_900.0),
             _m("bf16", "-", mode="static", batch=16, gen_s=(1.0,), pre_s=(0.2,)),
             _m("mixgemm-u4", "off", mode="static", batch=16, gen_s=(0.8,), pre_s=(0.2,), made=(63,)),
             _m("mixgemm-u4", "on", mode="static", batch=16, gen_s=(0.4,), pre_s=(0.1,),
@@ -240,6 +241,7 @@ def test_analysis_figures_and_speedups():
     assert off.tok_s == pytest.approx(64.0) and off.speedup_vs_bf16 == pytest.approx(2.0)
     assert off.decode_speedup_vs_bf16 == pytest.approx((1800.0 / 63) / (900.0 / 63))
     assert on.speedup_vs_bf16 == pytest.approx(4.0) and on.ceiling_tok_s == pytest.approx(1e3 / 3.5)
+    assert on.mode_step_ms == pytest.approx(3.9) and bf16.mode_step_ms is None
     assert all(p.status == bench.OK for p in pts[:4]) and pts[0].first_generate_s == 30.0
 
 
@@ -429,7 +431,8 @@ def test_run_generate_on_the_cpu(tiny, monkeypatch):
     monkeypatch.setattr(R, "CudaEventClock", lambda flush, device: WallClock())
     monkeypatch.setattr(R, "cuda_capture", lambda fn: (_Graph(fn), fn()))
     monkeypatch.setattr(R, "measure_host", lambda fn, impl, m, *a, **k: HostPoint(impl, m, 0, 0, bench.OK,
-                                                                                  host_us=123.0, queued=True))
+                                                                                  host_us=123.0, gpu_loop_us=456.0,
+                                                                                  queued=True))
     import mixgemm.bench.peers as peers
 
     monkeypatch.setattr(peers, "mixgemm_available", lambda: (False, "needs a CUDA GPU"))
@@ -445,6 +448,7 @@ def test_run_generate_on_the_cpu(tiny, monkeypatch):
         assert eager.tok_s > 0 and eager.prefill_ms > 0 and eager.gpu_step_ms > 0 and eager.step_iters == 2
         assert eager.repeats == 1 and eager.first_generate_s > 0
         assert eager.host_ms_per_token == pytest.approx(0.123) and eager.speedup_vs_bf16 == pytest.approx(1.0)
+        assert eager.mode_step_ms == pytest.approx(0.456)
         static = pts[("bf16", "-", "static", b)]
         assert static.status == bench.ERROR and "compiled nothing" in static.note and static.tok_s > 0
         for fuse in ("off", "on"):
@@ -454,12 +458,13 @@ def test_run_generate_on_the_cpu(tiny, monkeypatch):
 
 def test_a_step_that_waits_for_the_gpu_gets_no_host_time(tiny):
     """transformers' eager mask code synchronizes: a step still running after the longest sleep
-    reports no host time (not the sleep it waited out), and says why."""
+    reports no host time (not the sleep it waited out) and no GPU time in its mode, and says why."""
     R, _, _ = tiny
     from mixgemm.bench.host import HostPoint
 
-    waited = HostPoint("decode step", 1, 0, 0, bench.OK, host_us=G.STEP_MAX_SLEEP_US, queued=False)
-    host_us, queued, note = R._host_figures(waited)
-    assert host_us is None and queued is False and "waits for the GPU" in note
-    ok = HostPoint("decode step", 1, 0, 0, bench.OK, host_us=1500.0, queued=True)
-    assert R._host_figures(ok) == (1500.0, True, "")
+    waited = HostPoint("decode step", 1, 0, 0, bench.OK, host_us=G.STEP_MAX_SLEEP_US, gpu_loop_us=9000.0,
+                       queued=False)
+    host_us, mode_step_us, queued, note = R._host_figures(waited)
+    assert host_us is None and mode_step_us is None and queued is False and "waits for the GPU" in note
+    ok = HostPoint("decode step", 1, 0, 0, bench.OK, host_us=1500.0, gpu_loop_us=2900.0, queued=True)
+    assert R._host_figures(ok) == (1500.0, 2900.0, True, "")

@@ -58,7 +58,13 @@ What each point (variant x fuse x mode x batch) reports:
   call first resets the static cache's position counters (one small launch) so that calls
   repeat. A step that still waits for the GPU after a
   :data:`STEP_MAX_SLEEP_US` sleep (transformers' eager mask code synchronizes) gets no host
-  time, and a note that says why.
+  time, and a note that says why;
+* ``mode_step_ms``: the GPU time of that decode step as the mode runs it (the kernels the host
+  measurement queued behind the sleep, from the first to the last): in ``eager`` the eager
+  forward's launches, in ``compile`` inductor's kernels and mixgemm's, in ``static`` and
+  ``reduce-overhead`` the CUDA-graph tree's replay. Beside ``gpu_step_ms`` (the same forward in
+  one graph for every mode) it shows what a mode costs the GPU, and beside ``ms_per_token`` what
+  generate()'s own work per token adds.
 
 A point FAILs when a timed ``generate()`` made other than ``N`` new tokens per sequence, or the
 captured step's logits are not finite.
@@ -417,6 +423,7 @@ class GenMeasurement(GenRow):
     step: Optional[TimingStats] = None
     step_finite: Optional[bool] = None
     host_us: Optional[float] = None
+    mode_step_us: Optional[float] = None
     host_queued: Optional[bool] = None
     note: str = ""
     error: Optional[str] = None
@@ -442,6 +449,7 @@ class GenPoint(GenRow):
     ceiling_tok_s: Optional[float] = None
     step_iters: Optional[int] = None
     host_ms_per_token: Optional[float] = None
+    mode_step_ms: Optional[float] = None
     host_queued: Optional[bool] = None
 
 
@@ -502,6 +510,8 @@ def analyze_generate(measurements: Iterable[GenMeasurement]) -> list[GenPoint]:
                        ceiling_tok_s=tokens_per_second(m.batch, 1, m.step.median_us / 1e3))
         if m.host_us is not None:
             row["host_ms_per_token"] = m.host_us / 1e3
+        if m.mode_step_us is not None:
+            row["mode_step_ms"] = m.mode_step_us / 1e3
         rows.append(row)
     base = {(r["preset"], r["mode"], r["batch"]): r for r in rows
             if r["variant"] == BF16.name and r["fuse"] == NO_FUSE and r["status"] == OK}
@@ -548,7 +558,8 @@ def _gen_footer(points: list) -> list[str]:
     lines = ["  tok/s: batch x new tokens / generate() time (prompt included); ms/token: (generate - prefill) / "
              "(new tokens - 1);",
              "  GPU step: one decode step's forward in a CUDA graph (no host work), the ceiling (ceil tok/s = "
-             "batch / step); host: the time to issue one decode step in that mode"]
+             "batch / step); host: the time to issue one decode step in that mode; mode GPU: that step's GPU "
+             "time as the mode runs it"]
     if any(p.host_queued is False for p in points):
         lines.append("  !: the GPU woke before the step had been issued: that host time may include waits for "
                      "the GPU")
@@ -566,7 +577,8 @@ GEN_TABLE = PresetTable(
              Column("ms/token", lambda p: fmt(p.ms_per_token, ".2f")),
              Column("GPU step ms", lambda p: fmt(p.gpu_step_ms, ".2f")),
              Column("ceil tok/s", lambda p: fmt(p.ceiling_tok_s, ".1f")),
-             Column("host ms/token", _host_cell), STATUS),
+             Column("host ms/token", _host_cell), Column("mode GPU ms", lambda p: fmt(p.mode_step_ms, ".2f")),
+             STATUS),
     how=lambda config: (f"greedy generate(), median of {config.get('repeats')} calls after "
                         f"{config.get('warmup_generates')} warm-up calls; GPU step: median of "
                         f"{config.get('step_iters')} graph replays"),

@@ -367,15 +367,17 @@ def shared_figures(model, prompt: torch.Tensor, cfg: GenerateConfig, pad: int, c
     return Shared(step, ceiling, finite, host_time(step.call(model), prompt.shape[0], ctx), notes)
 
 
-def _host_figures(host: Optional[HostPoint]) -> tuple[Optional[float], Optional[bool], str]:
+def _host_figures(host: Optional[HostPoint]) -> tuple[Optional[float], Optional[float], Optional[bool], str]:
+    """``(host_us, mode_step_us, queued, note)`` of a step's host measurement: the time to issue
+    it, and its GPU time as the mode runs it (the kernels the loop queued behind the sleep)."""
     if host is None:
-        return None, None, ""
+        return None, None, None, ""
     if host.status != OK:
-        return None, None, f"no host time: {host.note}"
+        return None, None, None, f"no host time: {host.note}"
     if not host.queued:
-        return None, False, (f"no host time: the step waits for the GPU (a host-device synchronization "
-                             f"inside it), past a {STEP_MAX_SLEEP_US / 1e3:.0f} ms sleep")
-    return host.host_us, host.queued, ""
+        return None, None, False, (f"no host time: the step waits for the GPU (a host-device synchronization "
+                                   f"inside it), past a {STEP_MAX_SLEEP_US / 1e3:.0f} ms sleep")
+    return host.host_us, host.gpu_loop_us, host.queued, ""
 
 
 def measure_mode(model, mode: str, cfg: GenerateConfig, prompts: Mapping[int, torch.Tensor],
@@ -413,15 +415,17 @@ def measure_mode(model, mode: str, cfg: GenerateConfig, prompts: Mapping[int, to
             else:
                 fn = host_callable() if sh.step is not None else None
                 host = host_time(sh.step.call(fn), b, ctx) if fn is not None else None
-            host_us, queued, host_note = _host_figures(host)
+            host_us, mode_step_us, queued, host_note = _host_figures(host)
             m = GenMeasurement(**kw, generate_s=times.generate_s, prefill_s=times.prefill_s, first_s=times.first_s,
-                               new_tokens_made=times.made, host_us=host_us, host_queued=queued,
+                               new_tokens_made=times.made, host_us=host_us, mode_step_us=mode_step_us,
+                               host_queued=queued,
                                note="; ".join(filter(None, (note, cache_note, *sh.notes, host_note))), error=error)
             out.append(m)
             log(f"  {base['variant']} {base['fuse']} {mode} b{b}: generate {1e3 * min(times.generate_s):.0f} ms "
                 f"(first {times.first_s:.1f} s), prefill {1e3 * min(times.prefill_s):.0f} ms"
                 + (f", GPU step {sh.ceiling.median_us / 1e3:.2f} ms" if sh.ceiling else "")
-                + (f", host {host_us / 1e3:.2f} ms" if host_us is not None else ""))
+                + (f", host {host_us / 1e3:.2f} ms" if host_us is not None else "")
+                + (f", GPU in this mode {mode_step_us / 1e3:.2f} ms" if mode_step_us is not None else ""))
     return out
 
 
