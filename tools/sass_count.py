@@ -41,6 +41,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mixgemm.jit.build import cache_dir
+from mixgemm.jit.cache import list_entries
+
 KINDS = ("mma", "convert", "promote", "wait", "division", "smem", "other")
 _CONVERT = {"PRMT", "LOP3", "SHF", "SEL", "I2F", "I2FP", "F2F", "F2FP", "HADD2", "HFMA2", "HMUL2"}
 _PROMOTE = {"FFMA", "FADD", "FMUL"}
@@ -191,11 +194,14 @@ def stream(cubin: str) -> None:
 
 
 def cached_cubins(pattern: str, cache: str | None) -> list[str]:
-    root = cache or os.environ.get("MIXGEMM_CACHE_DIR") or os.path.expanduser("~/.cache/mixgemm")
-    found = sorted(p for p in glob.glob(os.path.join(root, "kernels", "*", "kernel.cubin"))
-                   if re.search(pattern, Path(p).parent.name))
+    """The cubins of the kernel cache's current entries whose name matches ``pattern`` (stale
+    entries, built from other headers, are left out: :func:`mixgemm.jit.cache.list_entries`)."""
+    if cache:
+        os.environ["MIXGEMM_CACHE_DIR"] = cache
+    found = [str(e.directory / "kernel.cubin") for e in list_entries(re.compile(pattern))
+             if e.kind == "kernels" and e.state == "current" and (e.directory / "kernel.cubin").is_file()]
     if not found:
-        sys.exit(f"no cached kernel matching {pattern!r} under {root}/kernels")
+        sys.exit(f"no current cached kernel matching {pattern!r} under {cache_dir()}/kernels")
     return found
 
 
