@@ -55,12 +55,16 @@ def test_host_smoke(requires_gpu, tmp_path):
     rc = bench.main(["--host", "--layers", "2", "--iters", "5", "--quick", "--json", str(out)])
     rep = H.host_report_from_dict(json.loads(out.read_text()))
     assert rc == 0
-    assert {(c.impl, c.m) for c in rep.calls} == {(i, m) for i in H.HOST_IMPLS for m in H.HOST_MS}
+    # one call per loop at each M, and the ops chained at M = 1 in each mode
+    per_call = {(i, m, "eager", 1) for i in H.HOST_IMPLS for m in H.HOST_MS}
+    chained = {(i, 1, mode, H.HOST_CHAIN) for i in H.CHAIN_IMPLS for mode in H.HOST_MODES}
+    assert {(c.impl, c.m, c.mode, c.chain) for c in rep.calls} == per_call | chained
     for c in rep.calls:
         if c.impl == "torch-int4" and c.status == bench.UNAVAILABLE:
             continue
         assert c.status == bench.OK, (c.impl, c.m, c.note)
         assert c.host_us > 0 and c.gpu_us > 0 and c.gpu_loop_us > 0 and c.bound in ("host", "gpu")
+        assert "CUDA graphs skipped" not in c.note, (c.impl, c.mode, c.note)
     assert {(p.variant, p.mode) for p in rep.step} == {(v, m) for v in ("bf16", "mixgemm-u4")
                                                         for m in ("graph", "eager")}
     assert all(p.status == bench.OK and p.time_us > 0 for p in rep.step), [(p.variant, p.mode, p.note) for p in rep.step]
