@@ -24,9 +24,11 @@ for step in "$@"; do
   case "$step" in
     build)   # a no-op when the carried cache matches; else builds what is missing, 16 at a time
       timeout 200 python3 -m mixgemm generate --build --jobs 16 2>&1 | tail -3 | tee "$OUT/build.log" || rc=1 ;;
-    tests)
-      MIXGEMM_GPU_REPORT="$OUT/gpu-report.json" timeout 300 python3 -m pytest -q --maxfail=25 -m gpu tests/ \
-        -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" 2>&1 | tail -45 | tee "$OUT/gpu-tests.log" || rc=1 ;;
+    tests)   # the whole GPU suite on every GPU, resumable: on a warm machine the step goes on where it stopped
+      suite=/tmp/mixgemm-gpu-suite; resume=; [ -f "$suite/record.txt" ] && resume=--resume
+      timeout 590 python3 tools/gpu_suite.py --out "$suite" --deadline "${MIXGEMM_SUITE_DEADLINE:-500}" $resume \
+        2>&1 | tail -40 | tee "$OUT/gpu-tests.log" || rc=1
+      cp "$suite"/record.txt "$suite"/summary.json "$suite"/*.log "$OUT/" 2>/dev/null ;;
     quick-tests)
       MIXGEMM_GPU_TESTS=quick timeout 400 python3 -m pytest -q -x -m gpu tests/ -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu-tests.log" || rc=1 ;;
     sanitize)   # memory errors only: cuda-bindings' symbol lookups return expected API errors

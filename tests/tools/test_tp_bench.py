@@ -96,6 +96,7 @@ def test_dry_run_on_the_cpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 def test_tp2_llama3_70b_stack_on_two_gpus(requires_gpu, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
@@ -123,6 +124,7 @@ def test_hf_split_check_on_the_cpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.multigpu
 def test_hf_split_model_on_two_gpus(requires_gpu, tmp_path):
     pytest.importorskip("transformers")
     if torch.cuda.device_count() < 2:
