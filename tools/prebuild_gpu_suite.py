@@ -9,13 +9,48 @@ a compile::
 
 The layer shapes come from the bench presets (:data:`mixgemm.bench.PRESETS`: fused q/k/v, o,
 fused gate/up with swiglu, down) and from the test modules' own shapes; ``--all-u4`` adds every
-bf16 u4 kernel of the catalogue (what the older GPU tests of single layers use).
+bf16 u4 kernel of the catalogue (what the older GPU tests of single layers use), and
+``--from-tests`` every kernel spec a GPU test is parametrized with (the whole catalogue, and the
+test-only kernels outside it): with it, the whole GPU suite (``tools/gpu_suite.py``) waits for no
+compile.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import sys
 import time
+
+
+class _SpecGatherer:
+    """A pytest plugin that keeps the kernel specs among the collected tests' parameters."""
+
+    def __init__(self, kinds: tuple):
+        self.kinds = kinds
+        self.specs: dict = {}
+
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            callspec = getattr(item, "callspec", None)
+            for value in (callspec.params.values() if callspec is not None else ()):
+                if isinstance(value, self.kinds):
+                    self.specs[value.name] = value
+
+
+def specs_of_tests(paths=("tests",)) -> list:
+    """The kernel specs that the GPU tests under ``paths`` are parametrized with."""
+    import typing
+
+    import pytest   # (a test dependency: only this option needs it)
+    from mixgemm.jit.specs import KernelSpec
+
+    gather = _SpecGatherer(typing.get_args(KernelSpec))
+    with contextlib.redirect_stdout(io.StringIO()) as listing:
+        rc = pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *paths], plugins=[gather])
+    if rc not in (0, 5):
+        raise SystemExit(f"collecting the GPU tests failed (pytest exit status {rc}):\n{listing.getvalue()[-2000:]}")
+    return list(gather.specs.values())
 
 
 def main(argv=None) -> int:
@@ -32,6 +67,9 @@ def main(argv=None) -> int:
     p.add_argument("--presets", default="llama3-8b", help="bench presets whose layers to build for (comma list)")
     p.add_argument("--types", default="u4", help="weight types of the presets' layers (comma list)")
     p.add_argument("--all-u4", action="store_true", help="also every bf16 u4 kernel of the catalogue")
+    p.add_argument("--from-tests", action="store_true",
+                   help="also every kernel spec that a GPU test is parametrized with (collected, not run): "
+                        "the test-only ones outside the catalogue, such as test_gpu_gemm's k-sliced decode kernels")
     p.add_argument("--list", action="store_true", help="print the kernel names only")
     args = p.parse_args(argv)
 
@@ -67,6 +105,8 @@ def main(argv=None) -> int:
         from mixgemm.jit.catalog import default_specs
 
         specs.update((s.name, s) for s in default_specs([bf16], [WeightType.U4]))
+    if args.from_tests:
+        specs.update((s.name, s) for s in specs_of_tests())
     specs = [specs[k] for k in sorted(specs)]
     if args.list:
         print("\n".join(s.name for s in specs))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -179,3 +180,16 @@ def test_profile_generate_refuses_before_any_work(capsys):
             mod.main([])
         assert e.value.code == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_prebuild_gpu_suite_from_tests_lists_the_catalogue_and_the_test_only_kernels():
+    from mixgemm.jit.catalog import default_specs
+
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "prebuild_gpu_suite.py"), "--from-tests", "--list"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = set(out.stdout.split())
+    assert {s.name for s in default_specs()} <= names
+    # test_gpu_gemm's k-sliced decode kernels are outside the catalogue
+    assert {f"mixgemm_decode_{a}_{w}_m8_w8_b1024_s4_k{k}_none" for a in ("bf16", "fp16") for w in ("u4", "s2")
+            for k in (2, 4, 8)} <= names
