@@ -118,6 +118,24 @@ def test_export_then_import_into_an_empty_cache(warm, fake_env, capsys, trust):
     assert rc == 0 and out.count("current") == 4 and "4 entries" in err
 
 
+@pytest.mark.parametrize("trust", [False, True], ids=["default", "--trust-host-code"])
+def test_an_import_reads_the_archive_once_front_to_back(warm, monkeypatch, trust):
+    """Each member is read once, in the archive's order (export writes an entry's meta.json after
+    its artifacts, and a compressed member read after a later one decompresses the stream again
+    from its start: an import of n entries would cost n times the archive). Untrusted host
+    libraries are not read at all."""
+    archive, a, b = warm
+    reads = []
+    real = cache_archive._read
+    monkeypatch.setattr(cache_archive, "_read", lambda tar, m, limit: reads.append(m) or real(tar, m, limit))
+    report = cache_archive.import_cache(archive, trust_host_code=trust)
+    assert len(report.imported) == 4 and not report.refused
+    offsets = [m.offset for m in reads]
+    assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets), [m.name for m in reads]
+    assert any(m.name.endswith("/meta.json") for m in reads[1:])
+    assert any(m.name.endswith(".so") for m in reads) == trust
+
+
 def test_export_selects_and_refuses_to_overwrite(warm, fake_env, monkeypatch, capsys):
     archive, a, b = warm
     use_cache(monkeypatch, a)

@@ -439,16 +439,22 @@ def import_cache(path: Union[str, os.PathLike],
                 if fname in files:
                     report.refused.append((m.name, "foreign: the archive holds this file twice"))
                 files[fname] = m
-        accepted = []                      # every entry is checked before any is written
-        for (kind, stem), files in sorted(entries.items()):
+        accepted, refused = [], []          # every entry is checked before any is written
+        # in the archive's order, each entry's files read in theirs: a compressed archive is read
+        # once, front to back (a member read after a later one decompresses the stream again from
+        # its start)
+        for (kind, stem), files in sorted(entries.items(), key=lambda item: min(m.offset for m in item[1].values())):
             label = f"{kind}/{stem}"
-            checked = _check_entry(tar, kind, stem, files, tc, trust_host_code)
+            checked = _check_entry(_prefetch(tar, files, trust_host_code), kind, stem, set(files), tc,
+                                   trust_host_code)
             if isinstance(checked, str):
-                report.refused.append((label, checked))
+                refused.append((label, checked))
                 if progress is not None:
                     progress(label, "refused")
             else:
                 accepted.append((label, kind, checked))
+        report.refused += sorted(refused)
+        accepted.sort(key=lambda item: item[0])
     def install(item):
         label, kind, (name, key, files, artifacts, build_here, source_name) = item
         try:
@@ -474,7 +480,31 @@ def import_cache(path: Union[str, os.PathLike],
     return report
 
 
-def _check_entry(tar: tarfile.TarFile, kind: str, stem: str, members: dict[str, tarfile.TarInfo],
+def _prefetch(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo],
+              trust_host_code: bool) -> Callable[[str], bytes]:
+    """``read(file)``: an entry's file as read from the archive (or the error reading it raised),
+    all of them read at once in the archive's order. Host libraries (``*.so``) are not read
+    unless ``trust_host_code``."""
+    data: dict[str, Union[bytes, Exception]] = {}
+    for fname, m in sorted(members.items(), key=lambda item: item[1].offset):
+        if fname.endswith(".so") and not trust_host_code:
+            continue
+        try:
+            data[fname] = _read(tar, m, MAX_META_BYTES if fname == "meta.json" else MAX_ARTIFACT_BYTES)
+        except (ValueError, OSError, tarfile.TarError) as e:
+            data[fname] = e
+
+    def read(fname: str) -> bytes:
+        got = data.get(fname)
+        if got is None:
+            raise ValueError(f"{fname} was not read")
+        if isinstance(got, Exception):
+            raise got
+        return got
+    return read
+
+
+def _check_entry(read: Callable[[str], bytes], kind: str, stem: str, members: set[str],
                  tc: build.Toolchain, trust_host_code: bool = False) -> "Union[str, tuple]":
     """``(name, key, files, artifacts, build_here, source_name)`` for
     :func:`mixgemm.jit.build.install_entry`, or the reason the entry is refused. Unless
@@ -483,7 +513,7 @@ def _check_entry(tar: tarfile.TarFile, kind: str, stem: str, members: dict[str, 
     if "meta.json" not in members:
         return "foreign: no meta.json"
     try:
-        meta_bytes = _read(tar, members["meta.json"], MAX_META_BYTES)
+        meta_bytes = read("meta.json")
         meta = json.loads(meta_bytes)
     except (ValueError, OSError, tarfile.TarError) as e:
         return f"corrupt: unreadable meta.json ({e})"
@@ -513,7 +543,7 @@ def _check_entry(tar: tarfile.TarFile, kind: str, stem: str, members: dict[str, 
     files = {"meta.json": meta_bytes}
     try:
         for a in taken:
-            files[a] = _read(tar, members[a], MAX_ARTIFACT_BYTES)
+            files[a] = read(a)
     except (ValueError, OSError, tarfile.TarError) as e:
         return f"corrupt: {e}"
     bad = [a for a in taken if _sha256(files[a]) != meta["sha256"][a]]
