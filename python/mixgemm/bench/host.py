@@ -36,7 +36,6 @@ import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
-from torch._dynamo.utils import counters
 
 from ..aot.prebuild import specs_for
 from ..dtypes import ActType, WeightType
@@ -343,6 +342,8 @@ def run_host_modes(device: torch.device, modes: Sequence[str], iters: int, warmu
                    log: Callable[[str], None] = print, impls: Sequence[str] = CHAIN_IMPLS) -> list[HostPoint]:
     """The chained ops (:func:`chain_callables`) in each of ``modes`` (:data:`HOST_MODES`):
     per-call host and GPU times (the chain's divided by its length)."""
+
+    from torch._dynamo.utils import counters   # (Dynamo takes 1.3 s to import: not for every `mixgemm` command)
 
     chains, kernels = chain_callables(device, seed, impls)
     prebuild_kernels(kernels, log)
