@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers", reason="the fused blocks are 
 import mixgemm  # noqa: E402
 from linear_numerics import swiglu  # noqa: E402
 from mixgemm.nn import QuantLinear  # noqa: E402
+from mixgemm.ops.fp8 import dequantize_fp8, quantize_fp8_reference  # noqa: E402
 
 
 def tiny_model(family: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
@@ -35,9 +36,14 @@ def tiny_model(family: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
 
 
 def reference_forward(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """QuantLinear.forward from the reference dequantization, in float32 (no GPU)."""
+    """QuantLinear.forward from the reference dequantization, in float32 (no GPU). With
+    ``act_format="fp8"`` the activations are first what the e4m3 GEMM multiplies: x in the
+    scales' dtype, rounded to e4m3 by the quantizer's definition, times its scales."""
     w = mixgemm.dequantize_reference(self.packed).float()
     if self.perm is not None:
         x = x.index_select(-1, self.perm)
-    y = F.linear(x.float(), w, None if self.bias is None else self.bias.float()).to(x.dtype)
+    a = x.float()
+    if self.act_format == "fp8":
+        a = dequantize_fp8(*quantize_fp8_reference(x.to(self.scales.dtype), self.input_scale))
+    y = F.linear(a, w, None if self.bias is None else self.bias.float()).to(x.dtype)
     return swiglu(y) if self.activation == "swiglu" else y

@@ -207,3 +207,50 @@ def test_packed_attention_refuses_what_it_does_not_compute():
     assert not blocks._packs_decode(attn, q, keys, torch.ones(1, 4, 1, 16, dtype=torch.bool), {})
     assert not blocks._packs_decode(attn, q, keys, mask, {"output_attentions": True})
     assert not blocks._packs_decode(attn, q, keys, mask, {"softcap": 30.0})
+
+
+def test_quantize_model_with_fp8_activations():
+    """act_format="fp8": every QuantLinear the e4m3 kernels compute takes e4m3 activations; the
+    fused gate/up (swiglu) keeps bf16 ones, named in the summary with the reason."""
+    model, summary = quantized("llama", act_format="fp8")
+    formats = {n: m.act_format for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    gate_up = {n for n in formats if n.endswith("mlp.gate_up")}
+    assert len(gate_up) == 2 and len(formats) == 8
+    assert all(formats[n] == ("bf16" if n in gate_up else "fp8") for n in formats), formats
+    assert set(summary.bf16_activations) == gate_up
+    assert all("swiglu" in why for why in summary.bf16_activations.values())
+    assert "(2 with bf16 activations)" in str(summary)
+    # per layer: the seven projections all take e4m3 activations
+    plain, plain_summary = quantized("llama", act_format="fp8", fuse_projections=False)
+    assert {m.act_format for m in plain.modules() if isinstance(m, QuantLinear)} == {"fp8"}
+    assert not plain_summary.bf16_activations
+    # the default is today's exact activations
+    exact, exact_summary = quantized("llama")
+    assert {m.act_format for m in exact.modules() if isinstance(m, QuantLinear)} == {"bf16"}
+    assert not exact_summary.bf16_activations
+
+
+@pytest.mark.parametrize("kw, words", [(dict(act_format="auto"), "act_format must be one of"),
+                                       (dict(act_format="fp8", bits=8), "takes u4, s4, u2 and s2"),
+                                       (dict(act_format="e4m3"), "act_format must be one of")])
+def test_quantize_model_refuses_an_act_format_before_touching_the_model(kw, words):
+    model = tiny_model("llama")
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(ValueError, match=words):
+        mixgemm.nn.quantize_model(model, **{"group_size": 64, "progress": False, **kw})
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+@pytest.mark.parametrize("fuse_layers", [False, True])
+def test_fp8_activations_change_the_logits_by_the_e4m3_rounding(reference_gemm, fuse_layers):
+    """On the reference product: the e4m3 model's logits differ from the exact-activation model's
+    (the activations are rounded), by a few percent (3 mantissa bits, a scale per token), and its
+    greedy tokens follow the same path over most steps."""
+    exact, _ = quantized("llama", fuse_layers=fuse_layers)
+    e4m3, _ = quantized("llama", fuse_layers=fuse_layers, act_format="fp8")
+    ids = _ids(batch=2)
+    with torch.no_grad():
+        a, b = exact(ids).logits.double(), e4m3(ids).logits.double()
+    err = ((b - a).norm() / a.norm()).item()
+    assert 1e-3 < err < 0.1, err
+    assert (a.argmax(-1) == b.argmax(-1)).double().mean() >= 0.75

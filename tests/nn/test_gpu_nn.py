@@ -125,3 +125,32 @@ def test_quantlinear_fp8_with_and_without_a_static_scale(requires_gpu):
         assert layer.input_scale.device == dev and layer.input_scale.dtype == torch.float32
         assert torch.equal(layer(x), mixgemm.gemm(x, layer.packed, layer.bias, act_format="fp8",
                                                   input_scale=layer.input_scale))
+
+
+@pytest.mark.parametrize("fuse_layers", [False, True])
+def test_quantize_model_fp8_on_the_kernels_equals_its_reference(requires_gpu, fuse_layers):
+    """A transformers model quantized with act_format="fp8": its logits on the e4m3 kernels equal
+    those of the same model on the reference product (the activations rounded by the
+    quantizer's definition, float32 products), and differ from the exact-activation model's."""
+    from unittest import mock
+
+    pytest.importorskip("transformers")
+    from tiny_models import reference_forward, tiny_model
+
+    def build(act_format):
+        model = tiny_model("llama").to(torch.bfloat16)
+        summary = quantize_model(model, bits=4, group_size=64, progress=False, fuse_layers=fuse_layers,
+                                 act_format=act_format)
+        return model.to(requires_gpu), summary
+
+    model, summary = build("fp8")
+    assert {n.rsplit(".", 2)[-2:][-1] for n in summary.bf16_activations} == {"gate_up"}
+    ids = torch.randint(0, 160, (2, 9), device=requires_gpu, generator=torch.Generator(requires_gpu).manual_seed(1))
+    with torch.no_grad():
+        got = model(ids).logits.double()
+        with mock.patch.object(QuantLinear, "forward", reference_forward):
+            want = model(ids).logits.double()
+        exact = build("bf16")[0](ids).logits.double()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 1e-2, err
+    assert ((got - exact).norm() / exact.norm()).item() > 1e-3

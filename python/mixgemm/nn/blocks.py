@@ -31,7 +31,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from .linear import QuantizeSummary, QuantLinear, unsupported_reason
+from .linear import act_format_problem, QuantizeSummary, QuantLinear, unsupported_reason
+from ..dtypes import WeightType
 from ..dispatch.uses import KernelUse
 from ..ops.norm import LLAMA_STYLE_NORMS, RMSNorm, norm_spec, rms_norm
 from ..ops.rotary import rope_spec, rotary_kv_cache
@@ -418,7 +419,7 @@ def _qkv_reason(attn: nn.Module, names: list[str], patterns, group_size: int) ->
 def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symmetric: bool = False,
                    skip: Iterable[str] = ("lm_head",), device=None, dtype: Optional[torch.dtype] = None,
                    progress: bool = True, fuse_projections: bool = True,
-                   fuse_layers: bool = False) -> QuantizeSummary:
+                   fuse_layers: bool = False, act_format: str = "bf16") -> QuantizeSummary:
     """Replace the model's ``nn.Linear`` layers by :class:`~mixgemm.nn.QuantLinear`, in place.
 
     Parameters
@@ -446,6 +447,13 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
         ``fuse_projections``), and make transformers' static cache the model's default for
         ``generate()`` (``generation_config.cache_implementation = "static"``), the cache whose
         layers the fused rotary / KV-cache launch writes.
+    act_format : {"bf16", "fp8"}, default "bf16"
+        The activations of every QuantLinear made (:class:`~mixgemm.nn.QuantLinear`'s
+        ``act_format``). ``"fp8"`` rounds each call's activations to e4m3 with a scale per token
+        and runs the e4m3 GEMM (docs/fp8.md): the numerics change, and 4- and 2-bit weights only.
+        A layer the e4m3 kernels do not compute (the fused gate/up with its swiglu epilogue)
+        keeps bf16 activations; the summary's ``bf16_activations`` names it with the reason.
+        (``"auto"``, a per-layer switch by token count, is not implemented yet.)
 
     Returns
     -------
@@ -459,6 +467,9 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
 
     if fuse_layers and not fuse_projections:
         raise ValueError("fuse_layers=True needs fuse_projections=True (a fused layer runs the fused projections)")
+    why = act_format_problem(act_format, WeightType.of(bits, symmetric))
+    if why:
+        raise ValueError(f"quantize_model: {why}")
     patterns = [re.compile(p) for p in skip]
     summary = QuantizeSummary([], {}, 0, 0)
     attentions = find_attentions(model) if fuse_projections else {}
@@ -466,7 +477,13 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
     jobs = len(attentions) + len(mlps) + sum(isinstance(m, nn.Linear) for m in model.modules())
     bar = tqdm(total=jobs, desc="mixgemm quantize", unit="layer", disable=not progress or None)
 
-    def place(layer: QuantLinear) -> QuantLinear:
+    def place(layer: QuantLinear, name: str) -> QuantLinear:
+        if act_format != "bf16":
+            why = act_format_problem(act_format, layer.weight_type, layer.activation)
+            if why:
+                summary.bf16_activations[name] = why
+            else:
+                layer.set_act_format(act_format)
         return layer if device is None else layer.to(device)
 
     def count(parts: list[nn.Linear], q: QuantLinear) -> None:
@@ -481,7 +498,8 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
             _log.info("mixgemm.quantize_model: %s: q, k and v not fused: %s", name, why)
             continue
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-        q = place(QuantLinear.from_linear(_stacked_linear(parts), bits, group_size, symmetric, dtype))
+        q = place(QuantLinear.from_linear(_stacked_linear(parts), bits, group_size, symmetric, dtype),
+                  f"{name}.qkv_proj")
         count(parts, q)
         parent, attr = _parent(model, name)
         setattr(parent, attr, FusedQKVAttention(attn, q))
@@ -495,7 +513,8 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
         if why:
             _log.info("mixgemm.quantize_model: %s: gate and up not fused: %s", name, why)
             continue
-        q = place(QuantLinear.from_gate_up(mlp.gate_proj, mlp.up_proj, bits, group_size, symmetric, dtype))
+        q = place(QuantLinear.from_gate_up(mlp.gate_proj, mlp.up_proj, bits, group_size, symmetric, dtype),
+                  f"{name}.gate_up")
         count([mlp.gate_proj, mlp.up_proj], q)
         parent, attr = _parent(model, name)
         setattr(parent, attr, GatedMLP(q, mlp.down_proj))
@@ -514,12 +533,15 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
             warnings.warn(f"mixgemm.quantize_model: keeping {name} as nn.Linear: {why}", stacklevel=2)
             summary.skipped[name] = why
             continue
-        q = place(QuantLinear.from_linear(linear, bits, group_size, symmetric, dtype))
+        q = place(QuantLinear.from_linear(linear, bits, group_size, symmetric, dtype), name)
         count([linear], q)
         parent, attr = _parent(model, name)
         setattr(parent, attr, q)
         summary.replaced.append(name)
     bar.close()
+    if summary.bf16_activations:
+        _log.info("mixgemm.quantize_model: %d layer(s) keep bf16 activations (act_format=%r): %s",
+                  len(summary.bf16_activations), act_format, "; ".join(sorted(set(summary.bf16_activations.values()))))
     if fuse_layers:
         fuse_decoder_layers(model)
     return summary

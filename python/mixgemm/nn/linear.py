@@ -93,7 +93,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         if activation not in ("none", "silu", "gelu", "swiglu"):
             raise ValueError(f"activation must be none, silu, gelu or swiglu, got {activation!r}")
-        why = _act_format_problem(act_format, WeightType.of(bits, symmetric), activation)
+        why = act_format_problem(act_format, WeightType.of(bits, symmetric), activation)
         if why:
             raise ValueError(why)
         self.activation = activation
@@ -162,7 +162,7 @@ class QuantLinear(nn.Module):
     def set_act_format(self, act_format: str) -> None:
         """Switch between exact (``"bf16"``) and e4m3 (``"fp8"``) activations; the weight is
         the same for both."""
-        why = _act_format_problem(act_format, self.weight_type, self.activation)
+        why = act_format_problem(act_format, self.weight_type, self.activation)
         if why:
             raise ValueError(why)
         _store_act_format(self, act_format)
@@ -219,7 +219,7 @@ class QuantLinear(nn.Module):
         ``input_scale`` as for the constructor and :meth:`set_input_scale`."""
         if not isinstance(packed, PackedWeight):
             raise TypeError(f"expected a PackedWeight, got {type(packed).__name__}")
-        why = _act_format_problem(act_format, packed.weight_type, "none")
+        why = act_format_problem(act_format, packed.weight_type, "none")
         if why:
             raise ValueError(why)
         layer = cls.__new__(cls)
@@ -361,7 +361,7 @@ def _store_act_format(layer: QuantLinear, act_format: str) -> None:
         layer.act_format = act_format
 
 
-def _act_format_problem(act_format, weight_type: WeightType, activation: str) -> Optional[str]:
+def act_format_problem(act_format, weight_type: WeightType, activation: str = "none") -> Optional[str]:
     """Why a QuantLinear of ``weight_type`` and ``activation`` cannot take ``act_format``, or None."""
     if act_format not in ACT_FORMATS:
         return f"act_format must be one of {ACT_FORMATS}, got {act_format!r}"
@@ -417,10 +417,13 @@ class QuantizeSummary:
     bytes_before: int
     bytes_after: int
     fused: list[str] = dataclasses.field(default_factory=list)
+    #: with act_format="fp8": the layers made that keep bf16 activations, with the reason
+    bf16_activations: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __str__(self) -> str:
         ratio = self.bytes_before / self.bytes_after if self.bytes_after else float("nan")
-        return (f"replaced {len(self.replaced)} Linear layers, skipped {len(self.skipped)}; weight bytes "
+        kept = f" ({len(self.bf16_activations)} with bf16 activations)" if self.bf16_activations else ""
+        return (f"replaced {len(self.replaced)} Linear layers{kept}, skipped {len(self.skipped)}; weight bytes "
                 f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB ({ratio:.2f}x)")
 
 
@@ -438,4 +441,4 @@ def unsupported_reason(linear: nn.Linear, group_size: int) -> Optional[str]:
     return None
 
 
-__all__ = ["QuantLinear", "QuantizeSummary", "unsupported_reason"]
+__all__ = ["QuantLinear", "QuantizeSummary", "act_format_problem", "unsupported_reason"]
