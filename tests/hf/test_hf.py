@@ -659,3 +659,32 @@ def test_w4a8_checkpoints_load_with_exact_activations_and_say_so(tmp_path, kind,
         model = load(tmp_path / kind)
     assert all(m.act_format == "bf16" and m.input_scale is None for m in model.modules() if isinstance(m, QuantLinear))
     assert_same_logits(model, ref)
+
+
+def test_fp8_activations_where_the_e4m3_kernels_take_the_layer(tmp_path, caplog):
+    """act_format="fp8": AWQ's 4-bit layers take e4m3 activations except the fused gate/up
+    (swiglu), and 8-bit GPTQ layers keep bf16 ones; the summary names each with the reason."""
+    hc.write_awq(tmp_path / "awq", shards=1)
+    with caplog.at_level(logging.INFO, logger="mixgemm.hf"):
+        model = load(tmp_path / "awq", act_format="fp8")
+    formats = {n: m.act_format for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    gate_up = {n for n in formats if n.endswith(".gate_up")}
+    assert gate_up and all(formats[n] == ("bf16" if n in gate_up else "fp8") for n in formats), formats
+    kept = model.mixgemm_summary.bf16_activations
+    assert set(kept) == gate_up and all("swiglu" in why for why in kept.values())
+    assert f"{len(gate_up)} quantized layers with bf16 activations" in str(model.mixgemm_summary)
+    assert any("keep bf16 activations" in r.getMessage() for r in caplog.records)
+    assert {m.act_format for m in load(tmp_path / "awq").modules() if isinstance(m, QuantLinear)} == {"bf16"}
+    hc.write_gptq(tmp_path / "g8", bits=8)
+    model = load(tmp_path / "g8", act_format="fp8")
+    assert {m.act_format for m in model.modules() if isinstance(m, QuantLinear)} == {"bf16"}
+    assert len(model.mixgemm_summary.bf16_activations) == len(model.mixgemm_summary.quantized)
+    assert all("takes u4, s4, u2 and s2" in why for why in model.mixgemm_summary.bf16_activations.values())
+
+
+def test_a_bad_act_format_fails_before_the_device_step(tmp_path, no_device_step):
+    hc.write_awq(tmp_path / "m", shards=1)
+    with pytest.raises(ValueError, match="act_format must be one of"):
+        load(tmp_path / "m", act_format="auto")
+    with pytest.raises(ValueError, match="does not run tensor-parallel"):
+        load(tmp_path / "m", act_format="fp8", tp_rank=0, tp_size=2)

@@ -51,6 +51,9 @@ class LoadSummary:
     fused_layers : list of str
         The decoder layers replaced by :class:`mixgemm.nn.blocks.FusedDecoderLayer`
         (``fuse_layers``).
+    bf16_activations : dict of str -> str
+        With ``act_format="fp8"``: the QuantLinear modules that keep bf16 activations, with the
+        reason.
     """
 
     model_dir: str
@@ -66,6 +69,7 @@ class LoadSummary:
     norms: List[str] = dataclasses.field(default_factory=list)
     fused_attentions: List[str] = dataclasses.field(default_factory=list)
     fused_layers: List[str] = dataclasses.field(default_factory=list)
+    bf16_activations: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def resident_bytes(self) -> int:
@@ -75,6 +79,8 @@ class LoadSummary:
         ratio = self.bf16_bytes / self.resident_bytes if self.resident_bytes else float("nan")
         rank = f" rank {self.tp_rank} of {self.tp_size}" if self.tp_size > 1 else ""
         layers = f", {len(self.fused_layers)} decoder layers fused" if self.fused_layers else ""
+        if self.bf16_activations:
+            layers += f", {len(self.bf16_activations)} quantized layers with bf16 activations"
         return (f"mixgemm.hf: loaded {self.model_dir} ({self.method}){rank}: {len(self.quantized)} quantized layers "
                 f"({len(self.fused_attentions)} attentions with q/k/v fused, {len(self.fused)} gated MLPs fused), "
                 f"{len(self.full_precision)} kept in full precision, "

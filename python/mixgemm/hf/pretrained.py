@@ -83,7 +83,9 @@ from torch import nn
 from ..aot import prebuild as _prebuild
 from ..formats.config import resolve_dtype
 from ..nn.blocks import fuse_decoder_layers
+from ..nn.linear import act_format_problem, QuantLinear
 from ..nn.parallel import tp_rank_and_size
+from ..ops.fp8 import ACT_FORMATS, fp8_problem
 from ..ops.norm import replace_rms_norms
 from . import materialize as _step2
 from . import plan as _step1
@@ -104,12 +106,29 @@ def _import_transformers():
     return transformers
 
 
+def _set_act_format(model: nn.Module, act_format: str) -> dict:
+    """Give every QuantLinear of ``model`` that can take it ``act_format``; returns the others
+    (name -> reason)."""
+    kept = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, QuantLinear):
+            why = act_format_problem(act_format, layer.weight_type, layer.activation) or fp8_problem(layer.packed)
+            if why:
+                kept[name] = why
+            else:
+                layer.set_act_format(act_format)
+    if kept:
+        _log.info("mixgemm.hf: %d quantized layer(s) keep bf16 activations (act_format=%r): %s", len(kept),
+                  act_format, "; ".join(sorted(set(kept.values()))))
+    return kept
+
+
 def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device] = "cuda",
                     dtype: Union[torch.dtype, str, None] = None, *, fuse_projections: bool = True,
                     fuse_gate_up: Optional[bool] = None, fuse_norms: bool = True, fuse_layers: bool = False,
                     attn_implementation: Optional[str] = None, prebuild: bool = False,
                     jobs: Optional[int] = None, tp_rank: Optional[int] = 0, tp_size: Optional[int] = 1,
-                    tp_group=None) -> nn.Module:
+                    tp_group=None, act_format: str = "bf16") -> nn.Module:
     """Load a quantized checkpoint directory into a transformers causal-LM model.
 
     Parameters
@@ -175,6 +194,14 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     tp_group : torch.distributed.ProcessGroup, optional
         The group of the all-reduces (default: the world, which must then have ``tp_size``
         ranks if initialized).
+    act_format : {"bf16", "fp8"}, default "bf16"
+        The activations of the quantized layers (:class:`~mixgemm.nn.QuantLinear`'s
+        ``act_format``). ``"fp8"`` rounds each call's activations to e4m3 with a scale per token
+        and runs the e4m3 GEMM (docs/fp8.md): the numerics change. A layer the e4m3 kernels do
+        not compute (8-bit codes, fractional zero points, a group size that is not a multiple
+        of 32, the fused gate/up with its swiglu epilogue) keeps bf16 activations;
+        ``model.mixgemm_summary.bf16_activations`` names it with the reason. Not with tensor
+        parallelism, and a checkpoint's static input scales are not applied yet.
 
     Returns
     -------
@@ -190,8 +217,9 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     ImportError
         transformers is not installed.
     ValueError
-        A bad ``device`` or ``dtype``, ``device="cuda"`` without CUDA, or ``fuse_layers=True``
-        without the fused projections.
+        A bad ``device``, ``dtype`` or ``act_format``, ``device="cuda"`` without CUDA,
+        ``fuse_layers=True`` without the fused projections, or ``act_format="fp8"`` with
+        ``tp_size > 1``.
     CheckpointError
         A missing directory, config or shard; a shard that is not valid safetensors (truncated,
         corrupt); a missing tensor, one the model does not have, or a shape that disagrees with
@@ -229,7 +257,12 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         raise ValueError("fuse_layers=True needs fuse_projections=True and the gate/up fusion (a fused layer runs "
                          "the fused projections)")
 
+    if act_format not in ACT_FORMATS:
+        raise ValueError(f"act_format must be one of {ACT_FORMATS} ('auto' is not implemented yet), got {act_format!r}")
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size, tp_group)
+    if act_format == "fp8" and tp_size > 1:
+        raise ValueError("act_format='fp8' does not run tensor-parallel yet: a row-parallel layer's rank sees part "
+                         "of each token's activations, so the ranks would scale a token differently")
     tp = TensorParallel(tp_rank, tp_size, tp_group)
     model_dir = Path(model_dir)
     plan = _step1.plan(transformers, model_dir, dtype, fuse_gate_up, attn_implementation, tp,   # no device work
@@ -250,6 +283,8 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         summary.norms = replace_rms_norms(model)
     if fuse_layers:
         summary.fused_layers = fuse_decoder_layers(model)
+    if act_format != "bf16":
+        summary.bf16_activations = _set_act_format(model, act_format)
     model.mixgemm_summary = summary
     _log.info("%s", summary)
     if prebuild:
