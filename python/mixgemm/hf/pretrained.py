@@ -83,9 +83,9 @@ from torch import nn
 from ..aot import prebuild as _prebuild
 from ..formats.config import resolve_dtype
 from ..nn.blocks import fuse_decoder_layers
-from ..nn.linear import act_format_problem, QuantLinear
+from ..nn.linear import apply_act_format, QuantLinear
 from ..nn.parallel import tp_rank_and_size
-from ..ops.fp8 import ACT_FORMATS, fp8_problem
+from ..ops.fp8 import unknown_act_format
 from ..ops.norm import replace_rms_norms
 from . import materialize as _step2
 from . import plan as _step1
@@ -104,23 +104,6 @@ def _import_transformers():
         raise ImportError("mixgemm.hf needs transformers: pip install 'mixgemm[hf]' "
                           "(or pip install transformers)") from e
     return transformers
-
-
-def _set_act_format(model: nn.Module, act_format: str) -> dict:
-    """Give every QuantLinear of ``model`` that can take it ``act_format``; returns the others
-    (name -> reason)."""
-    kept = {}
-    for name, layer in model.named_modules():
-        if isinstance(layer, QuantLinear):
-            why = act_format_problem(act_format, layer.weight_type, layer.activation) or fp8_problem(layer.packed)
-            if why:
-                kept[name] = why
-            else:
-                layer.set_act_format(act_format)
-    if kept:
-        _log.info("mixgemm.hf: %d quantized layer(s) keep bf16 activations (act_format=%r): %s", len(kept),
-                  act_format, "; ".join(sorted(set(kept.values()))))
-    return kept
 
 
 def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device] = "cuda",
@@ -257,8 +240,9 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         raise ValueError("fuse_layers=True needs fuse_projections=True and the gate/up fusion (a fused layer runs "
                          "the fused projections)")
 
-    if act_format not in ACT_FORMATS:
-        raise ValueError(f"act_format must be one of {ACT_FORMATS} ('auto' is not implemented yet), got {act_format!r}")
+    why = unknown_act_format(act_format)
+    if why:
+        raise ValueError(why)
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size, tp_group)
     if act_format == "fp8" and tp_size > 1:
         raise ValueError("act_format='fp8' does not run tensor-parallel yet: a row-parallel layer's rank sees part "
@@ -284,7 +268,11 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     if fuse_layers:
         summary.fused_layers = fuse_decoder_layers(model)
     if act_format != "bf16":
-        summary.bf16_activations = _set_act_format(model, act_format)
+        kept = apply_act_format(((n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)), act_format)
+        if kept:
+            _log.info("mixgemm.hf: %d quantized layer(s) keep bf16 activations (act_format=%r): %s", len(kept),
+                      act_format, "; ".join(sorted(set(kept.values()))))
+        summary.bf16_activations = kept
     model.mixgemm_summary = summary
     _log.info("%s", summary)
     if prebuild:

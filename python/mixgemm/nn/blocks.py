@@ -31,7 +31,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from .linear import act_format_problem, QuantizeSummary, QuantLinear, unsupported_reason
+from .linear import act_format_problem, QuantizeSummary, QuantLinear, apply_act_format, unsupported_reason
 from ..dtypes import WeightType
 from ..dispatch.uses import KernelUse
 from ..ops.norm import LLAMA_STYLE_NORMS, RMSNorm, norm_spec, rms_norm
@@ -477,13 +477,7 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
     jobs = len(attentions) + len(mlps) + sum(isinstance(m, nn.Linear) for m in model.modules())
     bar = tqdm(total=jobs, desc="mixgemm quantize", unit="layer", disable=not progress or None)
 
-    def place(layer: QuantLinear, name: str) -> QuantLinear:
-        if act_format != "bf16":
-            why = act_format_problem(act_format, layer.weight_type, layer.activation)
-            if why:
-                summary.bf16_activations[name] = why
-            else:
-                layer.set_act_format(act_format)
+    def place(layer: QuantLinear) -> QuantLinear:
         return layer if device is None else layer.to(device)
 
     def count(parts: list[nn.Linear], q: QuantLinear) -> None:
@@ -498,8 +492,7 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
             _log.info("mixgemm.quantize_model: %s: q, k and v not fused: %s", name, why)
             continue
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-        q = place(QuantLinear.from_linear(_stacked_linear(parts), bits, group_size, symmetric, dtype),
-                  f"{name}.qkv_proj")
+        q = place(QuantLinear.from_linear(_stacked_linear(parts), bits, group_size, symmetric, dtype))
         count(parts, q)
         parent, attr = _parent(model, name)
         setattr(parent, attr, FusedQKVAttention(attn, q))
@@ -513,8 +506,7 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
         if why:
             _log.info("mixgemm.quantize_model: %s: gate and up not fused: %s", name, why)
             continue
-        q = place(QuantLinear.from_gate_up(mlp.gate_proj, mlp.up_proj, bits, group_size, symmetric, dtype),
-                  f"{name}.gate_up")
+        q = place(QuantLinear.from_gate_up(mlp.gate_proj, mlp.up_proj, bits, group_size, symmetric, dtype))
         count([mlp.gate_proj, mlp.up_proj], q)
         parent, attr = _parent(model, name)
         setattr(parent, attr, GatedMLP(q, mlp.down_proj))
@@ -533,12 +525,14 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
             warnings.warn(f"mixgemm.quantize_model: keeping {name} as nn.Linear: {why}", stacklevel=2)
             summary.skipped[name] = why
             continue
-        q = place(QuantLinear.from_linear(linear, bits, group_size, symmetric, dtype), name)
+        q = place(QuantLinear.from_linear(linear, bits, group_size, symmetric, dtype))
         count([linear], q)
         parent, attr = _parent(model, name)
         setattr(parent, attr, q)
         summary.replaced.append(name)
     bar.close()
+    if act_format != "bf16":   # (the names of the layers made are their module paths)
+        summary.bf16_activations = apply_act_format(((n, model.get_submodule(n)) for n in summary.replaced), act_format)
     if summary.bf16_activations:
         _log.info("mixgemm.quantize_model: %d layer(s) keep bf16 activations (act_format=%r): %s",
                   len(summary.bf16_activations), act_format, "; ".join(sorted(set(summary.bf16_activations.values()))))

@@ -16,7 +16,7 @@ kernel with the same arguments.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from ..dtypes import WeightType
 from ..errors import UnsupportedLayerError
 from ..jit.specs import Fp8GemmSpec
 from ..ops.dense import TOKEN_BUCKETS, gemm, gemm_op, gemm_tensors_full
-from ..ops.fp8 import ACT_FORMATS, check_input_scale_value, quant_spec, select_fp8_spec
+from ..ops.fp8 import ACT_FORMATS, check_input_scale_value, fp8_problem, quant_spec, select_fp8_spec
 from ..weights.layout import ATOM_K, ATOM_N, prepack, unpack
 from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_gate_up, interleave_rows, quantize
 from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, check_group_size
@@ -373,6 +373,22 @@ def act_format_problem(act_format, weight_type: WeightType, activation: str = "n
     return None
 
 
+def apply_act_format(layers: Iterable[tuple[str, "QuantLinear"]], act_format: str) -> dict[str, str]:
+    """Give each ``(name, layer)`` ``act_format`` where the kernels compute it (its weight type,
+    activation and packed weight: :func:`act_format_problem`, :func:`mixgemm.ops.fp8.fp8_problem`);
+    returns the layers left as they were, name -> reason."""
+    kept = {}
+    for name, layer in layers:
+        why = act_format_problem(act_format, layer.weight_type, layer.activation)
+        if why is None and act_format == "fp8":
+            why = fp8_problem(layer.packed)
+        if why:
+            kept[name] = why
+        else:
+            layer.set_act_format(act_format)
+    return kept
+
+
 def _state_stripe(extra: dict) -> int:
     """The gate/up stripe of a swiglu layer's saved state: mixgemm 0.1 had 16 and did not say."""
     return int(extra.get("gate_up_stripe", 16))
@@ -441,4 +457,4 @@ def unsupported_reason(linear: nn.Linear, group_size: int) -> Optional[str]:
     return None
 
 
-__all__ = ["QuantLinear", "QuantizeSummary", "act_format_problem", "unsupported_reason"]
+__all__ = ["QuantLinear", "QuantizeSummary", "act_format_problem", "apply_act_format", "unsupported_reason"]

@@ -66,16 +66,10 @@ def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtyp
     if why:
         return False, why
     if act_format != "bf16":
-        why = _act_format_problem(act_format) or fp8.fp8_problem(w)
+        why = fp8.unknown_act_format(act_format) or fp8.fp8_problem(w)
         if why:
             return False, why
     return True, ""
-
-
-def _act_format_problem(act_format) -> Optional[str]:
-    if act_format not in fp8.ACT_FORMATS:
-        return f"act_format must be one of {fp8.ACT_FORMATS} ('auto' is not implemented yet), got {act_format!r}"
-    return None
 
 
 def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
@@ -144,7 +138,7 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
     launches before a call that reads them on the same stream.
     """
     if act_format != "bf16":
-        why = _act_format_problem(act_format)
+        why = fp8.unknown_act_format(act_format)
         if why:
             raise ValueError(why)
         if torch.compiler.is_compiling():

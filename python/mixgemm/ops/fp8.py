@@ -31,13 +31,20 @@ from . import args
 if TYPE_CHECKING:
     from ..weights.types import PackedWeight
 
-__all__ = ["E4M3_MAX", "ACT_FORMATS", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
+__all__ = ["E4M3_MAX", "ACT_FORMATS", "unknown_act_format", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
            "input_scale_problem", "check_input_scale_value",
            "mma_to_weight_col", "weight_to_mma_col", "quant_spec", "gemm_fp8", "gemm_quantized", "fp8_problem",
            "select_fp8_spec", "FP8_TILE"]
 
 #: ``mixgemm.gemm``'s ``act_format`` values: exact bf16/fp16 activations, or e4m3 ones
 ACT_FORMATS = ("bf16", "fp8")
+
+
+def unknown_act_format(act_format) -> Optional[str]:
+    """Why ``act_format`` is not one of :data:`ACT_FORMATS`, or None."""
+    if act_format not in ACT_FORMATS:
+        return f"act_format must be one of {ACT_FORMATS} ('auto' is not implemented yet), got {act_format!r}"
+    return None
 
 #: The largest finite e4m3 (float8_e4m3fn) value: a token's scale is its amax over this.
 E4M3_MAX = 448.0
