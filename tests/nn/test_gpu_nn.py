@@ -144,7 +144,7 @@ def test_quantize_model_fp8_on_the_kernels_equals_its_reference(requires_gpu, fu
         return model.to(requires_gpu), summary
 
     model, summary = build("fp8")
-    assert {n.rsplit(".", 2)[-2:][-1] for n in summary.bf16_activations} == {"gate_up"}
+    assert not summary.bf16_activations   # (the gate/up layers on the gated e4m3 kernel)
     ids = torch.randint(0, 160, (2, 9), device=requires_gpu, generator=torch.Generator(requires_gpu).manual_seed(1))
     with torch.no_grad():
         got = model(ids).logits.double()

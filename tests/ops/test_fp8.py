@@ -281,8 +281,6 @@ def on_gpu(monkeypatch):
      "w is u8: use act_format='bf16'"),
     ("fractional zero points", lambda: _with_offsets(_packed()), {}, ValueError,
      "act_format='fp8' needs integer zero points; w has fractional ones (zero_offsets): use act_format='bf16'"),
-    ("swiglu", lambda: _packed(), dict(activation="swiglu"), ValueError,
-     "act_format='fp8' fuses activation None, 'silu' or 'gelu', not 'swiglu'"),
     ("act_format='auto'", lambda: _packed(), dict(act_format="auto"), ValueError,
      "act_format must be one of ('bf16', 'fp8') ('auto' is not implemented yet), got 'auto'"),
     ("a bf16 input_scale", lambda: _packed(), dict(input_scale=torch.tensor(1.0).bfloat16()), ValueError,
@@ -456,7 +454,13 @@ def test_gemm_hands_the_static_scale_to_the_quantizer(recorded_quantizer, monkey
     (lambda w, q, s: fp8.gemm_quantized(q[:, :64], s, w), ValueError, "contiguous"),
     (lambda w, q, s: fp8.gemm_quantized(q, s[:2], w), ValueError, "x_scales must be"),
     (lambda w, q, s: fp8.gemm_quantized(q, s.double(), w), ValueError, "x_scales must be"),
-    (lambda w, q, s: fp8.gemm_quantized(q, s, w, activation="swiglu"), ValueError, "not 'swiglu'"),
+    (lambda w, q, s: fp8.gemm_quantized(q, s, w, activation="relu"), ValueError, "not 'relu'"),
+    (lambda w, q, s: fp8.gemm_quantized(q, s, w, activation="swiglu", out=torch.empty(3, 32).bfloat16()), ValueError,
+     r"out must be .* shape \[3, 16\]"),
+    (lambda w, q, s: fp8.gemm_quantized(q, s, w, spec=fp8.select_fp8_spec(1, w, "swiglu")), ValueError,
+     "computes swiglu, the call asks for none"),
+    (lambda w, q, s: fp8.gemm_quantized(q, s, w, activation="swiglu", spec=fp8.select_fp8_spec(1, w)), ValueError,
+     "the call asks for swiglu"),
     (lambda w, q, s: fp8.gemm_quantized(q, s, w, bias=torch.zeros(31).bfloat16()), ValueError, "bias must be"),
     (lambda w, q, s: fp8.gemm_quantized(q, s, w, out=torch.empty(3, 32)), ValueError, "out must be"),
     (lambda w, q, s: fp8.gemm_quantized(q, s, _packed(8, True)), ValueError, "w is s8"),
@@ -468,3 +472,20 @@ def test_gemm_quantized_refuses(on_gpu, call, exc, msg):
     q, s = fp8.quantize_fp8_reference(torch.randn(3, 128).bfloat16())
     with pytest.raises(exc, match=msg):
         call(w, q, s)
+
+
+def test_swiglu_takes_the_gated_e4m3_kernel():
+    """activation="swiglu" selects the e4m3 GEMM with the gated epilogue (N/2 outputs), in the
+    catalogue beside the bias + activation one for every type (test_gemm_quantized_refuses: a
+    kernel whose epilogue is not the call's is refused)."""
+    from mixgemm.jit.catalog import fp8_specs
+    from mixgemm.jit.specs import Epilogue, Fp8GemmSpec, parse_name
+    from mixgemm.ops.fp8 import select_fp8_spec
+
+    w = _packed()
+    gated, plain = select_fp8_spec(1, w, "swiglu"), select_fp8_spec(1, w, "silu")
+    assert gated.epilogue is Epilogue.SWIGLU and gated.name.endswith("_swiglu_s0") and parse_name(gated.name) == gated
+    assert plain.epilogue is Epilogue.BIAS_ACT and plain == select_fp8_spec(1, w)
+    specs = [s for s in fp8_specs() if isinstance(s, Fp8GemmSpec)]
+    assert {(s.act, s.weight) for s in specs if s.epilogue is Epilogue.SWIGLU} == \
+        {(s.act, s.weight) for s in specs if s.epilogue is Epilogue.BIAS_ACT}

@@ -233,6 +233,32 @@ def test_gemm_fp8_bias_activation_out_and_batch_dims(activation):
             "activation": activation or "none"})
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("wt", [WeightType.U4, WeightType.S4, WeightType.U2, WeightType.S2], ids=lambda w: w.value)
+def test_gemm_fp8_swiglu_against_float64(wt, dtype):
+    """The gated e4m3 kernel: gate and up interleaved in 8-row stripes, silu(gate) * up of the
+    e4m3-rounded activations' float64 products (bias included), N/2 outputs, at M of one, part
+    of and several token tiles."""
+    from mixgemm.weights.quantize import interleave_gate_up
+
+    dev = _dev()
+    n, k = 2048, 1024                                  # gate and up of 1024 rows each
+    gen = torch.Generator(device=dev).manual_seed(5)
+    halves = [mixgemm.quantize(torch.randn(n // 2, k, device=dev, generator=gen) * 0.02, wt.bits, 128,
+                               symmetric=wt.signed, dtype=dtype) for _ in range(2)]
+    qw = interleave_gate_up(*halves)
+    w, w64 = mixgemm.prepack(qw), exact_weight(qw)
+    bias = (torch.randn(n, device=dev) * 0.5).to(dtype)
+    for m in (1, 77, 300):
+        x = _activations(m, k, dtype, seed=m)
+        y = mixgemm.gemm(x, w, bias=bias, activation="swiglu", act_format="fp8")
+        assert y.shape == (m, n // 2) and y.dtype == dtype
+        p = reference(x, w64, bias).view(m, n // 16, 2, 8)
+        ref = (torch.nn.functional.silu(p[:, :, 0]) * p[:, :, 1]).reshape(m, n // 2)
+        _check(y, ref, k, dtype, {"weight": wt.value, "group": "128", "n": n, "k": k, "m": m,
+                                  "dtype": str(dtype).removeprefix("torch."), "activation": "swiglu"})
+
+
 @pytest.mark.parametrize("wt", [WeightType.U4, WeightType.S2], ids=lambda w: w.value)
 def test_gemm_fp8_with_a_static_scale(wt):
     """gemm(..., act_format='fp8', input_scale=s) against float64 on the activations quantized

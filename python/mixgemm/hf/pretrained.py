@@ -182,7 +182,7 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         ``act_format``). ``"fp8"`` rounds each call's activations to e4m3 with a scale per token
         and runs the e4m3 GEMM (docs/fp8.md): the numerics change. A layer the e4m3 kernels do
         not compute (8-bit codes, fractional zero points, a group size that is not a multiple
-        of 32, the fused gate/up with its swiglu epilogue) keeps bf16 activations;
+        of 32) keeps bf16 activations;
         ``model.mixgemm_summary.bf16_activations`` names it with the reason. Not with tensor
         parallelism, and a checkpoint's static input scales are not applied yet.
 

@@ -158,14 +158,18 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
 FP8_TILE = (128, 128, 128)
 
 
+#: The e4m3 GEMM's epilogues: bias + activation (none / silu / gelu) and the gated swiglu.
+FP8_EPILOGUES = (Epilogue.BIAS_ACT, Epilogue.SWIGLU)
+
+
 def fp8_specs(acts: Iterable[ActType] = ALL_ACTS,
               weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[Union[QuantFp8Spec, Fp8GemmSpec]]:
     """The kernels of ``gemm(..., act_format="fp8")``: the activation quantizer of each activation
-    type, and the e4m3 GEMM (:data:`FP8_TILE`) of each activation type and each weight type whose
-    codes e4m3 holds exactly (:attr:`Fp8GemmSpec.WEIGHTS`). Part of :func:`default_specs`."""
+    type, and the e4m3 GEMM (:data:`FP8_TILE`) of each epilogue (:data:`FP8_EPILOGUES`), activation
+    type and weight type whose codes e4m3 holds exactly (:attr:`Fp8GemmSpec.WEIGHTS`). Part of :func:`default_specs`."""
     acts, weights = list(acts), list(weights)
-    return [QuantFp8Spec(a) for a in acts] + [Fp8GemmSpec(a, w, *FP8_TILE) for a in acts for w in weights
-                                              if w.value in Fp8GemmSpec.WEIGHTS]
+    return [QuantFp8Spec(a) for a in acts] + [Fp8GemmSpec(a, w, *FP8_TILE, epilogue=e) for e in FP8_EPILOGUES
+                                              for a in acts for w in weights if w.value in Fp8GemmSpec.WEIGHTS]
 
 
 def norm_specs(acts: Iterable[ActType] = ALL_ACTS) -> list[NormSpec]:

@@ -166,7 +166,14 @@ def _render_fp8_gemm(spec: Fp8GemmSpec) -> str:
     stages = (f"cutlass::gemm::collective::StageCount<{spec.stages}>" if spec.stages else
               f"cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename "
               f"{n}_epilogue::SharedStorage))>")
-    return f"""#include "mixgemm/gemm_prelude_fp8.hpp"
+    include = '#include "mixgemm/gemm_prelude_fp8.hpp"'
+    if spec.epilogue is Epilogue.SWIGLU:   # the bf16 kernels' gated epilogue
+        include += '\n#include "mixgemm/epilogue_gated.hpp"'
+        schedule, functor = "mixgemm::EpilogueGatedNoSmem", f"mixgemm::epilogue::Swiglu<{act}, float, void, float>"
+    else:
+        schedule = "cutlass::epilogue::TmaWarpSpecializedCooperative"
+        functor = f"mixgemm::epilogue::PerRowBiasAct<{act}, float, void, float>"
+    return f"""{include}
 
 using {n}_epilogue =
   typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -177,8 +184,8 @@ using {n}_epilogue =
     float, float,
     void, cutlass::layout::ColumnMajor, 0,
     {act}, cutlass::layout::ColumnMajor, 8,
-    cutlass::epilogue::TmaWarpSpecializedCooperative,
-    mixgemm::epilogue::PerRowBiasAct<{act}, float, void, float>
+    {schedule},
+    {functor}
   >::CollectiveOp;
 
 using {n}_mainloop =

@@ -455,8 +455,9 @@ class Fp8GemmSpec:
     ``tile_m`` tiles the weight rows N (the MMA's M mode), ``tile_n`` the tokens, ``tile_k`` the
     reduction (64 or 128). Cooperative schedule, persistent tile scheduler, no cluster: the
     first form of these kernels (docs/fp8.md says what is left). ``stages = 0`` lets the builder
-    fill shared memory. The epilogue is the bf16 kernels' bias + runtime activation
-    (none / silu / gelu).
+    fill shared memory. ``epilogue``: the bf16 kernels' bias + runtime activation (none / silu /
+    gelu, ``BIAS_ACT``), or their gated epilogue (``SWIGLU``: gate/up interleaved in 8-row
+    stripes, ``N/2`` outputs), which reads the float32 accumulator after the per-token scales.
     """
 
     act: ActType
@@ -465,11 +466,11 @@ class Fp8GemmSpec:
     tile_n: int = 128
     tile_k: int = 128
     stages: int = 0
+    epilogue: Epilogue = Epilogue.BIAS_ACT
 
     kind = KernelKind.FP8_GEMM
     schedule = Schedule.COOPERATIVE
     scheduler = Scheduler.PERSISTENT
-    epilogue = Epilogue.BIAS_ACT
     cluster_m = 1
     programmatic_launch = False   # as GemmSpec
     #: the weight types whose codes (and codes minus zero points) e4m3 holds exactly
@@ -481,17 +482,23 @@ class Fp8GemmSpec:
                              f"zero point is exact in e4m3), got {self.weight.value}")
         if self.tile_m not in (128, 256):
             raise ValueError(f"tile_m must be 128 or 256 (two consumer warp groups), got {self.tile_m}")
+        if self.epilogue not in (Epilogue.BIAS_ACT, Epilogue.SWIGLU):
+            raise ValueError(f"the e4m3 GEMM's epilogue is bias + activation or swiglu, got {self.epilogue.value}")
         _check_sm90_tile(self.tile_n, self.tile_k, self.stages)
 
-    #: the call chooses none / silu / gelu
-    fixed_activation = None
+    @property
+    def fixed_activation(self) -> "Activation | None":
+        """Swiglu for the gated epilogue; None: the call chooses none / silu / gelu."""
+        return Activation.SWIGLU if self.epilogue is Epilogue.SWIGLU else None
+
     #: no stream-K locks
     self_resetting_locks = False
 
     @functools.cached_property
     def name(self) -> str:
+        gated = "_swiglu" if self.epilogue is Epilogue.SWIGLU else ""
         return (f"mixgemm_f8gemm_{self.act.value}_{self.weight.value}_"
-                f"t{self.tile_m}x{self.tile_n}x{self.tile_k}_s{self.stages}")
+                f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{gated}_s{self.stages}")
 
     #: any number of tokens
     max_tokens = None
@@ -539,7 +546,8 @@ _MOE_COMBINE_NAME = re.compile(r"^mixgemm_moe_combine_(?P<act>bf16|fp16)_w(?P<we
 _NORM_NAME = re.compile(r"^mixgemm_(?P<add>add_)?rmsnorm_(?P<act>bf16|fp16)$")
 _ROPE_NAME = re.compile(r"^mixgemm_rope_kv_(?P<act>bf16|fp16)$")
 _FP8_GEMM_NAME = re.compile(
-    r"^mixgemm_f8gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)_s(?P<stages>\d+)$")
+    r"^mixgemm_f8gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)"
+    r"(?P<gated>_swiglu)?_s(?P<stages>\d+)$")
 _QUANT_FP8_NAME = re.compile(r"^mixgemm_quant_fp8_(?P<act>bf16|fp16)$")
 
 
@@ -584,7 +592,7 @@ def parse_name(name: str) -> KernelSpec:
     m = _FP8_GEMM_NAME.match(name)
     if m:
         return Fp8GemmSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["m"]), int(m["n"]), int(m["k"]),
-                           int(m["stages"]))
+                           int(m["stages"]), Epilogue.SWIGLU if m["gated"] else Epilogue.BIAS_ACT)
     m = _QUANT_FP8_NAME.match(name)
     if m:
         return QuantFp8Spec(ActType(m["act"]))

@@ -450,9 +450,9 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
     act_format : {"bf16", "fp8"}, default "bf16"
         The activations of every QuantLinear made (:class:`~mixgemm.nn.QuantLinear`'s
         ``act_format``). ``"fp8"`` rounds each call's activations to e4m3 with a scale per token
-        and runs the e4m3 GEMM (docs/fp8.md): the numerics change, and 4- and 2-bit weights only.
-        A layer the e4m3 kernels do not compute (the fused gate/up with its swiglu epilogue)
-        keeps bf16 activations; the summary's ``bf16_activations`` names it with the reason.
+        and runs the e4m3 GEMM (docs/fp8.md; the fused gate/up on its gated form): the numerics
+        change, and 4- and 2-bit weights only. A layer the e4m3 kernels do not compute would keep
+        bf16 activations, named in the summary's ``bf16_activations`` with the reason.
         (``"auto"``, a per-layer switch by token count, is not implemented yet.)
 
     Returns

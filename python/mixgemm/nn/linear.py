@@ -136,7 +136,8 @@ class QuantLinear(nn.Module):
         with ``act_format="fp8"``, the activation quantizer and the e4m3 GEMM that every call
         launches instead."""
         if self.act_format == "fp8":
-            return [quant_spec(self.scales.dtype), select_fp8_spec(1, self.packed)]
+            return [quant_spec(self.scales.dtype),
+                    select_fp8_spec(1, self.packed, None if self.activation == "none" else self.activation)]
         return [WeightUse.of_packed(self.packed, self.activation)]
 
     @property
@@ -368,8 +369,6 @@ def act_format_problem(act_format, weight_type: WeightType, activation: str = "n
     if act_format == "fp8" and weight_type.value not in Fp8GemmSpec.WEIGHTS:
         return (f"act_format='fp8' takes u4, s4, u2 and s2 weights (their codes, minus integer zero points, are "
                 f"exact in e4m3); this layer is {weight_type.value}: use act_format='bf16'")
-    if act_format == "fp8" and activation == "swiglu":
-        return "act_format='fp8' fuses activation none, silu or gelu, not swiglu (no gated e4m3 epilogue yet)"
     return None
 
 

@@ -25,7 +25,7 @@ from ..dispatch import checks, heuristic
 from ..dtypes import ActType
 from ..jit import driver, loader
 from ..jit.catalog import FP8_TILE
-from ..jit.specs import Activation, Fp8GemmSpec, QuantFp8Spec
+from ..jit.specs import Activation, Epilogue, Fp8GemmSpec, QuantFp8Spec
 from . import args
 
 if TYPE_CHECKING:
@@ -251,7 +251,7 @@ def quantize_fp8(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None) ->
 # The e4m3 GEMM
 # ---------------------------------------------------------------------------------------------
 #: the activations gemm_fp8 fuses (swiglu's gated epilogue has no e4m3 form yet)
-_FP8_ACTIVATIONS = (None, "silu", "gelu")
+_FP8_ACTIVATIONS = (None, "silu", "gelu", "swiglu")
 
 
 def fp8_problem(w: "PackedWeight") -> Optional[str]:
@@ -267,9 +267,11 @@ def fp8_problem(w: "PackedWeight") -> Optional[str]:
     return None
 
 
-def select_fp8_spec(m: int, w: "PackedWeight") -> Fp8GemmSpec:
-    """The e4m3 GEMM kernel :func:`gemm_fp8` runs for ``m`` tokens (one tile for now: :data:`FP8_TILE`)."""
-    return Fp8GemmSpec(w.act_type, w.weight_type, *FP8_TILE)
+def select_fp8_spec(m: int, w: "PackedWeight", activation: Optional[str] = None) -> Fp8GemmSpec:
+    """The e4m3 GEMM kernel :func:`gemm_fp8` runs for ``m`` tokens (one tile for now: :data:`FP8_TILE`);
+    the gated epilogue for ``activation="swiglu"``."""
+    epilogue = Epilogue.SWIGLU if activation == "swiglu" else Epilogue.BIAS_ACT
+    return Fp8GemmSpec(w.act_type, w.weight_type, *FP8_TILE, epilogue=epilogue)
 
 
 def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = None,
@@ -301,11 +303,11 @@ def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = 
     if why:
         raise ValueError(why)
     if activation not in _FP8_ACTIVATIONS:
-        raise ValueError(f"act_format='fp8' fuses activation None, 'silu' or 'gelu', not {activation!r}")
-    spec = _checked_spec(spec, w)
+        raise ValueError(f"act_format='fp8' fuses activation None, 'silu', 'gelu' or 'swiglu', not {activation!r}")
+    spec = _checked_spec(spec, w, activation)
     lead = x.shape[:-1]
     m = math.prod(lead)
-    y = out if out is not None else torch.empty((*lead, w.n), dtype=x.dtype, device=x.device)
+    y = out if out is not None else torch.empty((*lead, _n_out(w, activation)), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     xq, xs = _launch(x.reshape(m, w.k), input_scale=input_scale)
@@ -348,27 +350,34 @@ def gemm_quantized(xq: torch.Tensor, x_scales: torch.Tensor, w: "PackedWeight", 
     if xq.device != w.device or x_scales.device != w.device:
         raise ValueError(f"xq and x_scales must be on w's device {w.device}")
     if activation not in _FP8_ACTIVATIONS:
-        raise ValueError(f"act_format='fp8' fuses activation None, 'silu' or 'gelu', not {activation!r}")
-    for name, t, shape in (("bias", bias, (w.n,)), ("out", out, (m, w.n))):
+        raise ValueError(f"act_format='fp8' fuses activation None, 'silu', 'gelu' or 'swiglu', not {activation!r}")
+    for name, t, shape in (("bias", bias, (w.n,)), ("out", out, (m, _n_out(w, activation)))):
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != w.dtype
                               or t.device != w.device or not t.is_contiguous() or t.data_ptr() % 16):
             raise ValueError(f"{name} must be a contiguous, 16-byte aligned {w.dtype} tensor of shape "
                              f"{list(shape)} on {w.device}")
-    spec = _checked_spec(spec, w)
-    y = out if out is not None else torch.empty((m, w.n), dtype=w.dtype, device=xq.device)
+    spec = _checked_spec(spec, w, activation)
+    y = out if out is not None else torch.empty((m, _n_out(w, activation)), dtype=w.dtype, device=xq.device)
     if m:
         _launch_gemm(spec, w, xq, x_scales, bias, y, activation)
     return y
 
 
-def _checked_spec(spec: Optional[Fp8GemmSpec], w: "PackedWeight") -> Fp8GemmSpec:
+def _n_out(w: "PackedWeight", activation: Optional[str]) -> int:
+    return w.n // 2 if activation == "swiglu" else w.n
+
+
+def _checked_spec(spec: Optional[Fp8GemmSpec], w: "PackedWeight", activation: Optional[str]) -> Fp8GemmSpec:
     if spec is None:
-        return select_fp8_spec(0, w)
+        return select_fp8_spec(0, w, activation)
     if not isinstance(spec, Fp8GemmSpec):
         raise TypeError(f"spec must be an Fp8GemmSpec, got {type(spec).__name__}")
     if spec.act is not w.act_type or spec.weight is not w.weight_type:
         raise ValueError(f"kernel {spec.name} is for {spec.act.value} x {spec.weight.value}, "
                          f"w is {w.act_type.value} x {w.weight_type.value}")
+    if (spec.epilogue is Epilogue.SWIGLU) != (activation == "swiglu"):
+        raise ValueError(f"kernel {spec.name} computes {'swiglu' if spec.epilogue is Epilogue.SWIGLU else 'none / silu / gelu'}, "
+                         f"the call asks for {activation or 'none'}")
     return spec
 
 
@@ -387,7 +396,7 @@ def _launch_gemm(spec: Fp8GemmSpec, w: "PackedWeight", xq: torch.Tensor, xs: tor
     a.zeros = 0 if w.zeros is None else w.zeros.data_ptr()
     a.x, a.ldx = xq.data_ptr(), w.k
     a.bias = 0 if bias is None else bias.data_ptr()
-    a.y, a.ldy = y.data_ptr(), w.n
+    a.y, a.ldy = y.data_ptr(), _n_out(w, activation)
     args.x_scales = xs.data_ptr()
     params, launch = kernel.helper.prepare_fp8(args)
     loader.launch_prepared(kernel, params, launch)
