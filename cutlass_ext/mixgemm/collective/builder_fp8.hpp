@@ -13,6 +13,14 @@
 #include "mixgemm/collective/sm90_mma_prepacked_fp8.hpp"
 #include "mixgemm/tags_fp8.hpp"
 
+namespace mixgemm::detail {
+// A stage count that leaves Extra more bytes of shared memory to the kernel (a fixed count: itself).
+template <class StageCountType, int Extra> struct WithCarveout { using type = StageCountType; };
+template <int Bytes, int Extra> struct WithCarveout<cutlass::gemm::collective::StageCountAutoCarveout<Bytes>, Extra> {
+  using type = cutlass::gemm::collective::StageCountAutoCarveout<Bytes + Extra>;
+};
+}  // namespace mixgemm::detail
+
 namespace cutlass::gemm::collective {
 
 template <class ElementPairA, int AlignmentA, class ElementB, class GmemLayoutBTag, int AlignmentB,
@@ -36,7 +44,10 @@ struct CollectiveBuilder<
                                                             OperandA::HasZero, TileShape_MNK, ClusterShape_MNK, Stages,
                                                             KernelScheduleType,
                                                             mixgemm::detail::PrepackedSmemLayoutAtomB<ElementB, TileShape_MNK>>;
-  static constexpr int PipelineStages = mixgemm::detail::prepacked_stages<StageCountType, Op<2>::kStageSmemBytes>();
+  // (the mainloop's shared memory outside its stages, the zero-point tables, carved out with the
+  // epilogue's)
+  using StageCount = typename mixgemm::detail::WithCarveout<StageCountType, Op<2>::kFixedSmemBytes>::type;
+  static constexpr int PipelineStages = mixgemm::detail::prepacked_stages<StageCount, Op<2>::kStageSmemBytes>();
   static_assert(PipelineStages >= 2, "the tile does not fit two pipeline stages in shared memory");
 
   using CollectiveOp = Op<PipelineStages>;

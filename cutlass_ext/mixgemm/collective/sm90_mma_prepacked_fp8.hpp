@@ -96,8 +96,20 @@ struct CollectiveMmaPrepackedFp8
   static constexpr uint32_t kBytesTokens = BLK_N * sizeof(float);
   static constexpr int kStageSmemBytes = Base::kStageSmemBytes + int(kTokenStride * sizeof(float));
 
+  //
+  // The zero-point tables of 4-bit unsigned codes: table(z) (16 e4m3 bytes) for each of the 16
+  // zero points, read with one 16-byte load per row and group where building it in registers
+  // takes about 25 instructions. One copy per consumer warp, written by the warp at the start,
+  // so that no barrier beyond __syncwarp orders the writes before the reads.
+  //
+  static constexpr bool kZeroTablesInSmem = !kSigned && kBits == 4;
+  static constexpr int kConsumerWarps = int(size(TiledMma{})) / 32;
+  static constexpr int kZeroTableWords = 16 * kTableWords;                     // per warp
+  static constexpr int kFixedSmemBytes = kZeroTablesInSmem ? kConsumerWarps * kZeroTableWords * 4 : 0;
+
   struct TensorStorage : Base::TensorStorage {
     alignas(128) cute::array_aligned<float, kTokenStride * Stages> smem_token;
+    alignas(16) cute::array_aligned<uint32_t, kZeroTablesInSmem ? kConsumerWarps * kZeroTableWords : 4> smem_ztab;
   };
 
   struct Arguments : Base::Arguments {
@@ -192,6 +204,15 @@ struct CollectiveMmaPrepackedFp8
     int atom_row[MMA_M];
     int tile_row[MMA_M];
     Base::thread_rows(thr_mma, tile_row, atom_row);
+    // This warp's copy of the zero-point tables (4-bit unsigned codes), written before its first use.
+    uint32_t* ztab = shared_tensors.smem_ztab.data() + (kZeroTablesInSmem ? (mma_thread / 32) * kZeroTableWords : 0);
+    if constexpr (kZeroTablesInSmem) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int w = lane; w < kZeroTableWords; w += kLanes) {
+        ztab[w] = Conv::table_word(w / kTableWords, w % kTableWords);
+      }
+      __syncwarp();
+    }
     uint8_t const* smem_A = Base::smem_atoms(shared_tensors);
     ElementScale const* smem_S = shared_tensors.smem_scale.data();
     ElementScale const* smem_Z = shared_tensors.smem_zero.data();
@@ -254,7 +275,16 @@ struct CollectiveMmaPrepackedFp8
                 CUTLASS_PRAGMA_UNROLL
                 for (int h = 0; h < 2; ++h) {
                   uint32_t const z2 = arith::splat(reinterpret_cast<uint16_t const&>(zrow[tile_row[mm] + 8 * h]));
-                  Conv::table(Conv::template zero_code<kHalf>(z2), tab[mm][h]);
+                  uint32_t const z = Conv::template zero_code<kHalf>(z2);
+                  if constexpr (kZeroTablesInSmem) {
+                    uint4 const t = reinterpret_cast<uint4 const*>(ztab)[z];
+                    tab[mm][h][0] = t.x;
+                    tab[mm][h][1] = t.y;
+                    tab[mm][h][2] = t.z;
+                    tab[mm][h][3] = t.w;
+                  } else {
+                    Conv::table(z, tab[mm][h]);
+                  }
                 }
               }
             }
