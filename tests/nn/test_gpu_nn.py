@@ -128,12 +128,17 @@ def test_quantlinear_fp8_with_and_without_a_static_scale(requires_gpu):
 
 
 @pytest.mark.parametrize("fuse_layers", [False, True])
-def test_quantize_model_fp8_on_the_kernels_equals_its_reference(requires_gpu, fuse_layers):
-    """A transformers model quantized with act_format="fp8": its logits on the e4m3 kernels equal
-    those of the same model on the reference product (the activations rounded by the
-    quantizer's definition, float32 products), and differ from the exact-activation model's."""
-    from unittest import mock
+def test_quantize_model_fp8_layers_equal_their_reference(requires_gpu, fuse_layers):
+    """A transformers model quantized with act_format="fp8", run on the e4m3 kernels: every
+    QuantLinear's output, on the input it got inside the model, equals the reference product of
+    that input (the activations rounded by the quantizer's definition, float32 products) within
+    the e4m3 GEMM tests' tolerance; and the model's logits move from the exact-activation model's
+    by the e4m3 rounding's amount, with the same greedy tokens at most positions (the bounds of
+    the CPU test on the reference product, tests/nn/test_blocks.py).
 
+    The logits are not compared with the reference model's: the layers' outputs differ by float32
+    summation order, which flips the e4m3 rounding of some of the next layer's activations (a
+    step of 2^-4 where the bf16 path's would be 2^-8), and that compounds through the layers."""
     pytest.importorskip("transformers")
     from tiny_models import reference_forward, tiny_model
 
@@ -145,12 +150,23 @@ def test_quantize_model_fp8_on_the_kernels_equals_its_reference(requires_gpu, fu
 
     model, summary = build("fp8")
     assert not summary.bf16_activations   # (the gate/up layers on the gated e4m3 kernel)
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, args, out, name=name: seen.append((name, mod, args[0], out)))
+             for name, m in model.named_modules() if isinstance(m, QuantLinear)]
     ids = torch.randint(0, 160, (2, 9), device=requires_gpu, generator=torch.Generator(requires_gpu).manual_seed(1))
     with torch.no_grad():
         got = model(ids).logits.double()
-        with mock.patch.object(QuantLinear, "forward", reference_forward):
-            want = model(ids).logits.double()
+        for h in hooks:
+            h.remove()
+        assert len(seen) == sum(isinstance(m, QuantLinear) for m in model.modules()) > 0
+        for name, layer, x, y in seen:
+            assert layer.act_format == "fp8", name
+            want = reference_forward(layer, x).double()
+            err = ((y.double() - want).norm() / want.norm()).item()
+            k = layer.packed.k
+            bound = 4 * 2.0 ** -9 + 64 * k ** 0.5 * 2.0 ** -24 + 2.0 ** -12   # tests/ops/test_gpu_fp8.py's
+            assert err <= bound, f"{name}: relative error {err:.3e} > {bound:.3e}"
         exact = build("bf16")[0](ids).logits.double()
-    err = ((got - want).norm() / want.norm()).item()
-    assert err < 1e-2, err
-    assert ((got - exact).norm() / exact.norm()).item() > 1e-3
+    err = ((got - exact).norm() / exact.norm()).item()
+    assert 1e-3 < err < 0.1, err
+    assert (got.argmax(-1) == exact.argmax(-1)).double().mean() >= 0.75
