@@ -34,7 +34,7 @@ def _specs(weights, shapes, ms, group):
     import mixgemm
     from mixgemm.dispatch import heuristic
     from mixgemm.dtypes import ActType, WeightType
-    from mixgemm.jit.specs import Fp8GemmSpec, QuantFp8Spec
+    from mixgemm.jit.specs import Epilogue, Fp8GemmSpec, QuantFp8Spec
     from mixgemm.ops import fp8
 
     specs = {}
@@ -46,6 +46,10 @@ def _specs(weights, shapes, ms, group):
     for wt in ("u4", "s2"):
         s = Fp8GemmSpec(ActType.FP16, WeightType(wt), *fp8.FP8_TILE)
         specs[s.name] = s
+    for act in ActType:                                                # the gated (swiglu) test
+        for wt in ("u4", "s4", "u2", "s2"):
+            s = Fp8GemmSpec(act, WeightType(wt), *fp8.FP8_TILE, epilogue=Epilogue.SWIGLU)
+            specs[s.name] = s
     for wt in weights:                                                 # the timed rows
         wtype = WeightType(wt)
         for n, k in shapes:

@@ -11,8 +11,9 @@
   per-channel; M from 1 to 1000; bias, silu / gelu, out=, fp16, CUDA graphs; static input scales.
 
 The kernels these tests build (``python tools/fp8_check.py --list``; ``--build -j 14`` builds them):
-mixgemm_quant_fp8_{bf16,fp16}, mixgemm_f8gemm_bf16_{u4,s4,u2,s2}_t128x128x128_s0 and
-mixgemm_f8gemm_fp16_{u4,s2}_t128x128x128_s0.
+mixgemm_quant_fp8_{bf16,fp16}, mixgemm_f8gemm_bf16_{u4,s4,u2,s2}_t128x128x128_s0,
+mixgemm_f8gemm_fp16_{u4,s2}_t128x128x128_s0 and the gated
+mixgemm_f8gemm_{bf16,fp16}_{u4,s4,u2,s2}_t128x128x128_swiglu_s0.
 
 With MIXGEMM_FP8_REPORT=path, every GEMM check (weight type, group, shape, M, error, bound) is
 written there as JSON.

@@ -159,8 +159,9 @@ def test_fp8_check_lists_its_kernels(capsys):
     assert mod.main(["--list", "--shapes", "256x512", "--m", "256"]) == 0
     names = capsys.readouterr().out.split()
     assert {"mixgemm_quant_fp8_bf16", "mixgemm_quant_fp8_fp16", "mixgemm_f8gemm_bf16_u4_t128x128x128_s0",
-            "mixgemm_f8gemm_bf16_s2_t128x128x128_s0", "mixgemm_f8gemm_fp16_u4_t128x128x128_s0"} <= set(names)
-    assert len(names) == len(set(names)) == 9 and any(n.startswith("mixgemm_gemm_bf16_u4_") for n in names)
+            "mixgemm_f8gemm_bf16_s2_t128x128x128_s0", "mixgemm_f8gemm_fp16_u4_t128x128x128_s0",
+            "mixgemm_f8gemm_fp16_u2_t128x128x128_swiglu_s0"} <= set(names)
+    assert len(names) == len(set(names)) == 17 and any(n.startswith("mixgemm_gemm_bf16_u4_") for n in names)
     with pytest.raises(SystemExit) as e:
         mod.main(["--bogus"])
     assert e.value.code == 2
