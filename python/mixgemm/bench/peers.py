@@ -43,7 +43,7 @@ def mixgemm_available() -> tuple[bool, str]:
     if cap != (9, 0):
         return False, f"mixgemm's kernels need an sm_90 GPU, this one is sm_{cap[0]}{cap[1]}"
     try:
-        from ..ops import dense as ops  # noqa: F401
+        from ..ops import dense as ops  # noqa: F401   # probed: the reason is reported when it cannot load
     except Exception as e:
         return False, f"mixgemm.ops is not importable: {type(e).__name__}: {e}"
     return True, ""

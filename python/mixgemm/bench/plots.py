@@ -19,7 +19,7 @@ def _matplotlib():
     """``(Figure, FigureCanvasAgg)``, or None when matplotlib is not installed."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg   # deferred: optional dependency (mixgemm[bench])
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure   # deferred: optional dependency (mixgemm[bench])
     except ImportError:
         return None
     return Figure, FigureCanvasAgg

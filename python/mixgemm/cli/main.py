@@ -155,7 +155,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                                   or args.no_fuse_norms):
         raise UsageError("--max-tokens, --dtype, --no-fuse-gate-up and --no-fuse-norms go with --for")
     if args.for_path is not None:
-        from .kernels import model_specs
+        from .kernels import model_specs   # deferred: loads torch: only when the command runs
         specs = model_specs(args)
     else:
         specs = catalog.default_specs()
@@ -171,19 +171,19 @@ def _run_generate(args: argparse.Namespace) -> int:
     if out is not None:
         _write_sources(out, specs)
     if args.build:
-        from ..jit import build
+        from ..jit import build   # deferred: loads torch: only when the command runs
         try:
             arts = build.build_many(specs, jobs=args.jobs, force=args.force, progress=True)
         except build.BuildError as e:
             raise CliError(str(e)) from None
         print(f"built {len(arts)} kernels into {build.cache_dir()}")
-        from ..jit import launcher
+        from ..jit import launcher   # deferred: loads torch: only when the command runs
         try:
             path = launcher.build_compiled()
         except build.BuildError as e:
             raise CliError(f"the kernels are built, but not the compiled launcher: {e}") from None
         print(f"built the compiled launcher: {path}")
-        from ..jit import torch_ops
+        from ..jit import torch_ops   # deferred: loads torch: only when the command runs
         if torch_ops.mode() != "python" and not torch_ops.available():
             try:
                 print(f"built the torch operator library: {torch_ops.build()}")

@@ -139,8 +139,8 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
     from safetensors.torch import load_file   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
     from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
 
-    from .. import formats
-    from ..weights import io as mio
+    from .. import formats   # deferred: loads torch: only when the command runs
+    from ..weights import io as mio   # deferred: loads torch: only when the command runs
 
     src, dst = Path(args.input), args.output
     if args.bits is not None or args.group_size is not None or args.symmetric:
@@ -221,9 +221,9 @@ def _run_prepack_gguf(args: argparse.Namespace) -> int:
     """`prepack --from gguf FILE.gguf`: import a llama.cpp file's Q8_0/Q4_0/Q4_1 tensors."""
 
     from .. import formats   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
-    from ..weights import io as mio
-    from ..weights.layout import prepack
-    from ..weights.types import QuantizedWeight
+    from ..weights import io as mio   # deferred: loads torch: only when the command runs
+    from ..weights.layout import prepack   # deferred: loads torch: only when the command runs
+    from ..weights.types import QuantizedWeight   # deferred: loads torch: only when the command runs
 
     src, dst = Path(args.input), args.output
     if src.is_dir():
@@ -268,13 +268,13 @@ def _run_prepack(args: argparse.Namespace) -> int:
     if args.bits is None or args.group_size is None:
         raise UsageError("--bits and --group-size are required (unless --from converts a quantized checkpoint)")
     import torch   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
-    from safetensors import safe_open
+    from safetensors import safe_open   # deferred: with torch, as above
     from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
 
-    from ..weights import io as mio
-    from ..weights.layout import ATOM_K, ATOM_N, prepack
-    from ..weights.quantize import quantize
-    from ..weights.types import check_group_size
+    from ..weights import io as mio   # deferred: loads torch: only when the command runs
+    from ..weights.layout import ATOM_K, ATOM_N, prepack   # deferred: loads torch: only when the command runs
+    from ..weights.quantize import quantize   # deferred: loads torch: only when the command runs
+    from ..weights.types import check_group_size   # deferred: loads torch: only when the command runs
 
     src, dst = args.input, args.output
     include = args.include or [re.compile(DEFAULT_INCLUDE)]

@@ -92,7 +92,7 @@ def _cutlass_library():
     """Import cutlass_library and extend its tag tables with mixgemm's tags (idempotent: the
     entries are keyed by mixgemm's own enums, so registering twice changes nothing)."""
     from cutlass_library import library   # deferred: heavy: loaded only when a kernel's C++ is rendered
-    from cutlass_library import gemm_operation
+    from cutlass_library import gemm_operation   # deferred: heavy, as above
 
     for table, entries in _TAGS.items():
         getattr(library, table).update(entries)
