@@ -1,8 +1,11 @@
-"""Where the GPU time of a decode token goes in transformers' ``generate()``: a torch profile of
-the static-cache mode (generate()'s own compile) for bf16 and mixgemm u4 (fused projections and
-``fuse_layers=True``), the kernels sorted by GPU time (docs/compile-and-graphs.md)::
+"""Where the time of a decode token goes in transformers' ``generate()``: a torch profile of one
+mode (``--mode``, as ``mixgemm bench --generate`` defines it: ``static``, generate()'s own compile;
+``compile``, ``model.forward = torch.compile(model.forward, fullgraph=True)``) for bf16 and mixgemm
+u4 (fused projections and ``fuse_layers=True``), the ops sorted by GPU time or, with ``--sort cpu``,
+by the host time they take themselves (docs/compile-and-graphs.md)::
 
     python tools/profile_generate.py --layers 8 --batch 16 [--variants bf16,u4-off,u4-on]
+    python tools/profile_generate.py --mode compile --batch 1 --sort cpu
 
 A LLaMA-3-8B-shaped model with ``--layers`` layers and random weights, a 128-token prompt per
 sequence and ``--new-tokens`` greedy tokens; three generate() calls warm the compile and the
@@ -18,20 +21,24 @@ from torch.profiler import ProfilerActivity, profile
 
 import mixgemm
 from mixgemm.bench.decoder import PRESETS
-from mixgemm.bench.generate_run import build_preset_model
+from mixgemm.bench.generate_run import build_preset_model, mode_forward
 
 VARIANTS = ("bf16", "u4-off", "u4-on")
+MODES = ("static", "compile")
+SORTS = {"gpu": "self_device_time_total", "cpu": "self_cpu_time_total"}
 
 
-def profile_variant(variant: str, layers: int, batch: int, new_tokens: int, rows: int) -> str:
-    torch._dynamo.reset()
+def profile_variant(variant: str, layers: int, batch: int, new_tokens: int, rows: int, mode: str = "static",
+                    sort: str = "gpu") -> str:
     model = build_preset_model(PRESETS["llama3-8b"], layers, torch.device("cuda"), 0)
     if variant != "bf16":
         mixgemm.nn.quantize_model(model, bits=4, group_size=128, progress=False, fuse_layers=variant == "u4-on")
     ids = torch.randint(0, 1000, (batch, 128), device="cuda")
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
               cache_implementation="static", attention_mask=torch.ones_like(ids))
-    with torch.no_grad():
+    if mode == "compile":
+        kw["disable_compile"] = True         # the compiled forward alone, as bench --generate's compile mode
+    with torch.no_grad(), mode_forward(model, mode):
         for _ in range(3):
             model.generate(ids, **kw)
         torch.cuda.synchronize()
@@ -40,8 +47,8 @@ def profile_variant(variant: str, layers: int, batch: int, new_tokens: int, rows
             torch.cuda.synchronize()
     del model
     torch.cuda.empty_cache()
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=90)
-    return f"===== {variant}: {layers} layers, batch {batch}, {new_tokens} new tokens\n{table}"
+    table = prof.key_averages().table(sort_by=SORTS[sort], row_limit=rows, max_name_column_width=90)
+    return f"===== {variant}, {mode}: {layers} layers, batch {batch}, {new_tokens} new tokens\n{table}"
 
 
 def main(argv=None) -> int:
@@ -50,7 +57,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
-    p.add_argument("--rows", type=int, default=25, help="kernels listed per variant")
+    p.add_argument("--rows", type=int, default=25, help="ops listed per variant")
+    p.add_argument("--mode", choices=MODES, default="static", help="the generate() mode profiled")
+    p.add_argument("--sort", choices=tuple(SORTS), default="gpu", help="order by GPU time or by the ops' own host time")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -59,7 +68,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
     for v in variants:
-        print(profile_variant(v, args.layers, args.batch, args.new_tokens, args.rows), flush=True)
+        print(profile_variant(v, args.layers, args.batch, args.new_tokens, args.rows, args.mode, args.sort), flush=True)
     return 0
 
 

@@ -468,3 +468,31 @@ def test_a_step_that_waits_for_the_gpu_gets_no_host_time(tiny):
     assert host_us is None and mode_step_us is None and queued is False and "waits for the GPU" in note
     ok = HostPoint("decode step", 1, 0, 0, bench.OK, host_us=1500.0, gpu_loop_us=2900.0, queued=True)
     assert R._host_figures(ok) == (1500.0, 2900.0, True, "")
+
+
+def test_timed_generate_calls_run_with_the_heap_frozen(monkeypatch):
+    """The warm-up calls (the compile) run with the collector as it is; the timed calls with the
+    heap frozen, and it is unfrozen after them, even when a call fails."""
+    import gc
+
+    from mixgemm.bench import generate_run as R
+
+    frozen = []
+
+    def fake_greedy(model, prompt, tokens, pad, **kw):
+        frozen.append(gc.get_freeze_count() > 0)
+        return torch.zeros(1, prompt.shape[-1] + tokens, dtype=torch.long)
+
+    monkeypatch.setattr(R, "greedy", fake_greedy)
+    assert gc.get_freeze_count() == 0
+    times = R.time_generate(None, torch.zeros(1, 4, dtype=torch.long), {}, 3, 2, 0, torch.device("cpu"))
+    assert len(times.generate_s) == 2 and times.made == (3, 3)
+    assert frozen == [False] * (G.WARMUP_GENERATES + 1) + [True] * 4
+    assert gc.get_freeze_count() == 0
+
+    def failing(*a, **k):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError), R.frozen_heap():
+        failing()
+    assert gc.get_freeze_count() == 0

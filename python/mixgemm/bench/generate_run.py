@@ -46,7 +46,7 @@ from .generate import (HF_DIR, HOST_STEP_REPEATS, STEP_MAX_SLEEP_US, PRESET_MODE
                        model_description, preset_config_kwargs, unavailable_reason)
 from .grid import OK
 from .host import HostPoint, measure_cycles_per_us, measure_host
-from .run_support import Log, cuda_capture, describe, free, recover, sync
+from .run_support import Log, cuda_capture, describe, free, frozen_heap, recover, sync
 from .timing import Clock, CudaEventClock, TimingStats, device_flush_size, time_cuda
 
 
@@ -280,7 +280,8 @@ def time_generate(model, prompt: torch.Tensor, kwargs: Mapping[str, Any], new_to
                   pad: int, device) -> GenTimes:
     """:data:`.generate.WARMUP_GENERATES` untimed full calls (the first one's time is kept: it
     compiles) and a one-token one, then ``repeats`` pairs of a full call (``new_tokens``) and a
-    one-token call (the prefill), each between two synchronizations."""
+    one-token call (the prefill), each between two synchronizations; the timed calls with the
+    heap frozen (:func:`.run_support.frozen_heap`)."""
     def run(tokens: int) -> tuple[float, int]:
         sync(device)
         t0 = time.perf_counter()
@@ -293,11 +294,12 @@ def time_generate(model, prompt: torch.Tensor, kwargs: Mapping[str, Any], new_to
         run(new_tokens)
     run(1)
     full, prefill, made = [], [], []
-    for _ in range(repeats):
-        t, n = run(new_tokens)
-        full.append(t)
-        made.append(n)
-        prefill.append(run(1)[0])
+    with frozen_heap():
+        for _ in range(repeats):
+            t, n = run(new_tokens)
+            full.append(t)
+            made.append(n)
+            prefill.append(run(1)[0])
     return GenTimes(tuple(full), tuple(prefill), first, tuple(made))
 
 
@@ -334,7 +336,7 @@ def host_time(fn: Callable[[], Any], batch: int, ctx: RunContext) -> HostPoint:
     """The host's time to issue ``fn`` (one decode step) with the GPU asleep (:func:`.host.measure_host`,
     one call per loop, :data:`.generate.HOST_STEP_REPEATS` loops, the sleep at most
     :data:`.generate.STEP_MAX_SLEEP_US`); never raises."""
-    with torch.no_grad():
+    with torch.no_grad(), frozen_heap():
         return measure_host(fn, "decode step", batch, 0, 0, ctx.cycles_per_us, 0, 1, 0, calls=1,
                             repeats=HOST_STEP_REPEATS, max_sleep_us=STEP_MAX_SLEEP_US)
 

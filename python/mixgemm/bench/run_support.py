@@ -3,10 +3,11 @@ their points: which variants can run here, building a run's mixgemm kernels up f
 a CUDA graph, and keeping one failed point from spoiling the next."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -85,6 +86,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """The objects alive now kept out of the garbage collector's passes for the block
+    (``gc.collect()``, then ``gc.freeze()``; ``gc.unfreeze()`` after), as serving frameworks
+    freeze their heap once the model is loaded and compiled. Each compiled variant leaves caches
+    alive in the process (Dynamo, inductor, sympy), so without this the collector's full passes
+    cost a later variant more host time per token than an earlier one (docs/benchmarking.md)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def free() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -150,4 +166,4 @@ def recover() -> None:
         pass
 
 
-__all__ = ["RunOutputs", "run_variants", "run_presets", "variant_available", "prebuild_variants", "cuda_capture", "sync", "free", "describe", "recover"]
+__all__ = ["RunOutputs", "run_variants", "run_presets", "variant_available", "prebuild_variants", "cuda_capture", "sync", "free", "frozen_heap", "describe", "recover"]
