@@ -651,14 +651,64 @@ def test_package_imports_without_transformers():
 @pytest.mark.parametrize("kind,scheme", [("ct-w4a8-token", "fp8-token"), ("ct-w2a8-static", "fp8-tensor")])
 def test_w4a8_checkpoints_load_with_exact_activations_and_say_so(tmp_path, kind, scheme):
     """A compressed-tensors checkpoint whose layers also quantize their inputs to fp8 loads with
-    the weights exact and the activations bf16 (the input scales read and set aside), with a
-    warning that names the scheme and where it is applied."""
+    the weights exact and the activations bf16 (static input scales read and kept on the layers,
+    unused), with a warning that names the scheme and how to apply it."""
     ref = hc.WRITERS[kind](tmp_path / kind)
     with pytest.warns(UserWarning, match=f"to e4m3 \\({scheme}\\); from_pretrained computes with bf16/fp16 "
                                          f"activations"):
         model = load(tmp_path / kind)
-    assert all(m.act_format == "bf16" and m.input_scale is None for m in model.modules() if isinstance(m, QuantLinear))
+    assert all(m.act_format == "bf16" and (m.input_scale is not None) == (scheme == "fp8-tensor")
+               for m in model.modules() if isinstance(m, QuantLinear))
     assert_same_logits(model, ref)
+
+
+def _checkpoint_tensors(model_dir) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_static_input_scales_of_a_w4a8_checkpoint_reach_the_layers(tmp_path):
+    """act_format="fp8" on a compressed-tensors checkpoint with static (per-tensor) input scales:
+    every quantized layer quantizes with its checkpoint scale, a fused q/k/v or gate/up layer with
+    the largest of its parts' (they read the same input); without act_format the scales are kept,
+    unused. On the reference path a layer's product is that of x rounded as compressed-tensors
+    does it, e4m3(clamp(x / scale)) * scale (torch's float8 cast here), and the dequantized weight."""
+    import torch.nn.functional as F
+
+    import mixgemm
+
+    hc.WRITERS["ct-w2a8-static"](tmp_path / "m")
+    with pytest.warns(UserWarning, match="act_format='fp8', which quantizes with the layers' static input scales"):
+        model = load(tmp_path / "m", act_format="fp8")
+    ckpt = _checkpoint_tensors(tmp_path / "m")
+    parts_of = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert {n.rpartition(".")[2] for n in layers} >= {"qkv_proj", "gate_up"}
+    for name, layer in layers.items():
+        parent, _, last = name.rpartition(".")
+        want = max(float(ckpt[f"{parent}.{p}.input_scale"].float()) for p in parts_of.get(last, (last,)))
+        assert layer.act_format == "fp8", name
+        assert layer.input_scale is not None and layer.input_scale.dtype == torch.float32
+        assert float(layer.input_scale) == want, name
+    with pytest.warns(UserWarning, match="unless it is given act_format='fp8'"):
+        exact = load(tmp_path / "m")
+    for name, layer in exact.named_modules():
+        if isinstance(layer, QuantLinear):
+            assert layer.act_format == "bf16" and float(layer.input_scale) == float(layers[name].input_scale)
+    layer = layers["model.layers.0.mlp.down_proj"]
+    s = float(layer.input_scale)
+    x = (torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0)) * 4 * s * 100).to(torch.bfloat16)
+    xq = (x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
+    w = mixgemm.dequantize_reference(layer.packed).float()
+    want = F.linear(xq, w, None if layer.bias is None else layer.bias.float()).to(torch.bfloat16)
+    with torch.no_grad():
+        got = reference_forward(layer, x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (x.float().abs() > 448 * s).any()      # some values saturate at the static scale
 
 
 def test_fp8_activations_where_the_e4m3_kernels_take_the_layer(tmp_path, caplog):

@@ -358,7 +358,7 @@ def parse_config(qc: Mapping, raw: dict, where: str) -> QuantizationConfig:
     """A ``"compressed-tensors"`` ``quantization_config`` (``format="pack-quantized"``): each
     ``config_groups`` entry's ``targets``, ``weights`` and ``input_activations``
     (:func:`activation_scheme`, into :attr:`LayerScheme.activations`; a warning says that
-    ``from_pretrained`` computes with bf16/fp16 activations all the same), ``ignore``,
+    ``from_pretrained`` computes with bf16/fp16 activations unless given ``act_format="fp8"``), ``ignore``,
     ``version``."""
     fmt = qc.get("format")
     packing = packing_of_version(qc.get("version"))
@@ -392,8 +392,10 @@ def parse_config(qc: Mapping, raw: dict, where: str) -> QuantizationConfig:
             else:
                 warnings.warn(f"mixgemm.hf: {where}: compressed-tensors config group {gname!r} quantizes the input "
                               f"activations to e4m3 ({activations}); from_pretrained computes with bf16/fp16 "
-                              f"activations (exact) and does not apply that yet (mixgemm.formats.import_layer(..., "
-                              f"activations={activations!r}) and QuantLinear(act_format='fp8') do)", stacklevel=3)
+                              f"activations (exact) unless it is given act_format='fp8'"
+                              + (", which quantizes with the layers' static input scales (the largest of the "
+                                 "parts' for a fused q/k/v or gate/up layer)" if activations == "fp8-tensor" else
+                                 ", which quantizes each token with its own scale"), stacklevel=3)
         strategy = str(weights.get("strategy", "group"))
         group_size = {"group": config_int(weights, "group_size"), "channel": -1}.get(strategy)
         scheme = LayerScheme(bits=config_int(weights, "num_bits"), group_size=group_size, packing=packing,

@@ -19,8 +19,8 @@ stored; the bits and group size it gives are checked against each layer's tensor
   (``num_bits``, ``strategy`` "group" / "channel", ``group_size``), and ``ignore``; ``version``
   (the writer's compressed-tensors version) says how 3/5/6/7-bit codes are packed. A group's
   e4m3 ``input_activations`` (per token, dynamic; or per tensor, static) are recorded in
-  :attr:`LayerScheme.activations` (``from_pretrained`` still computes with bf16/fp16
-  activations, with a warning); other activation schemes are ignored with a warning.
+  :attr:`LayerScheme.activations` (``from_pretrained`` computes with bf16/fp16
+  activations unless given ``act_format="fp8"``, with a warning that says so); other activation schemes are ignored with a warning.
 * ``"mixgemm"``: the shards are :func:`mixgemm.save` files (see :data:`MIXGEMM_FORMAT_VERSION`).
 
 The mixgemm checkpoint format

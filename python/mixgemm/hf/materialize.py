@@ -126,6 +126,8 @@ def materialize(plan: Plan, device: torch.device) -> nn.Module:
                                     perm=None if layer.perm is None else layer.perm.to(device))
         if layer.swiglu:
             q.activation, q.out_features = "swiglu", layer.packed.n // 2
+        if layer.input_scale is not None:   # kept beside the weight; act_format="fp8" quantizes with it
+            q.set_input_scale(layer.input_scale)
         # a fused layer is split as its first part is (column parallel)
         part = (name.replace(".gate_up", ".gate_proj") if layer.swiglu else
                 name.replace(".qkv_proj", ".q_proj") if layer.sections is not None else name)

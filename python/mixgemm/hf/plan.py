@@ -47,6 +47,7 @@ class _Layer:
     perm: Optional[torch.Tensor]
     swiglu: bool = False
     sections: Optional[Tuple[int, ...]] = None     # a fused q/k/v layer: the rows of q, k and v (the rank's)
+    input_scale: Optional[torch.Tensor] = None     # a static e4m3 activation scale (compressed-tensors W4A8)
 
     def logical(self) -> QuantizedWeight:
         return self.qweight if self.qweight is not None else unpack(self.packed)
@@ -193,7 +194,7 @@ def _fuse_reason(gate: _Layer, up: _Layer) -> Optional[str]:
 def _fuse(gate: _Layer, up: _Layer) -> _Layer:
     qw = interleave_gate_up(gate.logical(), up.logical())
     bias = None if gate.bias is None else interleave_rows(gate.bias, up.bias)
-    return _Layer(None, prepack(qw), bias, gate.perm, swiglu=True)
+    return _Layer(None, prepack(qw), bias, gate.perm, swiglu=True, input_scale=_shared_input_scale([gate, up]))
 
 
 def _describe(w: QuantizedWeight) -> str:
@@ -231,7 +232,8 @@ def _stack(parts: Dict[str, _Layer], logical: Dict[str, QuantizedWeight]) -> _La
                          cat("zero_offsets"))
     biases = [parts[attr].bias for attr in QKV]
     bias = None if biases[0] is None else torch.cat(biases)
-    return _Layer(None, prepack(qw), bias, parts["q_proj"].perm, sections=tuple(w.n for w in ws))
+    return _Layer(None, prepack(qw), bias, parts["q_proj"].perm, sections=tuple(w.n for w in ws),
+                  input_scale=_shared_input_scale([parts[attr] for attr in QKV]))
 
 
 def _check_linear(name: str, lin: nn.Linear, n: int, k: int, bias: Optional[torch.Tensor], where: str,
@@ -276,7 +278,8 @@ def _read_layer(name: str, lin: nn.Linear, kids: Dict[str, str], shards: Shards,
     try:
         layer: ImportedLayer = import_layer(qconfig.method, tensors, name, dtype, bits=scheme.bits,
                                             group_size=scheme.group_size,
-                                            checkpoint_format=scheme.checkpoint_format)
+                                            checkpoint_format=scheme.checkpoint_format,
+                                            activations=scheme.activations)
     except UnsupportedLayerError as e:
         weight = dequantize_layer(qconfig.method, tensors, name, scheme)
         bias = tensors.get(f"{name}.bias")
@@ -286,7 +289,17 @@ def _read_layer(name: str, lin: nn.Linear, kids: Dict[str, str], shards: Shards,
             bias = tp.rows(bias, 0) if bias is not None and dim == 0 else bias
         return weight, bias, str(e).removeprefix(f"layer {name!r}: ")
     _check_linear(name, lin, layer.qweight.n, layer.qweight.k, layer.bias, where, whole)
-    return _Layer(layer.qweight, None, layer.bias, layer.perm).shard(name, dim, tp)
+    return _Layer(layer.qweight, None, layer.bias, layer.perm, input_scale=layer.input_scale).shard(name, dim, tp)
+
+
+def _shared_input_scale(parts: List[_Layer]) -> Optional[torch.Tensor]:
+    """The static activation scale of one layer fused from ``parts`` (which all read the same
+    input): the largest of theirs, so that no part's activations saturate sooner than in the
+    checkpoint; None unless every part has one."""
+    scales = [p.input_scale for p in parts]
+    if any(s is None for s in scales):
+        return None
+    return torch.stack([s.reshape(()) for s in scales]).max()
 
 
 def _is_ignorable(key: str, model: nn.Module) -> bool:

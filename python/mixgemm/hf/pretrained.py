@@ -183,8 +183,10 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         and runs the e4m3 GEMM (docs/fp8.md): the numerics change. A layer the e4m3 kernels do
         not compute (8-bit codes, fractional zero points, a group size that is not a multiple
         of 32) keeps bf16 activations;
-        ``model.mixgemm_summary.bf16_activations`` names it with the reason. Not with tensor
-        parallelism, and a checkpoint's static input scales are not applied yet.
+        ``model.mixgemm_summary.bf16_activations`` names it with the reason. A compressed-tensors
+        checkpoint's static input scales (W4A8, ``dynamic: false``) are applied: each layer
+        quantizes with its own, a fused q/k/v or gate/up layer with the largest of its parts'
+        (they are kept on the layers, unused, with ``"bf16"``). Not with tensor parallelism.
 
     Returns
     -------
