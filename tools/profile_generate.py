@@ -1,11 +1,15 @@
 """Where the time of a decode token goes in transformers' ``generate()``: a torch profile of one
 mode (``--mode``, as ``mixgemm bench --generate`` defines it: ``static``, generate()'s own compile;
-``compile``, ``model.forward = torch.compile(model.forward, fullgraph=True)``) for bf16 and mixgemm
-u4 (fused projections and ``fuse_layers=True``), the ops sorted by GPU time or, with ``--sort cpu``,
-by the host time they take themselves (docs/compile-and-graphs.md)::
+``compile``, ``model.forward = torch.compile(model.forward, fullgraph=True)``; or ``graph``, the
+ceiling: one decode step of an eager generate() captured whole in a CUDA graph and replayed
+``--new-tokens`` times) for bf16 and mixgemm u4 (fused projections and ``fuse_layers=True``), the
+ops sorted by GPU time or, with ``--sort cpu``, by the host time they take themselves
+(docs/compile-and-graphs.md). The kernels of ``static`` against those of ``graph`` show what the
+compiled step runs that the hand-captured one does not::
 
     python tools/profile_generate.py --layers 8 --batch 16 [--variants bf16,u4-off,u4-on]
     python tools/profile_generate.py --mode compile --batch 1 --sort cpu
+    python tools/profile_generate.py --mode graph --batch 1 --variants u4-off   (then --mode static)
 
 A LLaMA-3-8B-shaped model with ``--layers`` layers and random weights, a 128-token prompt per
 sequence and ``--new-tokens`` greedy tokens; three generate() calls warm the compile and the
@@ -21,10 +25,11 @@ from torch.profiler import ProfilerActivity, profile
 
 import mixgemm
 from mixgemm.bench.decoder import PRESETS
-from mixgemm.bench.generate_run import build_preset_model, mode_forward
+from mixgemm.bench.generate_run import build_preset_model, mode_forward, pad_token_id, record_decode_step
+from mixgemm.bench.run_support import cuda_capture
 
 VARIANTS = ("bf16", "u4-off", "u4-on")
-MODES = ("static", "compile")
+MODES = ("static", "compile", "graph")
 SORTS = {"gpu": "self_device_time_total", "cpu": "self_cpu_time_total"}
 
 
@@ -38,13 +43,26 @@ def profile_variant(variant: str, layers: int, batch: int, new_tokens: int, rows
               cache_implementation="static", attention_mask=torch.ones_like(ids))
     if mode == "compile":
         kw["disable_compile"] = True         # the compiled forward alone, as bench --generate's compile mode
-    with torch.no_grad(), mode_forward(model, mode):
-        for _ in range(3):
-            model.generate(ids, **kw)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            model.generate(ids, **kw)
+    if mode == "graph":
+        with torch.no_grad():
+            step = record_decode_step(model, ids, new_tokens, pad_token_id(model))
+            graph, _ = cuda_capture(step.call(model))
+            for _ in range(3):
+                graph.replay()
             torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(new_tokens):
+                    graph.replay()
+                torch.cuda.synchronize()
+        del graph
+    else:
+        with torch.no_grad(), mode_forward(model, mode):
+            for _ in range(3):
+                model.generate(ids, **kw)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                model.generate(ids, **kw)
+                torch.cuda.synchronize()
     del model
     torch.cuda.empty_cache()
     table = prof.key_averages().table(sort_by=SORTS[sort], row_limit=rows, max_name_column_width=90)
