@@ -489,3 +489,14 @@ def test_swiglu_takes_the_gated_e4m3_kernel():
     specs = [s for s in fp8_specs() if isinstance(s, Fp8GemmSpec)]
     assert {(s.act, s.weight) for s in specs if s.epilogue is Epilogue.SWIGLU} == \
         {(s.act, s.weight) for s in specs if s.epilogue is Epilogue.BIAS_ACT}
+
+
+def test_fp8_gemm_spec_is_the_kernel_select_fp8_spec_picks():
+    """The kernel list without a weight (a benchmark's prebuild) names the kernels the calls launch."""
+    for wt in ("u4", "s4", "u2", "s2"):
+        w = mixgemm.prepack(mixgemm.quantize(torch.zeros(128, 256), int(wt[1]), 128, symmetric=wt[0] == "s",
+                                             dtype=torch.bfloat16))
+        for activation in (None, "silu", "swiglu"):
+            assert fp8.fp8_gemm_spec(ActType.BF16, WeightType(wt), activation) == fp8.select_fp8_spec(1, w, activation)
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8.fp8_gemm_spec(ActType.BF16, WeightType.S8)

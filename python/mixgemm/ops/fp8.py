@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..dispatch import checks, heuristic
-from ..dtypes import ActType
+from ..dtypes import ActType, WeightType
 from ..jit import driver, loader
 from ..jit.catalog import FP8_TILE
 from ..jit.specs import Activation, Epilogue, Fp8GemmSpec, QuantFp8Spec
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["E4M3_MAX", "ACT_FORMATS", "unknown_act_format", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
            "input_scale_problem", "check_input_scale_value",
            "mma_to_weight_col", "weight_to_mma_col", "quant_spec", "gemm_fp8", "gemm_quantized", "fp8_problem",
-           "select_fp8_spec", "FP8_TILE"]
+           "fp8_gemm_spec", "select_fp8_spec", "FP8_TILE"]
 
 #: ``mixgemm.gemm``'s ``act_format`` values: exact bf16/fp16 activations, or e4m3 ones
 ACT_FORMATS = ("bf16", "fp8")
@@ -267,11 +267,18 @@ def fp8_problem(w: "PackedWeight") -> Optional[str]:
     return None
 
 
+def fp8_gemm_spec(act: ActType, weight_type: WeightType, activation: Optional[str] = None) -> Fp8GemmSpec:
+    """The e4m3 GEMM kernel for ``act`` outputs (and scales) and ``weight_type`` codes, without a
+    weight at hand (a benchmark's or a prebuild's kernel list): one tile for now
+    (:data:`FP8_TILE`), the gated epilogue for ``activation="swiglu"``, else bias + activation."""
+    epilogue = Epilogue.SWIGLU if activation == "swiglu" else Epilogue.BIAS_ACT
+    return Fp8GemmSpec(act, weight_type, *FP8_TILE, epilogue=epilogue)
+
+
 def select_fp8_spec(m: int, w: "PackedWeight", activation: Optional[str] = None) -> Fp8GemmSpec:
     """The e4m3 GEMM kernel :func:`gemm_fp8` runs for ``m`` tokens (one tile for now: :data:`FP8_TILE`);
-    the gated epilogue for ``activation="swiglu"``."""
-    epilogue = Epilogue.SWIGLU if activation == "swiglu" else Epilogue.BIAS_ACT
-    return Fp8GemmSpec(w.act_type, w.weight_type, *FP8_TILE, epilogue=epilogue)
+    the gated epilogue for ``activation="swiglu"`` (:func:`fp8_gemm_spec`)."""
+    return fp8_gemm_spec(w.act_type, w.weight_type, activation)
 
 
 def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = None,
