@@ -28,10 +28,13 @@ def test_defaults_are_the_issues_shapes_and_ms():
     cfg = bench.config_from_args(args)
     assert cfg.iters == 100 and cfg.dtype == "bf16" and cfg.group_size == 128
     assert cfg.max_error == 1e-2 and cfg.peer_max_error == 1e-1 and cfg.check_rows == 1024
+    assert cfg.fp8_max_error is None            # the e4m3 rows: fp8_error_bar of each K
     assert cfg.impls == tuple(bench.impl_names()) and not cfg.all_configs and not cfg.save
     assert cfg.impls[0] == BASELINE
-    assert {"cublas", "torch_int4", "gemlite-u4", "gemlite-u2", "mixgemm-s8", "mixgemm-u8",
-            "mixgemm-s4", "mixgemm-u4", "mixgemm-s2", "mixgemm-u2"} == set(cfg.impls)
+    assert cfg.impls == ("cublas", "torch_int4", "gemlite-u4", "gemlite-u2", "scaled_mm", "mixgemm-s8", "mixgemm-u8",
+                         "mixgemm-s4", "mixgemm-u4", "mixgemm-s2", "mixgemm-u2",
+                         "mixgemm-s4-fp8", "mixgemm-u4-fp8", "mixgemm-s2-fp8", "mixgemm-u2-fp8")
+    assert "fp8_max_error" in cfg.to_json() and "sqrt(K)" in cfg.to_json()["fp8_max_error"]
 
 
 def test_overrides_parse():
@@ -39,14 +42,14 @@ def test_overrides_parse():
                  "--dtype", "fp16", "--group-size", "64", "--iters", "250", "--warmup", "5",
                  "--json", "out.json", "--plot", "out.png", "--gpu-name", "H200 test", "--save",
                  "--results-dir", "/tmp/r", "--max-error", "0.02", "--check-rows", "64", "--seed", "7",
-                 "--peer-max-error", "0.1")
+                 "--peer-max-error", "0.1", "--fp8-max-error", "0.02")
     cfg = bench.config_from_args(args)
     assert cfg.shapes == ((4096, 4096), (28672, 8192)) and cfg.ms == (1, 16, 4096)
     assert cfg.impls == ("cublas", "gemlite-u4", "gemlite-u2", "mixgemm-u4")
     assert (cfg.dtype, cfg.group_size, cfg.iters, cfg.warmup) == ("fp16", 64, 250, 5)
     assert (cfg.json_path, cfg.plot_path, cfg.gpu_name, cfg.save) == ("out.json", "out.png", "H200 test", True)
     assert (cfg.results_root, cfg.max_error, cfg.check_rows, cfg.seed) == ("/tmp/r", 0.02, 64, 7)
-    assert cfg.peer_max_error == 0.1
+    assert cfg.peer_max_error == 0.1 and cfg.fp8_max_error == 0.02 and cfg.to_json()["fp8_max_error"] == 0.02
     assert cfg.torch_dtype == torch.float16
 
 
@@ -95,7 +98,30 @@ def test_impls_filter_errors():
         bench.config_from_args(parse("--impls", "mixgemm-u4@dec8"))
     assert bench.config_from_args(parse("--impls", "cublas")).impls == ("cublas",)
     assert bench.config_from_args(parse("--impls", "mixgemm-s")).impls == (
-        "cublas", "mixgemm-s8", "mixgemm-s4", "mixgemm-s2")
+        "cublas", "mixgemm-s8", "mixgemm-s4", "mixgemm-s2", "mixgemm-s4-fp8", "mixgemm-s2-fp8")
+    with pytest.raises(BenchError, match="--fp8-max-error must be positive"):
+        bench.config_from_args(parse("--fp8-max-error", "0"))
+
+
+def test_impls_exact_names_and_the_fp8_rows():
+    """An exact name is that row (and its @config rows), not the rows whose names it starts:
+    mixgemm-u4 is not mixgemm-u4-fp8; a prefix still takes every row it starts."""
+    from mixgemm.jit.catalog import TILE_CONFIGS
+
+    impls = lambda *names: bench.config_from_args(parse("--impls", ",".join(names))).impls  # noqa: E731
+    assert impls("mixgemm-u4") == ("cublas", "mixgemm-u4")
+    assert impls("cublas", "scaled_mm", "mixgemm-u4", "mixgemm-u4-fp8") == (
+        "cublas", "scaled_mm", "mixgemm-u4", "mixgemm-u4-fp8")
+    assert impls("mixgemm-u4-") == ("cublas", "mixgemm-u4-fp8")                  # a prefix
+    assert impls("scaled") == ("cublas", "scaled_mm")
+    assert bench.config_from_args(parse("--all-configs", "--impls", "mixgemm-u2")).impls[2:] == tuple(
+        f"mixgemm-u2@{tc.label}" for tc in TILE_CONFIGS)
+    # the 8-bit types with e4m3 activations: only when named exactly (their points are n/a, with the reason)
+    assert bench.NAMED_ONLY == ("mixgemm-s8-fp8", "mixgemm-u8-fp8")
+    assert impls("mixgemm-s8-fp8", "mixgemm-u4") == ("cublas", "mixgemm-u4", "mixgemm-s8-fp8")
+    assert "mixgemm-s8-fp8" not in impls("mixgemm-s") and "mixgemm-u8-fp8" not in bench.impl_names()
+    with pytest.raises(BenchError, match="'mixgemm-u4-fp8@dec8'"):
+        bench.config_from_args(parse("--all-configs", "--impls", "mixgemm-u4-fp8@dec8"))
 
 
 def test_add_arguments_on_a_subcommand_parser():

@@ -8,9 +8,13 @@ Every implementation runs in one process, on the same GPU, on the same random in
   ``aten._weight_int4pack_mm``), bf16 activations, asymmetric int4.
 * ``gemlite-u4``, ``gemlite-u2``: gemlite's Triton kernels (``GemLiteLinearTriton`` through
   ``gemlite.helper.A16Wn``), asymmetric 4- and 2-bit.
+* ``scaled_mm``: ``torch._scaled_mm`` e4m3 x e4m3 with per-row scales on both (the W8A8-FP8
+  GEMM): the weight quantized once, the activations per token in the timed call.
 * ``mixgemm-<wt>`` for wt in s8, u8, s4, u4, s2, u2: :func:`mixgemm.ops.gemm` (the heuristic's
   kernel); with ``--all-configs`` also ``mixgemm-<wt>@<label>``, one per
   :data:`mixgemm.jit.catalog.TILE_CONFIGS` entry, through :func:`mixgemm.ops.gemm_with_spec`.
+* ``mixgemm-<wt>-fp8`` for wt in s4, u4, s2, u2: ``mixgemm.gemm(x, w, act_format="fp8")``, x
+  rounded to e4m3 per token (the quantizer is in the timed call) and the e4m3 GEMM.
 
 One module per concern:
 
@@ -21,8 +25,8 @@ One module per concern:
   analysis (bytes, GB/s, speedups, FAIL flags);
 * :mod:`.block`: ``--block``, a LLaMA MLP block under CUDA graphs;
 * :mod:`.decoder`, :mod:`.variants`, :mod:`.model`, :mod:`.model_run`: ``--model``, a decoder
-  layer stack with a real model's shapes (the layer, the bf16 / mixgemm / torch int4 variants,
-  what is reported, the GPU run);
+  layer stack with a real model's shapes (the layer, the bf16 / mixgemm (exact or e4m3
+  activations) / torch int4 / scaled_mm variants, what is reported, the GPU run);
 * :mod:`.moe`, :mod:`.moe_run`: ``--moe``, one mixture-of-experts layer with a real model's expert
   shapes (bf16 ``torch._grouped_mm``, torch int4 per expert, mixgemm's ``fused_moe``) under CUDA
   graphs: what is reported, and the GPU run;
@@ -49,16 +53,18 @@ from .decoder import PRESETS, DecoderStack, DenseProjections, LayerState, ModelP
 from .grid import (ACT_BYTES, DEFAULT_CHECK_ROWS, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ERROR, DEFAULT_MS,
                    DEFAULT_PEER_MAX_ERROR, DEFAULT_SEED, DEFAULT_SHAPES, DEFAULT_WARMUP, ERROR, FAIL, MIN_ITERS, OK,
                    QUICK_ITERS, QUICK_WARMUP, UNAVAILABLE, WEIGHT_STD, BenchConfig, Measurement, PointResult, analyze,
-                   check_rows, classify, expected_weight_bytes, reference_matmul, relative_error, run_benchmark,
-                   traffic_bytes)
+                   check_rows, classify, e4m3_activations, error_bar, expected_weight_bytes, fp8_error_bar,
+                   reference_matmul, reference_product, relative_error, run_benchmark, traffic_bytes)
 from .host import HOST_SCHEMA, HostPoint, HostReport, format_host_table, host_report_from_dict, host_report_to_dict
 from .model import (MODEL_SCHEMA, LayerTraffic, ModelConfig, ModelPoint, ModelReport, StepMeasurement, StepShape,
                     analyze_model, format_model_table, layer_traffic, merge_model_reports, model_report_from_dict,
                     model_report_to_dict, split_by_preset)
-from .peer_formats import (TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES, ImplUnavailable, gemlite_dequant,
-                           torch_int4_dequant, torch_int4_mm, torch_int4_pack, torch_int4_params)
-from .peers import (BASELINE, MIXGEMM_TYPES, PEER_NAMES, CublasImpl, GemliteImpl, Impl, MixgemmImpl, QuantCache,
-                    TorchInt4Impl, impl_names, is_peer, make_impls, select_impl_names)
+from .peer_formats import (TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES, ImplUnavailable, e4m3_rows,
+                           gemlite_dequant, scaled_mm, scaled_mm_problem, scaled_mm_weight, torch_int4_dequant,
+                           torch_int4_mm, torch_int4_pack, torch_int4_params)
+from .peers import (BASELINE, E4M3, EXACT, MIXGEMM_FP8_TYPES, MIXGEMM_TYPES, NAMED_ONLY, PEER_NAMES, SCALED_MM,
+                    CublasImpl, GemliteImpl, Impl, MixgemmImpl, QuantCache, ScaledMmImpl, TorchInt4Impl,
+                    activations_of, exact_weight, impl_names, is_peer, make_impls, select_impl_names)
 from .plots import write_model_plot, write_plot
 from .report import (JSON_SCHEMA, BenchReport, MachineInfo, default_results_root, format_table, machine_info,
                      merge_reports, read_json, report_from_dict, report_to_dict, results_dir, slugify, write_json)
@@ -87,13 +93,15 @@ __all__ = [
     "DEFAULT_CHECK_ROWS", "DEFAULT_GROUP_SIZE", "DEFAULT_MAX_ERROR", "DEFAULT_MS", "DEFAULT_PEER_MAX_ERROR",
     "DEFAULT_SEED", "DEFAULT_SHAPES", "DEFAULT_WARMUP", "ERROR", "FAIL", "MIN_ITERS", "OK", "QUICK_ITERS",
     "QUICK_WARMUP", "UNAVAILABLE", "WEIGHT_STD", "BenchConfig", "Measurement", "PointResult", "analyze",
-    "check_rows", "classify", "expected_weight_bytes", "reference_matmul", "relative_error", "run_benchmark",
-    "traffic_bytes", "HOST_SCHEMA", "HostPoint", "HostReport", "format_host_table", "host_report_from_dict",
+    "check_rows", "classify", "e4m3_activations", "error_bar", "expected_weight_bytes", "fp8_error_bar",
+    "reference_matmul", "reference_product", "relative_error", "run_benchmark", "traffic_bytes", "HOST_SCHEMA", "HostPoint", "HostReport", "format_host_table", "host_report_from_dict",
     "host_report_to_dict", "MODEL_SCHEMA", "LayerTraffic", "ModelConfig", "ModelPoint", "ModelReport",
     "StepMeasurement", "StepShape", "analyze_model", "format_model_table", "layer_traffic",
     "merge_model_reports", "model_report_from_dict", "model_report_to_dict", "split_by_preset", "BASELINE",
     "MIXGEMM_TYPES", "PEER_NAMES", "TORCH_INT4_GROUP_SIZES", "TORCH_INT4_INNER_K_TILES", "CublasImpl",
     "GemliteImpl", "Impl", "ImplUnavailable", "MixgemmImpl", "QuantCache", "TorchInt4Impl", "gemlite_dequant",
+    "E4M3", "EXACT", "MIXGEMM_FP8_TYPES", "NAMED_ONLY", "SCALED_MM", "ScaledMmImpl", "activations_of",
+    "exact_weight", "e4m3_rows", "scaled_mm", "scaled_mm_problem", "scaled_mm_weight",
     "impl_names", "is_peer", "make_impls", "select_impl_names", "torch_int4_dequant", "torch_int4_mm",
     "torch_int4_pack", "torch_int4_params", "write_model_plot", "write_plot", "JSON_SCHEMA", "BenchReport",
     "MachineInfo", "default_results_root", "format_table", "machine_info", "merge_reports", "read_json",

@@ -367,7 +367,8 @@ def run_grid_cli(cfg: BenchConfig, device: torch.device, log: Log) -> int:
     impls = make_impls(cfg.impls, cfg.group_size, cache)
     measurements = run_benchmark(cfg, impls, device, log=log)
     cache.clear()
-    results = analyze(measurements, copy_bw, cfg.max_error, cfg.group_size, cfg.peer_max_error)
+    results = analyze(measurements, copy_bw, cfg.max_error, cfg.group_size, cfg.peer_max_error, cfg.fp8_max_error,
+                      cfg.dtype)
     report = BenchReport(machine=machine, config=cfg.to_json(), results=results)
     log(format_table(results, machine, report.config))
     write_outputs(report, cfg, log=log)

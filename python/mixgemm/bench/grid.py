@@ -16,8 +16,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from ..dtypes import ActType
-from .peers import (BASELINE, Impl, ImplUnavailable, MixgemmImpl, base_name, is_peer, kernel_is_cached,
-                    prebuild_kernels)
+from ..ops.fp8 import dequantize_fp8, quantize_fp8_reference
+from .peers import (BASELINE, E4M3, EXACT, FP8_SUFFIX, SCALED_MM, Impl, ImplUnavailable, MixgemmImpl, ScaledMmImpl,
+                    activations_of, base_name, is_peer, kernel_is_cached, mixgemm_available, prebuild_kernels)
 from .timing import FLUSH_L2_MULTIPLE, Clock, CudaEventClock, TimingStats, effective_gbps, flush_size, tflops, time_cuda
 
 # ------------------------------------------------------------------------------------------
@@ -46,6 +47,9 @@ DEFAULT_MAX_ERROR = 1e-2
 #: H200, growing like sqrt(K); a wrong kernel (layout, nibble order, zero convention) is off
 #: by >= 0.3.
 DEFAULT_PEER_MAX_ERROR = 1e-1
+#: The float32 scales ``_scaled_mm`` and the e4m3 quantizer keep: bytes per row of the weight
+#: (scaled_mm) and per token (every e4m3 row).
+SCALE_BYTES = 4
 #: Rows of the output checked against the float64 reference (all rows when M is at most this).
 DEFAULT_CHECK_ROWS = 1024
 DEFAULT_SEED = 0
@@ -66,8 +70,10 @@ def expected_weight_bytes(impl: str, n: int, k: int, group_size: int) -> int:
     * ``cublas``: the dense weight, ``2*N*K``.
     * ``torch_int4``: ``N*K/2`` packed codes + ``[K/g, N, 2]`` 16-bit scales-and-zeros.
     * ``gemlite-uB``: ``N*K*B/8`` packed codes + 16-bit scales and zeros ``[K/g, N]`` each.
-    * ``mixgemm-<wt>`` (any ``@config``): ``N*K*B/8`` codes + 16-bit scales ``[K/g, N]``, + as
-      many zeros for the asymmetric (``u``) types: :attr:`mixgemm.PackedWeight.nbytes`.
+    * ``mixgemm-<wt>`` (any ``@config``) and ``mixgemm-<wt>-fp8`` (the same packed weight): ``N*K*B/8``
+      codes + 16-bit scales ``[K/g, N]``, + as many zeros for the asymmetric (``u``) types:
+      :attr:`mixgemm.PackedWeight.nbytes`.
+    * ``scaled_mm``: one e4m3 byte per weight, ``N*K``, + a float32 scale per row, ``4*N``.
 
     The harness reports the bytes of the tensors each implementation actually holds; this
     formula documents (and the tests check) what those are.
@@ -79,19 +85,24 @@ def expected_weight_bytes(impl: str, n: int, k: int, group_size: int) -> int:
         return ACT_BYTES * n * k
     if base == "torch_int4":
         return n * k // 2 + 2 * meta
-    m = re.fullmatch(r"(gemlite|mixgemm)-([su])([248])", base)
+    if base == SCALED_MM:
+        return n * k + SCALE_BYTES * n
+    m = re.fullmatch(r"(gemlite|mixgemm)-([su])([248])(" + re.escape(FP8_SUFFIX) + ")?", base)
     if not m:
         raise ValueError(f"unknown implementation {impl!r}")
     family, sign, bits = m[1], m[2], int(m[3])
-    if family == "gemlite" and sign == "s":
+    if family == "gemlite" and (sign == "s" or m[4]):
         raise ValueError(f"unknown implementation {impl!r}")
     return n * k * bits // 8 + meta * (2 if sign == "u" else 1)
 
 
-def traffic_bytes(m: int, n: int, k: int, weight_bytes: int, act_bytes: int = ACT_BYTES) -> int:
+def traffic_bytes(m: int, n: int, k: int, weight_bytes: int, act_bytes: int = ACT_BYTES, e4m3: bool = False) -> int:
     """Bytes a GEMM must move at least: the weight (with its scales and zeros), the
-    activations ``[M, K]`` and the output ``[M, N]``."""
-    return weight_bytes + act_bytes * m * k + act_bytes * m * n
+    activations ``[M, K]`` and the output ``[M, N]``; with ``e4m3`` (a row that quantizes x in the
+    call: ``mixgemm-<wt>-fp8``, ``scaled_mm``) also the e4m3 codes ``[M, K]`` and float32 scales
+    ``[M]`` that its quantizer writes and its GEMM reads back (twice ``M*K + 4*M``)."""
+    codes = 2 * (m * k + SCALE_BYTES * m) if e4m3 else 0
+    return weight_bytes + act_bytes * m * k + codes + act_bytes * m * n
 
 
 def check_rows(m: int, limit: int) -> list[int]:
@@ -123,6 +134,36 @@ def reference_matmul(x: torch.Tensor, w: torch.Tensor, chunk: int = 8192) -> tor
     for j in range(0, w.shape[0], chunk):
         out[:, j:j + chunk] = xd @ w[j:j + chunk].double().t()
     return out
+
+
+def e4m3_activations(x: torch.Tensor) -> torch.Tensor:
+    """The activations an e4m3 row multiplies, in float64 (exact): each token of ``x [M, K]``
+    rounded to e4m3 with its own scale (:func:`mixgemm.ops.quantize_fp8_reference`, the
+    quantizer's definition, bit for bit its kernel's), times that scale, in the natural column
+    order (:func:`mixgemm.ops.dequantize_fp8`)."""
+    return dequantize_fp8(*quantize_fp8_reference(x), dtype=torch.float64)
+
+
+def reference_product(x: torch.Tensor, w: torch.Tensor, activations: str = EXACT,
+                      col_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The float64 reference of one implementation: ``x' @ w^T``, each column ``j`` times
+    ``col_scale[j]`` when given (scaled_mm's weight scales), x' being ``x`` (:data:`.peers.EXACT`)
+    or its e4m3 rounding per token (:data:`.peers.E4M3`, :func:`e4m3_activations`)."""
+    xd = e4m3_activations(x) if activations == E4M3 else x
+    out = reference_matmul(xd, w)
+    return out if col_scale is None else out.mul_(col_scale.double())
+
+
+def fp8_error_bar(k: int, dtype: str = "bf16") -> float:
+    """The bar on ``err(own)`` of an e4m3 row (``mixgemm-<wt>-fp8``, ``scaled_mm``): the e4m3 GEMM
+    tests' bound (tests/ops/test_gpu_fp8.py), ``4 u + 64 sqrt(K) 2^-24 + 2^-12`` with ``u`` the
+    output's rounding (2^-9 for bf16, 2^-12 for fp16). Against the reference on the same
+    e4m3-rounded activations and the implementation's own weight, the products are exact (both
+    operands e4m3 values, the scales applied in float32), so what is left is the bf16 GEMMs'
+    bound (four output roundings, the float32 accumulation over K) plus 2^-12 for the FP8 tensor
+    cores' accumulation with fewer bits inside a k-tile. About 8.3e-3 for bf16 at K = 4096."""
+    out_round = 2.0 ** -9 if dtype == "bf16" else 2.0 ** -12
+    return 4 * out_round + 64 * math.sqrt(k) * 2.0 ** -24 + 2.0 ** -12
 
 
 # ------------------------------------------------------------------------------------------
@@ -173,11 +214,13 @@ class PointResult:
     speedup_vs_cublas, speedup_vs_best_peer : float or None
         ``time(cublas) / time`` and ``time(best peer) / time``.
     best_peer : str or None
-        The fastest ok peer at this (N, K, M).
+        The fastest ok peer at this (N, K, M) that multiplies the same kind of activations
+        (torch_int4 and gemlite for the exact rows, scaled_mm for the e4m3 rows).
     err_impl, err_float : float or None
-        ``||y - ref|| / ||ref||`` against ``x @ W_impl^T`` (the implementation's own
-        dequantized weight) and against ``x @ W_float^T``, both in float64. None when not
-        measured or not finite (then status is FAIL).
+        ``||y - ref|| / ||ref||`` against ``x' @ W_impl^T`` (the implementation's own
+        dequantized weight, and the activations it multiplies: x, or x rounded to e4m3 per token
+        for the e4m3 rows) and against ``x @ W_float^T`` (exact x), both in float64. None when
+        not measured or not finite (then status is FAIL).
     """
 
     impl: str
@@ -206,10 +249,22 @@ def _finite(x: Optional[float]) -> Optional[float]:
     return x if x is not None and math.isfinite(x) else None
 
 
+def error_bar(impl: str, k: int, max_error: float = DEFAULT_MAX_ERROR,
+              peer_max_error: float = DEFAULT_PEER_MAX_ERROR, fp8_max_error: Optional[float] = None,
+              dtype: str = "bf16") -> float:
+    """The bar on ``err(own)`` of ``impl``'s rows at K = ``k``: ``fp8_max_error`` (by default
+    :func:`fp8_error_bar`) for the e4m3 rows, ``peer_max_error`` for the other peers,
+    ``max_error`` for cuBLAS and mixgemm."""
+    if activations_of(impl) == E4M3:
+        return fp8_error_bar(k, dtype) if fp8_max_error is None else fp8_max_error
+    return peer_max_error if is_peer(impl) else max_error
+
+
 def classify(meas: Measurement, max_error: float,
-             peer_max_error: float = DEFAULT_PEER_MAX_ERROR) -> tuple[str, str]:
+             peer_max_error: float = DEFAULT_PEER_MAX_ERROR, fp8_max_error: Optional[float] = None,
+             dtype: str = "bf16") -> tuple[str, str]:
     """The status and note of a measurement: see :class:`PointResult`. The error bar is
-    ``peer_max_error`` for the peers, ``max_error`` for the others."""
+    :func:`error_bar`'s."""
     if meas.timing is None:
         return (UNAVAILABLE if meas.unavailable else ERROR), (meas.error or "did not run")
     problems = []
@@ -222,15 +277,17 @@ def classify(meas: Measurement, max_error: float,
             problems.append(f"error vs {label} is NaN")
         elif not math.isfinite(err):
             problems.append(f"error vs {label} is inf")
-    bar = peer_max_error if is_peer(meas.impl) else max_error
+    bar = error_bar(meas.impl, meas.k, max_error, peer_max_error, fp8_max_error, dtype)
     if meas.err_impl is not None and math.isfinite(meas.err_impl) and meas.err_impl > bar:
-        problems.append(f"error vs own weight {meas.err_impl:.2e} > {bar:.0e}")
+        problems.append(f"error vs own weight {meas.err_impl:.2e} > {bar:.2g}" if activations_of(meas.impl) == E4M3
+                        else f"error vs own weight {meas.err_impl:.2e} > {bar:.0e}")
     return (FAIL, "; ".join(problems)) if problems else (OK, "")
 
 
 def analyze(measurements: Iterable[Measurement], copy_bw_gbps: Optional[float],
             max_error: float = DEFAULT_MAX_ERROR, group_size: int = DEFAULT_GROUP_SIZE,
-            peer_max_error: float = DEFAULT_PEER_MAX_ERROR) -> list[PointResult]:
+            peer_max_error: float = DEFAULT_PEER_MAX_ERROR, fp8_max_error: Optional[float] = None,
+            dtype: str = "bf16") -> list[PointResult]:
     """Derive every reported number from the raw measurements.
 
     Parameters
@@ -245,15 +302,22 @@ def analyze(measurements: Iterable[Measurement], copy_bw_gbps: Optional[float],
         For the weight bytes of a measurement that does not carry them (formula).
     peer_max_error : float
         ``max_error`` for the peers (torch_int4, gemlite).
+    fp8_max_error : float, optional
+        ``max_error`` for the e4m3 rows (``mixgemm-<wt>-fp8``, ``scaled_mm``); None:
+        :func:`fp8_error_bar` of each point's K and ``dtype``.
+    dtype : str
+        The activation dtype of the run (``bf16`` or ``fp16``: the e4m3 rows' output rounding).
 
     Returns
     -------
     list of PointResult
         Speedups are given for ok points only, over an ok cuBLAS and the fastest ok peer of
-        the same (N, K, M).
+        the same (N, K, M) that multiplies the same kind of activations
+        (:func:`.peers.activations_of`): the e4m3 rows are compared with scaled_mm, the others
+        with torch_int4 and gemlite.
     """
     meas = list(measurements)
-    status = {id(m): classify(m, max_error, peer_max_error) for m in meas}
+    status = {id(m): classify(m, max_error, peer_max_error, fp8_max_error, dtype) for m in meas}
     # per (N, K, M): the median time of every ok implementation
     ok_time: dict[tuple[int, int, int], dict[str, float]] = {}
     for m in meas:
@@ -266,7 +330,8 @@ def analyze(measurements: Iterable[Measurement], copy_bw_gbps: Optional[float],
         res: dict[str, Any] = dict(impl=m.impl, n=m.n, k=m.k, m=m.m, status=st, note=note,
                                    err_impl=_finite(m.err_impl), err_float=_finite(m.err_float))
         times = ok_time.get(point, {})
-        peers = {name: t for name, t in times.items() if is_peer(name)}
+        peers = {name: t for name, t in times.items()
+                 if is_peer(name) and activations_of(name) == activations_of(m.impl)}
         best = min(peers, key=peers.__getitem__) if peers else None
         res["best_peer"] = best
         if m.timing is not None:
@@ -281,7 +346,7 @@ def analyze(measurements: Iterable[Measurement], copy_bw_gbps: Optional[float],
                        iters=m.timing.iters, weight_bytes=wbytes,
                        tflops=tflops(m.m, m.n, m.k, t) if t > 0 else None)
             if wbytes is not None and t > 0:
-                moved = traffic_bytes(m.m, m.n, m.k, wbytes)
+                moved = traffic_bytes(m.m, m.n, m.k, wbytes, e4m3=activations_of(m.impl) == E4M3)
                 res["bytes_moved"] = moved
                 res["gbps"] = effective_gbps(moved, t)
                 if copy_bw_gbps:
@@ -312,6 +377,8 @@ class BenchConfig:
     all_configs: bool = False
     max_error: float = DEFAULT_MAX_ERROR
     peer_max_error: float = DEFAULT_PEER_MAX_ERROR
+    #: None: the e4m3 rows' bar is fp8_error_bar(K, dtype)
+    fp8_max_error: Optional[float] = None
     check_rows: int = DEFAULT_CHECK_ROWS
     seed: int = DEFAULT_SEED
     json_path: Optional[str] = None
@@ -330,6 +397,8 @@ class BenchConfig:
                 "iters": self.iters, "warmup": self.warmup, "quick": self.quick,
                 "all_configs": self.all_configs, "max_error": self.max_error,
                 "peer_max_error": self.peer_max_error,
+                "fp8_max_error": (self.fp8_max_error if self.fp8_max_error is not None
+                                  else "4 u + 64 sqrt(K) 2^-24 + 2^-12 (u: the output's rounding)"),
                 "check_rows": self.check_rows, "seed": self.seed,
                 "weight": f"randn * {WEIGHT_STD} (float32)", "activations": "randn",
                 "flush": f"{FLUSH_L2_MULTIPLE}x L2 written before every run"}
@@ -337,9 +406,11 @@ class BenchConfig:
 
 def _prebuild_mixgemm(impls: Sequence[Impl], dtype: torch.dtype,
                       log: Callable[[str], None], ms: Optional[Sequence[int]] = None) -> dict[str, str]:
-    """Build every mixgemm kernel the run needs, in parallel, before timing anything.
-    Returns ``{impl name: reason}`` for the implementations whose kernels failed to build."""
-    mix = [i for i in impls if isinstance(i, MixgemmImpl)]
+    """Build every mixgemm kernel the run needs, in parallel, before timing anything (scaled_mm's
+    activation quantizer where it is mixgemm's kernel: on an sm_90 GPU). Returns ``{impl name:
+    reason}`` for the implementations whose kernels failed to build."""
+    mix = [i for i in impls if isinstance(i, MixgemmImpl)
+           or (isinstance(i, ScaledMmImpl) and mixgemm_available()[0])]
     if not mix:
         return {}
     failure = prebuild_kernels([s for i in mix for s in i.kernel_specs(dtype, ms)], log)
@@ -360,8 +431,9 @@ def run_benchmark(cfg: BenchConfig, impls: Sequence[Impl], device: torch.device,
     """Prepare every implementation for every shape and measure every (shape, M) point.
 
     Each implementation's first run at a point is checked against the float64 references
-    (on :func:`check_rows`' rows; the whole output for NaN/inf), then :func:`time_cuda`
-    times it. Exceptions are recorded, never raised.
+    (on :func:`check_rows`' rows; the whole output for NaN/inf; :func:`reference_product` of the
+    activations it multiplies and its own weight), then :func:`time_cuda` times it. Exceptions
+    are recorded, never raised.
     """
     from tqdm import tqdm   # deferred: loaded only when a progress bar is shown
 
@@ -433,10 +505,10 @@ def _measure_point(impl: Impl, x: torch.Tensor, rows: torch.Tensor, x_rows: torc
         finite = bool(torch.isfinite(y).all())
         y_rows = y.index_select(0, rows)
         del y
-        deq = impl.dequantized
-        key = deq.data_ptr()
+        deq, scale = impl.dequantized, impl.col_scale
+        key = (impl.activations, deq.data_ptr(), None if scale is None else scale.data_ptr())
         if key not in refs:
-            refs[key] = reference_matmul(x_rows, deq)
+            refs[key] = reference_product(x_rows, deq, impl.activations, scale)
         err_impl = relative_error(y_rows, refs[key])
         err_float = relative_error(y_rows, ref_float)
         del y_rows
@@ -456,5 +528,6 @@ def _measure_point(impl: Impl, x: torch.Tensor, rows: torch.Tensor, x_rows: torc
 __all__ = ["DEFAULT_SHAPES", "DEFAULT_MS", "MIN_ITERS", "QUICK_ITERS", "DEFAULT_WARMUP", "QUICK_WARMUP",
            "DEFAULT_GROUP_SIZE", "DEFAULT_MAX_ERROR", "DEFAULT_PEER_MAX_ERROR", "DEFAULT_CHECK_ROWS",
            "DEFAULT_SEED", "WEIGHT_STD", "ACT_BYTES", "OK", "FAIL", "ERROR", "UNAVAILABLE",
-           "expected_weight_bytes", "traffic_bytes", "check_rows", "relative_error", "reference_matmul",
-           "Measurement", "PointResult", "classify", "analyze", "BenchConfig", "run_benchmark"]
+           "SCALE_BYTES", "expected_weight_bytes", "traffic_bytes", "check_rows", "relative_error", "reference_matmul",
+           "e4m3_activations", "reference_product", "fp8_error_bar", "error_bar", "Measurement", "PointResult",
+           "classify", "analyze", "BenchConfig", "run_benchmark"]

@@ -147,17 +147,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help=f"token counts (default {','.join(map(str, DEFAULT_MS))}; --block: 1)")
     grid.add_argument("--impls", type=parse_name_list, default=None, metavar="NAME,...",
                       help=f"implementations to run: names or prefixes, comma separated "
-                           f"(default all: {', '.join(impl_names())}); {BASELINE} always runs")
+                           f"(default all: {', '.join(impl_names())}); {BASELINE} always runs; an exact "
+                           f"name takes that row and its @<config> rows only (mixgemm-u4: not "
+                           f"mixgemm-u4-fp8)")
     grid.add_argument("--all-configs", action="store_true",
                       help="also time every mixgemm tile config (mixgemm-<wt>@<label>), to tune the heuristic")
     grid.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
-                      help="activation dtype (default bf16; torch_int4 needs bf16; --model and --host: bf16)")
+                      help="activation dtype (default bf16; torch_int4 and scaled_mm need bf16; --model and --host: bf16)")
     grid.add_argument("--max-error", type=float, default=DEFAULT_MAX_ERROR,
                       help=f"relative error vs the implementation's own weight above which a "
                            f"mixgemm or cuBLAS point FAILs (default {DEFAULT_MAX_ERROR:g})")
     grid.add_argument("--peer-max-error", type=float, default=DEFAULT_PEER_MAX_ERROR,
                       help=f"the same for torch_int4 and gemlite (default "
                            f"{DEFAULT_PEER_MAX_ERROR:g}: gemlite's GEMV accumulates in bf16)")
+    grid.add_argument("--fp8-max-error", type=float, default=None,
+                      help="the same for the e4m3-activation rows (mixgemm-<wt>-fp8, scaled_mm; default: the "
+                           "e4m3 GEMM tests' bound, 4 u + 64 sqrt(K) 2^-24 + 2^-12 with u the output's "
+                           "rounding: 8.3e-3 for bf16 at K = 4096)")
     grid.add_argument("--check-rows", type=int, default=DEFAULT_CHECK_ROWS,
                       help=f"output rows compared with the float64 reference (all when M is "
                            f"at most this; default {DEFAULT_CHECK_ROWS})")
@@ -317,7 +323,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     ------
     BenchError
         Too few iterations without ``--quick``, a negative warm-up, a bad ``--impls``,
-        ``--check-rows`` below 1, a non-positive ``--max-error`` / ``--peer-max-error``, or a
+        ``--check-rows`` below 1, a non-positive ``--max-error`` / ``--peer-max-error`` /
+        ``--fp8-max-error``, or a
         ``--model`` option without ``--model``.
     """
     _check_model_only(args)
@@ -328,6 +335,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise BenchError(f"--max-error must be positive, got {args.max_error}")
     if not args.peer_max_error > 0:
         raise BenchError(f"--peer-max-error must be positive, got {args.peer_max_error}")
+    if args.fp8_max_error is not None and not args.fp8_max_error > 0:
+        raise BenchError(f"--fp8-max-error must be positive, got {args.fp8_max_error}")
     try:
         names = select_impl_names(impl_names(args.all_configs), args.impls)
     except ValueError as e:
@@ -337,6 +346,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         group_size=args.group_size, iters=iters, warmup=warmup, quick=quick,
         all_configs=bool(args.all_configs), max_error=float(args.max_error),
         peer_max_error=float(args.peer_max_error),
+        fp8_max_error=None if args.fp8_max_error is None else float(args.fp8_max_error),
         check_rows=int(args.check_rows), seed=int(args.seed), json_path=args.json,
         plot_path=args.plot, save=bool(args.save), results_root=args.results_dir,
         gpu_name=args.gpu_name)

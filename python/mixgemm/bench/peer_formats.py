@@ -1,12 +1,16 @@
 """mixgemm's quantized weight in the peers' conventions, for ``mixgemm bench``'s peers
 (:mod:`.peers`) and the decoder variants (:mod:`.variants`, :mod:`.moe_run`): PyTorch's tinygemm
 int4 kernel (its packed layout, its ``scale_and_zeros`` and zero-point convention, the matmul
-call, the weight it dequantizes to) and gemlite's dequantized weight.
+call, the weight it dequantizes to), gemlite's dequantized weight, and the W8A8-FP8 GEMM
+(``torch._scaled_mm`` of e4m3 activations and an e4m3 weight, per-row scales on both).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from ..ops.fp8 import E4M3_MAX, k_permutation
 from ..weights.types import QuantizedWeight
 
 class ImplUnavailable(Exception):
@@ -123,3 +127,70 @@ def gemlite_dequant(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     if mode == 3:
         return (q.double() - z).to(dtype).double().mul(s).to(dtype)
     raise ValueError(f"unsupported gemlite W_group_mode {mode} (expected 3 or 4)")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch._scaled_mm: the W8A8-FP8 GEMM
+# ---------------------------------------------------------------------------------------------
+def scaled_mm_problem() -> Optional[str]:
+    """Why ``torch._scaled_mm`` e4m3 x e4m3 cannot run here (no float8 dtype, no ``_scaled_mm``,
+    a GPU below sm_89), or None. Without a GPU it is None when this PyTorch has both (its CPU
+    kernel serves the tests)."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        return f"this PyTorch ({torch.__version__}) has no torch.float8_e4m3fn dtype"
+    if not hasattr(torch, "_scaled_mm"):
+        return f"this PyTorch ({torch.__version__}) has no torch._scaled_mm"
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        if cap < (8, 9):
+            return f"torch._scaled_mm's e4m3 GEMM needs an sm_89+ GPU, this one is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def e4m3_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [R, C]`` as e4m3 codes with one float32 scale per row, as a W8A8-FP8 checkpoint holds
+    its weight (and as the per-token quantizer, :func:`mixgemm.ops.quantize_fp8_reference`, rounds
+    each token): ``s = amax / 448`` (1 for a row of zeros), ``q = e4m3(clamp(w / s, -448, 448))``,
+    in float32, rounded to nearest even.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        ``torch.float8_e4m3fn [R, C]`` in the natural column order, float32 ``[R]``: ``q * s``
+        approximates ``w``.
+    """
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    # a tensor divisor, as quantize_fp8_reference's (the correctly rounded quotient on every device)
+    s = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    return (wf / s.unsqueeze(1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
+
+
+def scaled_mm_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weight of the W8A8-FP8 GEMM from ``w [N, K]`` (the checkpoint's bf16 weight):
+    :func:`e4m3_rows`, and its columns in the order in which :func:`mixgemm.ops.quantize_fp8`
+    writes a token (:func:`mixgemm.ops.fp8.k_permutation`, inside every block of 32), so that the
+    activations that quantizer gives multiply it as they are (a permutation of the sum over K;
+    the product is the same).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor, torch.Tensor)
+        ``codes`` (natural order, for the reference), ``gemm_codes`` (the quantizer's order,
+        contiguous ``[N, K]``: ``gemm_codes.t()`` is the column-major operand ``_scaled_mm``
+        takes), float32 ``scales [N]``.
+    """
+    codes, scales = e4m3_rows(w)
+    perm = k_permutation(w.shape[1], w.device)
+    return codes, codes.index_select(1, perm).contiguous(), scales
+
+
+def scaled_mm(xq: torch.Tensor, x_scales: torch.Tensor, gemm_codes: torch.Tensor, w_scales: torch.Tensor,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``torch._scaled_mm`` of ``xq [M, K]`` (e4m3, row-major) and ``gemm_codes [N, K]`` (e4m3,
+    read as the column-major ``[K, N]``) with the row-wise scales ``x_scales [M]`` and
+    ``w_scales [N]`` (float32): ``(xq * x_scales) @ (gemm_codes * w_scales)^T`` in ``out_dtype``
+    ([M, N]). The float32 scales are applied to the float32 accumulator (CUDA; CPU: PyTorch's
+    CPU kernel)."""
+    return torch._scaled_mm(xq, gemm_codes.t(), scale_a=x_scales.reshape(-1, 1), scale_b=w_scales.reshape(1, -1),
+                            out_dtype=out_dtype)

@@ -1,11 +1,19 @@
 """The implementations the grid times (``mixgemm bench``), each behind a small adapter
-(:class:`Impl`): cuBLAS (the baseline), PyTorch's int4 kernel, gemlite and mixgemm (the
-conversions of mixgemm's quantized weight to the peers' conventions are in :mod:`.peer_formats`).
+(:class:`Impl`): cuBLAS (the baseline), PyTorch's int4 kernel, gemlite, ``torch._scaled_mm``
+(the W8A8-FP8 GEMM) and mixgemm, with exact or e4m3 activations (the conversions of mixgemm's
+quantized weight to the peers' conventions are in :mod:`.peer_formats`).
 
 The quantized implementations share one quantization per bit width (:class:`QuantCache`:
-mixgemm's round-to-nearest, :func:`mixgemm.quantize`): torch_int4, gemlite-u4 and mixgemm-u4
-multiply the same integer codes with the same scales, each converted to the implementation's
-own zero-point convention, so their errors against the float weight are comparable.
+mixgemm's round-to-nearest, :func:`mixgemm.quantize`): torch_int4, gemlite-u4, mixgemm-u4 and
+mixgemm-u4-fp8 multiply the same integer codes with the same scales, each converted to the
+implementation's own zero-point convention, so their errors against the float weight are
+comparable.
+
+Two kinds of activations (:attr:`Impl.activations`): ``exact`` (x as given, bf16 or fp16:
+cuBLAS, torch_int4, gemlite, ``mixgemm-<wt>``) and ``e4m3`` (x rounded to e4m3 with one scale per
+token inside the timed call: ``mixgemm-<wt>-fp8``, ``mixgemm.gemm(x, w, act_format="fp8")``, and
+``scaled_mm``). Each point's reference multiplies the activations the implementation
+multiplies.
 """
 from __future__ import annotations
 
@@ -16,22 +24,40 @@ import torch
 
 from ..dtypes import ActType, WeightType
 from ..jit.catalog import TILE_CONFIGS
+from ..jit.specs import Fp8GemmSpec
+from ..nn.linear import act_format_problem
 from ..ops import dense as ops
 from ..ops.dense import tile_labels
+from ..ops.fp8 import BLOCK, fp8_gemm_spec, fp8_problem, quant_spec, quantize_fp8
 from ..weights import quantize
 from ..weights.layout import prepack
 from ..weights.quantize import dequantize_reference
 from ..weights.types import PackedWeight, QuantizedWeight
 from .peer_formats import (TORCH_INT4_GROUP_SIZES, TORCH_INT4_INNER_K_TILES, ImplUnavailable,
-                           gemlite_dequant, torch_int4_dequant, torch_int4_mm, torch_int4_pack, torch_int4_params)
+                           gemlite_dequant, scaled_mm, scaled_mm_problem, scaled_mm_weight, torch_int4_dequant,
+                           torch_int4_mm, torch_int4_pack, torch_int4_params)
 
 #: The baseline implementation: always run, the denominator of "speedup over cuBLAS".
 BASELINE = "cublas"
-#: Names of the peer implementations (the "best peer" is the fastest of these at a point).
-PEER_NAMES: tuple[str, ...] = ("torch_int4", "gemlite-u4", "gemlite-u2")
+#: ``torch._scaled_mm`` e4m3 x e4m3, per-row scales on both (the W8A8-FP8 GEMM).
+SCALED_MM = "scaled_mm"
+#: Names of the peer implementations (the "best peer" of a row is the fastest of these with the
+#: same kind of activations, :func:`activations_of`).
+PEER_NAMES: tuple[str, ...] = ("torch_int4", "gemlite-u4", "gemlite-u2", SCALED_MM)
 #: Weight types benchmarked for mixgemm, in table order.
 MIXGEMM_TYPES: tuple[WeightType, ...] = (WeightType.S8, WeightType.U8, WeightType.S4,
                                          WeightType.U4, WeightType.S2, WeightType.U2)
+#: The suffix of mixgemm's e4m3-activation rows: ``mixgemm-u4-fp8`` is ``mixgemm.gemm(x, w,
+#: act_format="fp8")``.
+FP8_SUFFIX = "-fp8"
+#: The weight types of the e4m3 GEMM (their codes, minus integer zero points, are e4m3 values).
+MIXGEMM_FP8_TYPES: tuple[WeightType, ...] = tuple(wt for wt in MIXGEMM_TYPES if wt.value in Fp8GemmSpec.WEIGHTS)
+#: Names taken only when ``--impls`` names them exactly (never by default, nor by a prefix): the
+#: 8-bit types with e4m3 activations, whose points are reported n/a with the reason.
+NAMED_ONLY: tuple[str, ...] = tuple(f"mixgemm-{wt.value}{FP8_SUFFIX}" for wt in MIXGEMM_TYPES
+                                    if wt not in MIXGEMM_FP8_TYPES)
+#: :attr:`Impl.activations`: x multiplied as given, or rounded to e4m3 per token in the call.
+EXACT, E4M3 = "exact", "e4m3"
 
 
 def mixgemm_available() -> tuple[bool, str]:
@@ -59,51 +85,78 @@ def torch_int4_available() -> tuple[bool, str]:
     return True, ""
 
 
+def scaled_mm_available() -> tuple[bool, str]:
+    """Whether ``torch._scaled_mm`` e4m3 x e4m3 can run here (:func:`.peer_formats.scaled_mm_problem`);
+    ``(False, reason)`` if not."""
+    why = scaled_mm_problem()
+    return (False, why) if why else (True, "")
+
+
 def impl_names(all_configs: bool = False) -> list[str]:
-    """Names of every implementation the harness knows, in table order.
+    """Names of every implementation the harness runs by default, in table order: cuBLAS, the
+    peers, ``mixgemm-<wt>`` for every weight type, then ``mixgemm-<wt>-fp8`` for the e4m3 GEMM's
+    (:data:`NAMED_ONLY` are known too, but only when named).
 
     Parameters
     ----------
     all_configs : bool
-        Also list ``mixgemm-<wt>@<label>`` for every tile config.
+        Also list ``mixgemm-<wt>@<label>`` for every tile config (exact activations).
     """
     names = [BASELINE, *PEER_NAMES] + [f"mixgemm-{wt.value}" for wt in MIXGEMM_TYPES]
+    names += [f"mixgemm-{wt.value}{FP8_SUFFIX}" for wt in MIXGEMM_FP8_TYPES]
     if all_configs:
         names += [f"mixgemm-{wt.value}@{tc.label}" for wt in MIXGEMM_TYPES for tc in TILE_CONFIGS]
     return names
 
 
 def select_impl_names(candidates: Sequence[str], patterns: Optional[Sequence[str]]) -> list[str]:
-    """The candidates matching any pattern (an exact name or a name prefix), in candidate
-    order, always with the baseline (``cublas``) first.
+    """The candidates matching any pattern, in candidate order, always with the baseline
+    (``cublas``) first.
+
+    A pattern that is a candidate's name selects that candidate and its ``@<config>`` variants
+    (``mixgemm-u4``: not ``mixgemm-u4-fp8``); any other pattern selects the candidates whose
+    names start with it (``gemlite``, ``mixgemm-s``). A name of :data:`NAMED_ONLY` is taken when
+    given exactly, after the candidates.
 
     Raises
     ------
     ValueError
         A pattern matches no candidate.
     """
+    def matches(name: str, pattern: str) -> bool:
+        if pattern in candidates:
+            return name == pattern or name.startswith(pattern + "@")
+        return name.startswith(pattern)
+
     if not patterns:
         chosen = list(candidates)
     else:
-        unmatched = [p for p in patterns if not any(c == p or c.startswith(p) for c in candidates)]
+        unmatched = [p for p in patterns if p not in NAMED_ONLY and not any(matches(c, p) for c in candidates)]
         if unmatched:
             hint = " (the @<config> variants need --all-configs)" if any("@" in p for p in unmatched) else ""
             raise ValueError(f"--impls: {', '.join(repr(p) for p in unmatched)} match no "
                              f"implementation{hint}; known: {', '.join(candidates)}")
-        chosen = [c for c in candidates if any(c == p or c.startswith(p) for p in patterns)]
+        chosen = [c for c in candidates if any(matches(c, p) for p in patterns)]
+        chosen += [p for p in dict.fromkeys(patterns) if p in NAMED_ONLY and p not in chosen]
     if BASELINE in candidates and BASELINE not in chosen:
         chosen.insert(0, BASELINE)
     return chosen
 
 
 def is_peer(impl: str) -> bool:
-    """Whether ``impl`` is one of the peers (torch_int4, gemlite-*)."""
+    """Whether ``impl`` is one of the peers (torch_int4, gemlite-*, scaled_mm)."""
     return impl in PEER_NAMES or impl.startswith("gemlite")
 
 
 def base_name(impl: str) -> str:
     """``"mixgemm-u4@dec8"`` -> ``"mixgemm-u4"``."""
     return impl.split("@", 1)[0]
+
+
+def activations_of(impl: str) -> str:
+    """:data:`E4M3` for the rows that round x to e4m3 in the call (``mixgemm-<wt>-fp8``,
+    ``scaled_mm``), else :data:`EXACT`."""
+    return E4M3 if impl == SCALED_MM or base_name(impl).endswith(FP8_SUFFIX) else EXACT
 
 
 class QuantCache:
@@ -142,9 +195,28 @@ class QuantCache:
         return self._get(w, ("d", bits, symmetric, group_size, dtype),
                          lambda: dequantize_reference(self.quantized(w, bits, symmetric, group_size, dtype)))
 
+    def exact(self, w: torch.Tensor, bits: int, symmetric: bool, group_size: int,
+              dtype: torch.dtype) -> torch.Tensor:
+        """:func:`exact_weight` of the quantized ``w`` (cached)."""
+        return self._get(w, ("e", bits, symmetric, group_size, dtype),
+                         lambda: exact_weight(self.quantized(w, bits, symmetric, group_size, dtype)))
+
     def clear(self) -> None:
         self._store.clear()
         self._weight_id = None
+
+
+def exact_weight(qw: QuantizedWeight) -> torch.Tensor:
+    """``(q - z) * s`` in float32, ``[N, K]``: the weight the e4m3 GEMMs multiply, which they apply
+    exactly (each code minus its integer zero point enters the MMA unrounded and the group scale
+    multiplies the float32 sum), unlike :func:`mixgemm.dequantize_reference`'s bf16 rounding. Every
+    value is exact in float32: an integer of at most 8 bits times a 16-bit float's 11-bit
+    significand."""
+    g = qw.group_size
+    codes = qw.qweight.float()
+    if qw.zeros is not None:
+        codes = codes - qw.zeros.float().repeat_interleave(g, dim=1)
+    return codes * qw.scales.float().repeat_interleave(g, dim=1)
 
 
 def _tensor_bytes(*tensors: Optional[torch.Tensor]) -> int:
@@ -160,19 +232,28 @@ class Impl(abc.ABC):
         Its name in tables, JSON and ``--impls``.
     kind : str
         ``"baseline"``, ``"peer"`` or ``"mixgemm"``.
+    activations : str
+        :data:`EXACT` (x multiplied as given) or :data:`E4M3` (x rounded to e4m3 per token, as
+        :func:`mixgemm.ops.quantize_fp8_reference` defines it, inside the timed call).
     dequantized : torch.Tensor or None
-        After :meth:`prepare`: the ``[N, K]`` weight (activation dtype) this implementation
-        multiplies by, reconstructed from its own quantization parameters: its results are
-        compared with ``x @ dequantized^T`` in float64.
+        After :meth:`prepare`: the ``[N, K]`` weight this implementation multiplies by,
+        reconstructed from its own quantization parameters (any float dtype that holds it
+        exactly): its results are compared with ``x' @ (dequantized * col_scale[:, None])^T`` in
+        float64, x' the activations it multiplies (:attr:`activations`).
+    col_scale : torch.Tensor or None
+        After :meth:`prepare`: float32 ``[N]``, a scale per weight row applied to the product
+        (scaled_mm's), or None.
     weight_bytes : int or None
         After :meth:`prepare`: bytes of the weight tensors it reads (codes, scales, zeros).
     """
 
     name: str = ""
     kind: str = ""
+    activations: str = EXACT
 
     def __init__(self) -> None:
         self.dequantized: Optional[torch.Tensor] = None
+        self.col_scale: Optional[torch.Tensor] = None
         self.weight_bytes: Optional[int] = None
 
     def available(self) -> tuple[bool, str]:
@@ -183,6 +264,12 @@ class Impl(abc.ABC):
         """Why this implementation does not take ``m`` tokens (None: it does)."""
         del m
         return None
+
+    def kernel_specs(self, x_dtype: torch.dtype, ms: Optional[Sequence[int]] = None) -> list:
+        """The mixgemm kernels this implementation launches on an sm_90 GPU for ``ms`` tokens (all
+        token counts if None), to build them up front: none."""
+        del x_dtype, ms
+        return []
 
     @abc.abstractmethod
     def prepare(self, w_float: torch.Tensor, x_dtype: torch.dtype) -> None:
@@ -196,6 +283,7 @@ class Impl(abc.ABC):
     def release(self) -> None:
         """Drop the prepared weight."""
         self.dequantized = None
+        self.col_scale = None
         self.weight_bytes = None
 
 
@@ -308,24 +396,89 @@ class GemliteImpl(Impl):
         self._layer = None
 
 
+class ScaledMmImpl(Impl):
+    """``torch._scaled_mm`` e4m3 x e4m3 with per-row scales on both operands and a bf16 output:
+    the W8A8-FP8 GEMM (as vLLM runs an fp8 checkpoint with per-channel weight scales and dynamic
+    per-token activation scales).
+
+    The weight is quantized once (:func:`.peer_formats.scaled_mm_weight`, from the bf16 weight);
+    the timed call quantizes x per token, then multiplies. The quantizer is
+    :func:`mixgemm.ops.quantize_fp8` (one launch on an sm_90 GPU, the kernel that
+    ``mixgemm-<wt>-fp8`` launches too; elsewhere its torch definition), so both e4m3 rows pay
+    the same quantization and differ by their GEMMs alone. It writes each token's columns permuted
+    inside blocks of 32, so the weight's columns are permuted alike (the sum is the same).
+    """
+
+    name = SCALED_MM
+    kind = "peer"
+    activations = E4M3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._codes: Optional[torch.Tensor] = None
+        self._scales: Optional[torch.Tensor] = None
+
+    def available(self) -> tuple[bool, str]:
+        return scaled_mm_available()
+
+    def kernel_specs(self, x_dtype: torch.dtype, ms: Optional[Sequence[int]] = None) -> list:
+        """The activation quantizer (:func:`mixgemm.ops.fp8.quant_spec`)."""
+        del ms
+        return [quant_spec(x_dtype)]
+
+    def prepare(self, w_float: torch.Tensor, x_dtype: torch.dtype) -> None:
+        if x_dtype != torch.bfloat16:
+            raise ImplUnavailable("the W8A8-FP8 GEMM runs with bf16 activations and output (--dtype bf16)")
+        n, k = w_float.shape
+        if k % BLOCK or n % 16:
+            raise ImplUnavailable(f"needs K % {BLOCK} == 0 (the per-token quantizer) and N % 16 == 0 "
+                                  f"(torch._scaled_mm), got N={n} K={k}")
+        codes, gemm_codes, scales = scaled_mm_weight(w_float.to(x_dtype))
+        self._codes, self._scales = gemm_codes, scales
+        self.dequantized, self.col_scale = codes, scales
+        self.weight_bytes = _tensor_bytes(gemm_codes, scales)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_fp8(x)
+        return scaled_mm(xq, xs, self._codes, self._scales, x.dtype)
+
+    def release(self) -> None:
+        super().release()
+        self._codes = self._scales = None
+
+
 class MixgemmImpl(Impl):
     """:func:`mixgemm.ops.gemm` (heuristic kernel), or one tile config through
-    :func:`mixgemm.ops.gemm_with_spec` when ``tile_label`` is given."""
+    :func:`mixgemm.ops.gemm_with_spec` when ``tile_label`` is given; with ``act_format="fp8"``,
+    ``mixgemm.gemm(x, w, act_format="fp8")``: the per-token e4m3 quantizer and the e4m3 GEMM
+    (``mixgemm-<wt>-fp8``), checked against the e4m3-rounded activations and the exact weight
+    ``(q - z) * s`` (:func:`exact_weight`)."""
 
     kind = "mixgemm"
 
     def __init__(self, weight_type: WeightType, group_size: int, cache: QuantCache,
-                 tile_label: Optional[str] = None) -> None:
+                 tile_label: Optional[str] = None, act_format: str = "bf16") -> None:
         super().__init__()
+        if act_format not in ("bf16", "fp8"):
+            raise ValueError(f"act_format must be bf16 or fp8, got {act_format!r}")
+        if act_format == "fp8" and tile_label is not None:
+            raise ValueError("the e4m3 GEMM has one tile config: no @<config> rows")
         self.weight_type = weight_type
         self.group_size = group_size
         self.tile_label = tile_label
-        self.name = f"mixgemm-{weight_type.value}" + (f"@{tile_label}" if tile_label else "")
+        self.act_format = act_format
+        self.activations = E4M3 if act_format == "fp8" else EXACT
+        self.name = (f"mixgemm-{weight_type.value}" + (FP8_SUFFIX if act_format == "fp8" else "")
+                     + (f"@{tile_label}" if tile_label else ""))
         self._cache = cache
         self._packed: Optional[PackedWeight] = None
         self._spec: Any = None
 
     def available(self) -> tuple[bool, str]:
+        if self.act_format == "fp8":
+            why = act_format_problem("fp8", self.weight_type)
+            if why:
+                return False, why
         return mixgemm_available()
 
     def why_not_m(self, m: int) -> Optional[str]:
@@ -338,8 +491,11 @@ class MixgemmImpl(Impl):
 
     def kernel_specs(self, x_dtype: torch.dtype, ms: Optional[Sequence[int]] = None) -> list:
         """The GEMM kernel specs this implementation may launch for ``ms`` tokens (all token
-        counts if None), to build them up front."""
+        counts if None), to build them up front (with e4m3 activations: the quantizer and the
+        e4m3 GEMM, one tile at every M)."""
         act = ActType.from_torch(x_dtype)
+        if self.act_format == "fp8":
+            return [quant_spec(x_dtype), fp8_gemm_spec(act, self.weight_type)]
         if self.tile_label is None and ms is not None:
             labels = set().union(*(tile_labels(m) for m in ms))   # the choice also depends on the layer's size
         else:
@@ -353,12 +509,21 @@ class MixgemmImpl(Impl):
             self._packed = self._cache.packed(w_float, bits, sym, self.group_size, x_dtype)
         except ValueError as e:
             raise ImplUnavailable(f"cannot quantize/prepack this weight: {e}") from None
-        self.dequantized = self._cache.dequantized(w_float, bits, sym, self.group_size, x_dtype)
+        if self.act_format == "fp8":
+            why = fp8_problem(self._packed)
+            if why:
+                self._packed = None
+                raise ImplUnavailable(why)
+            self.dequantized = self._cache.exact(w_float, bits, sym, self.group_size, x_dtype)
+        else:
+            self.dequantized = self._cache.dequantized(w_float, bits, sym, self.group_size, x_dtype)
         self.weight_bytes = self._packed.nbytes
         if self.tile_label is not None:
             self._spec = self.kernel_specs(x_dtype)[0]
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_format == "fp8":
+            return ops.gemm(x, self._packed, act_format="fp8")
         if self._spec is None:
             return ops.gemm(x, self._packed)
         return ops.gemm_with_spec(x, self._packed, self._spec)
@@ -379,10 +544,20 @@ def make_impls(names: Sequence[str], group_size: int, cache: QuantCache) -> list
             out.append(CublasImpl())
         elif name == "torch_int4":
             out.append(TorchInt4Impl(group_size, cache))
+        elif name == SCALED_MM:
+            out.append(ScaledMmImpl())
         elif base in ("gemlite-u4", "gemlite-u2") and not label:
             out.append(GemliteImpl(int(base[-1]), group_size, cache))
         elif base.startswith("mixgemm-") and (not label or label in labels):
-            out.append(MixgemmImpl(WeightType(base[len("mixgemm-"):]), group_size, cache, label or None))
+            wt = base[len("mixgemm-"):]
+            fp8 = wt.endswith(FP8_SUFFIX)
+            if fp8 and label:
+                raise ValueError(f"unknown implementation {name!r} (the e4m3 GEMM has no @<config> rows)")
+            try:
+                weight_type = WeightType(wt[:-len(FP8_SUFFIX)] if fp8 else wt)
+            except ValueError:
+                raise ValueError(f"unknown implementation {name!r}") from None
+            out.append(MixgemmImpl(weight_type, group_size, cache, label or None, "fp8" if fp8 else "bf16"))
         else:
             raise ValueError(f"unknown implementation {name!r}")
     return out
@@ -418,8 +593,10 @@ def kernel_is_cached(spec: Any) -> tuple[bool, str]:
         return False, f"cannot check kernel {spec.name}: {e}"
 
 
-__all__ = ["BASELINE", "PEER_NAMES", "MIXGEMM_TYPES", "TORCH_INT4_INNER_K_TILES", "TORCH_INT4_GROUP_SIZES",
-           "ImplUnavailable", "mixgemm_available", "torch_int4_available", "impl_names", "select_impl_names",
-           "is_peer", "base_name", "QuantCache", "Impl", "CublasImpl", "torch_int4_params", "torch_int4_dequant",
-           "torch_int4_pack", "torch_int4_mm", "TorchInt4Impl", "gemlite_dequant", "GemliteImpl", "MixgemmImpl", "make_impls",
-           "prebuild_kernels", "kernel_is_cached"]
+__all__ = ["BASELINE", "SCALED_MM", "PEER_NAMES", "MIXGEMM_TYPES", "FP8_SUFFIX", "MIXGEMM_FP8_TYPES", "NAMED_ONLY",
+           "EXACT", "E4M3", "TORCH_INT4_INNER_K_TILES", "TORCH_INT4_GROUP_SIZES",
+           "ImplUnavailable", "mixgemm_available", "torch_int4_available", "scaled_mm_available", "impl_names",
+           "select_impl_names", "is_peer", "base_name", "activations_of", "QuantCache", "exact_weight", "Impl",
+           "CublasImpl", "torch_int4_params", "torch_int4_dequant", "torch_int4_pack", "torch_int4_mm", "TorchInt4Impl",
+           "gemlite_dequant", "GemliteImpl", "ScaledMmImpl", "MixgemmImpl", "make_impls", "prebuild_kernels",
+           "kernel_is_cached"]

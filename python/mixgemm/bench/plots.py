@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from ..jit.catalog import TILE_CONFIGS
 from .generate import GEN_MODES
 from .grid import OK, PointResult
-from .peers import BASELINE, base_name
+from .peers import BASELINE, E4M3, activations_of, base_name
 from .variants import NO_GEMM
 
 
@@ -64,8 +64,9 @@ def _finish(fig: Any, axes: Any, width: float, title: str, path: Path,
 
 def write_plot(results: Sequence[PointResult], path: Path, title: str = "") -> tuple[bool, str]:
     """Plot speedup over cuBLAS against M (log2 axis): one panel per (N, K), one line per
-    implementation (ok points only; peers dashed, mixgemm solid, its ``@config`` variants
-    dotted in the colour of their weight type). Needs matplotlib (optional).
+    implementation (ok points only; peers dashed, mixgemm solid, its e4m3-activation rows
+    dash-dotted, its ``@config`` variants dotted in the colour of their weight type). Needs
+    matplotlib (optional).
 
     Returns
     -------
@@ -97,8 +98,8 @@ def write_plot(results: Sequence[PointResult], path: Path, title: str = "") -> t
     config_markers = {tc.label: mk for tc, mk in zip(TILE_CONFIGS, "vs^DPX*")}
     colors = {name: f"C{bases.index(base_name(name)) % 10}" for name in impls}
     markers = {name: config_markers.get(name.partition("@")[2], "o") for name in impls}
-    styles = {name: (":" if "@" in name else "-" if name.startswith("mixgemm") else "--")
-              for name in impls}
+    styles = {name: (":" if "@" in name else "--" if not name.startswith("mixgemm")
+                     else "-." if activations_of(name) == E4M3 else "-") for name in impls}
     all_ms = sorted({r.m for r in results})
     for ax, (n, k) in zip(axes.flat, shapes):
         ax.axhline(1.0, color="black", lw=0.8, ls=":", label="cuBLAS (bf16/fp16 weight)")
