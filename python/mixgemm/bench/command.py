@@ -228,7 +228,8 @@ def run_model_cli(args: argparse.Namespace, device: torch.device, log: Log) -> i
         f"{', '.join(cfg.modes)}; median of {cfg.iters} runs{' (QUICK)' if cfg.quick else ''}")
     copy_bw, read_bw, dense = _ceilings(device, cfg.iters, cfg.warmup, log, read=True)
     machine = machine_info(device, cfg.gpu_name, copy_bw, dense, read_bw)
-    points = analyze_model(run_model(cfg, device, log), read_bw, cfg.max_error, cfg.group_size)
+    points = analyze_model(run_model(cfg, device, log), read_bw, cfg.max_error, cfg.group_size,
+                           fp8_max_error=cfg.fp8_max_error)
     report = ModelReport(machine, cfg.to_json(), {n: dataclasses.asdict(PRESETS[n]) for n in cfg.presets}, points)
     log(format_model_table(points, machine, report.config))
     write_model_outputs(report, cfg, log=log)

@@ -231,6 +231,9 @@ def parse_types(names: Sequence[str]) -> tuple[Variant, ...]:
         v = parse_variant(name)
         if v.kind is not VariantKind.MIXGEMM:
             raise ValueError(f"{name.strip()!r} is not a mixgemm weight type (u4, u2, s8, ...; bf16 always runs)")
+        if v.e4m3:
+            raise ValueError(f"{name.strip()!r}: --generate runs exact activations (e4m3 ones: --model's "
+                             f"{v.name} variant)")
         if v not in out:
             out.append(v)
     if not out:

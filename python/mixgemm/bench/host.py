@@ -422,7 +422,8 @@ def run_host(device: torch.device, step_cfg: Optional[ModelConfig], iters: int, 
     step: list[ModelPoint] = []
     if step_cfg is not None:
         meas = run_model(step_cfg, device, log)
-        step = analyze_model(meas, read_bw_gbps, step_cfg.max_error, step_cfg.group_size)
+        step = analyze_model(meas, read_bw_gbps, step_cfg.max_error, step_cfg.group_size,
+                             fp8_max_error=step_cfg.fp8_max_error)
     return points, step
 
 

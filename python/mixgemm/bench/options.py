@@ -16,8 +16,9 @@ from .generate import (DEFAULT_FUSE, DEFAULT_GEN_BATCHES, DEFAULT_NEW_TOKENS, DE
 from .grid import (DEFAULT_CHECK_ROWS, DEFAULT_GROUP_SIZE, DEFAULT_MAX_ERROR, DEFAULT_MS, DEFAULT_PEER_MAX_ERROR,
                    DEFAULT_SEED, DEFAULT_SHAPES, DEFAULT_WARMUP, MIN_ITERS, QUICK_ITERS, QUICK_WARMUP, BenchConfig)
 from .host import STEP_PRESET, STEP_VARIANTS
-from .model import (DEFAULT_BATCHES, DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_MODEL_MAX_ERROR, DEFAULT_POINT_BUDGET_S,
-                    DEFAULT_MODES, DEFAULT_PREFILL, MODEL_ITERS, MODEL_WARMUP, MODES, ModelConfig)
+from .model import (DEFAULT_BATCHES, DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_MODEL_FP8_MAX_ERROR,
+                    DEFAULT_MODEL_MAX_ERROR, DEFAULT_POINT_BUDGET_S, DEFAULT_MODES, DEFAULT_PREFILL, MODEL_ITERS,
+                    MODEL_WARMUP, MODES, ModelConfig)
 from .moe import (DEFAULT_MOE_MAX_ERROR, DEFAULT_MOE_POINT_BUDGET_S, DEFAULT_TOKENS, MOE_ITERS, MOE_PRESETS,
                   MOE_VARIANTS, MOE_WARMUP, ROUTINGS, MoeConfig, parse_moe_presets, parse_routings)
 from .peers import BASELINE, impl_names, select_impl_names
@@ -118,7 +119,7 @@ def _non_negative_int(text: str) -> int:
 # Options
 # ------------------------------------------------------------------------------------------
 #: Options that only --model and --host take (None unless given).
-_MODEL_OPTIONS = ("layers", "batch", "context", "prefill", "modes", "model_max_error")
+_MODEL_OPTIONS = ("layers", "batch", "context", "prefill", "modes", "model_max_error", "model_fp8_max_error")
 #: Options that --model, --host and --moe take.
 _SHARED_OPTIONS = ("variants", "point_budget")
 #: Options that only --moe takes.
@@ -201,7 +202,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "int4 asymmetric) at batch 1 (or --m), bf16 vs mixgemm, both under CUDA graphs")
     modes.add_argument("--model", type=parse_presets, default=None, metavar="NAME,...",
                        help=f"one decode step (and a prefill) of a decoder layer stack with a model's shapes: "
-                            f"{', '.join(PRESETS)}, or all; bf16 vs mixgemm and torch's int4, graph and eager")
+                            f"{', '.join(PRESETS)}, or all; bf16 vs mixgemm (exact or e4m3 activations), torch's "
+                            f"int4 and torch._scaled_mm fp8, graph and eager")
     modes.add_argument("--moe", type=_moe_presets, default=None, metavar="NAME,...",
                        help=f"one mixture-of-experts layer (routing, gate/up + swiglu, down, top-k sum) with a "
                             f"model's expert shapes: {', '.join(MOE_PRESETS)}, or all; bf16 (torch._grouped_mm) vs "
@@ -231,8 +233,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help=f"tokens of the prefill at batch 1 (default {DEFAULT_PREFILL}; 0: no prefill)")
     model.add_argument("--variants", type=parse_name_list, default=None, metavar="NAME,...",
                        help=f"variants (--model, --host and --moe; default {','.join(DEFAULT_VARIANTS)}, --moe without "
-                            f"no-gemm; int4/int2/int8 = mixgemm u4/u2/s8, or mixgemm-<type>; no-gemm: the step "
-                            f"without its GEMMs, --model's bound); bf16 always runs")
+                            f"no-gemm; int4/int2/int8 = mixgemm u4/u2/s8, or mixgemm-<type>; a mixgemm name with "
+                            f"-fp8 (int4-fp8, mixgemm-s2-fp8): e4m3 activations; scaled-mm: torch._scaled_mm "
+                            f"W8A8-FP8; no-gemm: the step without its GEMMs, --model's bound); bf16 always runs")
     model.add_argument("--modes", type=parse_name_list, default=None, metavar="MODE,...",
                        help="graph, eager and/or compiled (torch.compile, then a CUDA graph; default graph,eager)")
     model.add_argument("--point-budget", type=float, default=None, metavar="SECONDS",
@@ -242,6 +245,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     model.add_argument("--model-max-error", type=float, default=None,
                        help=f"the step's error bar (output, KV written, graph replay) vs bf16 on the same "
                             f"dequantized weights (default {DEFAULT_MODEL_MAX_ERROR:g})")
+    model.add_argument("--model-fp8-max-error", type=float, default=None,
+                       help=f"the same for the e4m3 variants (-fp8, scaled-mm), whose step also rounds every "
+                            f"linear's input to e4m3 (default {DEFAULT_MODEL_FP8_MAX_ERROR:g})")
     moe = parser.add_argument_group("--moe")
     moe.add_argument("--tokens", type=parse_int_list, default=None, metavar="T,...",
                      help=f"tokens in the layer (default {','.join(map(str, DEFAULT_TOKENS))})")
@@ -363,7 +369,8 @@ def model_config_from_args(args: argparse.Namespace, presets: Optional[Sequence[
     ------
     BenchError
         Too few iterations without ``--quick``, fewer than one layer, an unknown variant or
-        mode, a non-positive error bar or point budget, fp16 activations, a ``--moe`` option.
+        mode, a non-positive error bar (``--model-max-error``, ``--model-fp8-max-error``) or point
+        budget, fp16 activations, a ``--moe`` option.
     """
     _check_model_only(args)
     iters, warmup, quick = _iterations(args, MODEL_ITERS, MODEL_WARMUP)
@@ -383,6 +390,9 @@ def model_config_from_args(args: argparse.Namespace, presets: Optional[Sequence[
     max_error = DEFAULT_MODEL_MAX_ERROR if args.model_max_error is None else args.model_max_error
     if not max_error > 0:
         raise BenchError(f"--model-max-error must be positive, got {max_error}")
+    fp8_max_error = DEFAULT_MODEL_FP8_MAX_ERROR if args.model_fp8_max_error is None else args.model_fp8_max_error
+    if not fp8_max_error > 0:
+        raise BenchError(f"--model-fp8-max-error must be positive, got {fp8_max_error}")
     budget = DEFAULT_POINT_BUDGET_S if args.point_budget is None else args.point_budget
     if not budget > 0:
         raise BenchError(f"--point-budget must be positive, got {budget}")
@@ -393,8 +403,8 @@ def model_config_from_args(args: argparse.Namespace, presets: Optional[Sequence[
         prefill=default_prefill if args.prefill is None else args.prefill,
         variants=variants, modes=tuple(dict.fromkeys(modes)), group_size=args.group_size, iters=iters,
         warmup=warmup, quick=quick, max_error=float(max_error), point_budget_s=float(budget), seed=int(args.seed),
-        json_path=args.json, plot_path=args.plot, save=bool(args.save), results_root=args.results_dir,
-        gpu_name=args.gpu_name)
+        fp8_max_error=float(fp8_max_error), json_path=args.json, plot_path=args.plot, save=bool(args.save),
+        results_root=args.results_dir, gpu_name=args.gpu_name)
 
 
 def moe_config_from_args(args: argparse.Namespace) -> MoeConfig:
@@ -403,8 +413,9 @@ def moe_config_from_args(args: argparse.Namespace) -> MoeConfig:
     Raises
     ------
     BenchError
-        Too few iterations without ``--quick``, an unknown variant (or no-gemm) or routing, a
-        non-positive error bar or point budget, fp16 activations, or a ``--model`` / grid option.
+        Too few iterations without ``--quick``, an unknown variant (or no-gemm, or an e4m3 one) or
+        routing, a non-positive error bar or point budget, fp16 activations, or a ``--model`` /
+        grid option.
     """
     _check_model_only(args)
     iters, warmup, quick = _iterations(args, MOE_ITERS, MOE_WARMUP)
@@ -417,6 +428,10 @@ def moe_config_from_args(args: argparse.Namespace) -> MoeConfig:
         raise BenchError(f"{'--routing' if 'routing' in str(e) else '--variants'}: {e}") from None
     if NO_GEMM in variants:
         raise BenchError("--variants: no-gemm is a --model (and --host) variant: --moe has no step without its GEMMs")
+    e4m3 = [v.name for v in variants if v.e4m3]
+    if e4m3:
+        raise BenchError(f"--variants: {', '.join(e4m3)}: --moe has no e4m3-activation variant (mixgemm has no "
+                         f"grouped e4m3 kernels yet, docs/fp8.md); they are --model (and --host) variants")
     max_error = DEFAULT_MOE_MAX_ERROR if args.moe_max_error is None else args.moe_max_error
     if not max_error > 0:
         raise BenchError(f"--moe-max-error must be positive, got {max_error}")

@@ -11,8 +11,9 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from ..nn.linear import act_format_problem
 from .peer_formats import ImplUnavailable
-from .peers import kernel_is_cached, mixgemm_available, prebuild_kernels, torch_int4_available
+from .peers import kernel_is_cached, mixgemm_available, prebuild_kernels, scaled_mm_available, torch_int4_available
 from .variants import Variant, VariantKind
 
 Log = Callable[[str], None]
@@ -34,20 +35,34 @@ class RunOutputs:
 
 
 def variant_available(variant: Variant) -> tuple[bool, str]:
-    """Whether ``variant`` can run here; ``(False, reason)`` if not."""
+    """Whether ``variant`` can run here; ``(False, reason)`` if not (an 8-bit weight with e4m3
+    activations says so first, on any machine)."""
     if variant.kind is VariantKind.MIXGEMM:
+        why = act_format_problem(variant.act_format, variant.weight_type)
+        if why:
+            return False, why
         return mixgemm_available()
     if variant.kind is VariantKind.TORCH_INT4:
         return torch_int4_available()
+    if variant.kind is VariantKind.SCALED_MM:
+        return scaled_mm_available()
     return True, ""
+
+
+def launches_mixgemm_kernels(variant: Variant) -> bool:
+    """Whether ``variant``'s step launches mixgemm's kernels here: every mixgemm variant, and
+    scaled-mm where its activation quantizer is mixgemm's kernel (an sm_90 GPU)."""
+    if variant.kind is VariantKind.MIXGEMM:
+        return True
+    return variant.kind is VariantKind.SCALED_MM and mixgemm_available()[0]
 
 
 def prebuild_variants(variants: Sequence[Variant], specs_of: Callable[[Variant], list], log: Log,
                       what: str = "mixgemm kernels") -> dict[str, str]:
-    """Build the kernels ``specs_of(v)`` of every mixgemm variant that can run here; ``{variant
-    name: reason}`` for the variants whose kernels did not build (their points are reported as
-    errors)."""
-    mix = [v for v in variants if v.kind is VariantKind.MIXGEMM and variant_available(v)[0]]
+    """Build the kernels ``specs_of(v)`` of every variant that can run here and launches mixgemm's
+    kernels (:func:`launches_mixgemm_kernels`); ``{variant name: reason}`` for the variants whose
+    kernels did not build (their points are reported as errors)."""
+    mix = [v for v in variants if launches_mixgemm_kernels(v) and variant_available(v)[0]]
     specs = [s for v in mix for s in specs_of(v)]
     if not specs:
         return {}
@@ -166,4 +181,5 @@ def recover() -> None:
         pass
 
 
-__all__ = ["RunOutputs", "run_variants", "run_presets", "variant_available", "prebuild_variants", "cuda_capture", "sync", "free", "frozen_heap", "describe", "recover"]
+__all__ = ["RunOutputs", "run_variants", "run_presets", "variant_available", "launches_mixgemm_kernels",
+           "prebuild_variants", "cuda_capture", "sync", "free", "frozen_heap", "describe", "recover"]
