@@ -100,3 +100,83 @@ def test_moe_smoke(requires_gpu, tmp_path):
             assert p.experts_touched == 8
         if p.variant == "bf16" and hasattr(torch, "_grouped_mm"):
             assert p.impl == "torch._grouped_mm", p.impl
+
+
+def test_grid_fp8_smoke(requires_gpu, tmp_path):
+    """The grid's e4m3 rows on the GPU: mixgemm-<wt>-fp8 and scaled_mm measured, within the e4m3
+    bar of float64 on their own operands, compared with scaled_mm as their best peer, with their
+    formula's bytes; the 8-bit type with fp8 n/a with the reason."""
+    out = tmp_path / "grid.json"
+    impls = ["cublas", "torch_int4", "scaled_mm", "mixgemm-u4", "mixgemm-u4-fp8", "mixgemm-s2-fp8", "mixgemm-s8-fp8"]
+    rc = bench.main(["--shapes", "4096x4096,4096x14336", "--m", "1,16,256,1024", "--impls", ",".join(impls),
+                     "--quick", "--json", str(out)])
+    rep = bench.read_json(out)
+    assert rc == 0
+    points = {(p.impl, p.k, p.m): p for p in rep.results}
+    assert set(points) == {(i, k, m) for i in impls for k in (4096, 14336) for m in (1, 16, 256, 1024)}
+    for (impl, k, m), p in points.items():
+        if impl == "mixgemm-s8-fp8":
+            assert p.status == bench.UNAVAILABLE and "u4, s4, u2 and s2" in p.note
+            continue
+        if impl == "torch_int4" and p.status == bench.UNAVAILABLE:
+            continue
+        assert p.status == bench.OK, (impl, k, m, p.note)
+        assert p.weight_bytes == bench.expected_weight_bytes(impl, 4096, k, 128)
+        assert p.time_us > 0 and p.speedup_vs_cublas > 0
+        if bench.activations_of(impl) == bench.E4M3:
+            assert p.err_impl < bench.fp8_error_bar(k), (impl, k, m, p.err_impl)
+            assert p.best_peer == "scaled_mm" and p.bytes_moved > bench.traffic_bytes(m, 4096, k, p.weight_bytes)
+        else:
+            assert p.best_peer in (None, "torch_int4")
+
+
+def test_model_fp8_smoke(requires_gpu, tmp_path):
+    """--model with the e4m3 variants: every step measured in graph and eager mode, within the e4m3
+    bar of the bf16 step on their own weights and further from it than the exact variant; the
+    8-bit e4m3 variant n/a; their bytes the formula's and their activations' codes counted."""
+    from mixgemm.bench.decoder import PRESETS
+    from mixgemm.bench.variants import layer_weight_bytes, parse_variant
+
+    out = tmp_path / "model.json"
+    rc = bench.main(["--model", "llama3-8b", "--layers", "2", "--batch", "1,64", "--prefill", "256",
+                     "--variants", "int4,int4-fp8,int2-fp8,scaled-mm,int8-fp8", "--iters", "5", "--quick",
+                     "--json", str(out)])
+    rep = M.model_report_from_dict(json.loads(out.read_text()))
+    assert rc == 0
+    variants = ["bf16", "mixgemm-u4", "mixgemm-u4-fp8", "mixgemm-u2-fp8", "scaled-mm", "mixgemm-s8-fp8"]
+    assert {(p.variant, p.phase, p.batch, p.mode) for p in rep.points} == {
+        (v, ph, b, mode) for v in variants for ph, b in (("decode", 1), ("decode", 64), ("prefill", 1))
+        for mode in ("graph", "eager")}
+    err = {}
+    for p in rep.points:
+        if p.variant == "mixgemm-s8-fp8":
+            assert p.status == bench.UNAVAILABLE and "u4, s4, u2 and s2" in p.note
+            continue
+        assert p.status == bench.OK, (p.variant, p.phase, p.batch, p.mode, p.note)
+        assert p.weight_bytes == layer_weight_bytes(PRESETS["llama3-8b"], parse_variant(p.variant), 128)
+        assert p.speedup_vs_bf16 > 0 and p.frac_of_floor > 0
+        if p.variant in ("mixgemm-u4-fp8", "mixgemm-u2-fp8", "scaled-mm"):
+            assert p.err < M.DEFAULT_MODEL_FP8_MAX_ERROR and p.kv_err < M.DEFAULT_MODEL_FP8_MAX_ERROR
+            assert p.act_bytes > next(q.act_bytes for q in rep.points if q.variant == "bf16" and q.key[1:5] == p.key[1:5])
+        if p.variant != "bf16":
+            err[(p.variant, p.phase, p.batch, p.mode)] = p.err
+    for key, e in err.items():
+        if key[0] != "mixgemm-u4":
+            assert e > err[("mixgemm-u4",) + key[1:]], (key, e)   # the e4m3 rounding shows
+
+
+def test_model_fp8_compiled_smoke(requires_gpu, tmp_path):
+    """--modes compiled: scaled-mm's step compiles whole (its quantizer fused by inductor), is
+    captured and replayed; mixgemm's e4m3 variant is n/a there (refused under torch.compile)."""
+    out = tmp_path / "model.json"
+    rc = bench.main(["--model", "llama3-8b", "--layers", "2", "--batch", "16", "--prefill", "0",
+                     "--variants", "scaled-mm,int4-fp8", "--modes", "compiled", "--iters", "5", "--quick",
+                     "--json", str(out)])
+    rep = M.model_report_from_dict(json.loads(out.read_text()))
+    assert rc == 0
+    by_variant = {p.variant: p for p in rep.points}
+    assert set(by_variant) == {"bf16", "scaled-mm", "mixgemm-u4-fp8"}
+    assert by_variant["mixgemm-u4-fp8"].status == bench.UNAVAILABLE and "torch.compile" in by_variant["mixgemm-u4-fp8"].note
+    smm = by_variant["scaled-mm"]
+    assert smm.status == bench.OK, smm.note
+    assert smm.replay_err is not None and smm.replay_err < M.DEFAULT_MODEL_FP8_MAX_ERROR
