@@ -457,7 +457,8 @@ def format_model_table(points: Sequence[ModelPoint], machine: Optional[MachineIn
 
 
 __all__ = ["MODEL_SCHEMA", "DEFAULT_LAYERS", "DEFAULT_BATCHES", "DEFAULT_CONTEXT", "DEFAULT_PREFILL", "MODEL_ITERS",
-           "MODEL_WARMUP", "DEFAULT_POINT_BUDGET_S", "DEFAULT_MODEL_MAX_ERROR", "DEFAULT_MODEL_FP8_MAX_ERROR", "MODES", "DEFAULT_MODES", "DECODE", "PREFILL",
+           "MODEL_WARMUP", "DEFAULT_POINT_BUDGET_S", "DEFAULT_MODEL_MAX_ERROR", "DEFAULT_MODEL_FP8_MAX_ERROR", "MODES",
+           "DEFAULT_MODES", "DECODE", "PREFILL",
            "StepShape", "step_shapes", "ModelConfig", "LayerTraffic", "layer_traffic", "floor_us", "StepMeasurement",
            "ModelPoint", "classify_step", "bound_speedup", "analyze_model", "BOUND", "ModelReport", "model_report_to_dict",
            "model_report_from_dict", "write_model_json", "split_by_preset", "merge_model_reports",

@@ -154,7 +154,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     grid.add_argument("--all-configs", action="store_true",
                       help="also time every mixgemm tile config (mixgemm-<wt>@<label>), to tune the heuristic")
     grid.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16",
-                      help="activation dtype (default bf16; torch_int4 and scaled_mm need bf16; --model and --host: bf16)")
+                      help="activation dtype (default bf16; torch_int4 and scaled_mm need bf16; --model and "
+                           "--host: bf16)")
     grid.add_argument("--max-error", type=float, default=DEFAULT_MAX_ERROR,
                       help=f"relative error vs the implementation's own weight above which a "
                            f"mixgemm or cuBLAS point FAILs (default {DEFAULT_MAX_ERROR:g})")
