@@ -6,6 +6,15 @@
                                                             encodings stripped (to diff two builds)
     python tools/sass_count.py --kernel REGEX [--cache DIR] the cubins of the cached kernels whose
                                                             name matches (mixgemm's kernel cache)
+    python tools/sass_count.py --ncu-source SOURCE.csv      a profiled kernel's executed instructions
+                                                            and warp stall samples, by kind (below)
+
+``--ncu-source`` reads the source page of an Nsight Compute report, exported per kernel with
+``ncu --import R.ncu-rep --page source --csv --print-source sass -k REGEX > SOURCE.csv`` (or
+the same gzipped, ``.csv.gz``) from a
+report taken with ``--set full`` (or the SourceCounters section): per kind, the warp-level
+instructions executed (per warp and k-tile, the k-tiles counted from the wgmma issues) and the
+share of the warp stall samples, the stall reasons, and the instructions with the most samples.
 
 A k-loop is a conditional backward branch whose body holds wgmma issues (HGMMA/QGMMA) and no
 shorter such loop: each k-loop form the mainloop compiles (the e4m3 mainloop has one per number
@@ -205,6 +214,78 @@ def cached_cubins(pattern: str, cache: str | None) -> list[str]:
     return found
 
 
+def _int(v: str) -> int:
+    v = v.replace(",", "").strip()
+    return int(float(v)) if v else 0
+
+
+def ncu_source(path: str, top: int = 15, ktile_mmas: int | None = None, out=None) -> dict:
+    """Summarize an ``ncu --page source --csv --print-source sass`` export (see the module
+    docstring); prints the summary and returns it (``kinds``: kind -> (executed, samples),
+    ``reasons``: stall reason -> samples, ``per_ktile``: executed per warp and k-tile)."""
+    import csv
+    import gzip
+
+    out = out or sys.stdout
+    with (gzip.open(path, "rt", newline="") if str(path).endswith(".gz") else open(path, newline="")) as f:
+        rows = list(csv.reader(f))
+    head = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
+    if head is None:
+        sys.exit(f"{path}: no 'Address' header row: not an ncu source-page CSV export")
+    name = next((r[1] for r in rows[:head] if r and r[0] == "Kernel Name" and len(r) > 1), "?")
+    cols = {c: i for i, c in enumerate(rows[head])}
+    for need in ("Source", "Instructions Executed", "Warp Stall Sampling (All Samples)"):
+        if need not in cols:
+            sys.exit(f"{path}: no {need!r} column (profile with --set full or the SourceCounters section)")
+    reasons = [c for c in rows[head] if c.startswith("stall_") and not c.endswith("(Not Issued)")]
+    kinds = {k: [0, 0] for k in KINDS}
+    stalls = collections.Counter()
+    mma_exec = 0
+    insns = []
+    for r in rows[head + 1:]:
+        if len(r) < len(rows[head]) or not r[cols["Source"]].strip():
+            continue
+        op = full_op(r[cols["Source"]].strip())
+        k = kind(op)
+        ex, sm = _int(r[cols["Instructions Executed"]]), _int(r[cols["Warp Stall Sampling (All Samples)"]])
+        kinds[k][0] += ex
+        kinds[k][1] += sm
+        if k == "mma":
+            mma_exec += ex
+        why = {c: _int(r[cols[c]]) for c in reasons}
+        stalls.update(why)
+        insns.append((sm, r[cols["Source"]].strip(), why))
+    total_ex = sum(v[0] for v in kinds.values()) or 1
+    total_sm = sum(v[1] for v in kinds.values()) or 1
+    per = ktile_mmas or ktile_mmas_of(name)
+    ktiles = mma_exec / per if per and mma_exec else None
+    print(f"{name}: {total_ex} warp instructions executed, {total_sm} warp stall samples", file=out)
+    print(f"{'kind':<10}{'executed':>12}{'share':>8}{'per warp, k-tile':>18}{'samples':>10}{'share':>8}", file=out)
+    for k in KINDS:
+        ex, sm = kinds[k]
+        pk = f"{ex / ktiles:.1f}" if ktiles else "-"
+        print(f"{k:<10}{ex:>12}{100 * ex / total_ex:>7.1f}%{pk:>18}{sm:>10}{100 * sm / total_sm:>7.1f}%", file=out)
+    print("stall reasons (share of the samples; the rest carry no reason in the export):", file=out)
+    for c, v in stalls.most_common():
+        if v:
+            print(f"  {c[len('stall_'):]:<20}{v:>8}{100 * v / total_sm:>7.1f}%", file=out)
+    print(f"the {top} instructions with the most samples:", file=out)
+    for sm, src, why in sorted(insns, key=lambda t: -t[0])[:top]:
+        lead = ", ".join(f"{c[len('stall_'):]} {v}" for c, v in sorted(why.items(), key=lambda t: -t[1])[:2] if v)
+        print(f"  {sm:>7}  {src[:64]:<64}  {lead}", file=out)
+    return {"kernel": name, "kinds": {k: tuple(v) for k, v in kinds.items()}, "reasons": dict(stalls),
+            "per_ktile": (total_ex / ktiles) if ktiles else None}
+
+
+def ktile_mmas_of(name: str) -> int | None:
+    """wgmma issues per warp and k-tile from a kernel name's ``_t<M>x<N>x<K>`` (K / 32 for the
+    e4m3 kernels' k32 MMAs, K / 16 for the 16-bit ones'), None without a tile in the name."""
+    m = re.search(r"_t\d+x\d+x(\d+)", name)
+    if not m:
+        return None
+    return int(m.group(1)) // (32 if "f8gemm" in name else 16)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cubins", nargs="*")
@@ -213,7 +294,12 @@ def main(argv=None) -> None:
     ap.add_argument("--ops", action="store_true", help="also every opcode's count per k-tile")
     ap.add_argument("--stream", action="store_true", help="print the instruction stream instead")
     ap.add_argument("--ktile-mmas", type=int, help="wgmma issues per k-tile (default: from the name)")
+    ap.add_argument("--ncu-source", metavar="CSV", help="summarize an ncu source-page export instead")
+    ap.add_argument("--top", type=int, default=15, help="--ncu-source: instructions listed")
     args = ap.parse_args(argv)
+    if args.ncu_source:
+        ncu_source(args.ncu_source, args.top, args.ktile_mmas)
+        return
     cubins = list(args.cubins) + (cached_cubins(args.kernel, args.cache) if args.kernel else [])
     if not cubins:
         ap.error("give cubins or --kernel")

@@ -1,11 +1,12 @@
 """The measurement tools that run on committed data, on the CPU: the decode planner's cost model
 against the committed split sweeps (tools/planner_model.py), the split tables' planner entries
 (tools/freeze_tuning_tables.py), the decode phase trace's record parser (tools/decode_trace.py),
-the guard count of a compiled decode step (tools/compile_guards.py), and the generate() profiler's
+the guard count of a compiled decode step (tools/compile_guards.py), the summary of an Nsight Compute source export (tools/sass_count.py --ncu-source), and the generate() profiler's
 refusals of a bad command line (tools/profile_generate.py)."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import re
 import subprocess
@@ -194,3 +195,49 @@ def test_prebuild_gpu_suite_from_tests_lists_the_catalogue_and_the_test_only_ker
     # test_gpu_gemm's k-sliced decode kernels are outside the catalogue
     assert {f"mixgemm_decode_{a}_{w}_m8_w8_b1024_s4_k{k}_none" for a in ("bf16", "fp16") for w in ("u4", "s2")
             for k in (2, 4, 8)} <= names
+
+
+def _ncu_csv(path: Path, rows) -> None:
+    """An ncu source-page export: the kernel's name, the header, one row per instruction."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["Kernel Name", "mixgemm_f8gemm_bf16_u4_t128x128x128_s0"])
+        w.writerow(["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+                    "stall_wait", "stall_short_sb", "stall_wait (Not Issued)"])
+        for r in rows:
+            w.writerow(r)
+
+
+def test_sass_count_summarizes_an_ncu_source_export(tmp_path):
+    """tools/sass_count.py --ncu-source: executed instructions and stall samples added up by kind
+    (a predicated instruction by its opcode), the stall reasons without their not-issued copies,
+    and instructions per warp and k-tile from the wgmma issues (BLK_K 128 / k32 = 4 per k-tile)."""
+    sc = _tool("sass_count")
+    path = tmp_path / "src.csv"
+    _ncu_csv(path, [
+        ["0x10", "QGMMA.64x128x32.F32.E4M3.E4M3 R24, R92, gdesc[UR20], RZ, !UPT", "50", "400", "5", "0", "9"],
+        ["0x20", "@P0 PRMT R187, R108, 0x7351, R109", "30", "1,000", "0", "20", "9"],
+        ["0x30", "LOP3.LUT R1, R2, 0x7, RZ, 0xc0, !PT", "10", "600", "4", "0", "9"],
+        ["0x40", "FFMA R3, R4, R5, R3", "8", "800", "1", "2", "9"],
+        ["0x50", "IMAD R6, R7, 0x2, RZ", "2", "200", "0", "0", "9"],
+        ["", "", "", "", "", "", ""],
+    ])
+    s = sc.ncu_source(str(path), top=2, out=io.StringIO())
+    assert s["kernel"] == "mixgemm_f8gemm_bf16_u4_t128x128x128_s0"
+    assert s["kinds"]["mma"] == (400, 50) and s["kinds"]["convert"] == (1600, 40)
+    assert s["kinds"]["promote"] == (800, 8) and s["kinds"]["other"] == (200, 2)
+    assert s["reasons"] == {"stall_wait": 10, "stall_short_sb": 22}
+    assert s["per_ktile"] == pytest.approx(3000 / (400 / 4))
+    text = io.StringIO()
+    sc.ncu_source(str(path), top=1, out=text)
+    assert "QGMMA" in text.getvalue() and "FFMA R3" not in text.getvalue()   # only the top instruction listed
+
+
+def test_sass_count_refuses_a_csv_that_is_not_a_source_export(tmp_path):
+    sc = _tool("sass_count")
+    path = tmp_path / "x.csv"
+    path.write_text('"ID","Kernel Name"\n"0","k"\n')
+    with pytest.raises(SystemExit, match="not an ncu source-page CSV export"):
+        sc.ncu_source(str(path), out=io.StringIO())

@@ -39,6 +39,16 @@
 #include "mixgemm/collective/sm90_prepacked_common.hpp"
 #include "mixgemm/e4m3.hpp"
 
+// Ablation switches, for measuring what the conversion and the promotion cost (docs/fp8.md,
+// "Where the time goes"): built with -DMIXGEMM_FP8_ABLATE=N (MIXGEMM_NVCC_FLAGS, which is part of
+// the kernel cache's key), bit 1 leaves out the promotion's FMAs (each k-tile's group sums are
+// still waited for; the last one is the result) and bit 2 the conversion of the codes (the raw
+// chunk words, masked, go to the tensor cores). The results are wrong; only their time means
+// something. 0, the default, is the kernel.
+#ifndef MIXGEMM_FP8_ABLATE
+#define MIXGEMM_FP8_ABLATE 0
+#endif
+
 namespace mixgemm::collective {
 
 using namespace cute;
@@ -265,6 +275,20 @@ struct CollectiveMmaPrepackedFp8
           group_tiles_left = (new_group ? tiles_per_group : group_tiles_left) - 1;
         }
 
+        if constexpr ((MIXGEMM_FP8_ABLATE & 2) != 0) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int kb = 0; kb < kKBlocks; ++kb) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int mm = 0; mm < MMA_M; ++mm) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < 4; ++i) {
+                tCrA_u32(i, mm, kb) = chunk[mm][kb / 2][(i + kb) % kBits] & 0x3f3f3f3fu;
+              }
+            }
+          }
+          warpgroup_fence_operand(frag);
+          return stage;
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int kb = 0; kb < kKBlocks; ++kb) {
           if constexpr (!kSigned) {
@@ -322,6 +346,9 @@ struct CollectiveMmaPrepackedFp8
 
       // accum += s_w * acc_g, s from load_scales
       auto promote = [&](float const (&s)[MMA_M][2]) {
+        if constexpr ((MIXGEMM_FP8_ABLATE & 1) != 0) {
+          return;
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int mm = 0; mm < size<1>(accum); ++mm) {
           CUTLASS_PRAGMA_UNROLL
@@ -403,6 +430,12 @@ struct CollectiveMmaPrepackedFp8
       }
     }
 
+    if constexpr ((MIXGEMM_FP8_ABLATE & 1) != 0) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accum); ++i) {
+        accum(i) = acc_g(i);
+      }
+    }
     // The per-token scales, from the last k-tile's stage (still held: mma_tail releases it).
     float const* token_scale = smem_T + last_stage * kTokenStride;
     CUTLASS_PRAGMA_UNROLL
