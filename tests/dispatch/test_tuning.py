@@ -6,6 +6,7 @@ import json
 import pytest
 
 from mixgemm.dispatch import tuning
+from mixgemm.dtypes import WeightType
 
 
 def _row(n, k, m, weight, splits, us, stage_bytes=1024, warps=8, stages=4):
@@ -86,6 +87,84 @@ def test_committed_tables_are_valid():
             assert key.n % 16 == 0 and key.k % 64 == 0 and 1 <= splits <= key.k // 64
         # every entry is a measured factor, or the previous planner's pick kept for a preset layer
         # (docs/dispatch.md); the table says what it was measured on, and nothing more
-        assert set(doc) == {"gpu", "measured", "decode_splits"} and set(doc["measured"]) == {"date", "command"}
+        assert set(doc) <= {"gpu", "measured", "decode_splits", "act_format"} and set(doc["measured"]) == {"date", "command"}
+        if "act_format" in doc:   # act_format="auto"'s section: measured too, and well formed
+            assert set(doc["act_format"]) == {"measured", "margin", "entries"} and doc["act_format"]["margin"] >= 1
+            assert set(doc["act_format"]["measured"]) == {"date", "command"}
+            assert tuning.load_act_format_table(path)
         for e in doc["decode_splits"]:
             assert (e.get("us") or 0) > 0 or e.get("source") == "planner", e
+
+
+def _grid_point(impl, n, k, m, us, status="ok"):
+    return {"impl": impl, "n": n, "k": k, "m": m, "time_us": us, "status": status}
+
+
+def test_act_format_entries_from_a_bench_grid():
+    """Per weight type and layer shape, the token counts where both formats were measured and
+    those where the e4m3 call beat the exact one by the margin (not merely by noise); a shape
+    without both formats, or a point that failed, is left out."""
+    pts = [_grid_point("mixgemm-u2", 4096, 4096, 64, 10.0), _grid_point("mixgemm-u2-fp8", 4096, 4096, 64, 20.0),
+           _grid_point("mixgemm-u2", 4096, 4096, 256, 30.0), _grid_point("mixgemm-u2-fp8", 4096, 4096, 256, 25.0),
+           _grid_point("mixgemm-u2", 4096, 4096, 1024, 100.0), _grid_point("mixgemm-u2-fp8", 4096, 4096, 1024, 97.0),
+           _grid_point("mixgemm-u2", 4096, 4096, 4096, 400.0),
+           _grid_point("mixgemm-u2-fp8", 4096, 4096, 4096, 300.0, status="error"),
+           _grid_point("mixgemm-u4-fp8", 8192, 4096, 64, 5.0),                     # no exact row: left out
+           _grid_point("cublas", 4096, 4096, 64, 1.0)]
+    assert tuning.act_format_entries(pts, margin=1.05) == [
+        {"weight": "u2", "n": 4096, "k": 4096, "tokens": [64, 256, 1024], "fp8": [256]}]
+    assert tuning.act_format_entries(pts, margin=1.0)[0]["fp8"] == [256, 1024]
+    with pytest.raises(ValueError, match="margin"):
+        tuning.act_format_entries(pts, margin=0.9)
+
+
+def test_act_format_table_round_trip_keeps_the_other_section(tmp_path, monkeypatch):
+    path = tmp_path / "nvidia-test-gpu.json"
+    splits = [{"n": 28672, "k": 8192, "tokens": 8, "bits": 4, "splits": 1}]
+    auto = [{"weight": "u2", "n": 4096, "k": 4096, "tokens": [64, 256, 1024], "fp8": [256, 1024]}]
+    tuning.write_table(path, "NVIDIA Test GPU", splits, command="sweep")
+    tuning.write_act_format_table(path, "NVIDIA Test GPU", auto, 1.05, command="grid")
+    tuning.write_table(path, "NVIDIA Test GPU", splits, command="sweep again")   # keeps act_format
+    doc = json.loads(path.read_text())
+    assert doc["measured"]["command"] == "sweep again" and doc["act_format"]["measured"]["command"] == "grid"
+    assert tuning.load_table(path) == {tuning.SplitKey(28672, 8192, 8, 4): 1}
+    key = tuning.ActFormatKey("u2", 4096, 4096)
+    assert tuning.load_act_format_table(path) == {key: ((64, 256, 1024), frozenset({256, 1024}))}
+    assert not list(tmp_path.glob("*.tmp*"))
+    monkeypatch.setattr(tuning, "TABLE_DIR", tmp_path)
+    tuning._act_format_table.cache_clear()
+    try:
+        u2 = WeightType("u2")
+        assert not tuning.prefers_fp8("NVIDIA Test GPU", u2, 4096, 4096, 63)     # below the smallest measured
+        assert not tuning.prefers_fp8("NVIDIA Test GPU", u2, 4096, 4096, 255)    # 64's choice
+        assert tuning.prefers_fp8("NVIDIA Test GPU", u2, 4096, 4096, 256)
+        assert tuning.prefers_fp8("NVIDIA Test GPU", u2, 4096, 4096, 9999)       # the largest's choice
+        assert not tuning.prefers_fp8("NVIDIA Test GPU", WeightType("u4"), 4096, 4096, 256)   # not listed
+        assert not tuning.prefers_fp8("NVIDIA Test GPU", u2, 4096, 8192, 256)
+        assert not tuning.prefers_fp8("Some Other GPU", u2, 4096, 4096, 256)
+    finally:
+        tuning._act_format_table.cache_clear()
+
+
+def test_a_table_is_written_only_over_a_table_of_the_same_gpu(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text("not json")
+    with pytest.raises(ValueError, match="not overwriting"):
+        tuning.write_act_format_table(path, "NVIDIA Test GPU", [], 1.05)
+    tuning.write_table(tmp_path / "g.json", "NVIDIA Other GPU", [])
+    with pytest.raises(ValueError, match="not overwriting"):
+        tuning.write_table(tmp_path / "g.json", "NVIDIA Test GPU", [])
+    (tmp_path / "d.json").mkdir()
+    with pytest.raises(ValueError, match="not a regular file"):
+        tuning.write_act_format_table(tmp_path / "d.json", "NVIDIA Test GPU", [], 1.05)
+    assert path.read_text() == "not json"
+
+
+@pytest.mark.parametrize("section", ['{"entries": [{"weight": "u2"}]}',
+                                     '{"entries": [{"weight": "s8", "n": 16, "k": 64, "tokens": [1], "fp8": [1]}]}',
+                                     '{"entries": [{"weight": "u2", "n": 16, "k": 64, "tokens": [1], "fp8": [2]}]}'])
+def test_malformed_act_format_section_is_a_clear_error(tmp_path, section):
+    path = tmp_path / "t.json"
+    path.write_text('{"gpu": "X", "act_format": ' + section + '}')
+    with pytest.raises(ValueError, match="t.json"):
+        tuning.load_act_format_table(path)

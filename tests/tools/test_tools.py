@@ -241,3 +241,21 @@ def test_sass_count_refuses_a_csv_that_is_not_a_source_export(tmp_path):
     path.write_text('"ID","Kernel Name"\n"0","k"\n')
     with pytest.raises(SystemExit, match="not an ncu source-page CSV export"):
         sc.ncu_source(str(path), out=io.StringIO())
+
+
+def test_act_format_table_is_the_committed_grids(tmp_path):
+    """tools/act_format_table.py on the committed H200 grid writes the act_format section that the
+    package ships (the shipped choice of act_format='auto' is that measurement's, nothing else),
+    and refuses a file that is not a bench grid."""
+    from mixgemm.dispatch import tuning
+
+    tool = _tool("act_format_table")
+    grid = RESULTS / "nvidia-h200" / "fp8-auto-grid.json"
+    shipped = tuning.TABLE_DIR / "nvidia-h200.json"
+    margin = json.loads(shipped.read_text())["act_format"]["margin"]
+    out = tmp_path / "t.json"
+    assert tool.main([str(grid), "--margin", str(margin), "--table", str(out)]) == 0
+    assert tuning.load_act_format_table(out) == tuning.load_act_format_table(shipped)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert tool.main([str(bad), "--table", str(out)]) == 2

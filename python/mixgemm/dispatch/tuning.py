@@ -15,6 +15,13 @@ A table entry is keyed by everything that decides the plan: the GPU's name, the 
 the kernel's token tile (8, 16 or 32) and the code width in bits; the activation dtype, group size and
 fused activation do not change the stream (the table is measured with bf16, g128). Shapes not in
 the table, and other GPUs, use the planner.
+
+The same file may hold an ``act_format`` section: for ``act_format="auto"``, per weight type and
+layer shape, the token counts at which a bench grid measured both activation formats and those
+at which the e4m3 path (``mixgemm-<wt>-fp8``) beat the exact one (``mixgemm-<wt>``) by at least the
+section's margin (``tools/act_format_table.py``, docs/fp8.md). A call with M tokens takes the
+e4m3 path when the largest measured token count at or below M is one of those; layer shapes,
+weight types and GPUs the section does not list keep the exact activations.
 """
 from __future__ import annotations
 
@@ -65,7 +72,8 @@ def load_table(path: Path) -> dict[SplitKey, int]:
     """Read a table file; raises ValueError naming the file if it is malformed."""
     try:
         data = json.loads(Path(path).read_text())
-        entries = data["decode_splits"]
+        # (a file that holds only the act_format section has no split entries)
+        entries = data["decode_splits"] if "decode_splits" in data or "act_format" not in data else []
         table = {_entry_key(e): int(e["splits"]) for e in entries}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a mixgemm tuning table ({e})") from e
@@ -128,14 +136,127 @@ def table_from_sweep(rows: Iterable[Mapping], stage_bytes: Optional[int] = 1024,
     return out
 
 
-def write_table(path: Path, gpu_name: str, entries: list[dict], command: Optional[str] = None,
-                date: Optional[str] = None) -> None:
-    """Write a table file atomically (temp file + rename): the GPU, when (``date``, default today)
-    and by which command it was measured, and the entries."""
-    path = Path(path)
+def _other_sections(path: Path, gpu_name: str, own: tuple) -> dict:
+    """The sections of an existing table file other than ``own`` (kept when one is rewritten);
+    {} when there is none. A file of another GPU, or that is not a table, is refused."""
+    if not path.exists():
+        return {}
+    if not path.is_file():
+        raise ValueError(f"{path}: exists and is not a regular file; not writing a table over it")
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: exists and is not a mixgemm tuning table ({e}); not overwriting it") from e
+    if not isinstance(old, dict) or old.get("gpu") != gpu_name:
+        raise ValueError(f"{path}: a table of {old.get('gpu') if isinstance(old, dict) else '?'!r}, "
+                         f"not of {gpu_name!r}; not overwriting it")
+    return {k: v for k, v in old.items() if k not in own}
+
+
+def _write_doc(path: Path, doc: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"gpu": gpu_name, "measured": {"date": date or datetime.date.today().isoformat(), "command": command},
-           "decode_splits": entries}
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def write_table(path: Path, gpu_name: str, entries: list[dict], command: Optional[str] = None,
+                date: Optional[str] = None) -> None:
+    """Write a table file's split-K section atomically (temp file + rename): the GPU, when
+    (``date``, default today) and by which command it was measured, and the entries; the file's
+    other sections (``act_format``) are kept."""
+    path = Path(path)
+    rest = _other_sections(path, gpu_name, ("gpu", "measured", "decode_splits"))
+    doc = {"gpu": gpu_name, "measured": {"date": date or datetime.date.today().isoformat(), "command": command},
+           "decode_splits": entries, **rest}
+    _write_doc(path, doc)
+
+
+# ---------------------------------------------------------------------------------------------
+# act_format="auto": where the e4m3 path was measured faster
+# ---------------------------------------------------------------------------------------------
+#: the weight types the e4m3 path takes
+FP8_WEIGHTS = ("u4", "s4", "u2", "s2")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActFormatKey:
+    weight: str   # WeightType value
+    n: int
+    k: int
+
+
+def act_format_entries(points: Iterable[Mapping], margin: float = 1.05) -> list[dict]:
+    """The ``act_format`` entries of a bench grid's points (``mixgemm bench --json``'s
+    ``points``): per weight type and (N, K) with both ``mixgemm-<wt>`` and ``mixgemm-<wt>-fp8``
+    measured (status ok), the token counts measured and those at which the e4m3 call was at least
+    ``margin`` times faster. Sorted by key."""
+    if not margin >= 1.0:
+        raise ValueError(f"margin must be >= 1 (how much faster the e4m3 path must be), got {margin}")
+    times: dict[tuple, float] = {}
+    for p in points:
+        if p.get("status", "ok") == "ok" and p.get("time_us"):
+            times[(p["impl"], int(p["n"]), int(p["k"]), int(p["m"]))] = float(p["time_us"])
+    out = []
+    for wt in FP8_WEIGHTS:
+        shapes = sorted({(n, k) for (impl, n, k, _) in times if impl == f"mixgemm-{wt}-fp8"})
+        for n, k in shapes:
+            ms = sorted(m for (impl, n2, k2, m) in times if impl == f"mixgemm-{wt}-fp8" and (n2, k2) == (n, k)
+                        and (f"mixgemm-{wt}", n, k, m) in times)
+            if not ms:
+                continue
+            fp8 = [m for m in ms if times[(f"mixgemm-{wt}", n, k, m)] >= margin * times[(f"mixgemm-{wt}-fp8", n, k, m)]]
+            out.append({"weight": wt, "n": n, "k": k, "tokens": ms, "fp8": fp8})
+    return out
+
+
+def write_act_format_table(path: Path, gpu_name: str, entries: list[dict], margin: float,
+                           command: Optional[str] = None, date: Optional[str] = None) -> None:
+    """Write a table file's ``act_format`` section atomically, keeping its other sections (a new
+    file holds only this one)."""
+    path = Path(path)
+    rest = _other_sections(path, gpu_name, ("gpu", "act_format"))
+    section = {"measured": {"date": date or datetime.date.today().isoformat(), "command": command},
+               "margin": margin, "entries": entries}
+    _write_doc(path, {"gpu": gpu_name, **rest, "act_format": section})
+
+
+def load_act_format_table(path: Path) -> dict[ActFormatKey, tuple[tuple[int, ...], frozenset]]:
+    """A table file's ``act_format`` section ({} without one); ValueError naming the file if it is
+    malformed."""
+    try:
+        data = json.loads(Path(path).read_text())
+        section = data.get("act_format")
+        if section is None:
+            return {}
+        table = {}
+        for e in section["entries"]:
+            key = ActFormatKey(WeightType(e["weight"]).value, int(e["n"]), int(e["k"]))
+            tokens = tuple(sorted(int(t) for t in e["tokens"]))
+            fp8 = frozenset(int(t) for t in e["fp8"])
+            if key.weight not in FP8_WEIGHTS or not tokens or not fp8 <= set(tokens) or tokens[0] < 1:
+                raise ValueError(f"bad entry {e}")
+            table[key] = (tokens, fp8)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a mixgemm act_format table ({e})") from e
+    return table
+
+
+@functools.lru_cache(maxsize=None)
+def _act_format_table(gpu_name: str) -> Mapping[ActFormatKey, tuple]:
+    path = TABLE_DIR / f"{gpu_slug(gpu_name)}.json"
+    if not path.is_file():
+        return {}
+    return load_act_format_table(path)
+
+
+def prefers_fp8(gpu_name: str, weight: WeightType, n: int, k: int, m: int) -> bool:
+    """Whether ``act_format="auto"`` takes the e4m3 path for M = ``m`` tokens of this layer on this
+    GPU: the largest measured token count at or below ``m`` is one where it was faster (False for
+    what the table does not list, and below its smallest token count)."""
+    entry = _act_format_table(gpu_name).get(ActFormatKey(weight.value, n, k))
+    if entry is None:
+        return False
+    tokens, fp8 = entry
+    below = [t for t in tokens if t <= m]
+    return bool(below) and below[-1] in fp8
