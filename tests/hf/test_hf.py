@@ -734,6 +734,7 @@ def test_fp8_activations_where_the_e4m3_kernels_take_the_layer(tmp_path, caplog)
 def test_a_bad_act_format_fails_before_the_device_step(tmp_path, no_device_step):
     hc.write_awq(tmp_path / "m", shards=1)
     with pytest.raises(ValueError, match="act_format must be one of"):
-        load(tmp_path / "m", act_format="auto")
-    with pytest.raises(ValueError, match="does not run tensor-parallel"):
-        load(tmp_path / "m", act_format="fp8", tp_rank=0, tp_size=2)
+        load(tmp_path / "m", act_format="e4m3")
+    for fmt in ("fp8", "auto"):
+        with pytest.raises(ValueError, match="does not run tensor-parallel"):
+            load(tmp_path / "m", act_format=fmt, tp_rank=0, tp_size=2)

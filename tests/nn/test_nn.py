@@ -194,7 +194,8 @@ def test_act_format_defaults_and_refusals():
     assert "act_format" not in q.state_dict()["_extra_state"]           # the default state is unchanged
     assert QuantLinear(128, 64, bits=2, act_format="fp8").act_format == "fp8"
     assert QuantLinear(128, 64, activation="swiglu", act_format="fp8").act_format == "fp8"   # the gated e4m3 kernel
-    for kw, msg in ((dict(act_format="auto"), "act_format must be one of ('bf16', 'fp8'), got 'auto'"),
+    assert QuantLinear(128, 64, bits=8, act_format="auto").act_format == "auto"   # always exact, for 8-bit codes
+    for kw, msg in ((dict(act_format="e4m3"), "act_format must be one of ('bf16', 'fp8', 'auto'), got 'e4m3'"),
                     (dict(bits=8, act_format="fp8"), "act_format='fp8' takes u4, s4, u2 and s2 weights")):
         with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             QuantLinear(128, 64, **kw)

@@ -281,8 +281,8 @@ def on_gpu(monkeypatch):
      "w is u8: use act_format='bf16'"),
     ("fractional zero points", lambda: _with_offsets(_packed()), {}, ValueError,
      "act_format='fp8' needs integer zero points; w has fractional ones (zero_offsets): use act_format='bf16'"),
-    ("act_format='auto'", lambda: _packed(), dict(act_format="auto"), ValueError,
-     "act_format must be one of ('bf16', 'fp8') ('auto' is not implemented yet), got 'auto'"),
+    ("act_format='e4m3'", lambda: _packed(), dict(act_format="e4m3"), ValueError,
+     "act_format must be one of ('bf16', 'fp8', 'auto'), got 'e4m3'"),
     ("a bf16 input_scale", lambda: _packed(), dict(input_scale=torch.tensor(1.0).bfloat16()), ValueError,
      "input_scale must be a float32 tensor of one element (shape [] or [1]), got a torch.bfloat16 tensor of "
      "shape [] (convert it with .float())"),

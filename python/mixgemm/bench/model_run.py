@@ -16,8 +16,8 @@ before the next (a LLaMA-3 70B layer is ~1.7 GB of bf16 weights). For each step:
    (inductor's default mode: Triton kernels fuse the norms, rotary, residual adds and cache
    writes; mixgemm's GEMMs stay its custom op), captured in a CUDA graph and replayed as in 2;
    the replayed output is compared with the eager one. Dynamo's caches are reset before each
-   point, so every point compiles its own step. mixgemm's e4m3 path is refused under
-   torch.compile (not a custom op yet): its compiled points are n/a (:func:`mode_problem`).
+   point, so every point compiles its own step. mixgemm's e4m3 calls are the op
+   ``mixgemm::gemm_fp8`` in the compiled graph.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from .model import DECODE, ModelConfig, StepMeasurement, StepShape
 from .run_support import (Log, cuda_capture, describe, free, prebuild_variants, recover, run_presets, run_variants, sync,
                           variant_available)
 from .timing import Clock, CudaEventClock, budgeted_iters, device_flush_size, eager_clock, time_cuda
-from .variants import Variant, VariantKind, build_layer, kernel_specs
+from .variants import Variant, build_layer, kernel_specs
 
 #: ``make_clock(mode)``: the clock that times a mode's runs (tests pass a CPU one).
 ClockFactory = Callable[[str], Clock]
@@ -57,10 +57,8 @@ def prebuild(cfg: ModelConfig, presets: Sequence[ModelPreset], log: Log) -> dict
 
 
 def mode_problem(variant: Variant, mode: str) -> Optional[str]:
-    """Why ``variant`` has no ``mode`` point (reported n/a), or None: mixgemm's e4m3 path does not
-    trace under torch.compile yet, so its ``compiled`` points."""
-    if mode == "compiled" and variant.kind is VariantKind.MIXGEMM and variant.act_format == "fp8":
-        return "act_format='fp8' is not traceable by torch.compile yet (docs/fp8.md): no compiled step"
+    """Why ``variant`` has no ``mode`` point (reported n/a), or None: every variant runs in every
+    mode (mixgemm's e4m3 path traces as the op ``mixgemm::gemm_fp8``)."""
     return None
 
 

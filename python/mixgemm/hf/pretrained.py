@@ -177,7 +177,7 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     tp_group : torch.distributed.ProcessGroup, optional
         The group of the all-reduces (default: the world, which must then have ``tp_size``
         ranks if initialized).
-    act_format : {"bf16", "fp8"}, default "bf16"
+    act_format : {"bf16", "fp8", "auto"}, default "bf16"
         The activations of the quantized layers (:class:`~mixgemm.nn.QuantLinear`'s
         ``act_format``). ``"fp8"`` rounds each call's activations to e4m3 with a scale per token
         and runs the e4m3 GEMM (docs/fp8.md): the numerics change. A layer the e4m3 kernels do
@@ -186,7 +186,9 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         ``model.mixgemm_summary.bf16_activations`` names it with the reason. A compressed-tensors
         checkpoint's static input scales (W4A8, ``dynamic: false``) are applied: each layer
         quantizes with its own, a fused q/k/v or gate/up layer with the largest of its parts'
-        (they are kept on the layers, unused, with ``"bf16"``). Not with tensor parallelism.
+        (they are kept on the layers, unused, with ``"bf16"``). ``"auto"``: per call, the e4m3
+        path where the GPU's tuning table measured it faster for the layer and token count,
+        else exact activations (the numerics change with M). Neither with tensor parallelism.
 
     Returns
     -------
@@ -246,8 +248,8 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
     if why:
         raise ValueError(why)
     tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size, tp_group)
-    if act_format == "fp8" and tp_size > 1:
-        raise ValueError("act_format='fp8' does not run tensor-parallel yet: a row-parallel layer's rank sees part "
+    if act_format in ("fp8", "auto") and tp_size > 1:
+        raise ValueError(f"act_format={act_format!r} does not run tensor-parallel yet: a row-parallel layer's rank sees part "
                          "of each token's activations, so the ranks would scale a token differently")
     tp = TensorParallel(tp_rank, tp_size, tp_group)
     model_dir = Path(model_dir)

@@ -447,13 +447,15 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
         ``fuse_projections``), and make transformers' static cache the model's default for
         ``generate()`` (``generation_config.cache_implementation = "static"``), the cache whose
         layers the fused rotary / KV-cache launch writes.
-    act_format : {"bf16", "fp8"}, default "bf16"
+    act_format : {"bf16", "fp8", "auto"}, default "bf16"
         The activations of every QuantLinear made (:class:`~mixgemm.nn.QuantLinear`'s
         ``act_format``). ``"fp8"`` rounds each call's activations to e4m3 with a scale per token
         and runs the e4m3 GEMM (docs/fp8.md; the fused gate/up on its gated form): the numerics
         change, and 4- and 2-bit weights only. A layer the e4m3 kernels do not compute would keep
         bf16 activations, named in the summary's ``bf16_activations`` with the reason.
-        (``"auto"``, a per-layer switch by token count, is not implemented yet.)
+        ``"auto"``: each call of a layer takes the e4m3 path where the GPU's tuning table
+        measured it faster for that layer shape and token count, else exact activations
+        (:func:`mixgemm.ops.fp8.resolve_act_format`): the numerics change with M.
 
     Returns
     -------

@@ -16,6 +16,7 @@ kernel with the same arguments.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Optional
 
 import torch
@@ -27,7 +28,8 @@ from ..dtypes import WeightType
 from ..errors import UnsupportedLayerError
 from ..jit.specs import Fp8GemmSpec
 from ..ops.dense import TOKEN_BUCKETS, gemm, gemm_op, gemm_tensors_full
-from ..ops.fp8 import ACT_FORMATS, check_input_scale_value, fp8_problem, quant_spec, select_fp8_spec
+from ..ops.fp8 import (ACT_FORMATS, check_input_scale_value, fp8_problem, quant_spec, resolve_act_format,
+                       select_fp8_spec)
 from ..weights.layout import ATOM_K, ATOM_N, prepack, unpack
 from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_gate_up, interleave_rows, quantize
 from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, check_group_size
@@ -61,12 +63,15 @@ class QuantLinear(nn.Module):
     device : torch.device, optional
     activation : {"none", "silu", "gelu", "swiglu"}
         Fused into the GEMM's epilogue (below).
-    act_format : {"bf16", "fp8"}
+    act_format : {"bf16", "fp8", "auto"}
         ``"bf16"`` (the default): the activations are used exactly. ``"fp8"``: they are
         quantized to e4m3 and multiplied on the FP8 tensor cores (``mixgemm.gemm(...,
         act_format="fp8")``, docs/fp8.md), with a scale per token, or with the static
         ``input_scale`` buffer when it is set (:meth:`set_input_scale`); 4- and 2-bit weights,
-        activation none / silu / gelu, eager mode only (not under torch.compile yet).
+        every activation, eager, compiled (the op ``torch.ops.mixgemm.gemm_fp8``) and in CUDA
+        graphs. ``"auto"``: per call, ``"fp8"`` where the GPU's tuning table measured the e4m3
+        path faster for this layer at the call's token count, else ``"bf16"``
+        (:func:`mixgemm.ops.fp8.resolve_act_format`): the numerics change with M.
 
     Notes
     -----
@@ -135,10 +140,13 @@ class QuantLinear(nn.Module):
         """The GEMM's weight as its kernels see it (:class:`~mixgemm.dispatch.uses.LaunchesKernels`);
         with ``act_format="fp8"``, the activation quantizer and the e4m3 GEMM that every call
         launches instead."""
-        if self.act_format == "fp8":
-            return [quant_spec(self.scales.dtype),
-                    select_fp8_spec(1, self.packed, None if self.activation == "none" else self.activation)]
-        return [WeightUse.of_packed(self.packed, self.activation)]
+        packed = self.packed
+        fp8 = self.act_format == "fp8" or (self.act_format == "auto" and fp8_problem(packed) is None)
+        uses = [] if self.act_format == "fp8" else [WeightUse.of_packed(packed, self.activation)]
+        if fp8:   # ("auto": the calls that the tuning table sends to the e4m3 path)
+            uses += [quant_spec(self.scales.dtype),
+                     select_fp8_spec(1, packed, None if self.activation == "none" else self.activation)]
+        return uses
 
     @property
     def packed(self) -> PackedWeight:
@@ -161,15 +169,17 @@ class QuantLinear(nn.Module):
         self.register_buffer("input_scale", input_scale)
 
     def set_act_format(self, act_format: str) -> None:
-        """Switch between exact (``"bf16"``) and e4m3 (``"fp8"``) activations; the weight is
-        the same for both."""
+        """Switch between exact (``"bf16"``), e4m3 (``"fp8"``) and per-call (``"auto"``)
+        activations; the weight is the same for all."""
         why = act_format_problem(act_format, self.weight_type, self.activation)
         if why:
             raise ValueError(why)
         _store_act_format(self, act_format)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_format == "fp8":
+        fmt = self.act_format
+        if fmt != "bf16" and (fmt == "fp8" or torch.compiler.is_compiling()
+                              or resolve_act_format(fmt, math.prod(x.shape[:-1]), self.packed, x.device) == "fp8"):
             return self._forward_fp8(x)
         if torch.compiler.is_compiling():
             return _forward_op(self, x, self._buffers, self.bias)
@@ -194,14 +204,15 @@ class QuantLinear(nn.Module):
         return y
 
     def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
-        """forward with e4m3 activations (``mixgemm.gemm(..., act_format="fp8")``)."""
+        """forward with e4m3 activations (``mixgemm.gemm(..., act_format="fp8")``; with ``"auto"``
+        under torch.compile, the op that chooses per call)."""
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         scale = self.input_scale
         if scale is not None and scale.dtype != torch.float32:   # a model cast by .to(dtype)
             scale = scale.float()
         return gemm(x, self.packed, self.bias, activation=None if self.activation == "none" else self.activation,
-                    act_format="fp8", input_scale=scale)
+                    act_format=self.act_format, input_scale=scale)
 
     def extra_repr(self) -> str:
         act = "" if self.activation == "none" else f", activation={self.activation}"
@@ -379,7 +390,7 @@ def apply_act_format(layers: Iterable[tuple[str, "QuantLinear"]], act_format: st
     kept = {}
     for name, layer in layers:
         why = act_format_problem(act_format, layer.weight_type, layer.activation)
-        if why is None and act_format == "fp8":
+        if why is None and act_format in ("fp8", "auto"):
             why = fp8_problem(layer.packed)
         if why:
             kept[name] = why

@@ -53,9 +53,9 @@ def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtyp
         The prepacked weight.
     dtype : torch.dtype, optional
         dtype of x; defaults to w's activation dtype.
-    act_format : {"bf16", "fp8"}
+    act_format : {"bf16", "fp8", "auto"}
         As :func:`gemm`'s: ``"fp8"`` also needs a u4, s4, u2 or s2 weight with integer zero
-        points (:func:`mixgemm.ops.fp8.fp8_problem`).
+        points (:func:`mixgemm.ops.fp8.fp8_problem`); ``"auto"`` runs wherever ``"bf16"`` does.
 
     Returns
     -------
@@ -66,7 +66,7 @@ def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtyp
     if why:
         return False, why
     if act_format != "bf16":
-        why = fp8.unknown_act_format(act_format) or fp8.fp8_problem(w)
+        why = fp8.unknown_act_format(act_format) or (fp8.fp8_problem(w) if act_format == "fp8" else None)
         if why:
             return False, why
     return True, ""
@@ -99,16 +99,21 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
         stripes alternating, ``N = 2I``) and returns ``silu(gate) * up``, ``[..., I]`` (a bias
         must be interleaved the same way). Every activation is fused into every kernel's
         epilogue: one launch, at any M (swiglu by a GEMM kernel with the gated epilogue).
-    act_format : {"bf16", "fp8"}
+    act_format : {"bf16", "fp8", "auto"}
         ``"bf16"`` (the default): x is used as given (bf16 or fp16), exactly. ``"fp8"``: x is
         quantized to e4m3 with one scale per token (:func:`mixgemm.ops.fp8.quantize_fp8`, a
         launch of its own) and multiplied on the FP8 tensor cores
         (:func:`mixgemm.ops.fp8.gemm_fp8`, docs/fp8.md): u4, s4, u2 and s2 weights with integer
-        zero points, activation None, ``"silu"`` or ``"gelu"``, not under torch.compile yet. The
-        weights are used exactly; only the activations are rounded (3 mantissa bits). The
-        prepacked weight is the same for both formats.
+        zero points, activation None, ``"silu"``, ``"gelu"`` or ``"swiglu"``; under torch.compile
+        through the custom op ``torch.ops.mixgemm.gemm_fp8``. The weights are used exactly; only
+        the activations are rounded (3 mantissa bits). The prepacked weight is the same for both
+        formats. ``"auto"``: per call, ``"fp8"`` where the GPU's tuning table measured the e4m3
+        path faster for this layer shape at this token count, else ``"bf16"``
+        (:func:`mixgemm.ops.fp8.resolve_act_format`): **its numerics change with M**, and it is
+        ``"bf16"`` on GPUs, layer shapes and weight types the table does not list.
     input_scale : torch.Tensor, optional
-        ``act_format="fp8"`` only: a static per-tensor activation scale (a W4A8 checkpoint's
+        ``act_format="fp8"`` (or ``"auto"``, for the calls it computes in e4m3) only: a static
+        per-tensor activation scale (a W4A8 checkpoint's
         ``input_scale``), float32 with one element on x's device, positive and finite (not
         read here: a check would synchronize with the GPU). Every token is then quantized as
         ``e4m3(clamp(x / input_scale, -448, 448))`` instead of with its own ``amax / 448``;
@@ -141,9 +146,18 @@ def gemm(x: torch.Tensor, w: PackedWeight, bias: Optional[torch.Tensor] = None,
         why = fp8.unknown_act_format(act_format)
         if why:
             raise ValueError(why)
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("act_format='fp8' is not traceable by torch.compile yet; call it eagerly")
-        return fp8.gemm_fp8(x, w, bias, out, activation, input_scale=input_scale)
+        if act_format == "auto":
+            if torch.compiler.is_compiling():   # the op resolves it when it runs
+                return _gemm_fp8_compiling(x, w, bias, out, activation, input_scale, "auto")
+            if not isinstance(w, PackedWeight):
+                raise TypeError(f"w must be a mixgemm.PackedWeight (see mixgemm.prepack), got {type(w).__name__}")
+            act_format = fp8.resolve_act_format(act_format, math.prod(x.shape[:-1]), w, x.device)
+            if act_format == "bf16":
+                input_scale = None   # the static e4m3 scale is for the calls that take the e4m3 path
+        if act_format == "fp8":
+            if torch.compiler.is_compiling():
+                return _gemm_fp8_compiling(x, w, bias, out, activation, input_scale)
+            return fp8.gemm_fp8(x, w, bias, out, activation, input_scale=input_scale)
     if input_scale is not None:
         raise ValueError("input_scale is the static scale of act_format='fp8'; act_format='bf16' uses x exactly "
                          "and takes none")
@@ -231,6 +245,45 @@ def _gemm_compiling(x, w, bias, out, activation) -> torch.Tensor:
         return y
     out.copy_(y)
     return out
+
+
+def _gemm_fp8_compiling(x, w, bias, out, activation, input_scale, act_format="fp8") -> torch.Tensor:
+    """:func:`gemm` with ``act_format="fp8"`` or ``"auto"`` while torch.compile traces it: the
+    eager call's refusals of w and the activation, then the op ``mixgemm::gemm_fp8`` (which
+    resolves ``"auto"`` when it runs: the choice depends on the token count only), ``out``
+    written by a copy."""
+    if not isinstance(w, PackedWeight):
+        raise TypeError(f"w must be a mixgemm.PackedWeight (see mixgemm.prepack), got {type(w).__name__}")
+    why = fp8.fp8_problem(w) if act_format == "fp8" else None
+    if why:
+        raise ValueError(why)
+    if activation is not None and activation not in args.ACTIVATIONS:
+        raise ValueError(f"activation must be None or one of {args.ACTIVATIONS}, got {activation!r}")
+    y = torch.ops.mixgemm.gemm_fp8(x, w.qdata, w.scales, w.zeros, w.zero_offsets, bias, w.weight_type.value,
+                                   w.group_size, w.n, w.k, activation or "none", input_scale, act_format)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+@custom_op("mixgemm::gemm_fp8", mutates_args=())
+def _gemm_fp8_op(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                 zero_offsets: Optional[torch.Tensor], bias: Optional[torch.Tensor], weight_type: str,
+                 group_size: int, n: int, k: int, activation: str = "none",
+                 input_scale: Optional[torch.Tensor] = None, act_format: str = "fp8") -> torch.Tensor:
+    """``gemm(..., act_format="fp8" or "auto")`` of a weight given as its tensors and fields, with
+    every check of the eager call (what torch.compile traces)."""
+    w = PackedWeight(qdata, scales, zeros, _WEIGHT_TYPES.get(weight_type) or WeightType(weight_type), group_size,
+                     n, k, zero_offsets=zero_offsets)
+    return gemm(x, w, bias, None, None if activation == "none" else activation, act_format=act_format,
+                input_scale=input_scale)
+
+
+@_gemm_fp8_op.register_fake
+def _gemm_fp8_fake(x, qdata, scales, zeros, zero_offsets, bias, weight_type, group_size, n, k, activation="none",
+                   input_scale=None, act_format="fp8"):
+    return x.new_empty((*x.shape[:-1], n // 2 if activation == "swiglu" else n))
 
 
 def _gemm_planned(x: torch.Tensor, w: PackedWeight, bias, out, activation: Optional[str]) -> torch.Tensor:

@@ -17,34 +17,55 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-from ..dispatch import checks, heuristic
+from ..dispatch import checks, heuristic, tuning
 from ..dtypes import ActType, WeightType
 from ..jit import driver, loader
 from ..jit.catalog import FP8_TILE
 from ..jit.specs import Activation, Epilogue, Fp8GemmSpec, QuantFp8Spec
+from ..weights.types import PackedWeight
 from . import args
 
-if TYPE_CHECKING:
-    from ..weights.types import PackedWeight
 
-__all__ = ["E4M3_MAX", "ACT_FORMATS", "unknown_act_format", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
+__all__ = ["E4M3_MAX", "ACT_FORMATS", "unknown_act_format", "prefers_fp8", "resolve_act_format", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
            "input_scale_problem", "check_input_scale_value",
            "mma_to_weight_col", "weight_to_mma_col", "quant_spec", "gemm_fp8", "gemm_quantized", "fp8_problem",
            "fp8_gemm_spec", "select_fp8_spec", "FP8_TILE"]
 
-#: ``mixgemm.gemm``'s ``act_format`` values: exact bf16/fp16 activations, or e4m3 ones
-ACT_FORMATS = ("bf16", "fp8")
+#: ``mixgemm.gemm``'s ``act_format`` values: exact bf16/fp16 activations, e4m3 ones, or per call
+#: the one measured faster for the layer, its token count and the GPU (:func:`resolve_act_format`)
+ACT_FORMATS = ("bf16", "fp8", "auto")
 
 
 def unknown_act_format(act_format) -> Optional[str]:
     """Why ``act_format`` is not one of :data:`ACT_FORMATS`, or None."""
     if act_format not in ACT_FORMATS:
-        return f"act_format must be one of {ACT_FORMATS} ('auto' is not implemented yet), got {act_format!r}"
+        return f"act_format must be one of {ACT_FORMATS}, got {act_format!r}"
     return None
+
+
+def prefers_fp8(m, w: "PackedWeight", device: torch.device) -> bool:
+    """Whether ``act_format="auto"`` computes ``m`` tokens of ``w`` on ``device`` with e4m3
+    activations: the e4m3 kernels take w (:func:`fp8_problem`) and the GPU's tuning table
+    measured them faster for this layer shape at this token count
+    (:func:`mixgemm.dispatch.tuning.prefers_fp8`). False on a device without a table, for layer
+    shapes it does not list, and off CUDA."""
+    if device.type != "cuda" or fp8_problem(w) is not None:
+        return False
+    return tuning.prefers_fp8(heuristic.gpu_name(device.index if device.index is not None else
+                                                 torch.cuda.current_device()), w.weight_type, w.n, w.k, m)
+
+
+def resolve_act_format(act_format: str, m, w: "PackedWeight", device: torch.device) -> str:
+    """``"bf16"`` or ``"fp8"``: ``act_format`` itself, or for ``"auto"`` the format
+    :func:`prefers_fp8` picks for ``m`` tokens (so the numerics of ``"auto"`` change with M: e4m3
+    rounding where the e4m3 path is faster, exact activations elsewhere)."""
+    if act_format != "auto":
+        return act_format
+    return "fp8" if prefers_fp8(m, w, device) else "bf16"
 
 #: The largest finite e4m3 (float8_e4m3fn) value: a token's scale is its amax over this.
 E4M3_MAX = 448.0
@@ -407,3 +428,4 @@ def _launch_gemm(spec: Fp8GemmSpec, w: "PackedWeight", xq: torch.Tensor, xs: tor
     args.x_scales = xs.data_ptr()
     params, launch = kernel.helper.prepare_fp8(args)
     loader.launch_prepared(kernel, params, launch)
+
