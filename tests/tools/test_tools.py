@@ -250,12 +250,19 @@ def test_act_format_table_is_the_committed_grids(tmp_path):
     from mixgemm.dispatch import tuning
 
     tool = _tool("act_format_table")
-    grid = RESULTS / "nvidia-h200" / "fp8-auto-grid.json"
     shipped = tuning.TABLE_DIR / "nvidia-h200.json"
-    margin = json.loads(shipped.read_text())["act_format"]["margin"]
+    section = json.loads(shipped.read_text())["act_format"]
+    grids = re.findall(r"\(-> ([\w.-]+\.json)\)", section["measured"]["command"])   # the grids it names
+    assert grids and all((RESULTS / "nvidia-h200" / g).is_file() for g in grids)
     out = tmp_path / "t.json"
-    assert tool.main([str(grid), "--margin", str(margin), "--table", str(out)]) == 0
+    assert tool.main([str(RESULTS / "nvidia-h200" / g) for g in grids] +
+                     ["--margin", str(section["margin"]), "--table", str(out)]) == 0
     assert tuning.load_act_format_table(out) == tuning.load_act_format_table(shipped)
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     assert tool.main([str(bad), "--table", str(out)]) == 2
+    other = tmp_path / "other.json"   # a grid of another GPU does not mix with the H200's
+    doc = json.loads((RESULTS / "nvidia-h200" / grids[0]).read_text())
+    doc["machine"]["gpu_name"] = "NVIDIA Other"
+    other.write_text(json.dumps(doc))
+    assert tool.main([str(RESULTS / "nvidia-h200" / grids[0]), str(other), "--table", str(out)]) == 2
