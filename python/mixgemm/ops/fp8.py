@@ -271,7 +271,7 @@ def quantize_fp8(x: torch.Tensor, input_scale: Optional[torch.Tensor] = None) ->
 # ---------------------------------------------------------------------------------------------
 # The e4m3 GEMM
 # ---------------------------------------------------------------------------------------------
-#: the activations gemm_fp8 fuses (swiglu's gated epilogue has no e4m3 form yet)
+#: the activations gemm_fp8 fuses (swiglu through the gated e4m3 kernel)
 _FP8_ACTIVATIONS = (None, "silu", "gelu", "swiglu")
 
 
@@ -312,7 +312,8 @@ def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = 
     ----------
     x, w, bias, out, activation
         As :func:`mixgemm.gemm`; ``w`` is u4, s4, u2 or s2 with integer zero points, and
-        ``activation`` is None, ``"silu"`` or ``"gelu"``.
+        ``activation`` is None, ``"silu"``, ``"gelu"`` or ``"swiglu"`` (a gate/up weight of
+        :func:`mixgemm.weights.quantize.interleave_gate_up`, ``[..., N/2]`` out).
     spec : Fp8GemmSpec, optional
         The kernel (default: :func:`select_fp8_spec`); its types must be w's.
     input_scale : torch.Tensor, optional
