@@ -31,7 +31,6 @@ import torch
 from mixgemm.jit import build, render as codegen, launcher, loader as runtime
 from mixgemm.dispatch import checks, heuristic, plans
 from mixgemm.jit import driver
-from mixgemm.ops import dense as ops
 from mixgemm.errors import KernelError
 from mixgemm.jit.specs import HELPER_KINDS
 
@@ -171,7 +170,7 @@ class FakeGpu(contextlib.ExitStack):
         patch = self.enter_context
         patch(mock.patch.object(checks, "device_problem", lambda d: None if d.type == "cpu" else f"not the fake GPU: {d}"))
         patch(mock.patch.object(heuristic, "sm_count", lambda index: SM_COUNT))
-        patch(mock.patch.object(ops, "_gpu_name", lambda index: GPU_NAME))
+        patch(mock.patch.object(heuristic, "gpu_name", lambda index: GPU_NAME))
         patch(mock.patch.object(runtime, "KERNELS", self.kernels))
         patch(mock.patch.object(driver, "current_stream", lambda index: self.stream))
         patch(mock.patch.object(plans, "current_stream", lambda index: self.stream))

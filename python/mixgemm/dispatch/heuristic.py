@@ -182,12 +182,12 @@ def large_bucket(m: int, n: int, k: int, device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def gpu_name(device_index: int) -> str:
     """CUDA device ``device_index``'s name (the tuning tables' key)."""
     return torch.cuda.get_device_name(device_index)
 
 
+@functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     """CUDA device ``device_index``'s SM count (:data:`DEFAULT_SM_COUNT` for a negative index: a
     CPU tensor's :meth:`~torch.Tensor.get_device`, which no launch plan is made for)."""

@@ -29,12 +29,12 @@ import dataclasses
 import datetime
 import functools
 import json
-import os
 import re
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from ..dtypes import WeightType
+from ..utils.atomic import replacing
 
 TABLE_DIR = Path(__file__).resolve().parent / "configs"
 #: The split-K factors the sweep tries.
@@ -56,12 +56,16 @@ class SplitKey:
     bits: int
 
 
+def _table_file(gpu_name: str) -> Optional[Path]:
+    """The package's table of ``gpu_name``, or None where it has none."""
+    path = TABLE_DIR / f"{gpu_slug(gpu_name)}.json"
+    return path if path.is_file() else None
+
+
 @functools.lru_cache(maxsize=None)
 def _table(gpu_name: str) -> Mapping[SplitKey, int]:
-    path = TABLE_DIR / f"{gpu_slug(gpu_name)}.json"
-    if not path.is_file():
-        return {}
-    return load_table(path)
+    path = _table_file(gpu_name)
+    return {} if path is None else load_table(path)
 
 
 def _entry_key(e: Mapping) -> SplitKey:
@@ -154,10 +158,10 @@ def _other_sections(path: Path, gpu_name: str, own: tuple) -> dict:
 
 
 def _write_doc(path: Path, doc: dict) -> None:
+    """Write a table file through mixgemm's atomic writer (a temporary, renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        Path(tmp).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def write_table(path: Path, gpu_name: str, entries: list[dict], command: Optional[str] = None,
@@ -244,10 +248,8 @@ def load_act_format_table(path: Path) -> dict[ActFormatKey, tuple[tuple[int, ...
 
 @functools.lru_cache(maxsize=None)
 def _act_format_table(gpu_name: str) -> Mapping[ActFormatKey, tuple]:
-    path = TABLE_DIR / f"{gpu_slug(gpu_name)}.json"
-    if not path.is_file():
-        return {}
-    return load_act_format_table(path)
+    path = _table_file(gpu_name)
+    return {} if path is None else load_act_format_table(path)
 
 
 def prefers_fp8(gpu_name: str, weight: WeightType, n: int, k: int, m: int) -> bool:

@@ -27,16 +27,11 @@ from ..weights.quantize import GATE_UP_STRIPE as S
 from . import args, fp8
 
 
-@functools.lru_cache(maxsize=None)
-def _gpu_name(device_index: int) -> str:
-    return torch.cuda.get_device_name(device_index)
-
-
 def _tuned_splits(spec, w: PackedWeight, device: torch.device) -> int:
     """The measured split-K factor of a decode launch (mixgemm.dispatch.tuning), else 0: the planner's."""
     if spec.max_tokens is None:
         return 0
-    return tuning.decode_splits(_gpu_name(device.index), w.n, w.k, spec.tokens, spec.weight.bits)
+    return tuning.decode_splits(heuristic.gpu_name(device.index), w.n, w.k, spec.tokens, spec.weight.bits)
 
 
 def supports(x_shape: Sequence[int], w: PackedWeight, dtype: Optional[torch.dtype] = None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -26,8 +26,10 @@ from ..dtypes import ActType, WeightType
 from ..jit import driver, loader
 from ..jit.catalog import FP8_TILE
 from ..jit.specs import Activation, Epilogue, Fp8GemmSpec, QuantFp8Spec
-from ..weights.types import PackedWeight
 from . import args
+
+if TYPE_CHECKING:
+    from ..weights.types import PackedWeight
 
 
 __all__ = ["E4M3_MAX", "ACT_FORMATS", "unknown_act_format", "prefers_fp8", "resolve_act_format", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
