@@ -1,9 +1,11 @@
 """Where the time of a decode token goes in transformers' ``generate()``: a torch profile of one
 mode (``--mode``, as ``mixgemm bench --generate`` defines it: ``static``, generate()'s own compile;
-``compile``, ``model.forward = torch.compile(model.forward, fullgraph=True)``; or ``graph``, the
-ceiling: one decode step of an eager generate() captured whole in a CUDA graph and replayed
+``reduce-overhead``, the same with ``fullgraph=True``; ``compile``, ``model.forward =
+torch.compile(model.forward, fullgraph=True)``; or ``graph``, the ceiling: one decode step of an
+eager generate() captured whole in a CUDA graph and replayed
 ``--new-tokens`` times) for bf16 and mixgemm u4 (fused projections and ``fuse_layers=True``), the
-ops sorted by GPU time or, with ``--sort cpu``, by the host time they take themselves
+ops sorted by GPU time or, with ``--sort cpu``, by the host time they take themselves, and
+Dynamo's counters (graphs, recompiles)
 (docs/compile-and-graphs.md). The kernels of ``static`` against those of ``graph`` show what the
 compiled step runs that the hand-captured one does not::
 
@@ -19,30 +21,48 @@ give its launches per layer and decode step (the prompt's GEMMs are other kernel
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import mixgemm
+from mixgemm.aot.prebuild import build_for
 from mixgemm.bench.decoder import PRESETS
+from mixgemm.bench.generate import generate_kwargs
 from mixgemm.bench.generate_run import build_preset_model, mode_forward, pad_token_id, record_decode_step
 from mixgemm.bench.run_support import cuda_capture
 
 VARIANTS = ("bf16", "u4-off", "u4-on")
-MODES = ("static", "compile", "graph")
+
+
+class StepClock(LogitsProcessor):
+    """Records the host clock at each token's logits processing (once per generated token)."""
+
+    def __init__(self, stamps: list):
+        self.stamps = stamps
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+MODES = ("static", "reduce-overhead", "compile", "graph")
 SORTS = {"gpu": "self_device_time_total", "cpu": "self_cpu_time_total"}
 
 
 def profile_variant(variant: str, layers: int, batch: int, new_tokens: int, rows: int, mode: str = "static",
                     sort: str = "gpu") -> str:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     model = build_preset_model(PRESETS["llama3-8b"], layers, torch.device("cuda"), 0)
     if variant != "bf16":
         mixgemm.nn.quantize_model(model, bits=4, group_size=128, progress=False, fuse_layers=variant == "u4-on")
+        build_for(model, batch * 128, jobs=os.cpu_count(), progress=False)   # every kernel it reaches, in parallel, before timing
     ids = torch.randint(0, 1000, (batch, 128), device="cuda")
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-              cache_implementation="static", attention_mask=torch.ones_like(ids))
-    if mode == "compile":
-        kw["disable_compile"] = True         # the compiled forward alone, as bench --generate's compile mode
+              attention_mask=torch.ones_like(ids), **generate_kwargs("static" if mode == "graph" else mode))
     if mode == "graph":
         with torch.no_grad():
             step = record_decode_step(model, ids, new_tokens, pad_token_id(model))
@@ -63,10 +83,18 @@ def profile_variant(variant: str, layers: int, batch: int, new_tokens: int, rows
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 model.generate(ids, **kw)
                 torch.cuda.synchronize()
+            stamps = []
+            model.generate(ids, logits_processor=LogitsProcessorList([StepClock(stamps)]), **kw)
+            torch.cuda.synchronize()
+        steps = [round((b - a) * 1e3, 2) for a, b in zip(stamps, stamps[1:])]
+        step_line = (f"\nms between tokens (an unprofiled call): median {statistics.median(steps):.2f}, "
+                     f"min {min(steps):.2f}, max {max(steps):.2f}; first {steps[:6]}")
+    tail = "" if mode == "graph" else step_line
     del model
     torch.cuda.empty_cache()
     table = prof.key_averages().table(sort_by=SORTS[sort], row_limit=rows, max_name_column_width=90)
-    return f"===== {variant}, {mode}: {layers} layers, batch {batch}, {new_tokens} new tokens\n{table}"
+    counts = {group: dict(c) for group, c in torch._dynamo.utils.counters.items() if group in ("stats", "recompiles", "inductor") and c}
+    return f"===== {variant}, {mode}: {layers} layers, batch {batch}, {new_tokens} new tokens\n{table}\ndynamo counters: {counts}{tail}"
 
 
 def main(argv=None) -> int:

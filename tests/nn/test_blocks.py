@@ -250,3 +250,56 @@ def test_fp8_activations_change_the_logits_by_the_e4m3_rounding(reference_gemm, 
     err = ((b - a).norm() / a.norm()).item()
     assert 1e-3 < err < 0.1, err
     assert (a.argmax(-1) == b.argmax(-1)).double().mean() >= 0.75
+
+
+def _generate(model, ids, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                              output_scores=True, return_dict_in_generate=True, **kw)
+
+
+@pytest.mark.parametrize("fuse_layers", [False, True])
+def test_static_cache_tensors_are_reused_across_generate_calls(reference_gemm, fuse_layers):
+    """Each generate() call makes a new static cache; its layers take the previous call's tensors
+    (fixed addresses for the CUDA-graph trees) reset to zeros: garbage left in them changes
+    nothing, and the tokens and scores are those of the first call."""
+    model, _ = quantized("llama", fuse_layers=fuse_layers)
+    ids = _ids(1)
+    first = _generate(model, ids)
+    kept = [(layer.keys, layer.values) for layer in first.past_key_values.layers]
+    want_seq, want_scores = first.sequences, first.scores
+    del first
+    for keys, values in kept:            # what a stale slot could hold
+        keys.fill_(float("nan"))
+        values.fill_(float("nan"))
+    second = _generate(model, ids)
+    for (keys, values), layer in zip(kept, second.past_key_values.layers):
+        assert layer.keys is keys and layer.values is values
+    assert torch.equal(second.sequences, want_seq)
+    for a, b in zip(second.scores, want_scores):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_live_cache_keeps_its_tensors(reference_gemm):
+    """A cache still referenced (a returned past_key_values, kept for the next turn) is never
+    handed to another call: the next call allocates its own, and the kept cache is unchanged."""
+    model, _ = quantized("llama", fuse_layers=True)
+    held = _generate(model, _ids(1))
+    snapshot = [layer.keys.clone() for layer in held.past_key_values.layers]
+    other = _generate(model, _ids(1, seed=7))
+    for a, b, before in zip(held.past_key_values.layers, other.past_key_values.layers, snapshot):
+        assert a.keys.data_ptr() != b.keys.data_ptr()
+        assert torch.equal(a.keys, before)
+
+
+def test_release_kv_storage_frees_the_kept_tensors(reference_gemm):
+    model, _ = quantized("llama", fuse_layers=True)
+    out = _generate(model, _ids(1))
+    keys = out.past_key_values.layers[0].keys
+    nbytes = sum(layer.keys.nbytes + layer.values.nbytes + layer.cumulative_length.nbytes
+                 for layer in out.past_key_values.layers)
+    del out
+    assert mixgemm.nn.release_kv_storage(model) == nbytes
+    assert mixgemm.nn.release_kv_storage(model) == 0
+    again = _generate(model, _ids(1))
+    assert again.past_key_values.layers[0].keys is not keys

@@ -7,6 +7,7 @@ from .blocks import quantize_model
 from .linear import QuantizeSummary, QuantLinear, unsupported_reason
 from .moe import QuantMoE
 from .parallel import ColumnParallelQuantLinear, RowParallelQuantLinear
+from .static_kv import release_kv_storage
 
 __all__ = ["QuantLinear", "QuantizeSummary", "gemm_op", "unsupported_reason", "RMSNorm", "quantize_model",
-           "QuantMoE", "ColumnParallelQuantLinear", "RowParallelQuantLinear"]
+           "QuantMoE", "ColumnParallelQuantLinear", "RowParallelQuantLinear", "release_kv_storage"]

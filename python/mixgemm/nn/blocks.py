@@ -36,6 +36,7 @@ from ..dtypes import WeightType
 from ..dispatch.uses import KernelUse
 from ..ops.norm import LLAMA_STYLE_NORMS, RMSNorm, norm_spec, rms_norm
 from ..ops.rotary import rope_spec, rotary_kv_cache
+from .static_kv import StaticKVStore
 
 __all__ = ["ATTENTIONS", "FusedQKVAttention", "GatedMLP", "FusedDecoderLayer", "RopeTable", "find_attentions",
            "find_gated_mlps", "quantize_model"]
@@ -229,6 +230,7 @@ class FusedQKVAttention(nn.Module):
         _modeling_functions(self._modeling)
         self._functions = ALL_ATTENTION_FUNCTIONS
         self.rope: Optional[RopeTable] = None
+        self.kv_store = StaticKVStore()
         self.original_class = type(attention).__name__
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
@@ -249,6 +251,10 @@ class FusedQKVAttention(nn.Module):
             cos, sin = position_embeddings
             q, k = _modeling_functions(self._modeling)[0](q, k, cos, sin)
             if cache is not None:   # (transformers 5's caches take their positions from their own state)
+                if not torch.compiler.is_compiling():   # (eager: no guards on the cache's layers)
+                    layer = _static_layer(cache, self.layer_idx)
+                    if layer is not None and not layer.is_initialized:
+                        _initialize(self, layer, k, v)
                 k, v = cache.update(k, v, self.layer_idx)
         impl = self.config._attn_implementation
         if impl == "sdpa" and _packs_decode(self, q, k, attention_mask, kwargs):
@@ -266,6 +272,24 @@ class FusedQKVAttention(nn.Module):
         return f"{self.original_class}, heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}"
 
 
+def _static_layer(cache, layer_idx: int):
+    """The cache's layer ``layer_idx`` where it is transformers' static layer, else None."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or len(layers) <= layer_idx:
+        return None
+    layer = layers[layer_idx]
+    return layer if type(layer).__name__ == "StaticLayer" else None
+
+
+def _initialize(attn: FusedQKVAttention, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """A static cache layer's first write: transformers allocates its tensors, then (outside a
+    trace) the attention's :class:`~mixgemm.nn.static_kv.StaticKVStore` gives it the tensors of
+    the previous call's cache instead, so that CUDA graphs recorded for them replay."""
+    layer.lazy_initialization(keys, values)
+    if not torch.compiler.is_compiling():
+        attn.kv_store.adopt(layer)
+
+
 def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_ids) -> Optional[tuple]:
     """(q, keys, values) from one rotary_kv_cache launch into the cache's static layer, or None
     where torch's path must run. (A function, not a method, and the cache length read from the
@@ -274,16 +298,13 @@ def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_i
     if (rope is None or cache is None or position_ids is None or qkv.dim() != 3 or qkv.shape[0] != 1
             or attn.q_norm is not None or getattr(cache, "offloading", False)):
         return None
-    layers = getattr(cache, "layers", None)
-    if layers is None or len(layers) <= attn.layer_idx:
-        return None
-    layer = layers[attn.layer_idx]
-    if type(layer).__name__ != "StaticLayer":
+    layer = _static_layer(cache, attn.layer_idx)
+    if layer is None:
         return None
     b, t, _ = qkv.shape
     if not layer.is_initialized:
         kv = qkv.new_empty(b, attn.kv_heads, t, attn.head_dim)
-        layer.lazy_initialization(kv, kv)
+        _initialize(attn, layer, kv, kv)
     keys, values = layer.keys, layer.values
     tables = rope._buffers
     cos, sin = tables["cos"], tables["sin"]
