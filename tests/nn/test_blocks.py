@@ -303,3 +303,56 @@ def test_release_kv_storage_frees_the_kept_tensors(reference_gemm):
     assert mixgemm.nn.release_kv_storage(model) == 0
     again = _generate(model, _ids(1))
     assert again.past_key_values.layers[0].keys is not keys
+
+
+def _shapes_backend(frames: list):
+    """A torch.compile backend that keeps the graph and returns outputs of its traced shapes
+    (the graph never runs: the GEMM op has no CPU kernel)."""
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        values = [torch.zeros(a.meta["example_value"].shape, dtype=a.meta["example_value"].dtype)
+                  if isinstance(a, torch.fx.Node) else a for a in out.args[0]]
+        return lambda *args: values
+    return backend
+
+
+def test_fused_models_compile_their_decode_step_without_module_guards():
+    """fuse_layers=True gives generate() a compile config with CUDA-graph trees and the module
+    guard filter (unless the model has one); the filter drops the guards on module internals but
+    keeps the inputs', `training` and `act_format`: a compiled forward is not recompiled for new
+    inputs, and is when a layer's act_format changes."""
+    from mixgemm.nn import guards
+
+    model, _ = quantized("llama", fuse_layers=True)
+    cc = model.generation_config.compile_config
+    assert cc.mode is None and cc.options == {"triton.cudagraphs": True, "guard_filter_fn": guards.module_guard_filter}
+    mine = transformers.CompileConfig(fullgraph=True)
+    other = tiny_model("llama")
+    other.generation_config.compile_config = mine
+    mixgemm.nn.quantize_model(other, bits=4, group_size=64, progress=False, dtype=torch.float16, fuse_layers=True)
+    assert other.generation_config.compile_config is mine
+
+    kept, frames = [], []
+
+    def spy(entries):
+        keep = guards.module_guard_filter(entries)
+        kept.append(([e.name for e, k in zip(entries, keep) if k], len(entries)))
+        return keep
+
+    torch._dynamo.reset()
+    step = torch.compile(model.__call__, backend=_shapes_backend(frames), dynamic=False,
+                         options={"guard_filter_fn": spy})
+    with torch.no_grad():
+        step(input_ids=_ids(1, 5), use_cache=False)
+        step(input_ids=_ids(1, 5, seed=3), use_cache=False)
+        assert len(frames) == 1
+        names, total = kept[-1]
+        assert len(names) < total / 2, (len(names), total)
+        assert any(n.endswith("['act_format']") or n.endswith(".act_format") for n in names)
+        assert any(n.endswith(".training") for n in names)
+        assert not any("_buffers" in n or "_parameters" in n for n in names), "module tensors are not guarded"
+        model.model.layers[0].mlp.down_proj.act_format = "fp8"
+        step(input_ids=_ids(1, 5), use_cache=False)
+    assert len(frames) == 2, "the changed act_format recompiles"
+    torch._dynamo.reset()

@@ -151,7 +151,8 @@ def from_pretrained(model_dir: Union[str, Path], device: Union[str, torch.device
         :class:`FusedQKVAttention`, a :class:`GatedMLP` and LLaMA-style norms) by a
         :class:`mixgemm.nn.blocks.FusedDecoderLayer` (:func:`mixgemm.nn.blocks.fuse_decoder_layers`,
         after the norms are replaced), and make transformers' static cache ``generate()``'s
-        default (``generation_config.cache_implementation = "static"``), as
+        default (``generation_config.cache_implementation = "static"``) with
+        :func:`mixgemm.nn.guards.decode_compile_config` as its compile config, as
         ``quantize_model(..., fuse_layers=True)`` does. Needs ``fuse_projections`` and the
         gate/up fusion.
     attn_implementation : str, optional

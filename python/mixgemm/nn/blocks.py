@@ -36,6 +36,7 @@ from ..dtypes import WeightType
 from ..dispatch.uses import KernelUse
 from ..ops.norm import LLAMA_STYLE_NORMS, RMSNorm, norm_spec, rms_norm
 from ..ops.rotary import rope_spec, rotary_kv_cache
+from .guards import decode_compile_config
 from .static_kv import StaticKVStore
 
 __all__ = ["ATTENTIONS", "FusedQKVAttention", "GatedMLP", "FusedDecoderLayer", "RopeTable", "find_attentions",
@@ -467,7 +468,10 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
         Also replace each decoder layer of the LLaMA kind by :class:`FusedDecoderLayer` (needs
         ``fuse_projections``), and make transformers' static cache the model's default for
         ``generate()`` (``generation_config.cache_implementation = "static"``), the cache whose
-        layers the fused rotary / KV-cache launch writes.
+        layers the fused rotary / KV-cache launch writes; and, unless the generation config has
+        one, its ``compile_config`` :func:`mixgemm.nn.guards.decode_compile_config` (CUDA-graph
+        trees without Dynamo's checks of the modules' internals: modules must not be replaced
+        after the first compiled call without ``torch.compiler.reset()``).
     act_format : {"bf16", "fp8", "auto"}, default "bf16"
         The activations of every QuantLinear made (:class:`~mixgemm.nn.QuantLinear`'s
         ``act_format``). ``"fp8"`` rounds each call's activations to e4m3 with a scale per token
@@ -568,7 +572,8 @@ def fuse_decoder_layers(model: nn.Module) -> list[str]:
     """Replace every decoder layer of ``model`` that :func:`quantize_model` fused the projections
     of (a :class:`FusedQKVAttention`, a :class:`GatedMLP` and two LLaMA-style norms) by a
     :class:`FusedDecoderLayer`, give their attentions the model's :class:`RopeTable`, and make
-    the static cache ``generate()``'s default; the names of the replaced layers."""
+    the static cache ``generate()``'s default, compiled with :func:`.guards.decode_compile_config`
+    (unless the model has a compile config); the names of the replaced layers."""
     targets = [(name, mod) for name, mod in model.named_modules() if _fusable_layer(mod)]
     done = []
     table = None
@@ -588,4 +593,6 @@ def fuse_decoder_layers(model: nn.Module) -> list[str]:
     config = getattr(model, "generation_config", None)
     if done and config is not None:
         config.cache_implementation = "static"
+        if getattr(config, "compile_config", None) is None:
+            config.compile_config = decode_compile_config()
     return done
