@@ -263,7 +263,7 @@ def test_analysis_fail_and_error_rules():
 # ------------------------------------------------------------------------------ the report
 def _report(points=None, **config):
     cfg = G.GenerateConfig(layers=32)
-    conf = {**cfg.to_json(), "transformers_version": "5.24.0", "static_compile_config": {"mode": "reduce-overhead"},
+    conf = {**cfg.to_json(), "transformers_version": "5.24.0", "static_compile_config": {"bf16": {"mode": "reduce-overhead"}},
             **config}
     return G.GenerateReport(machine(), conf, {cfg.name: G.model_description(cfg)}, points or _points())
 
@@ -275,7 +275,7 @@ def test_table():
     pts[1] = dataclasses.replace(pts[1], host_queued=False)
     text = G.format_generate_table(_report(pts))
     for words in ("transformers 5.24.0", "torch 2.11.0+cu130", "GPU NVIDIA H100 80GB HBM3", *G.GEN_TABLE_HEADER,
-                  "static's CompileConfig: {'mode': 'reduce-overhead'}", G.MODE_DEFINITIONS["reduce-overhead"],
+                  "static's CompileConfig, bf16: {'mode': 'reduce-overhead'}", G.MODE_DEFINITIONS["reduce-overhead"],
                   "llama3-8b (meta-llama/Meta-Llama-3-8B): llama, hidden 4096, intermediate 14336, heads 32/8 x 128",
                   "vocab 128256; 32 of its 32 layers", "compiled nothing", "made 63 new tokens",
                   "mixgemm-u4 fuse_layers=off compile b1: host time: x", "!: the GPU woke"):
@@ -496,3 +496,17 @@ def test_timed_generate_calls_run_with_the_heap_frozen(monkeypatch):
     with pytest.raises(RuntimeError), R.frozen_heap():
         failing()
     assert gc.get_freeze_count() == 0
+
+
+def test_compile_config_record_is_json():
+    """A CompileConfig with a guard filter function (a fused model's) records as JSON data."""
+    import json
+
+    def guard_filter(entries):
+        return entries
+
+    rec = G.compile_config_record({"mode": None, "fullgraph": False,
+                                   "options": {"triton.cudagraphs": True, "guard_filter_fn": guard_filter}})
+    assert json.loads(json.dumps(rec)) == rec
+    assert rec["options"]["guard_filter_fn"].endswith("test_compile_config_record_is_json.<locals>.guard_filter")
+    assert rec["mode"] is None and rec["options"]["triton.cudagraphs"] is True

@@ -20,8 +20,10 @@ The modes (:data:`MODE_DEFINITIONS`), every one greedy with ``min_new_tokens = m
   no compile at all;
 * ``compile``: a static cache and ``model.forward = torch.compile(model.forward, fullgraph=True)``
   (inductor's default mode); generate()'s own compile disabled;
-* ``static``: a static cache and generate()'s own compile of the decode step, with transformers'
-  default ``CompileConfig`` (the run records the one it used: ``static_compile_config``);
+* ``static``: a static cache and generate()'s own compile of the decode step, with the model's
+  ``CompileConfig`` (transformers' default; for a ``fuse_layers=True`` model
+  :func:`mixgemm.nn.guards.decode_compile_config`; the run records each variant's:
+  ``static_compile_config``);
 * ``reduce-overhead``: a static cache and generate()'s own compile of the decode step with
   ``compile_config=CompileConfig(mode="reduce-overhead", fullgraph=True)``: CUDA-graph trees,
   and no graph break allowed. (A user's ``model.forward = torch.compile(model.forward,
@@ -95,8 +97,8 @@ MODE_DEFINITIONS = {
              "generation_config.disable_compile=True (no torch.compile)",
     "compile": "static cache, model.forward = torch.compile(model.forward, fullgraph=True) (inductor, default "
                "mode); generate()'s own compile disabled",
-    "static": "static cache, generate()'s own compile of the decode step with transformers' default "
-              "CompileConfig (static_compile_config); the prompt runs eager",
+    "static": "static cache, generate()'s own compile of the decode step with the model's CompileConfig "
+              "(transformers' default; a fuse_layers=True model's own: static_compile_config); the prompt runs eager",
     "reduce-overhead": "static cache, generate()'s own compile of the decode step with "
                        "compile_config=CompileConfig(mode='reduce-overhead', fullgraph=True); the prompt runs eager",
 }
@@ -264,6 +266,18 @@ def accepts_keyword(fn: Callable, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def compile_config_record(config: Mapping[str, Any]) -> dict:
+    """A ``CompileConfig.to_dict()`` as JSON data: functions (a ``guard_filter_fn``) by their
+    qualified name, nested dicts alike."""
+    def value(v):
+        if isinstance(v, Mapping):
+            return {str(k): value(x) for k, x in v.items()}
+        if callable(v):
+            return f"{getattr(v, '__module__', '?')}.{getattr(v, '__qualname__', repr(v))}"
+        return v if v is None or isinstance(v, (bool, int, float, str)) else repr(v)
+    return value(config)
 
 
 def generate_kwargs(mode: str) -> dict:
@@ -598,8 +612,8 @@ def format_generate_table(report: GenerateReport) -> str:
              f"{config.get('transformers_version')}, mixgemm {report.machine.mixgemm_version}"]
     for mode, words in (config.get("mode_definitions") or {}).items():
         lines.append(f"  {mode}: {words}")
-    if config.get("static_compile_config") is not None:
-        lines.append(f"  static's CompileConfig: {config['static_compile_config']}")
+    for label, record in (config.get("static_compile_config") or {}).items():
+        lines.append(f"  static's CompileConfig, {label}: {record}")
     if config.get("fuse_layers_note"):
         lines.append(f"  fuse_layers: {config['fuse_layers_note']}")
     return "\n".join(lines + [GEN_TABLE.format(report.points, None, config, report.presets)])

@@ -42,7 +42,8 @@ from ..nn.blocks import quantize_model
 from . import peers
 from .decoder import PRESETS, ModelPreset
 from .generate import (HF_DIR, HOST_STEP_REPEATS, STEP_MAX_SLEEP_US, PRESET_MODELS, QUANTIZED_DIR, WARMUP_GENERATES,
-                       GenerateConfig, GenMeasurement, RunVariant, accepts_keyword, fuse_note, generate_kwargs,
+                       NO_FUSE, GenerateConfig, GenMeasurement, RunVariant, accepts_keyword, compile_config_record,
+                       fuse_note, generate_kwargs,
                        model_description, preset_config_kwargs, unavailable_reason)
 from .grid import OK
 from .host import HostPoint, measure_cycles_per_us, measure_host
@@ -405,7 +406,8 @@ def measure_mode(model, mode: str, cfg: GenerateConfig, prompts: Mapping[int, to
             if mode in ("static", "reduce-overhead"):
                 used = getattr(model, "_last_compile_config", None)
                 if mode == "static" and used is not None and hasattr(used, "to_dict"):
-                    info["static_compile_config"] = used.to_dict()
+                    label = base["variant"] + ("" if base["fuse"] == NO_FUSE else f" fuse_layers={base['fuse']}")
+                    info["static_compile_config"][label] = compile_config_record(used.to_dict())
                 if getattr(model, "_compiled_call", None) is None and hasattr(model, "get_compiled_call"):
                     error = "generate() compiled nothing (its auto-compile criteria were not met)"
             cache_note = ""
@@ -454,7 +456,7 @@ def run_generate(cfg: GenerateConfig, device: torch.device, log: Log = print) ->
     mixgemm = peers.mixgemm_available()
     layers = model_description(cfg)["layers"]
     info: dict = {"transformers_version": transformers.__version__, "fuse_layers_supported": support,
-                  "static_compile_config": None}
+                  "static_compile_config": {}}
     note = fuse_note(cfg, support)
     if note:
         info["fuse_layers_note"] = note
