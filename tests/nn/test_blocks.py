@@ -287,9 +287,15 @@ def test_a_live_cache_keeps_its_tensors(reference_gemm):
     held = _generate(model, _ids(1))
     snapshot = [layer.keys.clone() for layer in held.past_key_values.layers]
     other = _generate(model, _ids(1, seed=7))
-    for a, b, before in zip(held.past_key_values.layers, other.past_key_values.layers, snapshot):
-        assert a.keys.data_ptr() != b.keys.data_ptr()
-        assert torch.equal(a.keys, before)
+    pairs = list(zip(held.past_key_values.layers, other.past_key_values.layers))
+    assert all(a.keys.data_ptr() != b.keys.data_ptr() for a, b in pairs)
+    assert all(torch.equal(a.keys, before) for a, before in zip(held.past_key_values.layers, snapshot))
+    del pairs
+    mine = [layer.keys for layer in other.past_key_values.layers]
+    del other                            # the store now keeps the second call's tensors
+    third = _generate(model, _ids(1))
+    assert all(layer.keys is keys for layer, keys in zip(third.past_key_values.layers, mine))
+    assert all(torch.equal(a.keys, before) for a, before in zip(held.past_key_values.layers, snapshot))
 
 
 def test_release_kv_storage_frees_the_kept_tensors(reference_gemm):

@@ -145,11 +145,14 @@ def assert_same_greedy(got, want, prompt: int, rtol: float = 2e-2) -> None:
             assert (top[0] - top[1]).item() <= 2 * err.item(), f"row {b} step {last}: a token flip that is no tie"
 
 
-@pytest.mark.parametrize("fuse_layers", [False, True])
-def test_a_transformers_model_generates_the_eager_tokens_under_reduce_overhead(requires_gpu, fuse_layers):
+@pytest.mark.parametrize("fuse_layers, config", [(False, "reduce-overhead"), (True, "reduce-overhead"),
+                                                 (True, "the model's")])
+def test_a_transformers_model_generates_the_eager_tokens_under_reduce_overhead(requires_gpu, fuse_layers, config):
     """generate() with a static cache: eager, and generate()'s own compile with
-    ``mode="reduce-overhead", fullgraph=True`` (CUDA-graph trees, recorded then replayed): the
-    same greedy tokens up to near ties, batch 1 and 4 (:func:`assert_same_greedy`)."""
+    ``mode="reduce-overhead", fullgraph=True`` or the fused model's own compile config
+    (CUDA-graph trees without module guards): the same greedy tokens up to near ties, batch 1
+    and 4 (:func:`assert_same_greedy`), and the second compiled call's cache in the first's
+    tensors (the graphs replay for them)."""
     from transformers import CompileConfig
 
     dev = requires_gpu
@@ -162,9 +165,15 @@ def test_a_transformers_model_generates_the_eager_tokens_under_reduce_overhead(r
                   output_scores=True, return_dict_in_generate=True)
         with torch.no_grad():
             want = model.generate(ids, disable_compile=True, **kw)
+            extra = {} if config == "the model's" else {"compile_config": CompileConfig(fullgraph=True,
+                                                                                         mode="reduce-overhead")}
+            keys = []
             for _ in range(2):                   # the second call replays the recorded graphs
-                got = model.generate(ids, compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"), **kw)
+                got = model.generate(ids, **extra, **kw)
                 assert_same_greedy(got, want, ids.shape[1])
+                keys.append(got.past_key_values.layers[0].keys.data_ptr())
+                del got
+            assert keys[0] == keys[1]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

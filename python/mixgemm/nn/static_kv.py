@@ -13,7 +13,8 @@ hands them to the next cache of the same shapes, dtypes and device, reset to wha
 would have allocated (zeros, a counter of 0). The addresses then stay fixed from call to call,
 and so do the recorded graphs. The tensors are never shared by two live caches: a cache that is
 still referenced (a returned ``past_key_values``, a cache passed back for the next turn) keeps
-them, and a cache made meanwhile allocates its own, as transformers does.
+them, and a cache made meanwhile allocates its own, as transformers does (and the store keeps
+those for the next call).
 
 The store holds one cache layer's memory after generation (the size of the last static cache);
 :func:`release_kv_storage` lets it go.
@@ -69,15 +70,17 @@ class StaticKVStore:
 
         Returns True when the layer now uses the kept tensors (each set to the value the layer
         had allocated), False when it keeps its own (the first cache, another shape, dtype or
-        device, or a cache still alive that uses the kept ones)."""
+        device, or a cache still alive that uses the kept ones); its own are then kept for the
+        next cache."""
         fresh = {name: t for name in FIELDS if isinstance(t := getattr(layer, name, None), torch.Tensor)}
         if not fresh:
             return False
         owner = self._owner() if self._owner is not None else None
-        if owner is not None and owner is not layer:
-            return False          # a live cache uses the kept tensors: this one keeps its own
         kept = self._tensors
-        if kept is None or kept.keys() != fresh.keys() or any(_spec(kept[k]) != _spec(fresh[k]) for k in fresh):
+        if (kept is None or (owner is not None and owner is not layer) or kept.keys() != fresh.keys()
+                or any(_spec(kept[k]) != _spec(fresh[k]) for k in fresh)):
+            # (the first cache, another shape, or a live cache holding the kept tensors: this one
+            # keeps its own, and they are the ones the next cache gets)
             self._tensors = fresh
             self._owner = weakref.ref(layer)
             return False
