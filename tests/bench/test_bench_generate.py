@@ -510,3 +510,9 @@ def test_compile_config_record_is_json():
     assert json.loads(json.dumps(rec)) == rec
     assert rec["options"]["guard_filter_fn"].endswith("test_compile_config_record_is_json.<locals>.guard_filter")
     assert rec["mode"] is None and rec["options"]["triton.cudagraphs"] is True
+
+
+def test_table_reads_a_report_of_one_compile_config():
+    """A report written when one CompileConfig was recorded for every variant still prints it."""
+    text = G.format_generate_table(_report(static_compile_config={"mode": "reduce-overhead", "fullgraph": False}))
+    assert "static's CompileConfig, every variant: {'mode': 'reduce-overhead', 'fullgraph': False}" in text

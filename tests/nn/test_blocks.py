@@ -299,8 +299,13 @@ def test_a_live_cache_keeps_its_tensors(reference_gemm):
 
 
 def test_release_kv_storage_frees_the_kept_tensors(reference_gemm):
+    import copy
+    import pickle
+
     model, _ = quantized("llama", fuse_layers=True)
     out = _generate(model, _ids(1))
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):   # copies start empty
+        assert mixgemm.nn.release_kv_storage(twin) == 0
     keys = out.past_key_values.layers[0].keys
     nbytes = sum(layer.keys.nbytes + layer.values.nbytes + layer.cumulative_length.nbytes
                  for layer in out.past_key_values.layers)

@@ -612,7 +612,10 @@ def format_generate_table(report: GenerateReport) -> str:
              f"{config.get('transformers_version')}, mixgemm {report.machine.mixgemm_version}"]
     for mode, words in (config.get("mode_definitions") or {}).items():
         lines.append(f"  {mode}: {words}")
-    for label, record in (config.get("static_compile_config") or {}).items():
+    records = config.get("static_compile_config") or {}
+    if "mode" in records:          # (a report of one CompileConfig for every variant)
+        records = {"every variant": records}
+    for label, record in records.items():
         lines.append(f"  static's CompileConfig, {label}: {record}")
     if config.get("fuse_layers_note"):
         lines.append(f"  fuse_layers: {config['fuse_layers_note']}")

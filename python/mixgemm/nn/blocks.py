@@ -274,7 +274,9 @@ class FusedQKVAttention(nn.Module):
 
 
 def _static_layer(cache, layer_idx: int):
-    """The cache's layer ``layer_idx`` where it is transformers' static layer, else None."""
+    """The cache's layer ``layer_idx`` where it is transformers' static layer (not offloaded), else None."""
+    if getattr(cache, "offloading", False):
+        return None
     layers = getattr(cache, "layers", None)
     if layers is None or len(layers) <= layer_idx:
         return None

@@ -21,6 +21,7 @@ The store holds one cache layer's memory after generation (the size of the last 
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Optional
 
@@ -48,6 +49,13 @@ class StaticKVStore:
     def __init__(self):
         self._tensors: Optional[dict[str, torch.Tensor]] = None
         self._owner: Optional[weakref.ref] = None
+        self._lock = threading.Lock()     # (two generate() calls in two threads: one gets the tensors)
+
+    def __getstate__(self) -> dict:
+        return {}                # a copied or pickled model starts with an empty store
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
 
     def __repr__(self) -> str:
         held = "empty" if self._tensors is None else ", ".join(
@@ -61,8 +69,9 @@ class StaticKVStore:
 
     def release(self) -> int:
         """Drop the kept tensors (a live cache that uses them keeps them); returns their bytes."""
-        n = self.nbytes
-        self._tensors, self._owner = None, None
+        with self._lock:
+            n = self.nbytes
+            self._tensors, self._owner = None, None
         return n
 
     def adopt(self, layer) -> bool:
@@ -75,6 +84,10 @@ class StaticKVStore:
         fresh = {name: t for name in FIELDS if isinstance(t := getattr(layer, name, None), torch.Tensor)}
         if not fresh:
             return False
+        with self._lock:
+            return self._adopt(layer, fresh)
+
+    def _adopt(self, layer, fresh: dict) -> bool:
         owner = self._owner() if self._owner is not None else None
         kept = self._tensors
         if (kept is None or (owner is not None and owner is not layer) or kept.keys() != fresh.keys()
