@@ -331,8 +331,8 @@ def _shapes_backend(frames: list):
 def test_fused_models_compile_their_decode_step_without_module_guards():
     """fuse_layers=True gives generate() a compile config with CUDA-graph trees and the module
     guard filter (unless the model has one); the filter drops the guards on module internals but
-    keeps the inputs', `training` and `act_format`: a compiled forward is not recompiled for new
-    inputs, and is when a layer's act_format changes."""
+    keeps the inputs', `training`, `act_format` and the attention backend's: a compiled forward is
+    not recompiled for new inputs, and is when a layer's act_format or the backend changes."""
     from mixgemm.nn import guards
 
     model, _ = quantized("llama", fuse_layers=True)
@@ -362,8 +362,12 @@ def test_fused_models_compile_their_decode_step_without_module_guards():
         assert len(names) < total / 2, (len(names), total)
         assert any(n.endswith("['act_format']") or n.endswith(".act_format") for n in names)
         assert any(n.endswith(".training") for n in names)
+        assert any(n.endswith("._attn_implementation_internal") for n in names)
         assert not any("_buffers" in n or "_parameters" in n for n in names), "module tensors are not guarded"
         model.model.layers[0].mlp.down_proj.act_format = "fp8"
         step(input_ids=_ids(1, 5), use_cache=False)
-    assert len(frames) == 2, "the changed act_format recompiles"
+        assert len(frames) == 2, "the changed act_format recompiles"
+        model.set_attn_implementation("eager")
+        step(input_ids=_ids(1, 5), use_cache=False)
+    assert len(frames) == 3, "the changed attention backend recompiles"
     torch._dynamo.reset()

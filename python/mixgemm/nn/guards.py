@@ -8,7 +8,8 @@ that replays a CUDA graph their evaluation is a large share of the host's time p
 (docs/compile-and-graphs.md), time ``generate()`` waits for before each step. A fused model's
 modules do not change between steps, so :func:`module_guard_filter` keeps every guard except
 those on nn.Module state, and of those still keeps each module's ``training`` flag and each
-QuantLinear's ``act_format`` (the two settings a user changes on a loaded model). Forward hooks
+QuantLinear's ``act_format``, and the attention backend its config names (the settings a user
+changes on a loaded model). Forward hooks
 registered after the first compiled call are not seen either.
 
 What that assumes: after the first compiled call, modules are not replaced or given new
@@ -24,8 +25,9 @@ import re
 
 __all__ = ["module_guard_filter", "decode_compile_config"]
 
-#: module attributes whose guards stay: the settings a user changes on a loaded model
-KEPT_ATTRIBUTES = ("training", "act_format")
+#: module attributes whose guards stay: the settings a user changes on a loaded model (the
+#: attention backend is read from the modules' config: ``model.set_attn_implementation``)
+KEPT_ATTRIBUTES = ("training", "act_format", "_attn_implementation", "_attn_implementation_internal")
 
 _KEPT = re.compile(r"(?:\.|\[')(?:%s)(?:'\])?$" % "|".join(KEPT_ATTRIBUTES))
 
