@@ -218,8 +218,8 @@ def test_model_fp8_options():
     for name in ("int4-fp8", "scaled-mm"):
         with pytest.raises(bench.BenchError, match="--moe has no e4m3-activation variant"):
             bench.moe_config_from_args(parse("--moe", "qwen3-30b-a3b", "--variants", f"int4,{name}"))
-    with pytest.raises(bench.BenchError, match="exact activations"):
-        bench.generate_config_from_args(parse("--generate", "llama3-8b", "--types", "u4,u4-fp8"))
+    gen = bench.generate_config_from_args(parse("--generate", "llama3-8b", "--types", "u4,u4-fp8"))
+    assert [v.name for v in gen.types] == ["mixgemm-u4", "mixgemm-u4-fp8"]      # --generate runs them too
 
 
 def test_auto_variants_parse_but_do_not_build_a_model_layer():
