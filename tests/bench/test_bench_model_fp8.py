@@ -218,8 +218,35 @@ def test_model_fp8_options():
     for name in ("int4-fp8", "scaled-mm"):
         with pytest.raises(bench.BenchError, match="--moe has no e4m3-activation variant"):
             bench.moe_config_from_args(parse("--moe", "qwen3-30b-a3b", "--variants", f"int4,{name}"))
-    with pytest.raises(bench.BenchError, match="exact activations"):
-        bench.generate_config_from_args(parse("--generate", "llama3-8b", "--types", "u4,u4-fp8"))
+    gen = bench.generate_config_from_args(parse("--generate", "llama3-8b", "--types", "u4,u4-fp8"))
+    assert [v.name for v in gen.types] == ["mixgemm-u4", "mixgemm-u4-fp8"]      # --generate runs them too
+
+
+def test_auto_variants_parse_but_do_not_build_a_model_layer():
+    """``-auto`` names parse (the --generate types) and count as e4m3 for the error bar; a --model
+    layer of one is n/a with the reason, never the exact layers under the -auto name."""
+    v = V.parse_variant("int2-auto")
+    assert (v.name, v.act_format, v.e4m3, v.e4m3_problem) == ("mixgemm-u2-auto", "auto", True, None)
+    assert V.parse_variant(v.name) == V.parse_variant(" U2-Auto ") == v and V.is_e4m3("mixgemm-s4-auto")
+    assert V.parse_variant("s8-auto").e4m3_problem.startswith("s8 weights have no e4m3 kernel")
+    assert V.parse_variant("int4").e4m3_problem is None and U4_FP8.e4m3_problem is None
+    with pytest.raises(bench.ImplUnavailable, match="--generate variant"):
+        V.build_layer(SMALL, v, 0, 0, CPU, 128)
+
+
+@pytest.mark.parametrize("make,argv", [
+    (bench.model_config_from_args, ("--model", "llama3-8b", "--variants", "int4,int4-auto")),
+    (bench.host_step_config, ("--host", "--variants", "mixgemm-u2-auto")),
+    (bench.moe_config_from_args, ("--moe", "qwen3-30b-a3b", "--variants", "u4-auto")),
+])
+def test_variants_refuse_auto(make, argv):
+    """--variants times exact and e4m3 activations apart; act_format='auto' is --generate's."""
+    with pytest.raises(bench.BenchError) as e:
+        make(parse(*argv))
+    msg = str(e.value)
+    assert msg.startswith("--variants: '") and "act_format='auto' is a --generate type" in msg and "\n" not in msg
+    wt = "u2" if "u2" in argv[-1] else "u4"
+    assert f"--types {wt}-auto" in msg and f"mixgemm-{wt},mixgemm-{wt}-fp8" in msg
 
 
 # -------------------------------------------------------------------------- the run, on the CPU

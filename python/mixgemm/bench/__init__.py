@@ -32,8 +32,8 @@ One module per concern:
   graphs: what is reported, and the GPU run;
 * :mod:`.host`: ``--host``, the host's microseconds per call and the eager decode step;
 * :mod:`.generate`, :mod:`.generate_run`: ``--generate``, transformers' ``generate()`` on a causal
-  LM with a preset's shapes (or a model directory), bf16 against mixgemm's weight types with and
-  without ``fuse_layers``, in four modes (eager, torch.compile, generate()'s own compile with a
+  LM with a preset's shapes (or a model directory), bf16 against mixgemm's weight types (exact,
+  e4m3 or per-call activations) with and without ``fuse_layers``, in four modes (eager, torch.compile, generate()'s own compile with a
   static cache, reduce-overhead): what is reported, and the GPU run;
 * :mod:`.report` and :mod:`.plots`: tables, JSON, merges and plots; :mod:`.preset_report`: the
   report that ``--model`` and ``--moe`` share (JSON, split per preset, merge, table layout);

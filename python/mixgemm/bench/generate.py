@@ -4,11 +4,18 @@ function of its inputs, tested on the CPU; the GPU run is :mod:`.generate_run`).
 
 The model is a transformers causal LM: a preset's shapes (:data:`.decoder.PRESETS`, random
 weights, all its layers unless ``--layers``) or a model directory. Each variant runs on its own
-copy: ``bf16``, then, per weight type of ``--types`` (``u4``, ``u2``, ``s8``, ...: ``u`` asymmetric
-with zero points, ``s`` symmetric) and per ``--fuse-layers`` setting, the same bf16 model through
-``mixgemm.nn.quantize_model(model, bits, group_size, symmetric, fuse_layers=...)``
-(``fuse_layers=False``: mixgemm's fused projections, q/k/v in one GEMM and gate/up in one with
-the swiglu epilogue; ``True``: mixgemm's whole decoder layer with its own static KV cache). A
+copy: ``bf16``, then, per type of ``--types`` and per ``--fuse-layers`` setting, the same bf16
+model through ``mixgemm.nn.quantize_model(model, bits, group_size, symmetric, fuse_layers=...,
+act_format=...)`` (``fuse_layers=False``: mixgemm's fused projections, q/k/v in one GEMM and
+gate/up in one with the swiglu epilogue; ``True``: mixgemm's whole decoder layer with its own
+static KV cache). A type is a weight type (``u4``, ``u2``, ``s8``, ...: ``u`` asymmetric with
+zero points, ``s`` symmetric; exact activations, ``act_format="bf16"``), or a 4- or 2-bit one with
+a suffix that sets the activations of every QuantLinear: ``-fp8`` (``u4-fp8``, row
+``mixgemm-u4-fp8``): ``act_format="fp8"``, each call rounds its input to e4m3 per token and runs
+the e4m3 GEMM; ``-auto`` (``u2-auto``, row ``mixgemm-u2-auto``): ``act_format="auto"``, each call
+on the e4m3 path where the GPU's tuning table measured it faster for that layer shape and token
+count, else exact (each ``-auto`` point's note says how many layers take e4m3 at its decode step
+and prompt). 8-bit types have no e4m3 kernel: ``s8-fp8`` and ``s8-auto`` are refused. A
 directory with a ``quantization_config`` is loaded by :func:`mixgemm.hf.from_pretrained` and is
 its only quantized variant; it has no bf16 baseline (its bf16 rows are ``n/a``). A plain
 transformers directory is loaded in bf16 and quantized like a preset.
@@ -45,7 +52,8 @@ What each point (variant x fuse x mode x batch) reports:
 * ``tok_s``: ``batch * N / generate_ms``: new tokens per second of the whole call, prompt
   included, as a user who times ``generate()`` sees it; ``decode_tok_s``: ``batch / ms_per_token``;
 * ``speedup_vs_bf16`` (``decode_speedup_vs_bf16``): ``tok_s`` (``decode_tok_s``) over bf16's in
-  the same mode and batch;
+  the same mode and batch (the bf16 model, exact activations, for every mixgemm row: ``-fp8`` and
+  ``-auto`` ones too);
 * ``gpu_step_ms``: the ceiling: one decode step of the model (the eager forward of one token per
   sequence on a static cache holding ``prompt + N`` positions, the same for every mode) captured
   in a CUDA graph with ``torch.cuda.graph`` and replayed, the median of ``--iters`` replays timed
@@ -87,7 +95,7 @@ from .preset_report import SPEEDUP_VS_BF16, STATUS, VARIANT, Column, PresetRepor
 from .report import fmt, gpu_line
 from .run_support import RunOutputs
 from .timing import TimingStats
-from .variants import BF16, Variant, VariantKind, parse_variant
+from .variants import AUTO_SUFFIX, BF16, FP8_SUFFIX, Variant, VariantKind, parse_variant
 
 GENERATE_SCHEMA = "mixgemm.bench.generate/1"
 GEN_MODES = ("eager", "compile", "static", "reduce-overhead")
@@ -221,21 +229,22 @@ def resolve_target(text: str, presets: Mapping[str, ModelPreset] = PRESETS) -> t
 
 def parse_types(names: Sequence[str]) -> tuple[Variant, ...]:
     """``--types``: mixgemm weight types (``u4``, ``u2``, ``s8``, ... or ``int4`` / ``mixgemm-u4``),
-    without repeats.
+    each with exact activations, or with ``-fp8`` (e4m3 activations, ``act_format="fp8"``) or
+    ``-auto`` (``act_format="auto"``) appended (``u4-fp8``, ``mixgemm-u2-auto``), without repeats.
 
     Raises
     ------
     ValueError
-        An empty list, an unknown name, or a variant that is not a mixgemm weight type.
+        An empty list, an unknown name, a variant that is not a mixgemm weight type, or an 8-bit
+        type with ``-fp8`` or ``-auto`` (no e4m3 kernel: :attr:`.variants.Variant.e4m3_problem`).
     """
     out: list[Variant] = []
     for name in names:
         v = parse_variant(name)
         if v.kind is not VariantKind.MIXGEMM:
             raise ValueError(f"{name.strip()!r} is not a mixgemm weight type (u4, u2, s8, ...; bf16 always runs)")
-        if v.e4m3:
-            raise ValueError(f"{name.strip()!r}: --generate runs exact activations (e4m3 ones: --model's "
-                             f"{v.name} variant)")
+        if v.e4m3_problem:
+            raise ValueError(f"{name.strip()!r}: {v.e4m3_problem}")
         if v not in out:
             out.append(v)
     if not out:
@@ -301,11 +310,13 @@ def generate_kwargs(mode: str) -> dict:
 @dataclasses.dataclass(frozen=True)
 class RunVariant:
     """One model the run times: its variant name, its weight type (None: bf16 or a quantized
-    checkpoint's own) and its ``fuse_layers`` (None: bf16)."""
+    checkpoint's own), its ``fuse_layers`` (None: bf16) and the ``act_format`` its layers take
+    (``quantize_model``'s: ``"bf16"``, ``"fp8"`` or ``"auto"``)."""
 
     name: str
     weight_type: Any = None
     fuse: Optional[bool] = None
+    act_format: str = "bf16"
 
     @property
     def fuse_label(self) -> str:
@@ -319,14 +330,19 @@ class RunVariant:
 def unavailable_reason(cfg: "GenerateConfig", run: RunVariant, fuse_supported: Mapping[str, bool],
                        mixgemm: tuple[bool, str] = (True, "")) -> Optional[str]:
     """Why ``run`` cannot run here (None: it can): bf16 of a quantized checkpoint (no baseline),
-    a mixgemm variant without mixgemm's kernels (``mixgemm``: :func:`.peers.mixgemm_available`'s
-    answer), ``fuse_layers=True`` where the loader has no such keyword (``fuse_supported``:
-    ``{"quantize_model": bool, "from_pretrained": bool}``)."""
+    e4m3 or per-call activations on a weight type without an e4m3 kernel, a mixgemm variant without
+    mixgemm's kernels (``mixgemm``: :func:`.peers.mixgemm_available`'s answer), ``fuse_layers=True``
+    where the loader has no such keyword (``fuse_supported``: ``{"quantize_model": bool,
+    "from_pretrained": bool}``)."""
     if run.fuse is None:
         if cfg.source == QUANTIZED_DIR:
             return (f"the checkpoint is already quantized ({cfg.quant_method}): no bf16 baseline (run the "
                     f"unquantized model's directory for one)")
         return None
+    if run.act_format != "bf16":
+        why = Variant(VariantKind.MIXGEMM, run.weight_type, run.act_format).e4m3_problem
+        if why:
+            return why
     if not mixgemm[0]:
         return mixgemm[1]
     loader = "mixgemm.hf.from_pretrained" if cfg.source == QUANTIZED_DIR else "mixgemm.nn.quantize_model"
@@ -342,6 +358,30 @@ def fuse_note(cfg: "GenerateConfig", fuse_supported: Mapping[str, bool]) -> str:
         return ""
     return (f"{loader} has no fuse_layers keyword in this mixgemm: 'off' is its call without it (no fused "
             f"layers; whatever projections it fuses by itself)")
+
+
+def act_format_outcome(act_format: str, replaced: Sequence[str],
+                       exact: Mapping[str, str]) -> tuple[Optional[str], str]:
+    """``(unavailable, note)`` of a model quantized with ``act_format``: ``replaced`` names the
+    QuantLinear layers made, ``exact`` those of them that keep exact activations, with the reason
+    (``mixgemm.nn.QuantizeSummary``'s ``replaced`` and ``bf16_activations``). Unavailable (the
+    variant would time exact activations under its name) when no layer takes ``act_format``; a
+    note when some keep exact activations; ``(None, "")`` otherwise and for ``"bf16"``."""
+    if act_format == "bf16" or not exact:
+        return None, ""
+    reasons = "; ".join(sorted(set(exact.values())))
+    if len(exact) >= len(replaced):
+        return f"act_format={act_format!r}: no layer takes it ({reasons})", ""
+    return None, f"{len(exact)} of {len(replaced)} layers keep exact activations ({reasons})"
+
+
+def auto_note(batch: int, prompt_tokens: int, decode: tuple[int, int], prompt: tuple[int, int]) -> str:
+    """What ``act_format="auto"`` runs at one batch size: ``decode`` and ``prompt`` are ``(e4m3,
+    layers)``, how many of the model's ``"auto"`` layers take the e4m3 path at the decode step's
+    ``batch`` tokens and at the prompt's ``batch * prompt_tokens``
+    (:func:`mixgemm.ops.fp8.resolve_act_format` on the run's GPU)."""
+    return (f"act_format='auto': e4m3 in {decode[0]} of {decode[1]} layers at the decode step (M={batch}), "
+            f"{prompt[0]} of {prompt[1]} at the prompt (M={batch * prompt_tokens})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,12 +404,12 @@ class GenerateConfig(RunOutputs):
     warmup: int = STEP_WARMUP
 
     def runs(self) -> list[RunVariant]:
-        """bf16 first (the baseline), then each weight type (or the quantized checkpoint) with each
-        ``fuse_layers`` setting."""
+        """bf16 first (the baseline), then each weight type with its activation format (or the
+        quantized checkpoint) with each ``fuse_layers`` setting."""
         if self.source == QUANTIZED_DIR:
             quantized = [RunVariant(str(self.quant_method), None, f) for f in self.fuse]
         else:
-            quantized = [RunVariant(v.name, v.weight_type, f) for v in self.types for f in self.fuse]
+            quantized = [RunVariant(v.name, v.weight_type, f, v.act_format) for v in self.types for f in self.fuse]
         return [RunVariant(BF16.name)] + quantized
 
     def to_json(self) -> dict:
@@ -577,6 +617,10 @@ def _gen_footer(points: list) -> list[str]:
              "  GPU step: one decode step's forward in a CUDA graph (no host work), the ceiling (ceil tok/s = "
              "batch / step); host: the time to issue one decode step in that mode; mode GPU: that step's GPU "
              "time as the mode runs it"]
+    if any(p.variant.startswith("mixgemm-") and p.variant.endswith((FP8_SUFFIX, AUTO_SUFFIX)) for p in points):
+        lines.append(f"  {FP8_SUFFIX}: quantize_model(act_format='fp8'), every layer's input rounded to e4m3 per "
+                     f"token; {AUTO_SUFFIX}: act_format='auto', the e4m3 path where the GPU's tuning table measured "
+                     f"it faster for the layer and its token count; x bf16 is over the bf16 model in both")
     if any(p.host_queued is False for p in points):
         lines.append("  !: the GPU woke before the step had been issued: that host time may include waits for "
                      "the GPU")
@@ -627,7 +671,7 @@ __all__ = ["GENERATE_SCHEMA", "GEN_MODES", "MODE_DEFINITIONS", "FUSE_SETTINGS", 
            "WARMUP_GENERATES", "STEP_ITERS", "STEP_WARMUP", "HOST_STEP_REPEATS", "STEP_MAX_SLEEP_US", "NO_FUSE", "PRESET", "HF_DIR",
            "QUANTIZED_DIR", "fuse_label", "PresetModel", "PRESET_MODELS", "preset_config_kwargs", "describe_model",
            "resolve_target", "parse_types", "parse_gen_modes", "accepts_keyword", "generate_kwargs", "RunVariant",
-           "unavailable_reason", "fuse_note",
+           "unavailable_reason", "fuse_note", "act_format_outcome", "auto_note",
            "GenerateConfig", "model_description", "GenRow", "GenMeasurement", "GenPoint", "generate_times",
            "tokens_per_second", "classify_generate", "analyze_generate", "GenerateReport", "GEN_TABLE",
            "GEN_TABLE_HEADER", "format_generate_table"]

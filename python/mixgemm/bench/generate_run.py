@@ -1,9 +1,11 @@
 """The GPU run of ``mixgemm bench --generate`` (what it measures and how it is reported:
 :mod:`.generate`).
 
-One variant at a time (bf16, then each weight type with each ``fuse_layers`` setting): the
-model is built (a preset's shapes with random weights, seeded, so that every variant starts
-from the same bf16 weights) or loaded, quantized, its mixgemm kernels built in parallel
+One variant at a time (bf16, then each weight type and activation format with each
+``fuse_layers`` setting): the model is built (a preset's shapes with random weights, seeded, so
+that every variant starts from the same bf16 weights) or loaded, quantized (with the variant's
+``act_format``; a model where no layer takes it is reported n/a), its mixgemm kernels (for
+``"fp8"`` and ``"auto"`` the quantizer and the e4m3 GEMMs too) built in parallel
 (:func:`mixgemm.aot.prebuild.build_for`) so that no nvcc run falls in a timed region, measured, and
 freed (with Dynamo's caches) before the next: an 8B bf16 model and its int4 copy never share
 the GPU.
@@ -39,11 +41,13 @@ import torch
 from .. import hf
 from ..aot.prebuild import build_for
 from ..nn.blocks import quantize_model
+from ..nn.linear import QuantizeSummary, QuantLinear
+from ..ops.fp8 import resolve_act_format
 from . import peers
 from .decoder import PRESETS, ModelPreset
 from .generate import (HF_DIR, HOST_STEP_REPEATS, STEP_MAX_SLEEP_US, PRESET_MODELS, QUANTIZED_DIR, WARMUP_GENERATES,
-                       NO_FUSE, GenerateConfig, GenMeasurement, RunVariant, accepts_keyword, compile_config_record,
-                       fuse_note, generate_kwargs,
+                       NO_FUSE, GenerateConfig, GenMeasurement, RunVariant, accepts_keyword, act_format_outcome,
+                       auto_note, compile_config_record, fuse_note, generate_kwargs,
                        model_description, preset_config_kwargs, unavailable_reason)
 from .grid import OK
 from .host import HostPoint, measure_cycles_per_us, measure_host
@@ -92,26 +96,37 @@ def fuse_support() -> dict[str, bool]:
             "from_pretrained": accepts_keyword(hf.from_pretrained, "fuse_layers")}
 
 
-def load_model(cfg: GenerateConfig, run: RunVariant, device: torch.device, support: Mapping[str, bool]):
-    """The model of ``run``: the preset built (or the directory loaded) in bf16, then quantized
-    in place for a mixgemm weight type; a quantized directory through
-    :func:`mixgemm.hf.from_pretrained`."""
+def load_model(cfg: GenerateConfig, run: RunVariant, device: torch.device,
+               support: Mapping[str, bool]) -> tuple[Any, Optional[QuantizeSummary]]:
+    """The model of ``run`` and, for a mixgemm weight type, what quantizing it did: the preset
+    built (or the directory loaded) in bf16, then quantized in place by
+    :func:`mixgemm.nn.quantize_model` with the run's ``act_format``; a quantized directory through
+    :func:`mixgemm.hf.from_pretrained` (no summary)."""
     transformers = import_transformers()
     if cfg.source == QUANTIZED_DIR:
         kwargs = {"fuse_layers": bool(run.fuse)} if support.get("from_pretrained") else {}
-        return hf.from_pretrained(cfg.target, device=device, dtype=torch.bfloat16, **kwargs)
+        return hf.from_pretrained(cfg.target, device=device, dtype=torch.bfloat16, **kwargs), None
     if cfg.source == HF_DIR:
         model = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.bfloat16)
         model = model.to(device).eval().requires_grad_(False)
     else:
         model = build_preset_model(PRESETS[cfg.name], cfg.layers, device, cfg.seed)
-    if run.weight_type is not None:
-        kwargs = dict(bits=run.weight_type.bits, group_size=cfg.group_size, symmetric=run.weight_type.signed,
-                      progress=False)
-        if support.get("quantize_model"):
-            kwargs["fuse_layers"] = bool(run.fuse)
-        quantize_model(model, **kwargs)
-    return model
+    if run.weight_type is None:
+        return model, None
+    kwargs = dict(bits=run.weight_type.bits, group_size=cfg.group_size, symmetric=run.weight_type.signed,
+                  progress=False, act_format=run.act_format)
+    if support.get("quantize_model"):
+        kwargs["fuse_layers"] = bool(run.fuse)
+    return model, quantize_model(model, **kwargs)
+
+
+def auto_choices(model, tokens: int, device: torch.device) -> tuple[int, int]:
+    """``(e4m3, layers)``: how many of the model's ``act_format="auto"`` QuantLinear layers take
+    the e4m3 path for a call of ``tokens`` tokens on ``device``
+    (:func:`mixgemm.ops.fp8.resolve_act_format`: the GPU's tuning table), of how many."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.act_format == "auto"]
+    e4m3 = sum(resolve_act_format("auto", tokens, m.packed, device) == "fp8" for m in layers)
+    return e4m3, len(layers)
 
 
 def prebuild_model(model, cfg: GenerateConfig, log: Log) -> Optional[str]:
@@ -345,7 +360,8 @@ def host_time(fn: Callable[[], Any], batch: int, ctx: RunContext) -> HostPoint:
 @dataclasses.dataclass
 class Shared:
     """One batch's figures that every mode shares: the recorded step, the ceiling, the eager host
-    time, and what went wrong with them."""
+    time, and the notes of the batch's points (what ``act_format="auto"`` runs at it, what went
+    wrong with the shared figures)."""
 
     step: Optional[DecodeStep] = None
     ceiling: Optional[TimingStats] = None
@@ -442,6 +458,11 @@ def measure_variant(model, run: RunVariant, cfg: GenerateConfig, ctx: RunContext
     vocab = model.get_input_embeddings().num_embeddings
     prompts = {b: prompt_ids(vocab, b, cfg.prompt_tokens, cfg.seed, ctx.device) for b in cfg.batches}
     shared = {b: shared_figures(model, prompts[b], cfg, pad, ctx) for b in cfg.batches}
+    if run.act_format == "auto":
+        for b in cfg.batches:
+            choice = auto_note(b, cfg.prompt_tokens, auto_choices(model, b, ctx.device),
+                               auto_choices(model, b * cfg.prompt_tokens, ctx.device))
+            shared[b] = dataclasses.replace(shared[b], notes=(choice, *shared[b].notes))
     out = []
     for mode in cfg.modes:
         out.extend(measure_mode(model, mode, cfg, prompts, shared, pad, ctx, base, note, info, log))
@@ -480,7 +501,7 @@ def run_generate(cfg: GenerateConfig, device: torch.device, log: Log = print) ->
         t0 = time.perf_counter()
         failure = None
         try:
-            model = load_model(cfg, run, device, support)
+            model, summary = load_model(cfg, run, device, support)
         except Exception as e:
             failure = f"building the model failed: {describe(e)}"
         if failure is not None:
@@ -488,9 +509,14 @@ def run_generate(cfg: GenerateConfig, device: torch.device, log: Log = print) ->
             free()        # outside the handler: the traceback no longer holds the partial model
             continue
         log(f"{cfg.name} {run.label}: model ready in {time.perf_counter() - t0:.1f} s")
-        failure = prebuild_model(model, cfg, log) if run.fuse is not None else None
-        if failure is None:
-            out.extend(measure_variant(model, run, cfg, ctx, note if run.fuse is False else "", info, log))
+        unavailable, act_note = (act_format_outcome(run.act_format, summary.replaced, summary.bf16_activations)
+                                 if summary is not None else (None, ""))
+        failure = prebuild_model(model, cfg, log) if run.fuse is not None and not unavailable else None
+        if unavailable:
+            out.extend(skipped(unavailable, True))
+        elif failure is None:
+            notes = "; ".join(filter(None, (note if run.fuse is False else "", act_note)))
+            out.extend(measure_variant(model, run, cfg, ctx, notes, info, log))
         else:
             out.extend(skipped(failure, False))
         del model
@@ -500,7 +526,8 @@ def run_generate(cfg: GenerateConfig, device: torch.device, log: Log = print) ->
 
 
 __all__ = ["import_transformers", "preset_config", "build_preset_model", "fuse_support", "load_model",
-           "prebuild_model", "pad_token_id", "prompt_ids", "greedy", "replaced_forward", "cache_counters",
+           "auto_choices", "prebuild_model", "pad_token_id", "prompt_ids", "greedy", "replaced_forward",
+           "cache_counters",
            "DecodeStep", "record_decode_step", "reset_compiled", "mode_forward", "GenTimes",
            "time_generate", "RunContext", "time_ceiling", "host_time", "Shared", "shared_figures", "measure_mode",
            "measure_variant", "run_generate"]

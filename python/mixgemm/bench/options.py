@@ -215,8 +215,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     modes.add_argument("--generate", default=None, metavar="PRESET|DIR",
                        help=f"transformers' generate() as a user runs it: a causal LM with a preset's shapes "
                             f"({', '.join(PRESETS)}; random weights) or a model directory (a quantized one through "
-                            f"mixgemm.hf.from_pretrained), bf16 and mixgemm weight types, with and without "
-                            f"fuse_layers, in {', '.join(GEN_MODES)} modes")
+                            f"mixgemm.hf.from_pretrained), bf16 and mixgemm weight types (exact, e4m3 or auto "
+                            f"activations), with and without fuse_layers, in {', '.join(GEN_MODES)} modes")
     modes.add_argument("--merge", metavar="JSON", nargs="+", default=None,
                        help="no GPU run: merge the JSON reports of runs that split a grid (same GPU, dtype and "
                             "group size), or --model, --moe or --generate reports, into one; then write --json / "
@@ -261,7 +261,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     gen = parser.add_argument_group("--generate")
     gen.add_argument("--types", type=parse_name_list, default=None, metavar="TYPE,...",
                      help=f"mixgemm weight types beside bf16 (default {','.join(DEFAULT_TYPES)}): u4, u2, u8 "
-                          f"(asymmetric, zero points) or s4, s2, s8 (symmetric)")
+                          f"(asymmetric, zero points) or s4, s2, s8 (symmetric), exact activations; a 4- or 2-bit "
+                          f"one with -fp8 (u4-fp8: e4m3 activations, act_format='fp8') or -auto (u2-auto: "
+                          f"act_format='auto', e4m3 where the GPU's tuning table measured it faster)")
     gen.add_argument("--fuse-layers", choices=tuple(FUSE_SETTINGS), default=None,
                      help=f"quantize_model's fuse_layers: off (fused projections), on (mixgemm's decoder layer "
                           f"with its static KV cache) or both (default {DEFAULT_FUSE})")
@@ -461,9 +463,10 @@ def generate_config_from_args(args: argparse.Namespace) -> GenerateConfig:
     ------
     BenchError
         transformers missing; a target that is neither a preset nor a model directory; an unknown
-        weight type or mode; a batch, prompt, token or repeat count out of range; ``--layers`` for
-        a directory or beyond the preset's; ``--types`` for a quantized directory; too few step
-        replays without ``--quick``; fp16 activations; an option of another mode.
+        weight type or mode, or an 8-bit type with ``-fp8`` or ``-auto``; a batch, prompt, token or
+        repeat count out of range; ``--layers`` for a directory or beyond the preset's; ``--types``
+        for a quantized directory; too few step replays without ``--quick``; fp16 activations; an
+        option of another mode.
     """
     _check_model_only(args)
     iters, warmup, quick = _iterations(args, STEP_ITERS, STEP_WARMUP)

@@ -253,7 +253,8 @@ def write_generate_plot(points: Sequence[Any], path: Path, title: str = "") -> t
             mine = {p.mode: p for p in ok if p.batch == batch and (p.variant, p.fuse) == (variant, fuse)}
             xs = [modes.index(m) - 0.4 + (i + 0.5) * bar for m in modes if m in mine]
             label = variant if fuse == "-" else f"{variant} fuse_layers={fuse}"
-            ax.bar(xs, [mine[m].tok_s for m in modes if m in mine], bar * 0.9, color=f"C{i % 10}", label=label)
+            ax.bar(xs, [mine[m].tok_s for m in modes if m in mine], bar * 0.9, color=f"C{i % 10}",
+                   hatch=("", "//", "..")[i // 10 % 3], label=label)   # (more series than colors: hatched)
             ceil = [(x, mine[m].ceiling_tok_s) for x, m in zip(xs, [m for m in modes if m in mine])
                     if mine[m].ceiling_tok_s is not None]
             if ceil:

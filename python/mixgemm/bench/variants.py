@@ -9,6 +9,10 @@
 * ``mixgemm-<wt>-fp8`` (``int4-fp8``, ``int2-fp8``, ``<wt>-fp8``): the same layers with e4m3
   activations (:meth:`QuantLinear.set_act_format`, ``"fp8"``): each linear quantizes its input per
   token and runs the e4m3 GEMM (gate/up with the gated epilogue); u4, s4, u2 and s2 only.
+* ``mixgemm-<wt>-auto`` (``<wt>-auto``): the layers with ``act_format="auto"``, each call on the
+  e4m3 path where the GPU's tuning table measured it faster for its shape and token count, else
+  exact (:func:`mixgemm.ops.fp8.resolve_act_format`). ``mixgemm bench --generate`` runs them;
+  ``--model`` (:func:`parse_variants`) times the two formats apart and refuses them.
 * ``torch-int4``: PyTorch's tinygemm (``aten._weight_int4pack_mm``), asymmetric int4 on
   mixgemm's round-to-nearest codes (:func:`.peer_formats.torch_int4_pack`); gate/up as one GEMM then
   ``silu * up`` in torch, the qkv bias added in torch.
@@ -43,7 +47,7 @@ from torch import nn
 from ..dispatch.heuristic import configs_any_gpu
 from ..dtypes import ActType, WeightType
 from ..jit.catalog import layer_specs
-from ..jit.specs import Activation
+from ..jit.specs import Activation, Fp8GemmSpec
 from ..nn.linear import QuantLinear
 from ..ops.fp8 import ACT_FORMATS, fp8_gemm_spec, fp8_problem, k_permutation, quant_spec, quantize_fp8
 from ..weights import quantize
@@ -59,6 +63,14 @@ ELEMENT_BYTES = 2
 SCALE_BYTES = 4
 #: The suffix of the e4m3-activation mixgemm variants (``mixgemm-u4-fp8``, ``int4-fp8``).
 FP8_SUFFIX = "-fp8"
+#: The suffix of the mixgemm variants whose layers choose the activation format per call
+#: (``act_format="auto"``: ``mixgemm-u4-auto``, ``int4-auto``).
+AUTO_SUFFIX = "-auto"
+#: The name suffix of each ``act_format`` a mixgemm variant takes (``"bf16"``: none).
+ACT_FORMAT_SUFFIXES = (("bf16", ""), ("fp8", FP8_SUFFIX), ("auto", AUTO_SUFFIX))
+#: The weight types the e4m3 GEMM takes (4- and 2-bit codes: exact in e4m3 once the integer zero
+#: point is subtracted); the others have no e4m3 path.
+E4M3_WEIGHT_TYPES = tuple(WeightType(w) for w in Fp8GemmSpec.WEIGHTS)
 
 
 class VariantKind(enum.Enum):
@@ -72,8 +84,9 @@ class VariantKind(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One way of computing the linears; ``weight_type`` for mixgemm only; ``act_format``
-    (``"bf16"``: exact activations, or ``"fp8"``: e4m3 per token) for mixgemm only (scaled-mm's
-    activations are e4m3 by definition)."""
+    (``"bf16"``: exact activations, ``"fp8"``: e4m3 per token, or ``"auto"``: per call, the one the
+    GPU's tuning table measured faster) for mixgemm only (scaled-mm's activations are e4m3 by
+    definition)."""
 
     kind: VariantKind
     weight_type: Optional[WeightType] = None
@@ -89,10 +102,10 @@ class Variant:
 
     @property
     def name(self) -> str:
-        """``bf16``, ``torch-int4``, ``scaled-mm``, ``no-gemm``, ``mixgemm-<wt>`` or
-        ``mixgemm-<wt>-fp8``: the name in tables and JSON."""
+        """``bf16``, ``torch-int4``, ``scaled-mm``, ``no-gemm``, ``mixgemm-<wt>``,
+        ``mixgemm-<wt>-fp8`` or ``mixgemm-<wt>-auto``: the name in tables and JSON."""
         if self.kind is VariantKind.MIXGEMM:
-            return f"mixgemm-{self.weight_type.value}" + (FP8_SUFFIX if self.act_format == "fp8" else "")
+            return f"mixgemm-{self.weight_type.value}" + dict(ACT_FORMAT_SUFFIXES)[self.act_format]
         return self.kind.value
 
     @property
@@ -103,9 +116,22 @@ class Variant:
 
     @property
     def e4m3(self) -> bool:
-        """Whether the linears round their inputs to e4m3 (``mixgemm-<wt>-fp8``, ``scaled-mm``):
-        their step is held to the e4m3 bar (:data:`.model.DEFAULT_MODEL_FP8_MAX_ERROR`)."""
-        return self.act_format == "fp8" or self.kind is VariantKind.SCALED_MM
+        """Whether the linears round their inputs to e4m3 (``mixgemm-<wt>-fp8``, ``scaled-mm``) or
+        may, at the token counts the GPU's tuning table sends to the e4m3 path
+        (``mixgemm-<wt>-auto``): a step is held to the e4m3 bar
+        (:data:`.model.DEFAULT_MODEL_FP8_MAX_ERROR`)."""
+        return self.act_format != "bf16" or self.kind is VariantKind.SCALED_MM
+
+    @property
+    def e4m3_problem(self) -> Optional[str]:
+        """Why this variant's e4m3 activations have no kernel (an 8-bit mixgemm weight type with
+        ``-fp8`` or ``-auto``), in one line; None for every other variant."""
+        if self.act_format == "bf16" or self.weight_type in E4M3_WEIGHT_TYPES:
+            return None
+        wt = self.weight_type.value
+        types = [w.value for w in E4M3_WEIGHT_TYPES]
+        return (f"{wt} weights have no e4m3 kernel (the e4m3 GEMM takes {', '.join(types[:-1])} and {types[-1]} "
+                f"codes): {wt} runs with exact activations only")
 
 
 BF16 = Variant(VariantKind.DENSE)
@@ -113,7 +139,7 @@ TORCH_INT4 = Variant(VariantKind.TORCH_INT4)
 SCALED_MM = Variant(VariantKind.SCALED_MM)
 NO_GEMM = Variant(VariantKind.NO_GEMM)
 #: ``--variants`` aliases: the bit widths, with their default weight types (``<alias>-fp8``: with
-#: e4m3 activations, :func:`parse_variant`).
+#: e4m3 activations, ``<alias>-auto``: with ``act_format="auto"``, :func:`parse_variant`).
 ALIASES = {"bf16": BF16, "torch-int4": TORCH_INT4, "no-gemm": NO_GEMM, "scaled-mm": SCALED_MM, "scaled_mm": SCALED_MM,
            "int4": Variant(VariantKind.MIXGEMM, WeightType.U4),
            "int2": Variant(VariantKind.MIXGEMM, WeightType.U2), "int8": Variant(VariantKind.MIXGEMM, WeightType.S8)}
@@ -125,8 +151,10 @@ def parse_variant(text: str) -> Variant:
     """``bf16``, ``torch-int4``, ``scaled-mm`` (or ``scaled_mm``), ``no-gemm``, ``int4`` / ``int2`` /
     ``int8`` (u4, u2, s8) or ``mixgemm-<wt>`` / ``<wt>`` for any mixgemm weight type
     (``mixgemm-s4``, ``u8``, ...); any of the mixgemm names with ``-fp8`` appended for e4m3
-    activations (``int4-fp8``, ``mixgemm-s2-fp8``, ``u2-fp8``; an 8-bit type parses, and its
-    points are reported n/a with the reason).
+    activations (``int4-fp8``, ``mixgemm-s2-fp8``, ``u2-fp8``) or ``-auto`` for ``act_format="auto"``
+    (``u4-auto``, ``mixgemm-u2-auto``). An 8-bit type with either suffix parses
+    (:attr:`Variant.e4m3_problem` says why it has no e4m3 kernel: ``--model`` reports its points
+    n/a with the reason, ``--generate`` refuses it).
 
     Raises
     ------
@@ -136,8 +164,11 @@ def parse_variant(text: str) -> Variant:
     key = text.strip().lower()
     if key in ALIASES:
         return ALIASES[key]
-    fp8 = key.endswith(FP8_SUFFIX)
-    base = key[:-len(FP8_SUFFIX)] if fp8 else key
+    act_format, base = "bf16", key
+    for fmt, suffix in ACT_FORMAT_SUFFIXES:
+        if suffix and key.endswith(suffix):
+            act_format, base = fmt, key[:-len(suffix)]
+            break
     if base in ALIASES:
         variant = ALIASES[base]
     else:
@@ -146,11 +177,12 @@ def parse_variant(text: str) -> Variant:
             variant = Variant(VariantKind.MIXGEMM, WeightType(wt))
         except ValueError:
             variant = None
-    if variant is None or (fp8 and variant.kind is not VariantKind.MIXGEMM):
+    if variant is None or (act_format != "bf16" and variant.kind is not VariantKind.MIXGEMM):
         raise ValueError(f"unknown variant {text.strip()!r}: expected bf16, torch-int4, scaled-mm, no-gemm, int4, "
                          f"int2, int8 or mixgemm-<type> with a type of {', '.join(w.value for w in WeightType)}, "
-                         f"the mixgemm ones with -fp8 for e4m3 activations (int4-fp8, mixgemm-u2-fp8)")
-    return dataclasses.replace(variant, act_format="fp8") if fp8 else variant
+                         f"the mixgemm ones with -fp8 for e4m3 activations (int4-fp8, mixgemm-u2-fp8) or -auto "
+                         f"for act_format='auto' (u4-auto)")
+    return dataclasses.replace(variant, act_format=act_format)
 
 
 def is_e4m3(name: str) -> bool:
@@ -163,17 +195,23 @@ def is_e4m3(name: str) -> bool:
 
 
 def parse_variants(texts: Sequence[str]) -> tuple[Variant, ...]:
-    """The variants named (see :func:`parse_variant`), without repeats, ``bf16`` first (always
-    run: the baseline of every speedup and the check's reference).
+    """``--variants``: the variants named (see :func:`parse_variant`), without repeats, ``bf16``
+    first (always run: the baseline of every speedup and the check's reference). The ``-auto``
+    variants are refused: a ``--model`` point times one token count, where ``act_format="auto"``
+    runs one of ``mixgemm-<wt>`` and ``mixgemm-<wt>-fp8``, which it times apart.
 
     Raises
     ------
     ValueError
-        An unknown name.
+        An unknown name, or a ``-auto`` one.
     """
     out = [BF16]
     for text in texts:
         v = parse_variant(text)
+        if v.act_format == "auto":
+            wt = v.weight_type.value
+            raise ValueError(f"{text.strip()!r}: act_format='auto' is a --generate type (--types {wt}-auto); "
+                             f"--variants times its two paths apart: mixgemm-{wt},mixgemm-{wt}-fp8")
         if v not in out:
             out.append(v)
     return tuple(out)
@@ -382,8 +420,12 @@ def mixgemm_layer(preset: ModelPreset, layer: int, seed: int, device: torch.devi
     Raises
     ------
     ImplUnavailable
-        ``act_format="fp8"`` for a weight the e4m3 kernels do not take.
+        ``act_format="fp8"`` for a weight the e4m3 kernels do not take; ``act_format="auto"``
+        (a ``--generate`` variant, :func:`parse_variants`).
     """
+    if act_format == "auto":
+        raise ImplUnavailable("act_format='auto' is a --generate variant: --model times mixgemm-<wt> and "
+                              "mixgemm-<wt>-fp8 apart")
 
     bits, sym = weight_type.bits, weight_type.signed
     bias = qkv_bias(preset, layer, seed, device, dtype)
@@ -502,7 +544,8 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
     return list(specs.values())
 
 
-__all__ = ["ELEMENT_BYTES", "SCALE_BYTES", "FP8_SUFFIX", "VariantKind", "Variant", "BF16", "TORCH_INT4", "SCALED_MM",
+__all__ = ["ELEMENT_BYTES", "SCALE_BYTES", "FP8_SUFFIX", "AUTO_SUFFIX", "ACT_FORMAT_SUFFIXES", "E4M3_WEIGHT_TYPES",
+           "VariantKind", "Variant", "BF16", "TORCH_INT4", "SCALED_MM",
            "NO_GEMM", "ALIASES", "DEFAULT_VARIANTS", "parse_variant", "parse_variants", "is_e4m3",
            "projection_weight_bytes", "layer_weight_bytes", "MixgemmProjections", "TorchInt4Projections",
            "ScaledMmProjections", "NoGemmProjections", "mixgemm_layer", "torch_int4_layer", "scaled_mm_layer",
