@@ -86,20 +86,35 @@ def test_fused_layers_generate_the_per_layer_tokens(reference_gemm, family):
             ids = torch.cat([got.sequences, _ids(batch, 3, seed=turn + 5)], dim=1)
 
 
-def test_the_fused_rotary_path_is_taken_at_batch_one(reference_gemm, monkeypatch):
-    """A batch-1 call over transformers' static cache writes the cache through rotary_kv_cache
-    (one call per layer and step); a dynamic cache and batch 2 take transformers' path."""
+def test_the_fused_rotary_path_is_taken_where_positions_are_slots(reference_gemm, monkeypatch):
+    """A call over transformers' static cache whose positions are the cache slots (batch 1, or a
+    batch without left padding) writes the cache through rotary_kv_cache (one call per layer and
+    step); a left-padded batch and a dynamic cache take transformers' path, with the per-layer
+    model's tokens."""
     model, _ = quantized("llama", fuse_layers=True)
+    plain, _ = quantized("llama", fuse_projections=False)
     calls = []
     real = blocks.rotary_kv_cache
     monkeypatch.setattr(blocks, "rotary_kv_cache", lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad():
-        model.generate(_ids(1), max_new_tokens=3, do_sample=False)
-        assert len(calls) == 2 * 3, "two layers, one prefill and two decode steps"
+        for batch in (1, 2):
+            calls.clear()
+            model.generate(_ids(batch), max_new_tokens=3, do_sample=False)
+            assert len(calls) == 2 * 3, (batch, "two layers, one prefill and two decode steps")
         calls.clear()
         model.generate(_ids(1), max_new_tokens=3, do_sample=False, cache_implementation="dynamic")
-        model.generate(_ids(2), max_new_tokens=3, do_sample=False)
-    assert not calls
+        assert not calls
+        ids = _ids(2)
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0                       # the second sequence left-padded
+        kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_scores=True,
+                  return_dict_in_generate=True, cache_implementation="static")
+        got = model.generate(ids, **kw)
+        assert not calls
+        want = plain.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_unrecognized_models_keep_per_layer_replacement(reference_gemm, caplog):
@@ -370,4 +385,31 @@ def test_fused_models_compile_their_decode_step_without_module_guards():
         model.set_attn_implementation("eager")
         step(input_ids=_ids(1, 5), use_cache=False)
     assert len(frames) == 3, "the changed attention backend recompiles"
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_compiled_decode_step_takes_the_fused_rotary_path_where_positions_are_slots(monkeypatch, padded):
+    """generate()'s decode step traced by torch.compile after an eager prompt, batch 2: without
+    padding it writes the cache through the rotary_kv_cache op (one per layer), with a left-padded
+    sequence through transformers' cache.update."""
+    model, _ = quantized("llama", fuse_layers=True)
+    ids = _ids(2)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :3] = 0
+    seen = []
+    hook = model.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
+    monkeypatch.setattr(QuantLinear, "forward", reference_forward)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, disable_compile=True)
+    monkeypatch.undo()                   # traced: the GEMM op (its fake kernel gives the shapes)
+    hook.remove()
+    frames = []
+    torch._dynamo.reset()
+    step = torch.compile(model.__call__, backend=_shapes_backend(frames), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        step(**seen[-1])
+    ops = [str(n.target) for n in frames[0].graph.nodes if n.op == "call_function"]
+    assert ops.count("mixgemm.rotary_kv_cache") == (0 if padded else 2), ops
     torch._dynamo.reset()

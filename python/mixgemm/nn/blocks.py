@@ -26,6 +26,7 @@ import importlib
 import logging
 import re
 import warnings
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -196,10 +197,11 @@ class FusedQKVAttention(nn.Module):
     -----
     ``forward`` is the model's: it takes and returns what the model's attention does
     (``(output, attention weights or None)``). With a :class:`RopeTable` in ``rope`` (set by
-    :func:`quantize_model` with ``fuse_layers=True``), a call of one sequence (batch 1, where
-    positions and cache slots agree) whose cache layer is transformers' static layer takes the
-    rotary embedding and the KV-cache write in one launch (:func:`rotary_kv_cache`); any other
-    call runs transformers' rotary embedding and ``cache.update``. With the ``sdpa`` backend, a
+    :func:`quantize_model` with ``fuse_layers=True``), a call whose cache layer is transformers'
+    static layer and whose token positions are the cache slots they take (batch 1, or a batch
+    without left padding: :func:`_positions_are_slots`) takes the rotary embedding and the
+    KV-cache write in one launch (:func:`rotary_kv_cache`); any other call runs transformers'
+    rotary embedding and ``cache.update``. With the ``sdpa`` backend, a
     decode step (one token per sequence, a mask of one row over the cache) attends in one SDPA
     call without repeating the KV heads (:func:`_decode_attention`); other calls run the model's
     attention function.
@@ -293,12 +295,46 @@ def _initialize(attn: FusedQKVAttention, layer, keys: torch.Tensor, values: torc
         attn.kv_store.adopt(layer)
 
 
+#: the cache attribute that says whether every sequence's positions are the slots its tokens take
+POSITIONS_ARE_SLOTS = "mixgemm_positions_are_slots"
+
+
+def _positions_are_slots(cache, layer, position_ids: torch.Tensor, t: int) -> bool:
+    """Whether each sequence's token positions are the cache slots transformers' static layer
+    writes them to (``cumulative_length + 0 .. t-1``, the same for every sequence): true for a
+    batch without left padding, false for a padded one, whose rotary positions run behind its
+    slots. The one-launch rotary path writes a token at its position, so it serves a batch only
+    where they agree.
+
+    Eagerly, the first call of a cache and every call of more than one token compare them (one
+    synchronization, at the prompt) and record the answer on the cache
+    (:data:`POSITIONS_ARE_SLOTS`; the layers of one forward share one comparison); one-token calls
+    after it keep it (each sequence then moves one position and one slot a step). A compiled call
+    reads the recorded answer (False where there is none: a prompt traced with the model)."""
+    if torch.compiler.is_compiling():
+        return bool(getattr(cache, POSITIONS_ARE_SLOTS, False))
+    seen = getattr(cache, "_mixgemm_positions_seen", None)
+    known = getattr(cache, POSITIONS_ARE_SLOTS, None)
+    if known is not None and (t == 1 or (seen is not None and seen() is position_ids)):
+        return known
+    counter = getattr(layer, "cumulative_length", None)
+    if not isinstance(counter, torch.Tensor) or position_ids.dim() != 2:
+        agree = False
+    else:
+        slots = counter.to(position_ids.device, position_ids.dtype) + torch.arange(
+            t, device=position_ids.device, dtype=position_ids.dtype)
+        agree = bool(torch.equal(position_ids, slots.expand_as(position_ids)))
+    setattr(cache, POSITIONS_ARE_SLOTS, agree)
+    cache._mixgemm_positions_seen = weakref.ref(position_ids)
+    return agree
+
+
 def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_ids) -> Optional[tuple]:
     """(q, keys, values) from one rotary_kv_cache launch into the cache's static layer, or None
     where torch's path must run. (A function, not a method, and the cache length read from the
     keys' shape: under torch.compile every attribute read of a layer is a guard on each call.)"""
     rope = attn._modules.get("rope")   # (None, or the RopeTable; read without nn.Module.__getattr__)
-    if (rope is None or cache is None or position_ids is None or qkv.dim() != 3 or qkv.shape[0] != 1
+    if (rope is None or cache is None or position_ids is None or qkv.dim() != 3
             or attn.q_norm is not None or getattr(cache, "offloading", False)):
         return None
     layer = _static_layer(cache, attn.layer_idx)
@@ -308,6 +344,8 @@ def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_i
     if not layer.is_initialized:
         kv = qkv.new_empty(b, attn.kv_heads, t, attn.head_dim)
         _initialize(attn, layer, kv, kv)
+    if b != 1 and (tuple(position_ids.shape) != (b, t) or not _positions_are_slots(cache, layer, position_ids, t)):
+        return None
     keys, values = layer.keys, layer.values
     tables = rope._buffers
     cos, sin = tables["cos"], tables["sin"]
