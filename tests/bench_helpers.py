@@ -58,3 +58,27 @@ class WallClock:
 
     def elapsed_ms(self, start, end):
         return (end - start) * 1e3
+
+
+class ReplayGraph:
+    """A CPU stand-in for a captured CUDA graph: replay calls the captured function again."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+def generate_run_on_the_cpu(monkeypatch, run_module, host_us: float, gpu_loop_us: float) -> None:
+    """Replace the CUDA-only parts of ``mixgemm.bench.generate_run`` (``run_module``): the cycle
+    and flush probes, the CUDA-event clock, graph capture (:class:`ReplayGraph`) and the host-time
+    measurement (``host_us`` / ``gpu_loop_us`` for every call)."""
+    from mixgemm.bench.host import HostPoint
+
+    monkeypatch.setattr(run_module, "measure_cycles_per_us", lambda device: 1000.0)
+    monkeypatch.setattr(run_module, "device_flush_size", lambda device: 0)
+    monkeypatch.setattr(run_module, "CudaEventClock", lambda flush, device: WallClock())
+    monkeypatch.setattr(run_module, "cuda_capture", lambda fn: (ReplayGraph(fn), fn()))
+    monkeypatch.setattr(run_module, "measure_host", lambda fn, impl, m, *a, **k: HostPoint(
+        impl, m, 0, 0, bench.OK, host_us=host_us, gpu_loop_us=gpu_loop_us, queued=True))

@@ -20,7 +20,7 @@ from mixgemm.bench.generate import GenMeasurement, analyze_generate
 from mixgemm.dtypes import WeightType
 
 from bench_helpers import machine, parse, stats
-from bench_helpers import WallClock
+from bench_helpers import generate_run_on_the_cpu
 
 CPU = torch.device("cpu")
 BASE = dict(preset="llama3-8b", prompt_tokens=128, new_tokens=64, layers=32)
@@ -408,14 +408,6 @@ def test_compiled_forwards_keep_the_signature(tiny):
             assert host() is None                  # forgotten: generate() compiles afresh
 
 
-class _Graph:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self):
-        self.fn()
-
-
 def test_run_generate_on_the_cpu(tiny, monkeypatch):
     """The whole GPU run on a tiny preset with the CUDA-only timers replaced by wall-clock ones:
     bf16 runs in eager (figures, ceiling, host time) and in static (where generate() compiles
@@ -423,16 +415,8 @@ def test_run_generate_on_the_cpu(tiny, monkeypatch):
     import dataclasses
 
     R, _, _ = tiny
-    from mixgemm.bench.host import HostPoint
-
     monkeypatch.setitem(PRESETS, "tiny", TINY)
-    monkeypatch.setattr(R, "measure_cycles_per_us", lambda device: 1000.0)
-    monkeypatch.setattr(R, "device_flush_size", lambda device: 0)
-    monkeypatch.setattr(R, "CudaEventClock", lambda flush, device: WallClock())
-    monkeypatch.setattr(R, "cuda_capture", lambda fn: (_Graph(fn), fn()))
-    monkeypatch.setattr(R, "measure_host", lambda fn, impl, m, *a, **k: HostPoint(impl, m, 0, 0, bench.OK,
-                                                                                  host_us=123.0, gpu_loop_us=456.0,
-                                                                                  queued=True))
+    generate_run_on_the_cpu(monkeypatch, R, host_us=123.0, gpu_loop_us=456.0)
     import mixgemm.bench.peers as peers
 
     monkeypatch.setattr(peers, "mixgemm_available", lambda: (False, "needs a CUDA GPU"))

@@ -17,12 +17,11 @@ from mixgemm.bench import generate_run as R
 from mixgemm.bench import peers, plots
 from mixgemm.bench.decoder import PRESETS, ModelPreset
 from mixgemm.bench.generate import GenMeasurement, analyze_generate
-from mixgemm.bench.host import HostPoint
 from mixgemm.bench.variants import parse_variant
 from mixgemm.dtypes import WeightType
 from mixgemm.nn import QuantizeSummary, QuantLinear
 
-from bench_helpers import WallClock, machine, parse, stats
+from bench_helpers import generate_run_on_the_cpu, machine, parse, stats
 
 CPU = torch.device("cpu")
 BASE = dict(preset="llama3-8b", prompt_tokens=128, new_tokens=64, layers=32)
@@ -151,26 +150,12 @@ def test_auto_choices_count_the_auto_layers(monkeypatch):
     assert asked == [("auto", 2, 64), ("auto", 2, 128), ("auto", 64, 64), ("auto", 64, 128)]
 
 
-class _Graph:
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self):
-        self.fn()
-
-
 def test_run_generate_runs_the_act_formats_on_the_cpu(tiny_preset, monkeypatch):
     """The whole run on a tiny preset, quantize_model replaced by one that leaves the model in bf16
     and says which layers keep exact activations: u2-auto is measured with the act_format='auto'
     note of each batch, u4-fp8 (no layer takes e4m3 here) is n/a with the reason, every row under
     its own name."""
-    monkeypatch.setattr(R, "measure_cycles_per_us", lambda device: 1000.0)
-    monkeypatch.setattr(R, "device_flush_size", lambda device: 0)
-    monkeypatch.setattr(R, "CudaEventClock", lambda flush, device: WallClock())
-    monkeypatch.setattr(R, "cuda_capture", lambda fn: (_Graph(fn), fn()))
-    monkeypatch.setattr(R, "measure_host", lambda fn, impl, m, *a, **k: HostPoint(impl, m, 0, 0, bench.OK,
-                                                                                  host_us=1.0, gpu_loop_us=2.0,
-                                                                                  queued=True))
+    generate_run_on_the_cpu(monkeypatch, R, host_us=1.0, gpu_loop_us=2.0)
     monkeypatch.setattr(R, "prebuild_model", lambda model, cfg, log: None)
     monkeypatch.setattr(peers, "mixgemm_available", lambda: (True, ""))
     calls = []
