@@ -5,8 +5,8 @@ allocates its keys, values and length counter at its first write. ``torch.compil
 trees (transformers' own compile of the decode step, ``mode="reduce-overhead"``) take those
 tensors as static inputs: a graph is recorded for their addresses and replayed while they stay
 where they were. A new cache whose tensors land elsewhere makes the trees record the whole
-decode step again (warm-up run, capture, instantiation) in the middle of the call: tens of
-milliseconds at 32 layers, whenever the allocator happens to place the new cache elsewhere.
+decode step again (warm-up run, capture, instantiation) in the middle of the call, whenever the
+allocator happens to place the new cache elsewhere (docs/compile-and-graphs.md measures it).
 
 :class:`StaticKVStore` keeps one layer's tensors after the cache that used them is gone and
 hands them to the next cache of the same shapes, dtypes and device, reset to what the cache
