@@ -334,10 +334,9 @@ def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_i
     where torch's path must run. (A function, not a method, and the cache length read from the
     keys' shape: under torch.compile every attribute read of a layer is a guard on each call.)"""
     rope = attn._modules.get("rope")   # (None, or the RopeTable; read without nn.Module.__getattr__)
-    if (rope is None or cache is None or position_ids is None or qkv.dim() != 3
-            or attn.q_norm is not None or getattr(cache, "offloading", False)):
+    if rope is None or cache is None or position_ids is None or qkv.dim() != 3 or attn.q_norm is not None:
         return None
-    layer = _static_layer(cache, attn.layer_idx)
+    layer = _static_layer(cache, attn.layer_idx)   # (None for an offloaded cache)
     if layer is None:
         return None
     b, t, _ = qkv.shape

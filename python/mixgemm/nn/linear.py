@@ -205,14 +205,15 @@ class QuantLinear(nn.Module):
 
     def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
         """forward with e4m3 activations (``mixgemm.gemm(..., act_format="fp8")``; with ``"auto"``
-        under torch.compile, the op that chooses per call)."""
+        under torch.compile, the op that chooses per call; eagerly ``forward`` has resolved it)."""
+        act_format = self.act_format if torch.compiler.is_compiling() else "fp8"
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         scale = self.input_scale
         if scale is not None and scale.dtype != torch.float32:   # a model cast by .to(dtype)
             scale = scale.float()
         return gemm(x, self.packed, self.bias, activation=None if self.activation == "none" else self.activation,
-                    act_format=self.act_format, input_scale=scale)
+                    act_format=act_format, input_scale=scale)
 
     def extra_repr(self) -> str:
         act = "" if self.activation == "none" else f", activation={self.activation}"

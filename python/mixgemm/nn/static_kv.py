@@ -97,10 +97,9 @@ class StaticKVStore:
             self._tensors = fresh
             self._owner = weakref.ref(layer)
             return False
-        for name, t in fresh.items():
+        for name, t in fresh.items():     # (kept tensors were a cache's own: marked static already)
             kept[name].copy_(t)
             setattr(layer, name, kept[name])
-            torch._dynamo.mark_static_address(kept[name])
         self._owner = weakref.ref(layer)
         return True
 

@@ -431,4 +431,3 @@ def _launch_gemm(spec: Fp8GemmSpec, w: "PackedWeight", xq: torch.Tensor, xs: tor
     args.x_scales = xs.data_ptr()
     params, launch = kernel.helper.prepare_fp8(args)
     loader.launch_prepared(kernel, params, launch)
-
