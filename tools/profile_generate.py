@@ -1,11 +1,12 @@
 """Where the time of a decode token goes in transformers' ``generate()``: a torch profile of one
 mode (``--mode``, as ``mixgemm bench --generate`` defines it: ``static``, generate()'s own compile;
-``reduce-overhead``, the same with ``fullgraph=True``; ``compile``, ``model.forward =
+``reduce-overhead``, the same with ``fullgraph=True``; ``eager``, no compile; ``compile``, ``model.forward =
 torch.compile(model.forward, fullgraph=True)``; or ``graph``, the ceiling: one decode step of an
 eager generate() captured whole in a CUDA graph and replayed
 ``--new-tokens`` times) for bf16 and mixgemm u4 (fused projections and ``fuse_layers=True``), the
 ops sorted by GPU time or, with ``--sort cpu``, by the host time they take themselves, and
-Dynamo's counters (graphs, recompiles)
+Dynamo's counters (graphs, recompiles); with ``--python``, a cProfile of the same call instead
+(the Python functions by their own and their cumulative time)
 (docs/compile-and-graphs.md). The kernels of ``static`` against those of ``graph`` show what the
 compiled step runs that the hand-captured one does not::
 
@@ -21,7 +22,10 @@ give its launches per layer and decode step (the prompt's GEMMs are other kernel
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import time
 
@@ -48,12 +52,25 @@ class StepClock(LogitsProcessor):
     def __call__(self, input_ids, scores):
         self.stamps.append(time.perf_counter())
         return scores
-MODES = ("static", "reduce-overhead", "compile", "graph")
+MODES = ("eager", "static", "reduce-overhead", "compile", "graph")
 SORTS = {"gpu": "self_device_time_total", "cpu": "self_cpu_time_total"}
 
 
+def python_profile(call, rows: int) -> str:
+    """cProfile of ``call()``: the Python functions by their own time, then by their cumulative time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    call()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats(rows)
+    return out.getvalue()
+
+
 def profile_variant(variant: str, layers: int, batch: int, new_tokens: int, rows: int, mode: str = "static",
-                    sort: str = "gpu") -> str:
+                    sort: str = "gpu", python: bool = False) -> str:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = build_preset_model(PRESETS["llama3-8b"], layers, torch.device("cuda"), 0)
@@ -75,14 +92,19 @@ def profile_variant(variant: str, layers: int, batch: int, new_tokens: int, rows
                     graph.replay()
                 torch.cuda.synchronize()
         del graph
+        table = prof.key_averages().table(sort_by=SORTS[sort], row_limit=rows, max_name_column_width=90)
     else:
         with torch.no_grad(), mode_forward(model, mode):
             for _ in range(3):
                 model.generate(ids, **kw)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                model.generate(ids, **kw)
-                torch.cuda.synchronize()
+            if python:
+                table = python_profile(lambda m=model: (m.generate(ids, **kw), torch.cuda.synchronize()), rows)
+            else:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    model.generate(ids, **kw)
+                    torch.cuda.synchronize()
+                table = prof.key_averages().table(sort_by=SORTS[sort], row_limit=rows, max_name_column_width=90)
             stamps = []
             model.generate(ids, logits_processor=LogitsProcessorList([StepClock(stamps)]), **kw)
             torch.cuda.synchronize()
@@ -92,7 +114,6 @@ def profile_variant(variant: str, layers: int, batch: int, new_tokens: int, rows
     tail = "" if mode == "graph" else step_line
     del model
     torch.cuda.empty_cache()
-    table = prof.key_averages().table(sort_by=SORTS[sort], row_limit=rows, max_name_column_width=90)
     counts = {group: dict(c) for group, c in torch._dynamo.utils.counters.items() if group in ("stats", "recompiles", "inductor") and c}
     return f"===== {variant}, {mode}: {layers} layers, batch {batch}, {new_tokens} new tokens\n{table}\ndynamo counters: {counts}{tail}"
 
@@ -106,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=25, help="ops listed per variant")
     p.add_argument("--mode", choices=MODES, default="static", help="the generate() mode profiled")
     p.add_argument("--sort", choices=tuple(SORTS), default="gpu", help="order by GPU time or by the ops' own host time")
+    p.add_argument("--python", action="store_true",
+                   help="profile the Python functions (cProfile: own and cumulative time) instead of torch's ops")
     args = p.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -113,8 +136,11 @@ def main(argv=None) -> int:
         p.error(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if args.python and args.mode == "graph":
+        p.error("--python profiles a generate() call; the graph mode replays a CUDA graph")
     for v in variants:
-        print(profile_variant(v, args.layers, args.batch, args.new_tokens, args.rows, args.mode, args.sort), flush=True)
+        print(profile_variant(v, args.layers, args.batch, args.new_tokens, args.rows, args.mode, args.sort,
+                              args.python), flush=True)
     return 0
 
 
