@@ -87,10 +87,10 @@ def test_fused_layers_generate_the_per_layer_tokens(reference_gemm, family):
 
 
 def test_the_fused_rotary_path_is_taken_where_positions_are_slots(reference_gemm, monkeypatch):
-    """A call over transformers' static cache whose positions are the cache slots (batch 1, or a
-    batch without left padding) writes the cache through rotary_kv_cache (one call per layer and
-    step); a left-padded batch and a dynamic cache take transformers' path, with the per-layer
-    model's tokens."""
+    """A call over transformers' static cache whose positions are the cache slots (a batch
+    without left padding) writes the cache through rotary_kv_cache (one call per layer and
+    step); a left-padded batch, even of one sequence, and a dynamic cache take transformers'
+    path, with the per-layer model's tokens."""
     model, _ = quantized("llama", fuse_layers=True)
     plain, _ = quantized("llama", fuse_projections=False)
     calls = []
@@ -104,17 +104,34 @@ def test_the_fused_rotary_path_is_taken_where_positions_are_slots(reference_gemm
         calls.clear()
         model.generate(_ids(1), max_new_tokens=3, do_sample=False, cache_implementation="dynamic")
         assert not calls
-        ids = _ids(2)
-        mask = torch.ones_like(ids)
-        mask[1, :3] = 0                       # the second sequence left-padded
-        kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_scores=True,
-                  return_dict_in_generate=True, cache_implementation="static")
-        got = model.generate(ids, **kw)
-        assert not calls
-        want = plain.generate(ids, **kw)
-    assert torch.equal(got.sequences, want.sequences)
-    for a, b in zip(got.scores, want.scores):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        for batch in (2, 1):
+            ids = _ids(batch)
+            mask = torch.ones_like(ids)
+            mask[-1, :3] = 0                       # the last sequence left-padded
+            kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_scores=True,
+                      return_dict_in_generate=True, cache_implementation="static")
+            got = model.generate(ids, **kw)
+            assert not calls
+            want = plain.generate(ids, **kw)
+            assert torch.equal(got.sequences, want.sequences)
+            for a, b in zip(got.scores, want.scores):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_lengths_a_decode_step_attends_by():
+    """The variable-length arguments of the FlashAttention decode step (run on the GPU:
+    tests/ops/test_gpu_compile.py): the keys used are the position + 1, the offsets those of one
+    query over the cache's slots; the layers of one forward share them, the next forward (a new
+    position tensor) or another cache length makes new ones."""
+    cache = type("Cache", (), {})()
+    pos = torch.tensor([[41]])
+    lengths, q_offsets, k_offsets = blocks._decode_lengths(cache, pos, 192)
+    assert lengths.dtype == q_offsets.dtype == k_offsets.dtype == torch.int32
+    assert lengths.tolist() == [42] and q_offsets.tolist() == [0, 1] and k_offsets.tolist() == [0, 192]
+    assert blocks._decode_lengths(cache, pos, 192)[0] is lengths        # the next layer of the forward
+    assert blocks._decode_lengths(cache, pos, 256)[2].tolist() == [0, 256]
+    later = torch.tensor([[42]])
+    assert blocks._decode_lengths(cache, later, 256)[0].tolist() == [43]
 
 
 def test_unrecognized_models_keep_per_layer_replacement(reference_gemm, caplog):

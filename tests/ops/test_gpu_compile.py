@@ -176,6 +176,53 @@ def test_a_transformers_model_generates_the_eager_tokens_under_reduce_overhead(r
             assert keys[0] == keys[1]
 
 
+def test_one_sequence_decodes_through_flash_attention_over_the_filled_slots(requires_gpu, monkeypatch):
+    """fuse_layers=True, one sequence, eagerly: every decode step of every layer attends through
+    FlashAttention over the filled slots (blocks._flash_decode_attention), with the greedy tokens
+    and scores of the masked SDPA over the whole cache (:func:`assert_same_greedy`); a
+    left-padded sequence keeps the masked path, and so does the compiled step (the same tokens
+    up to near ties)."""
+    from transformers import CompileConfig
+
+    from mixgemm.nn import blocks
+
+    dev = requires_gpu
+    torch._dynamo.reset()
+    model = _llama(dev)
+    mixgemm.nn.quantize_model(model, bits=4, group_size=128, progress=False, fuse_layers=True)
+    ids = torch.randint(0, 4096, (1, 37), device=dev, generator=torch.Generator(device=dev).manual_seed(7))
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, cache_implementation="static",
+              output_scores=True, return_dict_in_generate=True)
+    calls = []
+    real = blocks._flash_decode_attention
+    with torch.no_grad():
+        with monkeypatch.context() as m:
+            m.setattr(blocks, "_flash_decode_attention", lambda *a: calls.append(1) or real(*a))
+            flash = model.generate(ids, disable_compile=True, **kw)
+            assert len(calls) == 2 * 23, "two layers, 23 decode steps"
+            calls.clear()
+            padded = torch.ones_like(ids)
+            padded[0, :4] = 0
+            model.generate(ids, attention_mask=padded, disable_compile=True, **kw)
+            assert not calls
+        with monkeypatch.context() as m:
+            m.setattr(blocks, "_flash_decodes", lambda *a: False)
+            masked = model.generate(ids, disable_compile=True, **kw)
+        assert_same_greedy(flash, masked, ids.shape[1])
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = model.generate(ids, compile_config=CompileConfig(fullgraph=True, backend=backend, mode=None), **kw)
+        assert graphs and not any("_flash_attention_forward" in str(gm.graph) for gm in graphs)
+        assert_same_greedy(compiled, flash, ids.shape[1])
+        torch._dynamo.reset()
+        again = model.generate(ids, **kw)                    # the model's own config: CUDA-graph trees
+        assert_same_greedy(again, flash, ids.shape[1])
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_blocks_on_the_kernels_match_per_layer_quantization(requires_gpu, family):
     """The fused projections and layers of tests/nn/test_blocks.py on the GPU kernels: logits within

@@ -198,13 +198,14 @@ class FusedQKVAttention(nn.Module):
     ``forward`` is the model's: it takes and returns what the model's attention does
     (``(output, attention weights or None)``). With a :class:`RopeTable` in ``rope`` (set by
     :func:`quantize_model` with ``fuse_layers=True``), a call whose cache layer is transformers'
-    static layer and whose token positions are the cache slots they take (batch 1, or a batch
-    without left padding: :func:`_positions_are_slots`) takes the rotary embedding and the
-    KV-cache write in one launch (:func:`rotary_kv_cache`); any other call runs transformers'
-    rotary embedding and ``cache.update``. With the ``sdpa`` backend, a
-    decode step (one token per sequence, a mask of one row over the cache) attends in one SDPA
-    call without repeating the KV heads (:func:`_decode_attention`); other calls run the model's
-    attention function.
+    static layer and whose token positions are the cache slots they take (a batch without left
+    padding: :func:`_positions_are_slots`) takes the rotary embedding and the KV-cache write in
+    one launch (:func:`rotary_kv_cache`); any other call runs transformers' rotary embedding and
+    ``cache.update``. With the ``sdpa`` backend, a decode step (one token per sequence, a mask of
+    one row over the cache) attends in one SDPA call without repeating the KV heads
+    (:func:`_decode_attention`), or, for one sequence on that one-launch path on a CUDA device,
+    in one FlashAttention launch over the filled slots alone (:func:`_flash_decode_attention`);
+    other calls run the model's attention function.
     """
 
     def __init__(self, attention: nn.Module, qkv_proj: nn.Module):
@@ -261,7 +262,10 @@ class FusedQKVAttention(nn.Module):
                 k, v = cache.update(k, v, self.layer_idx)
         impl = self.config._attn_implementation
         if impl == "sdpa" and _packs_decode(self, q, k, attention_mask, kwargs):
-            out, weights = _decode_attention(self, q, k, v, attention_mask), None
+            if fast is not None and _flash_decodes(self, q, k, cache):
+                out, weights = _flash_decode_attention(self, q, k, v, cache, kwargs["position_ids"]), None
+            else:
+                out, weights = _decode_attention(self, q, k, v, attention_mask), None
         else:
             attend = _modeling_functions(self._modeling)[1] if impl in (None, "eager") else self._functions[impl]
             extra = {"sliding_window": self.sliding_window} if self._passes_window else {}
@@ -343,8 +347,8 @@ def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_i
     if not layer.is_initialized:
         kv = qkv.new_empty(b, attn.kv_heads, t, attn.head_dim)
         _initialize(attn, layer, kv, kv)
-    if b != 1 and (tuple(position_ids.shape) != (b, t) or not _positions_are_slots(cache, layer, position_ids, t)):
-        return None
+    if tuple(position_ids.shape) != (b, t) or not _positions_are_slots(cache, layer, position_ids, t):
+        return None   # (a left-padded sequence, even alone: its positions run behind its slots)
     keys, values = layer.keys, layer.values
     tables = rope._buffers
     cos, sin = tables["cos"], tables["sin"]
@@ -371,6 +375,63 @@ def _packs_decode(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, 
             and not (attn.training and attn.attention_dropout)
             and not kwargs.get("output_attentions") and kwargs.get("softcap") is None
             and kwargs.get("s_aux") is None)
+
+
+#: whether this torch has FlashAttention-2's kernels (a CUDA build; the attention below calls them)
+_HAS_FLASH = hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_flash_attention_available()
+
+
+def _flash_decodes(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, cache) -> bool:
+    """Whether an eager one-token decode step (``q`` ``[1, heads, 1, D]``, the one-launch rotary
+    path having written the token at its position) may attend by its length alone (a compiled
+    step keeps the masked SDPA, which measured faster there: docs/compile-and-graphs.md): one
+    sequence whose positions are its cache slots (recorded on the cache at the prompt), so that the mask over the
+    static cache is the prefix ``[0, position]`` -- which holds for a model without a sliding
+    window -- and FlashAttention-2 takes the head size and dtype. Then
+    :func:`_flash_decode_attention` reads only the filled slots instead of every slot of the
+    cache under a mask."""
+    return (_HAS_FLASH and not torch.compiler.is_compiling() and q.is_cuda and q.shape[0] == 1
+            and q.dtype in (torch.bfloat16, torch.float16) and attn.head_dim % 8 == 0 and attn.head_dim <= 256
+            and not attn.sliding_window and keys.stride(-1) == 1 and getattr(cache, POSITIONS_ARE_SLOTS, False) is True)
+
+
+def _decode_lengths(cache, position_ids: torch.Tensor, slots: int) -> tuple:
+    """FlashAttention's variable-length arguments for one decode token of one sequence over a
+    static cache of ``slots`` slots: the keys it uses (``position + 1``, int32 ``[1]``), and the
+    query and key offsets ``[0, 1]`` and ``[0, slots]``. Eagerly, the layers of one forward share
+    them (kept on the cache with the position tensor they were made from); a compiled step, and
+    a step captured in a CUDA graph (whose memory must not outlive the capture), make them for
+    each layer."""
+    keep = not torch.compiler.is_compiling() and not (position_ids.is_cuda
+                                                       and torch.cuda.is_current_stream_capturing())
+    if keep:
+        kept = getattr(cache, "_mixgemm_decode_lengths", None)
+        if kept is not None and kept[0]() is position_ids and kept[1] == slots:
+            return kept[2]
+    offsets = torch.arange(2, device=position_ids.device, dtype=torch.int32)
+    made = ((position_ids[:, -1] + 1).to(torch.int32), offsets, offsets * slots)
+    if keep:
+        cache._mixgemm_decode_lengths = (weakref.ref(position_ids), slots, made)
+    return made
+
+
+def _flash_decode_attention(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            cache, position_ids: torch.Tensor) -> torch.Tensor:
+    """One decode token of one sequence attending over the filled slots of a static cache, in one
+    FlashAttention-2 launch (its variable-length form with ``seqused_k``: the length is read on the
+    GPU, so the step needs no synchronization and replays in a CUDA graph). ``q [1, heads, 1, D]``
+    against ``keys / values [1, kv_heads, L, D]``, read in place as ``[L, kv_heads, D]``; the query
+    heads of a KV head share it (FlashAttention's grouped heads). Returns ``[1, 1, heads, D]``, the
+    layout transformers' attention functions return. Where :func:`_flash_decodes` holds, the
+    same result as :func:`_decode_attention` with the prefix mask, without reading the empty
+    slots (on an H200 at 192 slots 9.5 against 14.2 us, at 4096 slots 18 against 88:
+    docs/compile-and-graphs.md)."""
+    heads, d = attn.heads, attn.head_dim
+    lengths, q_offsets, k_offsets = _decode_lengths(cache, position_ids, keys.shape[2])
+    out = torch.ops.aten._flash_attention_forward(
+        q.reshape(1, heads, d), keys[0].transpose(0, 1), values[0].transpose(0, 1), q_offsets, k_offsets, 1,
+        keys.shape[2], 0.0, False, False, scale=attn.scaling, seqused_k=lengths)[0]
+    return out.view(1, 1, heads, d)
 
 
 def _decode_attention(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
