@@ -118,20 +118,164 @@ def test_the_fused_rotary_path_is_taken_where_positions_are_slots(reference_gemm
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_the_lengths_a_decode_step_attends_by():
+def test_the_lengths_a_decode_step_attends_by(monkeypatch):
     """The variable-length arguments of the FlashAttention decode step (run on the GPU:
     tests/ops/test_gpu_compile.py): the keys used are the position + 1, the offsets those of one
-    query over the cache's slots; the layers of one forward share them, the next forward (a new
-    position tensor) or another cache length makes new ones."""
+    query over the cache's slots; the later layers of one forward share them, and the next
+    forward's first layer makes new ones, even from the same position tensor updated in place;
+    a compiled step keeps none."""
     cache = type("Cache", (), {})()
     pos = torch.tensor([[41]])
-    lengths, q_offsets, k_offsets = blocks._decode_lengths(cache, pos, 192)
+    lengths, q_offsets, k_offsets = blocks._decode_lengths(cache, pos, 192, 0)
     assert lengths.dtype == q_offsets.dtype == k_offsets.dtype == torch.int32
     assert lengths.tolist() == [42] and q_offsets.tolist() == [0, 1] and k_offsets.tolist() == [0, 192]
-    assert blocks._decode_lengths(cache, pos, 192)[0] is lengths        # the next layer of the forward
-    assert blocks._decode_lengths(cache, pos, 256)[2].tolist() == [0, 256]
-    later = torch.tensor([[42]])
-    assert blocks._decode_lengths(cache, later, 256)[0].tolist() == [43]
+    assert blocks._decode_lengths(cache, pos, 192, 1)[0] is lengths        # the next layer of the forward
+    pos.add_(1)                                                            # the next forward, in place
+    assert blocks._decode_lengths(cache, pos, 192, 0)[0].tolist() == [43]
+    assert blocks._decode_lengths(cache, pos, 256, 1)[2].tolist() == [0, 256]
+    assert blocks._decode_lengths(cache, torch.tensor([[50]]), 256, 2)[0].tolist() == [51]
+    kept = cache._mixgemm_decode_lengths
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert blocks._decode_lengths(cache, torch.tensor([[7]]), 256, 3)[0].tolist() == [8]
+    assert cache._mixgemm_decode_lengths is kept
+
+
+def _flash_on_the_cpu(monkeypatch) -> list:
+    """The eager FlashAttention decode step imitated on the CPU: its gate without the CUDA
+    conditions, and its attention as what ``seqused_k`` means (SDPA over the first position + 1
+    slots); returns the list its calls are counted in."""
+    import torch.nn.functional as F
+
+    calls = []
+
+    def attend(attn, q, keys, values, cache, position_ids):
+        calls.append(1)
+        n = int(blocks._decode_lengths(cache, position_ids, keys.shape[2], attn.layer_idx)[0])
+        g = attn.heads // attn.kv_heads
+        k, v = keys[:, :, :n].repeat_interleave(g, 1), values[:, :, :n].repeat_interleave(g, 1)
+        return F.scaled_dot_product_attention(q, k, v, scale=attn.scaling).transpose(1, 2)
+
+    monkeypatch.setattr(blocks, "_flash_runs", lambda attn, q, keys: q.shape[0] == 1)
+    monkeypatch.setattr(blocks, "_flash_decode_attention", attend)
+    return calls
+
+
+def _forward_loop(model, ids, steps=3, attention_mask=None, step_mask=None, position_buffer=False):
+    """A prompt and ``steps`` greedy decode steps through the model's forward over a static cache
+    (no generate()): the last logits of each step."""
+    import inspect
+
+    import transformers
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    out = model(ids, attention_mask=attention_mask, use_cache=True, **{name: cache})
+    tok, logits, mask = out.logits[:, -1:].argmax(-1), [], attention_mask
+    pos = torch.tensor([[ids.shape[1]]])
+    for s in range(steps):
+        kw = {name: cache}
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(1, 1)], 1)
+            kw["attention_mask"] = mask
+        if step_mask is not None:
+            kw["attention_mask"] = step_mask(ids.shape[1] + s)
+        if position_buffer:
+            kw["position_ids"] = pos          # one tensor, updated in place (as a CUDA graph's input is)
+        out = model(tok, use_cache=True, **kw)
+        logits.append(out.logits[:, -1])
+        tok = out.logits[:, -1:].argmax(-1)
+        pos.add_(1)
+    return torch.stack(logits)
+
+
+def test_one_sequence_attends_by_its_length_where_its_mask_is_the_prefix(reference_gemm, monkeypatch):
+    """The eager FlashAttention decode step of one sequence, imitated on the CPU (the GPU test
+    runs the real one): taken at every decode step of generate(), two turns, and of a forward
+    loop whose position tensor is updated in place, with the per-layer model's logits; not taken
+    where the prompt's mask is not the prefix of the slots (a left-padded 2-D mask with the
+    model's own positions), where a sliding window is shorter than the cache, or where the layers'
+    ``flash_decode`` is off (a decode step's own 4-D mask then counts)."""
+    model, _ = quantized("llama", fuse_layers=True)
+    plain, _ = quantized("llama", fuse_projections=False)
+    calls = _flash_on_the_cpu(monkeypatch)
+    ids = _ids(1)
+    with torch.no_grad():
+        kw = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                  cache_implementation="static")
+        turn = ids
+        for _ in range(2):
+            calls.clear()
+            got, want = model.generate(turn, **kw), plain.generate(turn, **kw)
+            assert len(calls) == 2 * 3, "two layers, three decode steps"
+            assert torch.equal(got.sequences, want.sequences)
+            for a, b in zip(got.scores, want.scores):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            turn = torch.cat([got.sequences, _ids(1, 3, seed=9)], dim=1)
+
+        calls.clear()
+        torch.testing.assert_close(_forward_loop(model, ids, position_buffer=True),
+                                   _forward_loop(plain, ids, position_buffer=True), rtol=1e-4, atol=1e-4)
+        assert len(calls) == 2 * 3
+
+        padded = torch.ones_like(ids)
+        padded[0, :3] = 0
+        calls.clear()
+        torch.testing.assert_close(_forward_loop(model, ids, attention_mask=padded),
+                                   _forward_loop(plain, ids, attention_mask=padded), rtol=1e-4, atol=1e-4)
+        assert not calls
+
+        def hide_slot_2(p):
+            allow = torch.zeros(1, 1, 1, 32, dtype=torch.bool)
+            allow[..., :p + 1] = True
+            allow[..., 2] = False
+            return allow
+
+        for m in model.modules():
+            if isinstance(m, blocks.FusedQKVAttention):
+                m.flash_decode = False
+        calls.clear()
+        torch.testing.assert_close(_forward_loop(model, ids, step_mask=hide_slot_2),
+                                   _forward_loop(plain, ids, step_mask=hide_slot_2), rtol=1e-4, atol=1e-4)
+        assert not calls
+        for m in model.modules():
+            if isinstance(m, blocks.FusedQKVAttention):
+                m.flash_decode = True
+                m.sliding_window = 16             # (shorter than the cache's 32 slots)
+        _forward_loop(model, ids)
+        assert not calls
+        for m in model.modules():
+            if isinstance(m, blocks.FusedQKVAttention):
+                m.sliding_window = 32
+        _forward_loop(model, ids)
+        assert len(calls) == 2 * 3
+
+
+@pytest.mark.parametrize("family", ["mistral", "mixtral"])
+def test_the_fused_attention_passes_the_models_window(reference_gemm, family):
+    """Mistral's and Mixtral's attention pass their config's sliding window to the attention
+    function at each call (the flash-attention backends take it from there); so does the fused
+    attention that replaces them."""
+    import transformers
+
+    cls = transformers.MistralConfig if family == "mistral" else transformers.MixtralConfig
+    config = cls(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=1, vocab_size=160, head_dim=32, sliding_window=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    mixgemm.nn.quantize_model(model, bits=4, group_size=64, progress=False, dtype=torch.float16)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn, blocks.FusedQKVAttention)
+    seen = []
+    real = attn._functions["sdpa"]
+
+    def probe(module, *args, **kwargs):
+        seen.append(kwargs.get("sliding_window", "not passed"))
+        return real(module, *args, **kwargs)
+
+    attn._functions = {"sdpa": probe}
+    with torch.no_grad():
+        model(_ids(1))
+    assert seen == [4]
 
 
 def test_unrecognized_models_keep_per_layer_replacement(reference_gemm, caplog):

@@ -176,6 +176,39 @@ def test_a_transformers_model_generates_the_eager_tokens_under_reduce_overhead(r
             assert keys[0] == keys[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 8, 64), (32, 8, 128), (16, 2, 256)])
+def test_flash_decode_attention_reads_only_the_filled_slots(requires_gpu, dtype, heads, kv_heads, head_dim):
+    """blocks._flash_decode_attention over a 300-slot cache whose slots past the position hold
+    large values: within twice the masked SDPA's (blocks._decode_attention) error of float64 on
+    the filled slots, at the first, a middle and the last position (one slot too many or too few
+    is far outside that)."""
+    from types import SimpleNamespace
+
+    from mixgemm.nn import blocks
+
+    dev = requires_gpu
+    slots = 300
+    g = torch.Generator(device=dev).manual_seed(heads + head_dim)
+    attn = SimpleNamespace(heads=heads, kv_heads=kv_heads, head_dim=head_dim, scaling=head_dim ** -0.5, layer_idx=0)
+    for pos in (0, 137, slots - 1):
+        keys = torch.randn(1, kv_heads, slots, head_dim, device=dev, generator=g).to(dtype)
+        values = torch.randn(1, kv_heads, slots, head_dim, device=dev, generator=g).to(dtype)
+        keys[:, :, pos + 1:] = 8.0                 # what an empty slot must not contribute
+        values[:, :, pos + 1:] = 8.0
+        q = torch.randn(1, heads, 1, head_dim, device=dev, generator=g).to(dtype)
+        mask = (torch.arange(slots, device=dev) <= pos).view(1, 1, 1, slots)
+        position = torch.tensor([[pos]], device=dev)
+        got = blocks._flash_decode_attention(attn, q, keys, values, SimpleNamespace(), position)
+        want = blocks._decode_attention(attn, q, keys, values, mask)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.double().reshape(1, kv_heads, heads // kv_heads, head_dim), keys[:, :, :pos + 1].double(),
+            values[:, :, :pos + 1].double(), scale=attn.scaling).reshape(1, heads, 1, head_dim).transpose(1, 2)
+        assert got.shape == want.shape == (1, 1, heads, head_dim) and got.dtype == dtype
+        err, err_sdpa = (got.double() - ref).abs().max().item(), (want.double() - ref).abs().max().item()
+        assert err <= 2 * err_sdpa + 1e-2, (pos, err, err_sdpa)
+
+
 def test_one_sequence_decodes_through_flash_attention_over_the_filled_slots(requires_gpu, monkeypatch):
     """fuse_layers=True, one sequence, eagerly: every decode step of every layer attends through
     FlashAttention over the filled slots (blocks._flash_decode_attention), with the greedy tokens

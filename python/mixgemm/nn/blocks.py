@@ -52,6 +52,10 @@ _log = logging.getLogger("mixgemm")
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention", "MixtralAttention", "Qwen2Attention",
                         "Qwen2MoeAttention", "Qwen3Attention", "Qwen3MoeAttention"})
 
+#: attention classes that pass their config's ``sliding_window`` to the attention function at each
+#: call (they hold none of their own)
+_CONFIG_WINDOW = frozenset({"MistralAttention", "MixtralAttention"})
+
 #: rotary embeddings whose cos / sin depend on the position alone (a table serves every call)
 _STATIC_ROPE = frozenset({"default", "llama3", "linear"})
 
@@ -222,8 +226,13 @@ class FusedQKVAttention(nn.Module):
         self.is_causal = getattr(attention, "is_causal", True)
         self.heads = attention.config.num_attention_heads
         self.kv_heads = attention.config.num_key_value_heads
-        self.sliding_window = getattr(attention, "sliding_window", None)
-        self._passes_window = hasattr(attention, "sliding_window")
+        # the window the model's attention passes its attention function: Qwen2's holds its own,
+        # Mistral's and Mixtral's pass their config's
+        if type(attention).__name__ in _CONFIG_WINDOW:
+            self.sliding_window, self._passes_window = getattr(attention.config, "sliding_window", None), True
+        else:
+            self.sliding_window = getattr(attention, "sliding_window", None)
+            self._passes_window = hasattr(attention, "sliding_window")
         self.q_norm = getattr(attention, "q_norm", None)
         self.k_norm = getattr(attention, "k_norm", None)
         self.qkv_proj = qkv_proj
@@ -235,6 +244,8 @@ class FusedQKVAttention(nn.Module):
         self._functions = ALL_ATTENTION_FUNCTIONS
         self.rope: Optional[RopeTable] = None
         self.kv_store = StaticKVStore()
+        #: an eager decode step of one sequence may attend by its length (:func:`_flash_decodes`)
+        self.flash_decode = True
         self.original_class = type(attention).__name__
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
@@ -243,7 +254,7 @@ class FusedQKVAttention(nn.Module):
         modules = self._modules   # (read without nn.Module.__getattr__: the eager hot path)
         lead = hidden_states.shape[:-1]
         qkv = modules["qkv_proj"](hidden_states)
-        fast = _fused_rope_kv(self, qkv, cache, kwargs.get("position_ids"))
+        fast = _fused_rope_kv(self, qkv, cache, kwargs.get("position_ids"), attention_mask)
         if fast is not None:
             q, k, v = fast
         else:
@@ -301,39 +312,66 @@ def _initialize(attn: FusedQKVAttention, layer, keys: torch.Tensor, values: torc
 
 #: the cache attribute that says whether every sequence's positions are the slots its tokens take
 POSITIONS_ARE_SLOTS = "mixgemm_positions_are_slots"
+#: the cache attribute that says whether the prompt's mask let its last token see every slot up
+#: to its own and none after it (no padding, no window within the prompt)
+MASK_IS_PREFIX = "mixgemm_mask_is_prefix"
 
 
-def _positions_are_slots(cache, layer, position_ids: torch.Tensor, t: int) -> bool:
+def _prefix_row(mask, counter: torch.Tensor, t: int) -> Optional[torch.Tensor]:
+    """Whether the last query row of a 4-D boolean or additive ``mask`` over the cache's slots
+    allows exactly the slots ``0 .. counter + t - 1`` for every sequence (a 0-d bool tensor, not
+    read here), or None for a mask that is not a tensor of 4 dimensions."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return None
+    row = mask[:, :, -1, :]
+    allowed = row if row.dtype == torch.bool else row == 0
+    want = torch.arange(row.shape[-1], device=row.device) < (counter.to(row.device) + t)
+    return (allowed == want).all()
+
+
+def _positions_are_slots(cache, layer, layer_idx: int, position_ids: torch.Tensor, t: int, mask=None) -> bool:
     """Whether each sequence's token positions are the cache slots transformers' static layer
     writes them to (``cumulative_length + 0 .. t-1``, the same for every sequence): true for a
     batch without left padding, false for a padded one, whose rotary positions run behind its
     slots. The one-launch rotary path writes a token at its position, so it serves a batch only
     where they agree.
 
-    Eagerly, the first call of a cache and every call of more than one token compare them (one
-    synchronization, at the prompt) and record the answer on the cache
-    (:data:`POSITIONS_ARE_SLOTS`; the layers of one forward share one comparison); one-token calls
-    after it keep it (each sequence then moves one position and one slot a step). A compiled call
-    reads the recorded answer (False where there is none: a prompt traced with the model)."""
+    Eagerly, the first call of a cache and every call of more than one token compare them, and
+    check that the mask's last row is the prefix of the slots filled (:func:`_prefix_row`; no mask
+    at all is the prefix: transformers' sdpa mask function leaves it out only for a causal
+    attention from slot 0 without padding), in one synchronization at the prompt, and record
+    both answers on the cache
+    (:data:`POSITIONS_ARE_SLOTS`, :data:`MASK_IS_PREFIX`). The later layers of the same forward
+    (the same position tensor, a higher layer index) share the comparison; one-token calls after
+    it keep it (each sequence then moves one position and one slot a step). A compiled call reads
+    the recorded answer (False where there is none: a prompt traced with the model)."""
     if torch.compiler.is_compiling():
         return bool(getattr(cache, POSITIONS_ARE_SLOTS, False))
-    seen = getattr(cache, "_mixgemm_positions_seen", None)
+    seen = getattr(cache, "_mixgemm_positions_seen", None)   # (the position tensor, the layer that compared)
     known = getattr(cache, POSITIONS_ARE_SLOTS, None)
-    if known is not None and (t == 1 or (seen is not None and seen() is position_ids)):
+    if known is not None and (t == 1 or (seen is not None and seen[0]() is position_ids and layer_idx > seen[1])):
         return known
     counter = getattr(layer, "cumulative_length", None)
     if not isinstance(counter, torch.Tensor) or position_ids.dim() != 2:
-        agree = False
+        agree = prefix = False
     else:
-        slots = counter.to(position_ids.device, position_ids.dtype) + torch.arange(
-            t, device=position_ids.device, dtype=position_ids.dtype)
-        agree = bool(torch.equal(position_ids, slots.expand_as(position_ids)))
+        counter = counter.to(position_ids.device)
+        slots = counter.to(position_ids.dtype) + torch.arange(t, device=position_ids.device, dtype=position_ids.dtype)
+        checks = [(position_ids == slots).all()]
+        row = _prefix_row(mask, counter, t)
+        if row is not None:
+            checks.append(row.to(checks[0].device))
+        answers = torch.stack(checks).tolist()   # (the one synchronization)
+        # No mask: transformers' sdpa mask leaves it out only where the attention is causal from
+        # slot 0 with no padding (SDPA's is_causal then does the masking): the prefix
+        agree, prefix = answers[0], answers[1] if row is not None else mask is None
     setattr(cache, POSITIONS_ARE_SLOTS, agree)
-    cache._mixgemm_positions_seen = weakref.ref(position_ids)
+    setattr(cache, MASK_IS_PREFIX, bool(agree and prefix))
+    cache._mixgemm_positions_seen = (weakref.ref(position_ids), layer_idx)
     return agree
 
 
-def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_ids) -> Optional[tuple]:
+def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_ids, mask=None) -> Optional[tuple]:
     """(q, keys, values) from one rotary_kv_cache launch into the cache's static layer, or None
     where torch's path must run. (A function, not a method, and the cache length read from the
     keys' shape: under torch.compile every attribute read of a layer is a guard on each call.)"""
@@ -347,7 +385,8 @@ def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_i
     if not layer.is_initialized:
         kv = qkv.new_empty(b, attn.kv_heads, t, attn.head_dim)
         _initialize(attn, layer, kv, kv)
-    if tuple(position_ids.shape) != (b, t) or not _positions_are_slots(cache, layer, position_ids, t):
+    if tuple(position_ids.shape) != (b, t) or not _positions_are_slots(cache, layer, attn.layer_idx, position_ids,
+                                                                       t, mask):
         return None   # (a left-padded sequence, even alone: its positions run behind its slots)
     keys, values = layer.keys, layer.values
     tables = rope._buffers
@@ -377,41 +416,68 @@ def _packs_decode(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, 
             and kwargs.get("s_aux") is None)
 
 
-#: whether this torch has FlashAttention-2's kernels (a CUDA build; the attention below calls them)
-_HAS_FLASH = hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_flash_attention_available()
+def _flash_has_seqused_k() -> bool:
+    """Whether this torch has FlashAttention-2's kernels (a CUDA build) and their variable-length
+    call takes ``seqused_k`` (the attention below calls it)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None or not torch.backends.cuda.is_flash_attention_available():
+        return False
+    return any(a.name == "seqused_k" for a in op.default._schema.arguments)
+
+
+_HAS_FLASH = _flash_has_seqused_k()
 
 
 def _flash_decodes(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, cache) -> bool:
     """Whether an eager one-token decode step (``q`` ``[1, heads, 1, D]``, the one-launch rotary
-    path having written the token at its position) may attend by its length alone (a compiled
-    step keeps the masked SDPA, which measured faster there: docs/compile-and-graphs.md): one
-    sequence whose positions are its cache slots (recorded on the cache at the prompt), so that the mask over the
-    static cache is the prefix ``[0, position]`` -- which holds for a model without a sliding
-    window -- and FlashAttention-2 takes the head size and dtype. Then
-    :func:`_flash_decode_attention` reads only the filled slots instead of every slot of the
-    cache under a mask."""
-    return (_HAS_FLASH and not torch.compiler.is_compiling() and q.is_cuda and q.shape[0] == 1
-            and q.dtype in (torch.bfloat16, torch.float16) and attn.head_dim % 8 == 0 and attn.head_dim <= 256
-            and not attn.sliding_window and keys.stride(-1) == 1 and getattr(cache, POSITIONS_ARE_SLOTS, False) is True)
+    path having written the token at its position) attends through :func:`_flash_decode_attention`:
+    FlashAttention-2 takes the call (a CUDA tensor of bf16 / fp16, a head size it has, keys
+    contiguous in D) and the step may attend by its length (:func:`_attends_by_length`). A
+    compiled step keeps the masked SDPA, which measured faster there (docs/compile-and-graphs.md)."""
+    return not torch.compiler.is_compiling() and _flash_runs(attn, q, keys) and _attends_by_length(attn, keys, cache)
 
 
-def _decode_lengths(cache, position_ids: torch.Tensor, slots: int) -> tuple:
+def _flash_runs(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether FlashAttention-2 takes a decode step of ``q [1, heads, 1, D]`` over ``keys``."""
+    return (_HAS_FLASH and q.is_cuda and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16)
+            and attn.head_dim % 8 == 0 and attn.head_dim <= 256 and keys.stride(-1) == 1)
+
+
+def _attends_by_length(attn: FusedQKVAttention, keys: torch.Tensor, cache) -> bool:
+    """Whether one sequence's decode step over a static cache of ``keys.shape[2]`` slots may
+    attend to the slots up to its position, without its mask: its positions are its slots and
+    the prompt's mask was the prefix of the slots filled (both checked at the prompt:
+    :func:`_positions_are_slots`), no sliding window (the layer's or the model's) is shorter than
+    the cache, and the layer's ``flash_decode`` is on. What it assumes: that the later steps' masks
+    extend the prompt's with the new token, as transformers builds them from a 2-D mask (as in
+    ``generate()``); a decode step given a 4-D mask of its own that hides other slots needs
+    ``flash_decode = False`` on the attention layers."""
+    slots = keys.shape[2]
+    for window in (attn.sliding_window, getattr(attn.config, "sliding_window", None)):
+        if window is not None and window < slots:
+            return False
+    return (attn.flash_decode and getattr(cache, POSITIONS_ARE_SLOTS, False) is True
+            and getattr(cache, MASK_IS_PREFIX, False) is True)
+
+
+def _decode_lengths(cache, position_ids: torch.Tensor, slots: int, layer_idx: int) -> tuple:
     """FlashAttention's variable-length arguments for one decode token of one sequence over a
     static cache of ``slots`` slots: the keys it uses (``position + 1``, int32 ``[1]``), and the
-    query and key offsets ``[0, 1]`` and ``[0, slots]``. Eagerly, the layers of one forward share
-    them (kept on the cache with the position tensor they were made from); a compiled step, and
-    a step captured in a CUDA graph (whose memory must not outlive the capture), make them for
-    each layer."""
+    query and key offsets ``[0, 1]`` and ``[0, slots]``. Eagerly, the later layers of one forward
+    share them (kept on the cache with the position tensor and the layer that made them: the
+    first layer of the next forward makes new ones, even from the same position tensor updated
+    in place); a compiled step, and a step captured in a CUDA graph (whose memory must not
+    outlive the capture), make them for each layer."""
     keep = not torch.compiler.is_compiling() and not (position_ids.is_cuda
                                                        and torch.cuda.is_current_stream_capturing())
     if keep:
         kept = getattr(cache, "_mixgemm_decode_lengths", None)
-        if kept is not None and kept[0]() is position_ids and kept[1] == slots:
-            return kept[2]
+        if kept is not None and kept[0]() is position_ids and kept[1] == slots and layer_idx > kept[2]:
+            return kept[3]
     offsets = torch.arange(2, device=position_ids.device, dtype=torch.int32)
     made = ((position_ids[:, -1] + 1).to(torch.int32), offsets, offsets * slots)
     if keep:
-        cache._mixgemm_decode_lengths = (weakref.ref(position_ids), slots, made)
+        cache._mixgemm_decode_lengths = (weakref.ref(position_ids), slots, layer_idx, made)
     return made
 
 
@@ -427,7 +493,7 @@ def _flash_decode_attention(attn: FusedQKVAttention, q: torch.Tensor, keys: torc
     slots (on an H200 at 192 slots 9.5 against 14.2 us, at 4096 slots 18 against 88:
     docs/compile-and-graphs.md)."""
     heads, d = attn.heads, attn.head_dim
-    lengths, q_offsets, k_offsets = _decode_lengths(cache, position_ids, keys.shape[2])
+    lengths, q_offsets, k_offsets = _decode_lengths(cache, position_ids, keys.shape[2], attn.layer_idx)
     out = torch.ops.aten._flash_attention_forward(
         q.reshape(1, heads, d), keys[0].transpose(0, 1), values[0].transpose(0, 1), q_offsets, k_offsets, 1,
         keys.shape[2], 0.0, False, False, scale=attn.scaling, seqused_k=lengths)[0]
