@@ -118,6 +118,27 @@ def test_the_fused_rotary_path_is_taken_where_positions_are_slots(reference_gemm
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_one_token_call_compares_its_positions_again(reference_gemm, family):
+    """A call of one token does not keep the previous call's positions-are-slots answer: a chunked
+    prompt whose last chunk is one token, of a row whose last prompt token is padding, has that
+    row's position behind its slot; writing it at its position would overwrite an earlier slot.
+    The fused layers give the per-layer model's tokens and scores at batch 1 and 3."""
+    model, _ = quantized(family, fuse_layers=True)
+    plain, _ = quantized(family, fuse_projections=False)
+    for batch in (1, 3):
+        ids = _ids(batch)
+        mask = torch.ones_like(ids)
+        mask[-1, -1] = 0                            # the last row's last prompt token is padding
+        kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, output_scores=True, pad_token_id=0,
+                  return_dict_in_generate=True, cache_implementation="static", prefill_chunk_size=4)
+        with torch.no_grad():
+            got, want = model.generate(ids, **kw), plain.generate(ids, **kw)
+        assert torch.equal(got.sequences, want.sequences), batch
+        for a, b in zip(got.scores, want.scores):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_the_lengths_a_decode_step_attends_by(monkeypatch):
     """The variable-length arguments of the FlashAttention decode step (run on the GPU:
     tests/ops/test_gpu_compile.py): the keys used are the position + 1, the offsets those of one

@@ -336,20 +336,24 @@ def _positions_are_slots(cache, layer, layer_idx: int, position_ids: torch.Tenso
     slots. The one-launch rotary path writes a token at its position, so it serves a batch only
     where they agree.
 
-    Eagerly, the first call of a cache and every call of more than one token compare them, and
-    check that the mask's last row is the prefix of the slots filled (:func:`_prefix_row`; no mask
-    at all is the prefix: transformers' sdpa mask function leaves it out only for a causal
-    attention from slot 0 without padding), in one synchronization at the prompt, and record
-    both answers on the cache
-    (:data:`POSITIONS_ARE_SLOTS`, :data:`MASK_IS_PREFIX`). The later layers of the same forward
-    (the same position tensor, a higher layer index) share the comparison; one-token calls after
-    it keep it (each sequence then moves one position and one slot a step). A compiled call reads
-    the recorded answer (False where there is none: a prompt traced with the model)."""
+    Every eager forward compares them at its first such layer, and checks that the mask's last
+    row is the prefix of the slots filled (:func:`_prefix_row`; no mask at all is the prefix:
+    transformers' sdpa mask function leaves it out only for a causal attention from slot 0 without
+    padding), in one synchronization, and records both answers on the cache
+    (:data:`POSITIONS_ARE_SLOTS`, :data:`MASK_IS_PREFIX`); the later layers of the same forward
+    (the same position tensor, a higher layer index) share the comparison. (A one-token call
+    cannot keep the previous call's answer: a chunked prompt's last chunk, or a next turn of
+    one token, may have a padded row whose position is not its slot.) At a decode step of
+    ``generate()`` the synchronization finds the GPU idle but for the layers before, since
+    ``generate()`` read the previous token. A compiled call reads the answer the last eager call
+    recorded (False where there is none: a prompt traced with the model); ``generate()``'s
+    compiled decode steps follow its eager prompt, whose rows each move one position and one slot a
+    step."""
     if torch.compiler.is_compiling():
         return bool(getattr(cache, POSITIONS_ARE_SLOTS, False))
     seen = getattr(cache, "_mixgemm_positions_seen", None)   # (the position tensor, the layer that compared)
     known = getattr(cache, POSITIONS_ARE_SLOTS, None)
-    if known is not None and (t == 1 or (seen is not None and seen[0]() is position_ids and layer_idx > seen[1])):
+    if known is not None and seen is not None and seen[0]() is position_ids and layer_idx > seen[1]:
         return known
     counter = getattr(layer, "cumulative_length", None)
     if not isinstance(counter, torch.Tensor) or position_ids.dim() != 2:
