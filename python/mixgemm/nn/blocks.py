@@ -345,16 +345,18 @@ def _positions_are_slots(cache, layer, layer_idx: int, position_ids: torch.Tenso
     cannot keep the previous call's answer: a chunked prompt's last chunk, or a next turn of
     one token, may have a padded row whose position is not its slot.) At a decode step of
     ``generate()`` the synchronization finds the GPU idle but for the layers before, since
-    ``generate()`` read the previous token. A compiled call reads the answer the last eager call
-    recorded (False where there is none: a prompt traced with the model); ``generate()``'s
-    compiled decode steps follow its eager prompt, whose rows each move one position and one slot a
-    step."""
+    ``generate()`` read the previous token. A compiled call, and a call captured in a CUDA graph
+    (which cannot synchronize), read the answer the last eager call recorded (False where there
+    is none: a prompt traced with the model); ``generate()``'s compiled decode steps follow its
+    eager prompt, whose rows each move one position and one slot a step."""
     if torch.compiler.is_compiling():
         return bool(getattr(cache, POSITIONS_ARE_SLOTS, False))
     seen = getattr(cache, "_mixgemm_positions_seen", None)   # (the position tensor, the layer that compared)
     known = getattr(cache, POSITIONS_ARE_SLOTS, None)
     if known is not None and seen is not None and seen[0]() is position_ids and layer_idx > seen[1]:
         return known
+    if position_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return bool(known)
     counter = getattr(layer, "cumulative_length", None)
     if not isinstance(counter, torch.Tensor) or position_ids.dim() != 2:
         agree = prefix = False
