@@ -643,7 +643,12 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, symme
         layers the fused rotary / KV-cache launch writes; and, unless the generation config has
         one, its ``compile_config`` :func:`mixgemm.nn.guards.decode_compile_config` (CUDA-graph
         trees without Dynamo's checks of the modules' internals: modules must not be replaced
-        after the first compiled call without ``torch.compiler.reset()``).
+        after the first compiled call without ``torch.compiler.reset()``). transformers refuses a
+        default cache implementation together with a cache object: a ``generate()`` call given
+        a cache (``past_key_values`` / ``cache``), or one in assisted generation with this model
+        as its assistant, passes ``cache_implementation=None``. The fused layers are not
+        transformers' layer classes, so ``output_hidden_states`` and ``output_attentions`` return
+        nothing for them.
     act_format : {"bf16", "fp8", "auto"}, default "bf16"
         The activations of every QuantLinear made (:class:`~mixgemm.nn.QuantLinear`'s
         ``act_format``). ``"fp8"`` rounds each call's activations to e4m3 with a scale per token
