@@ -214,8 +214,8 @@ def test_one_sequence_attends_by_its_length_where_its_mask_is_the_prefix(referen
     runs the real one): taken at every decode step of generate(), two turns, and of a forward
     loop whose position tensor is updated in place, with the per-layer model's logits; not taken
     where the prompt's mask is not the prefix of the slots (a left-padded 2-D mask with the
-    model's own positions), where a sliding window is shorter than the cache, or where the layers'
-    ``flash_decode`` is off (a decode step's own 4-D mask then counts)."""
+    model's own positions) or a decode step's own mask hides a filled slot, where a sliding window
+    is shorter than the cache, or where the layers' ``flash_decode`` is off."""
     model, _ = quantized("llama", fuse_layers=True)
     plain, _ = quantized("llama", fuse_projections=False)
     calls = _flash_on_the_cpu(monkeypatch)
@@ -251,12 +251,14 @@ def test_one_sequence_attends_by_its_length_where_its_mask_is_the_prefix(referen
             allow[..., 2] = False
             return allow
 
+        calls.clear()                              # a decode mask of its own, checked at each forward
+        torch.testing.assert_close(_forward_loop(model, ids, step_mask=hide_slot_2),
+                                   _forward_loop(plain, ids, step_mask=hide_slot_2), rtol=1e-4, atol=1e-4)
+        assert not calls
         for m in model.modules():
             if isinstance(m, blocks.FusedQKVAttention):
                 m.flash_decode = False
-        calls.clear()
-        torch.testing.assert_close(_forward_loop(model, ids, step_mask=hide_slot_2),
-                                   _forward_loop(plain, ids, step_mask=hide_slot_2), rtol=1e-4, atol=1e-4)
+        _forward_loop(model, ids, position_buffer=True)
         assert not calls
         for m in model.modules():
             if isinstance(m, blocks.FusedQKVAttention):

@@ -452,12 +452,9 @@ def _flash_runs(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor) ->
 def _attends_by_length(attn: FusedQKVAttention, keys: torch.Tensor, cache) -> bool:
     """Whether one sequence's decode step over a static cache of ``keys.shape[2]`` slots may
     attend to the slots up to its position, without its mask: its positions are its slots and
-    the prompt's mask was the prefix of the slots filled (both checked at the prompt:
+    its mask's row is the prefix of the slots filled (both checked by this eager forward:
     :func:`_positions_are_slots`), no sliding window (the layer's or the model's) is shorter than
-    the cache, and the layer's ``flash_decode`` is on. What it assumes: that the later steps' masks
-    extend the prompt's with the new token, as transformers builds them from a 2-D mask (as in
-    ``generate()``); a decode step given a 4-D mask of its own that hides other slots needs
-    ``flash_decode = False`` on the attention layers."""
+    the cache, and the layer's ``flash_decode`` is on (set it to False to keep the masked SDPA)."""
     slots = keys.shape[2]
     for window in (attn.sliding_window, getattr(attn.config, "sliding_window", None)):
         if window is not None and window < slots:
