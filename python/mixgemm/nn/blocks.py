@@ -312,8 +312,8 @@ def _initialize(attn: FusedQKVAttention, layer, keys: torch.Tensor, values: torc
 
 #: the cache attribute that says whether every sequence's positions are the slots its tokens take
 POSITIONS_ARE_SLOTS = "mixgemm_positions_are_slots"
-#: the cache attribute that says whether the prompt's mask let its last token see every slot up
-#: to its own and none after it (no padding, no window within the prompt)
+#: the cache attribute that says whether the last forward's positions were its slots and its
+#: mask let its last token see every slot up to its own and none after it
 MASK_IS_PREFIX = "mixgemm_mask_is_prefix"
 
 
@@ -459,8 +459,7 @@ def _attends_by_length(attn: FusedQKVAttention, keys: torch.Tensor, cache) -> bo
     for window in (attn.sliding_window, getattr(attn.config, "sliding_window", None)):
         if window is not None and window < slots:
             return False
-    return (attn.flash_decode and getattr(cache, POSITIONS_ARE_SLOTS, False) is True
-            and getattr(cache, MASK_IS_PREFIX, False) is True)
+    return attn.flash_decode and getattr(cache, MASK_IS_PREFIX, False) is True   # (recorded only with the positions')
 
 
 def _decode_lengths(cache, position_ids: torch.Tensor, slots: int, layer_idx: int) -> tuple:
