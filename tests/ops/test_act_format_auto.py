@@ -79,8 +79,7 @@ def test_quant_linear_auto(table, monkeypatch):
     seen = []
     monkeypatch.setattr(QuantLinear, "_forward_fp8", lambda self, x: seen.append(("fp8", x.shape[0])) or x)
     monkeypatch.setattr("mixgemm.nn.linear.plans.run", lambda *a, **k: seen.append(("bf16", a[0].shape[0])) or a[0])
-    monkeypatch.setattr(fp8, "resolve_act_format", lambda fmt, m, w, device: "fp8" if m >= 64 else "bf16")
-    monkeypatch.setattr("mixgemm.nn.linear.resolve_act_format", fp8.resolve_act_format)
+    monkeypatch.setattr("mixgemm.nn.linear.layer_prefers_fp8", lambda m, *a: m >= 64)
     for m in (16, 64):
         layer(torch.randn(m, 128).bfloat16())
     assert seen == [("bf16", 16), ("fp8", 64)]

@@ -182,8 +182,9 @@ def large_bucket(m: int, n: int, k: int, device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def gpu_name(device_index: int) -> str:
-    """CUDA device ``device_index``'s name (the tuning tables' key)."""
+    """CUDA device ``device_index``'s name (the tuning tables' key; fixed for the process)."""
     return torch.cuda.get_device_name(device_index)
 
 

@@ -28,7 +28,7 @@ from ..dtypes import WeightType
 from ..errors import UnsupportedLayerError
 from ..jit.specs import Fp8GemmSpec
 from ..ops.dense import TOKEN_BUCKETS, gemm, gemm_op, gemm_tensors_full
-from ..ops.fp8 import (ACT_FORMATS, check_input_scale_value, fp8_problem, quant_spec, resolve_act_format,
+from ..ops.fp8 import (ACT_FORMATS, check_input_scale_value, fp8_problem, layer_prefers_fp8, quant_spec,
                        select_fp8_spec)
 from ..weights.layout import ATOM_K, ATOM_N, prepack, unpack
 from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_gate_up, interleave_rows, quantize
@@ -178,8 +178,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fmt = self.act_format
-        if fmt != "bf16" and (fmt == "fp8" or torch.compiler.is_compiling()
-                              or resolve_act_format(fmt, math.prod(x.shape[:-1]), self.packed, x.device) == "fp8"):
+        if fmt != "bf16" and (fmt == "fp8" or torch.compiler.is_compiling() or self.auto_fp8(math.prod(x.shape[:-1]),
+                                                                                          x.device)):
             return self._forward_fp8(x)
         if torch.compiler.is_compiling():
             return _forward_op(self, x, self._buffers, self.bias)
@@ -202,6 +202,13 @@ class QuantLinear(nn.Module):
             y = gemm_tensors_full(x, qdata, scales, zeros, offsets, bias, self.weight_type, self.group_size, n,
                                   self.in_features, activation)
         return y
+
+    def auto_fp8(self, m: int, device: torch.device) -> bool:
+        """Whether ``act_format="auto"`` computes a call of ``m`` tokens on ``device`` with e4m3
+        activations (:func:`mixgemm.ops.fp8.resolve_act_format`; False for another format)."""
+        return self.act_format == "auto" and layer_prefers_fp8(
+            m, self.weight_type, self.group_size, self._buffers.get("zero_offsets") is not None, self.weight_rows,
+            self.in_features, device)
 
     def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
         """forward with e4m3 activations (``mixgemm.gemm(..., act_format="fp8")``; with ``"auto"``

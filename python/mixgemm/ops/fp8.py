@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..weights.types import PackedWeight
 
 
-__all__ = ["E4M3_MAX", "ACT_FORMATS", "unknown_act_format", "prefers_fp8", "resolve_act_format", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
+__all__ = ["E4M3_MAX", "ACT_FORMATS", "unknown_act_format", "prefers_fp8", "layer_prefers_fp8", "resolve_act_format", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
            "input_scale_problem", "check_input_scale_value",
            "mma_to_weight_col", "weight_to_mma_col", "quant_spec", "gemm_fp8", "gemm_quantized", "fp8_problem",
            "fp8_gemm_spec", "select_fp8_spec", "FP8_TILE"]
@@ -55,10 +55,19 @@ def prefers_fp8(m, w: "PackedWeight", device: torch.device) -> bool:
     measured them faster for this layer shape at this token count
     (:func:`mixgemm.dispatch.tuning.prefers_fp8`). False on a device without a table, for layer
     shapes it does not list, and off CUDA."""
-    if device.type != "cuda" or fp8_problem(w) is not None:
+    return layer_prefers_fp8(m, w.weight_type, w.group_size, w.zero_offsets is not None, w.n, w.k, device)
+
+
+def layer_prefers_fp8(m: int, weight_type: WeightType, group_size: int, fractional_zeros: bool, n: int, k: int,
+                      device: torch.device) -> bool:
+    """:func:`prefers_fp8` from a weight's fields (a layer's forward makes no PackedWeight for it:
+    this is on the eager path of every ``"auto"`` call): the conditions of :func:`fp8_problem`,
+    then the tuning table."""
+    if (device.type != "cuda" or weight_type.value not in Fp8GemmSpec.WEIGHTS or fractional_zeros
+            or group_size % 32):
         return False
     return tuning.prefers_fp8(heuristic.gpu_name(device.index if device.index is not None else
-                                                 torch.cuda.current_device()), w.weight_type, w.n, w.k, m)
+                                                 torch.cuda.current_device()), weight_type, n, k, m)
 
 
 def resolve_act_format(act_format: str, m, w: "PackedWeight", device: torch.device) -> str:
