@@ -17,7 +17,11 @@ transformers = pytest.importorskip("transformers", reason="the fused blocks are 
 
 import mixgemm  # noqa: E402
 from mixgemm.nn import blocks  # noqa: E402
+from mixgemm.dispatch import plans  # noqa: E402
+from mixgemm.dtypes import WeightType  # noqa: E402
 from mixgemm.nn import QuantLinear  # noqa: E402
+from mixgemm.ops import layer as layer_ops  # noqa: E402
+from linear_numerics import swiglu  # noqa: E402
 from tiny_models import reference_forward, tiny_model  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -139,6 +143,73 @@ def test_a_one_token_call_compares_its_positions_again(reference_gemm, family):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def _reference_op_gemm(x, qdata, scales, zeros, bias, weight_type, group_size, n, k, activation):
+    """decode_layer's GEMM as the reference QuantLinear forward computes it (tiny_models.reference_forward)."""
+    w = mixgemm.dequantize_reference(mixgemm.PackedWeight(qdata, scales, zeros, WeightType(weight_type), group_size,
+                                                          n, k)).float()
+    y = torch.nn.functional.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    return swiglu(y) if activation == "swiglu" else y
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_an_eager_decode_step_in_one_call_gives_the_part_by_part_tokens(reference_gemm, monkeypatch, family):
+    """With the torch operator library holding the kernels (imitated: on the CPU the operator
+    runs its Python kernel), each eager decode step of a fused layer is one decode_layer call:
+    batch 1 and 3 give the tokens and scores of the same model run part by part (one_call off),
+    bit for bit (Qwen2's qkv bias included); a left-padded batch, whose positions are not its
+    slots, is not taken."""
+    model, _ = quantized(family, fuse_layers=True)
+    layers = list(model.model.layers)
+    monkeypatch.setattr(plans.OPERATORS, "holds_rope", lambda x: True)
+    monkeypatch.setattr(layer_ops, "_gemm", _reference_op_gemm)
+    calls = []
+    real = blocks._DECODE_LAYER
+    monkeypatch.setattr(blocks, "_DECODE_LAYER", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    kw = dict(max_new_tokens=5, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+
+    def run(ids, one_call, **extra):
+        for layer in layers:
+            layer.one_call = one_call
+        with torch.no_grad():
+            return model.generate(ids, **kw, **extra)
+
+    for batch in (1, 3):
+        ids = _ids(batch)
+        calls.clear()
+        got = run(ids, True)
+        assert calls == [batch] * (len(layers) * 4), "every layer of the four decode steps"
+        calls.clear()
+        want = run(ids, False)
+        assert not calls
+        assert torch.equal(got.sequences, want.sequences)
+        for a, b in zip(got.scores, want.scores):
+            assert torch.equal(a, b)
+    ids = _ids(2)
+    mask = torch.ones_like(ids)
+    mask[-1, :3] = 0
+    run(ids, True, attention_mask=mask)
+    assert not calls
+
+
+def test_an_auto_layer_decodes_in_one_call_where_it_keeps_exact_activations(reference_gemm, monkeypatch):
+    """act_format="auto" layers take the one-call step at the token counts where auto keeps
+    exact activations (here: one token), and part by part where a layer would take e4m3 ones."""
+    model, _ = quantized("llama", fuse_layers=True, act_format="auto")
+    monkeypatch.setattr(plans.OPERATORS, "holds_rope", lambda x: True)
+    monkeypatch.setattr(layer_ops, "_gemm", _reference_op_gemm)
+    monkeypatch.setattr("mixgemm.nn.linear.layer_prefers_fp8", lambda m, *a: m >= 2)
+    calls = []
+    real = blocks._DECODE_LAYER
+    monkeypatch.setattr(blocks, "_DECODE_LAYER", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    layers = len(model.model.layers)
+    with torch.no_grad():
+        model.generate(_ids(1), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert calls == [1] * (2 * layers)
+        calls.clear()
+        model.generate(_ids(3), max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert not calls
+
+
 def test_the_lengths_a_decode_step_attends_by(monkeypatch):
     """The variable-length arguments of the FlashAttention decode step (run on the GPU:
     tests/ops/test_gpu_compile.py): the keys used are the position + 1, the offsets those of one
@@ -176,7 +247,7 @@ def _flash_on_the_cpu(monkeypatch) -> list:
         k, v = keys[:, :, :n].repeat_interleave(g, 1), values[:, :, :n].repeat_interleave(g, 1)
         return F.scaled_dot_product_attention(q, k, v, scale=attn.scaling).transpose(1, 2)
 
-    monkeypatch.setattr(blocks, "_flash_runs", lambda attn, q, keys: q.shape[0] == 1)
+    monkeypatch.setattr(blocks, "_flash_runs", lambda attn, batch, dtype, on_cuda, keys: batch == 1)
     monkeypatch.setattr(blocks, "_flash_decode_attention", attend)
     return calls
 
@@ -363,7 +434,7 @@ def test_decode_attention_equals_repeated_kv_heads(kv_heads, mask_kind, batch):
     mask = keep if mask_kind == "bool" else torch.zeros(batch, 1, 1, slots, dtype=torch.float64).masked_fill(
         ~keep, torch.finfo(torch.float64).min)
     attn.attention_dropout = 0.0
-    assert blocks._packs_decode(attn.eval(), q, keys, mask, {})
+    assert blocks._packs_decode(attn.eval(), q.shape, keys, mask, {})
     got = blocks._decode_attention(attn, q, keys, values, mask)
     want, _ = sdpa_attention_forward(attn, q, keys, values, mask, scaling=attn.scaling)
     assert got.shape == want.shape == (batch, 1, heads, d)
@@ -399,13 +470,13 @@ def test_packed_attention_refuses_what_it_does_not_compute():
     attn.heads, attn.kv_heads, attn.attention_dropout = 4, 2, 0.0
     q, keys = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 16, 8)
     mask = torch.ones(1, 1, 1, 16, dtype=torch.bool)
-    assert blocks._packs_decode(attn, q, keys, mask, {})
-    assert not blocks._packs_decode(attn, torch.zeros(1, 4, 3, 8), keys, torch.ones(1, 1, 3, 16, dtype=torch.bool), {})
-    assert not blocks._packs_decode(attn, q, keys, None, {})
-    assert not blocks._packs_decode(attn, q, keys, torch.ones(1, 1, 1, 12, dtype=torch.bool), {})
-    assert not blocks._packs_decode(attn, q, keys, torch.ones(1, 4, 1, 16, dtype=torch.bool), {})
-    assert not blocks._packs_decode(attn, q, keys, mask, {"output_attentions": True})
-    assert not blocks._packs_decode(attn, q, keys, mask, {"softcap": 30.0})
+    assert blocks._packs_decode(attn, q.shape, keys, mask, {})
+    assert not blocks._packs_decode(attn, (1, 4, 3, 8), keys, torch.ones(1, 1, 3, 16, dtype=torch.bool), {})
+    assert not blocks._packs_decode(attn, q.shape, keys, None, {})
+    assert not blocks._packs_decode(attn, q.shape, keys, torch.ones(1, 1, 1, 12, dtype=torch.bool), {})
+    assert not blocks._packs_decode(attn, q.shape, keys, torch.ones(1, 4, 1, 16, dtype=torch.bool), {})
+    assert not blocks._packs_decode(attn, q.shape, keys, mask, {"output_attentions": True})
+    assert not blocks._packs_decode(attn, q.shape, keys, mask, {"softcap": 30.0})
 
 
 def test_quantize_model_with_fp8_activations():

@@ -223,6 +223,8 @@ def test_one_sequence_decodes_through_flash_attention_over_the_filled_slots(requ
     torch._dynamo.reset()
     model = _llama(dev)
     mixgemm.nn.quantize_model(model, bits=4, group_size=128, progress=False, fuse_layers=True)
+    for layer in model.model.layers:
+        layer.one_call = False     # (part by part: the attention's Python entry is counted)
     ids = torch.randint(0, 4096, (1, 37), device=dev, generator=torch.Generator(device=dev).manual_seed(7))
     kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, cache_implementation="static",
               output_scores=True, return_dict_in_generate=True)
@@ -254,6 +256,56 @@ def test_one_sequence_decodes_through_flash_attention_over_the_filled_slots(requ
         torch._dynamo.reset()
         again = model.generate(ids, **kw)                    # the model's own config: CUDA-graph trees
         assert_same_greedy(again, flash, ids.shape[1])
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_an_eager_decode_step_is_one_call_with_the_part_by_part_results(requires_gpu, batch):
+    """fuse_layers=True, eagerly: once the prompt has loaded the torch operator library, every
+    decode step of every layer is one call that the C++ kernel of mixgemm::decode_layer takes
+    (FlashAttention for one sequence, the masked SDPA for two), with the tokens and scores of the
+    same model run part by part (one_call off), bit for bit; and a step captured in a CUDA graph
+    replays the eager step's logits."""
+    from mixgemm.bench.generate_run import logits_of, record_decode_step
+    from mixgemm.bench.run_support import cuda_capture
+    from mixgemm.dispatch import plans
+
+    dev = requires_gpu
+    model = _llama(dev)
+    mixgemm.nn.quantize_model(model, bits=4, group_size=128, progress=False, fuse_layers=True)
+    layers = list(model.model.layers)
+    ids = torch.randint(0, 4096, (batch, 37), device=dev, generator=torch.Generator(device=dev).manual_seed(9))
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, output_scores=True,
+              return_dict_in_generate=True, disable_compile=True)
+
+    def run(one_call):
+        for layer in layers:
+            layer.one_call = one_call
+        return model.generate(ids, **kw)
+
+    with torch.no_grad():
+        run(True)                                  # the prompt loads the library; the plans are made
+        lib = plans.OPERATORS.lib
+        assert lib is not None
+        before = lib.layer_calls()
+        one = run(True)
+        assert lib.layer_calls() - before == len(layers) * 23, "every layer of the 23 decode steps"
+        parts = run(False)
+        assert lib.layer_calls() - before == len(layers) * 23
+        assert torch.equal(one.sequences, parts.sequences)
+        for a, b in zip(one.scores, parts.scores):
+            assert torch.equal(a, b)
+        # one decode step as generate() called it, eagerly and captured in a CUDA graph
+        for layer in layers:
+            layer.one_call = True
+        step = record_decode_step(model, ids, 8, 0)
+        calls = lib.layer_calls()
+        eager = logits_of(step.call(model)()).clone()
+        assert lib.layer_calls() - calls == len(layers)
+        graph, out = cuda_capture(step.call(model))
+        assert lib.layer_calls() - calls == 3 * len(layers), "the warm-up and the capture"
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(logits_of(out), eager)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])

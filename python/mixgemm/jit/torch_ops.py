@@ -1,6 +1,6 @@
 """The torch operator library: the CUDA kernels of ``mixgemm::gemm``, ``mixgemm::rms_norm``,
-``mixgemm::add_rms_norm``, ``mixgemm::rotary_kv_cache`` and ``mixgemm::fused_moe`` in C++
-(``csrc/torch_ops.cpp``).
+``mixgemm::add_rms_norm``, ``mixgemm::rotary_kv_cache``, ``mixgemm::fused_moe`` and
+``mixgemm::decode_layer`` in C++ (``csrc/torch_ops.cpp``).
 
 torch.compile's default mode calls ``torch.ops.mixgemm.gemm`` through the dispatcher on every
 step; with a Python kernel that is a round trip back into Python per GEMM, more host time than
@@ -13,7 +13,8 @@ RMSNorm operators likewise launch the norm kernels Python loaded, and hand the r
 KV-cache kernel Python loaded, and hands the rest to ``mixgemm::rotary_kv_cache_py``;
 ``mixgemm::fused_moe`` launches the MoE plans that :mod:`mixgemm.moe.layer` hands over for its
 routed decode plan (two routed grouped decode launches and the combine kernel), and hands the
-rest to ``mixgemm::fused_moe_py``.
+rest to ``mixgemm::fused_moe_py``; ``mixgemm::decode_layer`` calls those kernels for a decoder
+layer's step in order (:mod:`mixgemm.ops.layer`).
 
 It is built once per machine and torch version, like the launcher, with nvcc against the
 installed torch's headers and libraries (``<cache>/host/torch_ops-<key>/``), and loaded with
@@ -39,7 +40,7 @@ from .launcher import LAUNCHER_VERSION, LaunchPlanStruct
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "torch_ops.cpp"
 #: csrc/torch_ops.cpp's MIXGEMM_TORCH_OPS_VERSION: the structures below mirror that version's
-TORCH_OPS_VERSION = 4
+TORCH_OPS_VERSION = 5
 TORCH_OPS_ENV = "MIXGEMM_TORCH_OPS"
 NAME = "torch_ops"
 
@@ -199,7 +200,7 @@ class TorchOps:
                      "mixgemm_ops_moe_plan_size"):
             getattr(lib, name).restype = ctypes.c_uint32
         for name in ("mixgemm_ops_plan_count", "mixgemm_ops_hits", "mixgemm_ops_fallbacks",
-                     "mixgemm_ops_moe_plan_count"):
+                     "mixgemm_ops_moe_plan_count", "mixgemm_ops_layers"):
             getattr(lib, name).restype = ctypes.c_uint64
         got = (lib.mixgemm_ops_version(), lib.mixgemm_ops_launcher_version(), lib.mixgemm_ops_plan_size(),
                lib.mixgemm_ops_key_size(), lib.mixgemm_ops_moe_key_size(), lib.mixgemm_ops_moe_plan_size())
@@ -304,6 +305,10 @@ class TorchOps:
     def counters(self) -> tuple[int, int]:
         """(calls launched by the C++ kernel, calls it handed to the Python kernel), process-wide."""
         return int(self.lib.mixgemm_ops_hits()), int(self.lib.mixgemm_ops_fallbacks())
+
+    def layer_calls(self) -> int:
+        """``mixgemm::decode_layer`` calls its C++ kernel took, process-wide."""
+        return int(self.lib.mixgemm_ops_layers())
 
 
 def _names(names: Sequence[str]) -> bytes:

@@ -34,7 +34,9 @@ from torch import nn
 
 from .linear import act_format_problem, QuantizeSummary, QuantLinear, apply_act_format, unsupported_reason
 from ..dtypes import WeightType
+from ..dispatch import plans
 from ..dispatch.uses import KernelUse
+from ..ops.layer import LINEARS, flash_decode_attention, grouped_decode_attention
 from ..ops.norm import LLAMA_STYLE_NORMS, RMSNorm, norm_spec, rms_norm
 from ..ops.rotary import rope_spec, rotary_kv_cache
 from .guards import decode_compile_config
@@ -272,8 +274,8 @@ class FusedQKVAttention(nn.Module):
                         _initialize(self, layer, k, v)
                 k, v = cache.update(k, v, self.layer_idx)
         impl = self.config._attn_implementation
-        if impl == "sdpa" and _packs_decode(self, q, k, attention_mask, kwargs):
-            if fast is not None and _flash_decodes(self, q, k, cache):
+        if impl == "sdpa" and _packs_decode(self, q.shape, k, attention_mask, kwargs):
+            if fast is not None and _flash_decodes(self, q.shape[0], q.dtype, q.is_cuda, k, cache):
                 out, weights = _flash_decode_attention(self, q, k, v, cache, kwargs["position_ids"]), None
             else:
                 out, weights = _decode_attention(self, q, k, v, attention_mask), None
@@ -406,15 +408,15 @@ def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_i
     return q.transpose(1, 2), keys, values
 
 
-def _packs_decode(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, mask, kwargs: dict) -> bool:
-    """Whether :func:`_decode_attention` computes this call: one query token per sequence (``q``
-    is ``[B, heads, 1, D]``), a boolean or additive mask of one query row over the cache
+def _packs_decode(attn: FusedQKVAttention, q_shape: tuple, keys: torch.Tensor, mask, kwargs: dict) -> bool:
+    """Whether :func:`_decode_attention` computes this call: one query token per sequence (q's
+    shape ``q_shape`` is ``[B, heads, 1, D]``), a boolean or additive mask of one query row over the cache
     (``[B or 1, 1, 1, L]`` over the cache's ``L`` slots, what transformers' sdpa mask functions
     give over a static cache), whole groups of query heads per KV head, no dropout, and nothing
     asked of the attention function that SDPA itself would have to do (attention weights, a soft
     cap, sinks)."""
-    return (q.shape[2] == 1 and keys.shape[0] == q.shape[0] and isinstance(mask, torch.Tensor)
-            and mask.dim() == 4 and mask.shape[0] in (1, q.shape[0]) and mask.shape[1] == 1
+    return (q_shape[2] == 1 and keys.shape[0] == q_shape[0] and isinstance(mask, torch.Tensor)
+            and mask.dim() == 4 and mask.shape[0] in (1, q_shape[0]) and mask.shape[1] == 1
             and mask.shape[2] == 1 and mask.shape[3] == keys.shape[2]
             and attn.heads % attn.kv_heads == 0
             and not (attn.training and attn.attention_dropout)
@@ -434,18 +436,22 @@ def _flash_has_seqused_k() -> bool:
 _HAS_FLASH = _flash_has_seqused_k()
 
 
-def _flash_decodes(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, cache) -> bool:
-    """Whether an eager one-token decode step (``q`` ``[1, heads, 1, D]``, the one-launch rotary
-    path having written the token at its position) attends through :func:`_flash_decode_attention`:
+def _flash_decodes(attn: FusedQKVAttention, batch: int, dtype: torch.dtype, on_cuda: bool, keys: torch.Tensor,
+                   cache) -> bool:
+    """Whether an eager one-token decode step (q ``[batch, heads, 1, D]`` of ``dtype``, the
+    one-launch rotary path having written the token at its position) attends through
+    :func:`_flash_decode_attention`:
     FlashAttention-2 takes the call (a CUDA tensor of bf16 / fp16, a head size it has, keys
     contiguous in D) and the step may attend by its length (:func:`_attends_by_length`). A
     compiled step keeps the masked SDPA, which measured faster there (docs/compile-and-graphs.md)."""
-    return not torch.compiler.is_compiling() and _flash_runs(attn, q, keys) and _attends_by_length(attn, keys, cache)
+    return (not torch.compiler.is_compiling() and _flash_runs(attn, batch, dtype, on_cuda, keys)
+            and _attends_by_length(attn, keys, cache))
 
 
-def _flash_runs(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether FlashAttention-2 takes a decode step of ``q [1, heads, 1, D]`` over ``keys``."""
-    return (_HAS_FLASH and q.is_cuda and q.shape[0] == 1 and q.dtype in (torch.bfloat16, torch.float16)
+def _flash_runs(attn: FusedQKVAttention, batch: int, dtype: torch.dtype, on_cuda: bool, keys: torch.Tensor) -> bool:
+    """Whether FlashAttention-2 takes a decode step of q ``[batch, heads, 1, D]`` of ``dtype``
+    (on a CUDA device: ``on_cuda``) over ``keys``: one sequence."""
+    return (_HAS_FLASH and on_cuda and batch == 1 and dtype in (torch.bfloat16, torch.float16)
             and attn.head_dim % 8 == 0 and attn.head_dim <= 256 and keys.stride(-1) == 1)
 
 
@@ -486,36 +492,90 @@ def _decode_lengths(cache, position_ids: torch.Tensor, slots: int, layer_idx: in
 def _flash_decode_attention(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                             cache, position_ids: torch.Tensor) -> torch.Tensor:
     """One decode token of one sequence attending over the filled slots of a static cache, in one
-    FlashAttention-2 launch (its variable-length form with ``seqused_k``: the length is read on the
-    GPU, so the step needs no synchronization and replays in a CUDA graph). ``q [1, heads, 1, D]``
-    against ``keys / values [1, kv_heads, L, D]``, read in place as ``[L, kv_heads, D]``; the query
-    heads of a KV head share it (FlashAttention's grouped heads). Returns ``[1, 1, heads, D]``, the
-    layout transformers' attention functions return. Where :func:`_flash_decodes` holds, the
-    same result as :func:`_decode_attention` with the prefix mask, without reading the empty
-    slots (on an H200 at 192 slots 9.5 against 14.2 us, at 4096 slots 18 against 88:
+    FlashAttention-2 launch (:func:`mixgemm.ops.layer.flash_decode_attention`: the length is read
+    on the GPU, so the step needs no synchronization and replays in a CUDA graph). ``q [1, heads,
+    1, D]`` against ``keys / values [1, kv_heads, L, D]``; returns ``[1, 1, heads, D]``, the
+    layout transformers' attention functions return. Where :func:`_flash_decodes` holds, the same
+    result as :func:`_decode_attention` with the prefix mask, without reading the empty slots (on
+    an H200 at 192 slots 9.5 against 14.2 us, at 4096 slots 18 against 88:
     docs/compile-and-graphs.md)."""
-    heads, d = attn.heads, attn.head_dim
     lengths, q_offsets, k_offsets = _decode_lengths(cache, position_ids, keys.shape[2], attn.layer_idx)
-    out = torch.ops.aten._flash_attention_forward(
-        q.reshape(1, heads, d), keys[0].transpose(0, 1), values[0].transpose(0, 1), q_offsets, k_offsets, 1,
-        keys.shape[2], 0.0, False, False, scale=attn.scaling, seqused_k=lengths)[0]
-    return out.view(1, 1, heads, d)
+    return flash_decode_attention(q, keys, values, lengths, q_offsets, k_offsets, attn.scaling)
 
 
 def _decode_attention(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       mask: torch.Tensor) -> torch.Tensor:
-    """One decode token per sequence attending over the cache, the ``heads / kv_heads`` query
-    heads that share a KV head taken as that head's query rows: ``q [B, heads, 1, D]`` becomes
-    ``[B, kv_heads, group, D]`` against ``keys / values [B, kv_heads, L, D]``, with the mask
-    ``[B or 1, 1, 1, L]`` broadcast over both. The same scores and softmax as repeating each KV
-    head ``group`` times (transformers' ``repeat_kv``, which it does whenever a mask is given and
-    always under torch.compile), without that copy of the cache, in one SDPA call. Returns
-    ``[B, 1, heads, D]``, the layout transformers' attention functions return."""
-    b, d = q.shape[0], q.shape[-1]
-    packed = q.reshape(b, attn.kv_heads, attn.heads // attn.kv_heads, d)
-    out = torch.nn.functional.scaled_dot_product_attention(packed, keys, values, attn_mask=mask,
-                                                           scale=attn.scaling)
-    return out.reshape(b, attn.heads, 1, d).transpose(1, 2)
+    """One decode token per sequence attending over the cache in one SDPA call, the ``heads /
+    kv_heads`` query heads that share a KV head taken as that head's query rows
+    (:func:`mixgemm.ops.layer.grouped_decode_attention`): the same scores and softmax as
+    repeating each KV head (transformers' ``repeat_kv``, which it does whenever a mask is given
+    and always under torch.compile), without that copy of the cache. ``q [B, heads, 1, D]``;
+    returns ``[B, 1, heads, D]``, the layout transformers' attention functions return."""
+    return grouped_decode_attention(q, keys, values, mask, attn.kv_heads, attn.scaling)
+
+
+def _one_call(layer: "FusedDecoderLayer", x: torch.Tensor, mask, position_ids, cache, kwargs: dict) -> Optional[tuple]:
+    """The arguments of :func:`mixgemm.ops.layer.decode_layer` for an eager decode step of
+    ``layer``, or None where the step must run part by part. It is the same step: one token per
+    sequence on the one-launch rotary path (:func:`_fused_rope_kv`), attending as
+    :meth:`FusedQKVAttention.forward` would (:func:`_flash_decode_attention` or
+    :func:`_decode_attention`), through plain :class:`QuantLinear` layers with exact activations
+    (``act_format`` ``"bf16"``, or ``"auto"`` where it keeps them at this token count), on a CUDA device whose torch operator library holds the kernels (after the first eager
+    forward: the prompt's), and with nothing that records gradients."""
+    if (type(x) is not torch.Tensor or x.dim() != 3 or x.shape[1] != 1 or not plans.OPERATORS.holds_rope(x)
+            or cache is None or not isinstance(position_ids, torch.Tensor) or position_ids.dtype != torch.int64
+            or torch._C._len_torch_dispatch_stack()):
+        return None
+    modules = layer._modules
+    attn, mlp = modules["self_attn"], modules["mlp"]
+    norm1, norm2 = modules["input_layernorm"], modules["post_attention_layernorm"]
+    w1, w2 = norm1._parameters["weight"], norm2._parameters["weight"]
+    if w1.dtype != x.dtype or w2.dtype != x.dtype:
+        return None
+    amods = attn._modules
+    rope = amods.get("rope")
+    if rope is None or attn.q_norm is not None or attn.config._attn_implementation != "sdpa":
+        return None
+    linears = (amods["qkv_proj"], amods["o_proj"], mlp._modules["gate_up"], mlp._modules["down_proj"])
+    weights, shapes, types = [], [], []
+    grads = torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad)
+    b = x.shape[0]
+    for m, (_, activation) in zip(linears, LINEARS):
+        if type(m) is not QuantLinear or m.activation != activation or m.act_format not in ("bf16", "auto") \
+                or m.auto_fp8(b, x.device):   # ("auto": exact activations at this token count)
+            return None
+        buffers, params = m._buffers, m._parameters
+        if buffers.get("perm") is not None or buffers.get("zero_offsets") is not None:
+            return None
+        bias = params["bias"] if "bias" in params else m.bias
+        grads = grads or (torch.is_grad_enabled() and bias is not None and bias.requires_grad)
+        weights += (buffers["qdata"], buffers["scales"], buffers["zeros"], bias)
+        shapes += (m.group_size, m.weight_rows, m.in_features)
+        types.append(m.weight_type.value)
+    if grads:
+        return None
+    static = _static_layer(cache, attn.layer_idx)
+    if static is None or not static.is_initialized or tuple(position_ids.shape) != (b, 1):
+        return None
+    keys, values = static.keys, static.values
+    cos, sin = rope._buffers["cos"], rope._buffers["sin"]
+    if (keys.shape[2] > cos.shape[0]
+            or not _packs_decode(attn, (b, attn.heads, 1, attn.head_dim), keys, mask, kwargs)
+            or not _positions_are_slots(cache, static, attn.layer_idx, position_ids, 1, mask)):
+        return None
+    counter = getattr(static, "cumulative_length", None)
+    counter = counter if isinstance(counter, torch.Tensor) else None
+    lengths = q_offsets = k_offsets = None
+    if attn.flash_decode and _flash_decodes(attn, b, x.dtype, x.is_cuda, keys, cache):
+        lengths, q_offsets, k_offsets = _decode_lengths(cache, position_ids, keys.shape[2], attn.layer_idx)
+        mask = None
+    return (x, [w1, w2], [norm1.variance_epsilon, norm2.variance_epsilon], weights, ",".join(types), shapes, cos, sin,
+            keys, values, position_ids, counter, attn.heads, attn.kv_heads, attn.scaling, mask, lengths, q_offsets,
+            k_offsets)
+
+
+#: the eager decode step's operator (its overload: the call skips the packet's overload resolution)
+_DECODE_LAYER = torch.ops.mixgemm.decode_layer.default
 
 
 class FusedDecoderLayer(nn.Module):
@@ -538,10 +598,16 @@ class FusedDecoderLayer(nn.Module):
         self.input_layernorm = _mixgemm_norm(layer.input_layernorm)
         self.post_attention_layernorm = _mixgemm_norm(layer.post_attention_layernorm)
         self.original_class = type(layer).__name__
+        #: an eager decode step runs as one operator call (:func:`_one_call`); False: part by part
+        self.one_call = True
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
         cache = _cache_of(kwargs, past_key_values)
+        if self.one_call and not torch.compiler.is_compiling():
+            call = _one_call(self, hidden_states, attention_mask, position_ids, cache, kwargs)
+            if call is not None:
+                return _DECODE_LAYER(*call)
         modules = self._modules   # (read without nn.Module.__getattr__: the eager hot path)
         h = modules["input_layernorm"](hidden_states)
         a, _ = modules["self_attn"](h, position_embeddings=position_embeddings, attention_mask=attention_mask,

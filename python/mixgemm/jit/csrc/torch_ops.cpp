@@ -23,10 +23,16 @@
 // C++ kernels launch it on plain calls, calling mixgemm::rms_norm_py / add_rms_norm_py /
 // rotary_kv_cache_py for the rest.
 //
+// mixgemm::decode_layer is one decoder layer's decode step (python/mixgemm/ops/layer.py): the
+// kernels above in the order Python's fused layer calls them, and torch's attention, in one call
+// from Python instead of about twenty. Each part falls back as its own operator does.
+//
 // Python talks to this library through the extern "C" functions below (ctypes).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
@@ -50,7 +56,7 @@
 
 // Bump on any change of the C functions or structures below (python/mixgemm/jit/torch_ops.py
 // checks it).
-#define MIXGEMM_TORCH_OPS_VERSION 4
+#define MIXGEMM_TORCH_OPS_VERSION 5
 
 extern "C" {
 
@@ -162,6 +168,7 @@ struct State {
   LaunchKernelEx launch_kernel_ex = nullptr;
   std::atomic<uint64_t> hits{0};
   std::atomic<uint64_t> fallbacks{0};
+  std::atomic<uint64_t> layers{0};   // mixgemm::decode_layer calls
 };
 
 State& state() {
@@ -514,6 +521,95 @@ at::Tensor rotary_kv_cache_cuda(at::Tensor const& qkv, at::Tensor const& cos, at
   return op.call(qkv, cos, sin, k_cache, v_cache, positions, pos0, heads, kv_heads);
 }
 
+
+// aten::_flash_attention_forward through its schema, by argument name (its C++ signature differs
+// between torch versions; the arguments used here are in every version that has seqused_k).
+at::Tensor flash_by_length(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& q_offsets,
+                           at::Tensor const& k_offsets, int64_t slots, double scale, at::Tensor const& lengths) {
+  static c10::OperatorHandle const op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("aten::_flash_attention_forward", "");
+  std::vector<c10::IValue> stack;
+  auto const& arguments = op.schema().arguments();
+  stack.reserve(arguments.size());
+  for (auto const& a : arguments) {
+    std::string const& name = a.name();
+    if (name == "query") stack.emplace_back(q);
+    else if (name == "key") stack.emplace_back(k);
+    else if (name == "value") stack.emplace_back(v);
+    else if (name == "cum_seq_q") stack.emplace_back(q_offsets);
+    else if (name == "cum_seq_k") stack.emplace_back(k_offsets);
+    else if (name == "max_q") stack.emplace_back(int64_t(1));
+    else if (name == "max_k") stack.emplace_back(slots);
+    else if (name == "dropout_p") stack.emplace_back(0.0);
+    else if (name == "is_causal" || name == "return_debug_mask") stack.emplace_back(false);
+    else if (name == "scale") stack.emplace_back(scale);
+    else if (name == "seqused_k") stack.emplace_back(lengths);
+    else if (a.default_value().has_value()) stack.push_back(*a.default_value());
+    else TORCH_CHECK(false, "mixgemm::decode_layer: aten::_flash_attention_forward has an argument '", name,
+                     "' without a default");
+  }
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// The CUDA kernel of mixgemm::decode_layer (python/mixgemm/ops/layer.py has the definition, which
+// the Python kernel runs): rms_norm, the qkv GEMM, rotary_kv_cache, the counter, the attention
+// (FlashAttention over `lengths` slots, or SDPA with the query heads of a KV head as its rows and
+// `mask`), the o GEMM, add + rms_norm, gate/up with swiglu, down, the residual add. The GEMMs,
+// norms and rotary call this library's kernels, each handing what it cannot take to its Python
+// kernel; the rest are torch's own operators.
+at::Tensor decode_layer_cuda(at::Tensor const& x, at::TensorList norms, c10::ArrayRef<double> eps,
+                             c10::List<std::optional<at::Tensor>> const& weights, c10::string_view weight_types,
+                             c10::IntArrayRef shapes, at::Tensor const& cos, at::Tensor const& sin, at::Tensor& k_cache,
+                             at::Tensor& v_cache, at::Tensor const& positions,
+                             std::optional<at::Tensor> const& counter, int64_t heads, int64_t kv_heads,
+                             double scaling, std::optional<at::Tensor> const& mask,
+                             std::optional<at::Tensor> const& lengths, std::optional<at::Tensor> const& q_offsets,
+                             std::optional<at::Tensor> const& k_offsets) {
+  TORCH_CHECK(norms.size() == 2 && eps.size() == 2 && weights.size() == 16 && shapes.size() == 12 && x.dim() == 3,
+              "mixgemm::decode_layer: 2 norms and eps, 16 weight tensors and 12 sizes, x [B, T, H]");
+  // "u4,u4,u4,u4": the weight types of qkv, o, gate/up and down
+  c10::string_view types[4];
+  size_t start = 0;
+  for (int i = 0; i < 4; ++i) {
+    size_t const end = i < 3 ? weight_types.find(',', start) : weight_types.size();
+    TORCH_CHECK(end != c10::string_view::npos, "mixgemm::decode_layer: four weight types, got ", weight_types);
+    types[i] = weight_types.substr(start, end - start);
+    start = end + 1;
+  }
+  auto linear = [&](int i, at::Tensor const& in, c10::string_view activation) {
+    std::optional<at::Tensor> const zeros = weights.get(size_t(4 * i + 2));
+    std::optional<at::Tensor> const bias = weights.get(size_t(4 * i + 3));
+    return gemm_cuda(in, *weights.get(size_t(4 * i)), *weights.get(size_t(4 * i + 1)), zeros, std::nullopt, bias,
+                     types[i], shapes[3 * i], shapes[3 * i + 1], shapes[3 * i + 2], activation);
+  };
+  int64_t const b = x.size(0), t = x.size(1);
+  at::Tensor const h = rms_norm_cuda(x, norms[0], eps[0]);
+  at::Tensor const qkv = linear(0, h, "none");
+  at::Tensor q = rotary_kv_cache_cuda(qkv, cos, sin, k_cache, v_cache, positions, 0, heads, kv_heads);   // [B, T, heads, D]
+  if (counter.has_value()) {
+    at::Tensor c = *counter;
+    c.add_(t);
+  }
+  int64_t const d = q.size(3);
+  at::Tensor out;
+  if (lengths.has_value()) {
+    out = flash_by_length(q.reshape({b * t, heads, d}), k_cache.select(0, 0).transpose(0, 1),
+                          v_cache.select(0, 0).transpose(0, 1), *q_offsets, *k_offsets, k_cache.size(2), scaling,
+                          *lengths);
+  } else {
+    at::Tensor const packed = q.transpose(1, 2).reshape({b, kv_heads, heads / kv_heads, d});
+    out = at::scaled_dot_product_attention(packed, k_cache, v_cache, mask, 0.0, false, scaling)
+              .reshape({b, heads, 1, d})
+              .transpose(1, 2);
+  }
+  at::Tensor const a = linear(1, out.reshape({b, t, heads * d}).contiguous(), "none");
+  auto [h2, residual] = add_rms_norm_cuda(a, x, norms[1], eps[1]);
+  at::Tensor const y = linear(3, linear(2, h2, "swiglu"), "none");
+  state().layers.fetch_add(1, std::memory_order_relaxed);
+  return at::add(residual, y);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mixgemm, CUDA, m) {
@@ -521,6 +617,7 @@ TORCH_LIBRARY_IMPL(mixgemm, CUDA, m) {
   m.impl("rms_norm", TORCH_FN(rms_norm_cuda));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm_cuda));
   m.impl("rotary_kv_cache", TORCH_FN(rotary_kv_cache_cuda));
+  m.impl("decode_layer", TORCH_FN(decode_layer_cuda));
 }
 
 extern "C" {
@@ -638,6 +735,8 @@ uint64_t mixgemm_ops_plan_count() {
 // Calls launched here, and calls handed to the Python kernel, since the process started.
 uint64_t mixgemm_ops_hits() { return state().hits.load(); }
 uint64_t mixgemm_ops_fallbacks() { return state().fallbacks.load(); }
+// mixgemm::decode_layer calls taken here, since the process started.
+uint64_t mixgemm_ops_layers() { return state().layers.load(); }
 
 }  // extern "C"
 
