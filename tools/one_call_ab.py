@@ -11,27 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 import mixgemm
 from mixgemm.aot.prebuild import build_for
 from mixgemm.bench.decoder import PRESETS
 from mixgemm.bench.generate_run import build_preset_model
 from mixgemm.dispatch import plans
-
-
-class StepClock(LogitsProcessor):
-    """Records the host clock at each token's logits processing (once per generated token)."""
-
-    def __init__(self, stamps: list):
-        self.stamps = stamps
-
-    def __call__(self, input_ids, scores):
-        self.stamps.append(time.perf_counter())
-        return scores
+from profile_generate import StepClock   # (tools/, the folder of this script)
 
 
 def main(argv=None) -> int:
