@@ -110,9 +110,23 @@ def decode_layer(x: torch.Tensor, norms: Sequence[torch.Tensor], eps: Sequence[f
     torch.Tensor
         ``[B, T, H]``, x's dtype: the layer's output hidden states.
     """
+    _check(norms, eps, weights, weight_types, shapes, mask, lengths, q_offsets, k_offsets)
     return torch.ops.mixgemm.decode_layer(x, list(norms), list(eps), list(weights), weight_types, list(shapes), cos,
                                           sin, k_cache, v_cache, positions, counter, heads, kv_heads, scaling, mask,
                                           lengths, q_offsets, k_offsets)
+
+
+def _check(norms, eps, weights, weight_types: str, shapes, mask, lengths, q_offsets, k_offsets) -> None:
+    """The arguments' counts and the attention's inputs, or a ValueError (before anything runs)."""
+    types = weight_types.split(",") if isinstance(weight_types, str) else ()
+    if len(norms) != 2 or len(eps) != 2 or len(weights) != 16 or len(shapes) != 12 or len(types) != 4:
+        raise ValueError("decode_layer takes 2 norms and eps, 16 weight tensors, 12 sizes and 4 weight types, got "
+                         f"{len(norms)}, {len(eps)}, {len(weights)}, {len(shapes)} and {len(types)}")
+    flash = (lengths is not None, q_offsets is not None, k_offsets is not None)
+    if any(flash) and not all(flash):
+        raise ValueError("decode_layer's FlashAttention takes lengths, q_offsets and k_offsets together")
+    if mask is None and not all(flash):
+        raise ValueError("decode_layer needs a mask (SDPA) or lengths, q_offsets and k_offsets (FlashAttention)")
 
 
 @custom_op("mixgemm::decode_layer", mutates_args=("k_cache", "v_cache", "counter"))
@@ -123,12 +137,8 @@ def _decode_layer_op(x: torch.Tensor, norms: list[torch.Tensor], eps: list[float
                      mask: Optional[torch.Tensor], lengths: Optional[torch.Tensor],
                      q_offsets: Optional[torch.Tensor], k_offsets: Optional[torch.Tensor]) -> torch.Tensor:
     """The definition (the Python kernel): the operators one by one."""
+    _check(norms, eps, weights, weight_types, shapes, mask, lengths, q_offsets, k_offsets)
     types = weight_types.split(",")
-    if len(norms) != 2 or len(eps) != 2 or len(weights) != 16 or len(shapes) != 12 or len(types) != 4:
-        raise ValueError("decode_layer takes 2 norms and eps, 16 weight tensors, 12 sizes and 4 weight types, got "
-                         f"{len(norms)}, {len(eps)}, {len(weights)}, {len(shapes)} and {len(types)}")
-    if lengths is None and mask is None:
-        raise ValueError("decode_layer needs a mask (SDPA) or lengths (FlashAttention)")
 
     def linear(i: int, inp: torch.Tensor) -> torch.Tensor:
         qdata, scales, zeros, bias = weights[4 * i:4 * i + 4]
