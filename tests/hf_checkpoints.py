@@ -209,8 +209,11 @@ def write_gptq(model_dir: Path, bits: int = 4, group_size: int = 64, symmetric: 
 
 def write_compressed_tensors(model_dir: Path, bits: int = 4, group_size: int = 64, symmetric: bool = True,
                              act_order: bool = False, tensor_strategy_o_proj: bool = False,
-                             tie: bool = False, fp8_activations: Optional[str] = None) -> Reference:
-    """compressed-tensors pack-quantized, bf16 scales, strategy "group" (group_size=-1:
+                             tie: bool = False, fp8_activations: Optional[str] = None,
+                             layout: str = "pack-quantized") -> Reference:
+    """compressed-tensors pack-quantized (``layout="int-quantized"``: the codes as an int8
+    ``weight [N, K]`` and the zero points as int8 ``[N, G]``, no ``weight_shape``, as its
+    NaiveQuantizationCompressor writes them), bf16 scales, strategy "group" (group_size=-1:
     "channel"), optional actorder "group" (weight_g_idx); with ``tensor_strategy_o_proj`` a second
     config group quantizes o_proj with one scale per tensor, which mixgemm cannot represent.
     ``fp8_activations``: the group also quantizes the input activations to fp8, ``"token"``
@@ -245,6 +248,10 @@ def write_compressed_tensors(model_dir: Path, bits: int = 4, group_size: int = 6
                 prefix["weight_g_idx"] = g_idx.clone()
             linears[name] = rp.ct_reference_dequant(prefix["weight_packed"], s, prefix["weight_shape"], bits,
                                                     prefix.get("weight_zero_point"), prefix.get("weight_g_idx"))
+            if layout == "int-quantized":
+                prefix = {"weight": (q_u - offset).to(torch.int8), "weight_scale": s,
+                          **({} if symmetric else {"weight_zero_point": (z_u - offset).to(torch.int8)}),
+                          **({"weight_g_idx": g_idx.clone()} if act_order else {})}
         if fp8_activations == "tensor":
             prefix["input_scale"] = (torch.rand(1, generator=g) * 0.1 + 0.01).to(torch.bfloat16)
         tensors.update({f"{name}.{key}": v for key, v in prefix.items()})
@@ -262,7 +269,7 @@ def write_compressed_tensors(model_dir: Path, bits: int = 4, group_size: int = 6
                                                                         "group_size": None, "symmetric": True,
                                                                         "actorder": None},
                               "input_activations": None}, **groups}
-    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    qc = {"quant_method": "compressed-tensors", "format": layout, "quantization_status": "compressed",
           "config_groups": groups, "ignore": ["lm_head"], "kv_cache_scheme": None}
     _write(model_dir, config, qc, tensors)
     return Reference(config, {k: tensors[k] for k in _plain_keys(config)}, linears, torch.bfloat16, frozenset(full))
@@ -318,6 +325,9 @@ WRITERS = {
     "ct-8bit-channel": lambda d: write_compressed_tensors(d, bits=8, group_size=-1),
     "ct-w4a8-token": lambda d: write_compressed_tensors(d, fp8_activations="token"),
     "ct-w2a8-static": lambda d: write_compressed_tensors(d, bits=2, symmetric=False, fp8_activations="tensor"),
+    "ct-w4a8-int-token": lambda d: write_compressed_tensors(d, fp8_activations="token", layout="int-quantized"),
+    "ct-w2a8-int-static": lambda d: write_compressed_tensors(d, bits=2, symmetric=False, fp8_activations="tensor",
+                                                             layout="int-quantized"),
     "mixgemm": lambda d: write_mixgemm(d),
     "mixgemm-from-gptq-act-order": lambda d: write_mixgemm(d, from_gptq_act_order=True),
 }

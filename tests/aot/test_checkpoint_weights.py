@@ -294,7 +294,8 @@ def _hf_loader():
 
 @pytest.mark.parametrize("kind", ["awq", "gptq-v1-sym", "gptq-v1-act-order", "gptq-v2-8bit-act-order",
                                   "gptq-v2-2bit-channel", "ct-sym", "ct-asym-act-order", "ct-8bit-channel",
-                                  "mixgemm", "mixgemm-from-gptq-act-order"])
+                                  "ct-w4a8-int-token", "ct-w2a8-int-static", "mixgemm",
+                                  "mixgemm-from-gptq-act-order"])
 def test_the_loaded_model_asks_for_the_kernels_of_its_headers(tmp_path, kind):
     """For each tiny checkpoint of tests/hf_checkpoints.py: the kernels of weight_uses(dir) are
     the kernels of the model mixgemm.hf.from_pretrained builds from it (fused gate/up included);

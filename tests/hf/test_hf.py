@@ -581,8 +581,10 @@ def test_quantization_config_schemes():
         "config_groups": {"a": {"targets": ["re:.*down_proj$"], "weights": {"num_bits": 8, "strategy": "channel"}},
                           "b": {"targets": ["Linear"], "weights": {"num_bits": 4, "strategy": "group",
                                                                    "group_size": 32}}}})
-    assert ct.scheme_for("model.layers.0.mlp.down_proj") == LayerScheme(bits=8, group_size=-1)
-    assert ct.scheme_for("model.layers.0.mlp.gate_proj") == LayerScheme(bits=4, group_size=32)
+    assert ct.scheme_for("model.layers.0.mlp.down_proj") == LayerScheme(bits=8, group_size=-1,
+                                                                         checkpoint_format="pack-quantized")
+    assert ct.scheme_for("model.layers.0.mlp.gate_proj") == LayerScheme(bits=4, group_size=32,
+                                                                         checkpoint_format="pack-quantized")
     assert not ct.scheme_for("lm_head").quantized
     assert not ct.scheme_for("model.embed_tokens", "Embedding").quantized
     with pytest.raises(CheckpointError, match="'float-quantized'.*not supported"):
@@ -648,11 +650,13 @@ def test_package_imports_without_transformers():
     assert out.stdout.strip() == "False", out.stderr
 
 
-@pytest.mark.parametrize("kind,scheme", [("ct-w4a8-token", "fp8-token"), ("ct-w2a8-static", "fp8-tensor")])
+@pytest.mark.parametrize("kind,scheme", [("ct-w4a8-token", "fp8-token"), ("ct-w2a8-static", "fp8-tensor"),
+                                         ("ct-w4a8-int-token", "fp8-token"), ("ct-w2a8-int-static", "fp8-tensor")])
 def test_w4a8_checkpoints_load_with_exact_activations_and_say_so(tmp_path, kind, scheme):
     """A compressed-tensors checkpoint whose layers also quantize their inputs to fp8 loads with
     the weights exact and the activations bf16 (static input scales read and kept on the layers,
-    unused), with a warning that names the scheme and how to apply it."""
+    unused), with a warning that names the scheme and how to apply it; in both layouts of its
+    codes (pack-quantized, and the int8 codes of int-quantized)."""
     ref = hc.WRITERS[kind](tmp_path / kind)
     with pytest.warns(UserWarning, match=f"to e4m3 \\({scheme}\\); from_pretrained computes with bf16/fp16 "
                                          f"activations"):
@@ -671,7 +675,8 @@ def _checkpoint_tensors(model_dir) -> dict:
     return out
 
 
-def test_static_input_scales_of_a_w4a8_checkpoint_reach_the_layers(tmp_path):
+@pytest.mark.parametrize("kind", ["ct-w2a8-static", "ct-w2a8-int-static"])
+def test_static_input_scales_of_a_w4a8_checkpoint_reach_the_layers(tmp_path, kind):
     """act_format="fp8" on a compressed-tensors checkpoint with static (per-tensor) input scales:
     every quantized layer quantizes with its checkpoint scale, a fused q/k/v or gate/up layer with
     the largest of its parts' (they read the same input); without act_format the scales are kept,
@@ -681,7 +686,7 @@ def test_static_input_scales_of_a_w4a8_checkpoint_reach_the_layers(tmp_path):
 
     import mixgemm
 
-    hc.WRITERS["ct-w2a8-static"](tmp_path / "m")
+    hc.WRITERS[kind](tmp_path / "m")
     with pytest.warns(UserWarning, match="act_format='fp8', which quantizes with the layers' static input scales"):
         model = load(tmp_path / "m", act_format="fp8")
     ckpt = _checkpoint_tensors(tmp_path / "m")

@@ -25,6 +25,8 @@ Two kinds of checkpoint are read:
                        ``qweight[0] * 32 / bits``       ``qzeros``); ``sym`` (default true)
   compressed-tensors   ``weight_packed[0]``,            the layer's ``num_bits``; symmetric
   (pack-quantized)     ``weight_packed[1] * 32 / bits`` iff there is no ``weight_zero_point``
+  compressed-tensors   ``weight[0]``, ``weight[1]``     the same
+  (int-quantized)      (the int8 codes)
   ===================  ===============================  ======================================
 
   Each row is its format's ``header_layer`` (in :mod:`mixgemm.formats.awq`,
@@ -363,7 +365,7 @@ def _hf_layers(files: list, qconfig, act: ActType) -> Dict[str, _Layer]:
     layers: Dict[str, _Layer] = {}
     for key in sorted(tensors):
         prefix, _, last = key.rpartition(".")
-        if last != method.primary:
+        if last != method.primary and not _int_codes(method, prefix, last, tensors, qconfig):
             continue
         scheme = qconfig.scheme_for(prefix)
         if not scheme.quantized:
@@ -381,6 +383,15 @@ def _hf_layers(files: list, qconfig, act: ActType) -> Dict[str, _Layer]:
         layer.bias = f"{prefix}.bias" in tensors
         _kept(layers, layer)
     return layers
+
+
+def _int_codes(method: Format, prefix: str, last: str, tensors: dict, qconfig) -> bool:
+    """Whether ``prefix.last`` is a compressed-tensors ``"int-quantized"`` layer's int8 codes: a
+    ``weight`` beside a ``weight_scale`` in a layer whose config group has that layout."""
+    if method is not Format.COMPRESSED_TENSORS or last != "weight" or f"{prefix}.weight_scale" not in tensors:
+        return False
+    scheme = qconfig.scheme_for(prefix)
+    return scheme.quantized and scheme.checkpoint_format == "int-quantized"
 
 
 def _perm_of(path: Path, key: str, k: int, group_size: Optional[int]) -> Optional[bytes]:

@@ -341,6 +341,11 @@ def _ct_rules(targets, scheme: LayerScheme) -> List[Rule]:
     return rules
 
 
+#: The layouts of integer weights that mixgemm reads (a config group's ``format``): codes packed
+#: into int32 words (``weight_packed``), or unpacked int8 codes (``weight``: what compressed-tensors
+#: writes for integer weights with quantized activations unless told otherwise)
+LAYOUTS = ("pack-quantized", "int-quantized")
+
 #: The first compressed-tensors version that packs 3/5/6/7-bit codes densely.
 _CT_DENSE_SINCE = (0, 18)
 
@@ -355,7 +360,8 @@ def packing_of_version(version) -> Optional[str]:
 
 
 def parse_config(qc: Mapping, raw: dict, where: str) -> QuantizationConfig:
-    """A ``"compressed-tensors"`` ``quantization_config`` (``format="pack-quantized"``): each
+    """A ``"compressed-tensors"`` ``quantization_config`` (``format`` one of :data:`LAYOUTS`, kept
+    as each layer's :attr:`LayerScheme.checkpoint_format`): each
     ``config_groups`` entry's ``targets``, ``weights`` and ``input_activations``
     (:func:`activation_scheme`, into :attr:`LayerScheme.activations`; a warning says that
     ``from_pretrained`` computes with bf16/fp16 activations unless given ``act_format="fp8"``), ``ignore``,
@@ -373,11 +379,10 @@ def parse_config(qc: Mapping, raw: dict, where: str) -> QuantizationConfig:
         if not weights:
             continue
         gfmt = group.get("format") or fmt
-        if gfmt != "pack-quantized":
-            also = (" (mixgemm.formats.import_layer reads an 'int-quantized' layer's int8 codes)"
-                    if gfmt == "int-quantized" else "")
+        if gfmt not in LAYOUTS:
             raise CheckpointError(f"{where}: compressed-tensors format {gfmt!r} (config group {gname!r}) is not "
-                                  f"supported: mixgemm reads integer weights in the 'pack-quantized' format{also}")
+                                  f"supported: mixgemm reads integer weights in the {' and '.join(map(repr, LAYOUTS))} "
+                                  f"formats")
         if str(weights.get("type", "int")) != "int":
             raise CheckpointError(f"{where}: compressed-tensors config group {gname!r} has {weights.get('type')!r} "
                                   f"weights; mixgemm reads integer ones")
@@ -399,7 +404,7 @@ def parse_config(qc: Mapping, raw: dict, where: str) -> QuantizationConfig:
         strategy = str(weights.get("strategy", "group"))
         group_size = {"group": config_int(weights, "group_size"), "channel": -1}.get(strategy)
         scheme = LayerScheme(bits=config_int(weights, "num_bits"), group_size=group_size, packing=packing,
-                             activations=activations)
+                             activations=activations, checkpoint_format=gfmt)
         rules.extend(_ct_rules(group.get("targets"), scheme))
     return QuantizationConfig(Format.COMPRESSED_TENSORS, raw, LayerScheme(quantized=False), tuple(rules))
 
@@ -499,9 +504,11 @@ def _ct_g_idx(g_idx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def header_layer(prefix: str, tensors: dict, qconfig: QuantizationConfig, scheme: LayerScheme) -> HeaderLayer:
-    """A pack-quantized layer from its tensors' shapes: ``weight_packed`` ``[N, K * bits / 32]``,
-    the layer's ``num_bits``; symmetric iff there is no ``weight_zero_point``."""
-    p = header_shape(tensors, f"{prefix}.weight_packed", 2)
+    """A layer from its tensors' shapes: pack-quantized ``weight_packed`` ``[N, K * bits / 32]``,
+    or int-quantized int8 codes ``weight`` ``[N, K]`` (:data:`LAYOUTS`); the layer's
+    ``num_bits``; symmetric iff there is no ``weight_zero_point``."""
+    codes = scheme.checkpoint_format == "int-quantized" and f"{prefix}.weight_packed" not in tensors
+    p = header_shape(tensors, f"{prefix}.weight" if codes else f"{prefix}.weight_packed", 2)
     s = header_shape(tensors, f"{prefix}.weight_scale", 2)
     bits = scheme.bits
     if bits is None:
@@ -509,6 +516,6 @@ def header_layer(prefix: str, tensors: dict, qconfig: QuantizationConfig, scheme
     if 32 % bits:
         raise SkipLayer(f"{bits}-bit codes")
     kernel_bits(bits)
-    n, k = p[0], p[1] * 32 // bits
+    n, k = (p[0], p[1]) if codes else (p[0], p[1] * 32 // bits)
     symmetric = f"{prefix}.weight_zero_point" not in tensors
     return HeaderLayer(n, k, WeightType.of(bits, symmetric), header_group(k, s[1]))

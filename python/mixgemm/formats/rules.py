@@ -29,7 +29,8 @@ class LayerScheme:
     bits, group_size : int or None
         From the config; ``None``: inferred from the tensors. ``group_size=-1``: per-channel.
     checkpoint_format : str or None
-        GPTQ only: ``"gptq"`` (v1) or ``"gptq_v2"``.
+        GPTQ: ``"gptq"`` (v1) or ``"gptq_v2"``; compressed-tensors: the config group's layout,
+        ``"pack-quantized"`` (``weight_packed``) or ``"int-quantized"`` (an int8 ``weight``).
     packing : str or None
         compressed-tensors only: how its writer packed 3, 5, 6 and 7-bit codes, from the
         config's ``version``: ``"padded"`` (``32 // bits`` codes per int32 word, up to 0.17) or
