@@ -604,7 +604,7 @@ class FusedDecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs) -> torch.Tensor:
         cache = _cache_of(kwargs, past_key_values)
-        if self.one_call and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and self.one_call:   # (compiled: no read, no guard)
             call = _one_call(self, hidden_states, attention_mask, position_ids, cache, kwargs)
             if call is not None:
                 return _DECODE_LAYER(*call)
