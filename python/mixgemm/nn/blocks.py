@@ -379,28 +379,42 @@ def _positions_are_slots(cache, layer, layer_idx: int, position_ids: torch.Tenso
     return agree
 
 
-def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_ids, mask=None) -> Optional[tuple]:
-    """(q, keys, values) from one rotary_kv_cache launch into the cache's static layer, or None
-    where torch's path must run. (A function, not a method, and the cache length read from the
-    keys' shape: under torch.compile every attribute read of a layer is a guard on each call.)"""
+def _rope_target(attn: FusedQKVAttention, like: torch.Tensor, cache, position_ids, mask=None) -> Optional[tuple]:
+    """``(static layer, cos, sin)`` where one rotary_kv_cache launch writes a call of ``like``'s
+    ``[B, T]`` tokens (its dtype and device) into the cache's static layer -- a rotary table, no
+    q/k norms, transformers' static layer (initialized here at its first write), positions that
+    are the slots, a cache no longer than the table -- or None where torch's path must run. (A
+    function, not a method, and the cache length read from the keys' shape: under torch.compile
+    every attribute read of a layer is a guard on each call.)"""
     rope = attn._modules.get("rope")   # (None, or the RopeTable; read without nn.Module.__getattr__)
-    if rope is None or cache is None or position_ids is None or qkv.dim() != 3 or attn.q_norm is not None:
+    if rope is None or cache is None or position_ids is None or like.dim() != 3 or attn.q_norm is not None:
         return None
     layer = _static_layer(cache, attn.layer_idx)   # (None for an offloaded cache)
     if layer is None:
         return None
-    b, t, _ = qkv.shape
+    b, t, _ = like.shape
     if not layer.is_initialized:
-        kv = qkv.new_empty(b, attn.kv_heads, t, attn.head_dim)
+        kv = like.new_empty(b, attn.kv_heads, t, attn.head_dim)
         _initialize(attn, layer, kv, kv)
     if tuple(position_ids.shape) != (b, t) or not _positions_are_slots(cache, layer, attn.layer_idx, position_ids,
                                                                        t, mask):
         return None   # (a left-padded sequence, even alone: its positions run behind its slots)
-    keys, values = layer.keys, layer.values
     tables = rope._buffers
     cos, sin = tables["cos"], tables["sin"]
-    if keys.shape[2] > cos.shape[0]:   # (a cache longer than the table: torch's path)
+    if layer.keys.shape[2] > cos.shape[0]:   # (a cache longer than the table: torch's path)
         return None
+    return layer, cos, sin
+
+
+def _fused_rope_kv(attn: FusedQKVAttention, qkv: torch.Tensor, cache, position_ids, mask=None) -> Optional[tuple]:
+    """(q, keys, values) from one rotary_kv_cache launch into the cache's static layer
+    (:func:`_rope_target`), or None where torch's path must run."""
+    target = _rope_target(attn, qkv, cache, position_ids, mask)
+    if target is None:
+        return None
+    layer, cos, sin = target
+    t = qkv.shape[1]
+    keys, values = layer.keys, layer.values
     q = rotary_kv_cache(qkv, cos, sin, keys, values, position_ids, attn.heads, attn.kv_heads)
     counter = getattr(layer, "cumulative_length", None)
     if isinstance(counter, torch.Tensor):
@@ -517,7 +531,7 @@ def _decode_attention(attn: FusedQKVAttention, q: torch.Tensor, keys: torch.Tens
 def _one_call(layer: "FusedDecoderLayer", x: torch.Tensor, mask, position_ids, cache, kwargs: dict) -> Optional[tuple]:
     """The arguments of :func:`mixgemm.ops.layer.decode_layer` for an eager decode step of
     ``layer``, or None where the step must run part by part. It is the same step: one token per
-    sequence on the one-launch rotary path (:func:`_fused_rope_kv`), attending as
+    sequence on the one-launch rotary path (:func:`_rope_target`), attending as
     :meth:`FusedQKVAttention.forward` would (:func:`_flash_decode_attention` or
     :func:`_decode_attention`), through plain :class:`QuantLinear` layers with exact activations
     (``act_format`` ``"bf16"``, or ``"auto"`` where it keeps them at this token count), on a CUDA device whose torch operator library holds the kernels (after the first eager
@@ -533,8 +547,7 @@ def _one_call(layer: "FusedDecoderLayer", x: torch.Tensor, mask, position_ids, c
     if w1.dtype != x.dtype or w2.dtype != x.dtype:
         return None
     amods = attn._modules
-    rope = amods.get("rope")
-    if rope is None or attn.q_norm is not None or attn.config._attn_implementation != "sdpa":
+    if attn.config._attn_implementation != "sdpa":
         return None
     linears = (amods["qkv_proj"], amods["o_proj"], mlp._modules["gate_up"], mlp._modules["down_proj"])
     weights, shapes, types = [], [], []
@@ -554,19 +567,19 @@ def _one_call(layer: "FusedDecoderLayer", x: torch.Tensor, mask, position_ids, c
         types.append(m.weight_type.value)
     if grads:
         return None
-    static = _static_layer(cache, attn.layer_idx)
-    if static is None or not static.is_initialized or tuple(position_ids.shape) != (b, 1):
+    static = _static_layer(cache, attn.layer_idx)   # (a decode step's: written by the prompt)
+    if (static is None or not static.is_initialized
+            or not _packs_decode(attn, (b, attn.heads, 1, attn.head_dim), static.keys, mask, kwargs)):
         return None
+    target = _rope_target(attn, x, cache, position_ids, mask)
+    if target is None:
+        return None
+    _, cos, sin = target
     keys, values = static.keys, static.values
-    cos, sin = rope._buffers["cos"], rope._buffers["sin"]
-    if (keys.shape[2] > cos.shape[0]
-            or not _packs_decode(attn, (b, attn.heads, 1, attn.head_dim), keys, mask, kwargs)
-            or not _positions_are_slots(cache, static, attn.layer_idx, position_ids, 1, mask)):
-        return None
     counter = getattr(static, "cumulative_length", None)
     counter = counter if isinstance(counter, torch.Tensor) else None
     lengths = q_offsets = k_offsets = None
-    if attn.flash_decode and _flash_decodes(attn, b, x.dtype, x.is_cuda, keys, cache):
+    if _flash_decodes(attn, b, x.dtype, x.is_cuda, keys, cache):
         lengths, q_offsets, k_offsets = _decode_lengths(cache, position_ids, keys.shape[2], attn.layer_idx)
         mask = None
     return (x, [w1, w2], [norm1.variance_epsilon, norm2.variance_epsilon], weights, ",".join(types), shapes, cos, sin,
