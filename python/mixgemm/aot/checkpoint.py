@@ -85,6 +85,7 @@ from ..dispatch.uses import ExpertsUse, WeightUse
 from ..dtypes import ActType, WeightType
 from ..errors import CheckpointError, UserError
 from ..formats import Format
+from ..formats.compressed_tensors import stores_int_codes
 from ..formats.config import parse_quantization_config, resolve_dtype
 from ..formats.handlers import HANDLERS
 from ..formats.rules import SkipLayer
@@ -365,7 +366,8 @@ def _hf_layers(files: list, qconfig, act: ActType) -> Dict[str, _Layer]:
     layers: Dict[str, _Layer] = {}
     for key in sorted(tensors):
         prefix, _, last = key.rpartition(".")
-        if last != method.primary and not _int_codes(method, prefix, last, tensors, qconfig):
+        if last != method.primary and not (last == "weight" and f"{prefix}.weight_scale" in tensors
+                                            and stores_int_codes(qconfig, prefix)):
             continue
         scheme = qconfig.scheme_for(prefix)
         if not scheme.quantized:
@@ -383,15 +385,6 @@ def _hf_layers(files: list, qconfig, act: ActType) -> Dict[str, _Layer]:
         layer.bias = f"{prefix}.bias" in tensors
         _kept(layers, layer)
     return layers
-
-
-def _int_codes(method: Format, prefix: str, last: str, tensors: dict, qconfig) -> bool:
-    """Whether ``prefix.last`` is a compressed-tensors ``"int-quantized"`` layer's int8 codes: a
-    ``weight`` beside a ``weight_scale`` in a layer whose config group has that layout."""
-    if method is not Format.COMPRESSED_TENSORS or last != "weight" or f"{prefix}.weight_scale" not in tensors:
-        return False
-    scheme = qconfig.scheme_for(prefix)
-    return scheme.quantized and scheme.checkpoint_format == "int-quantized"
 
 
 def _perm_of(path: Path, key: str, k: int, group_size: Optional[int]) -> Optional[bytes]:

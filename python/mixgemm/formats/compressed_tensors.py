@@ -346,6 +346,16 @@ def _ct_rules(targets, scheme: LayerScheme) -> List[Rule]:
 #: writes for integer weights with quantized activations unless told otherwise)
 LAYOUTS = ("pack-quantized", "int-quantized")
 
+def stores_int_codes(qconfig: QuantizationConfig, name: str, class_name: str = "Linear") -> bool:
+    """Whether ``qconfig`` stores the layer ``name`` as compressed-tensors ``"int-quantized"``
+    codes (an int8 ``weight`` beside its ``weight_scale``, where another format's primary tensor
+    would be): a compressed-tensors config whose group for the layer has that layout."""
+    if qconfig.method is not Format.COMPRESSED_TENSORS:
+        return False
+    scheme = qconfig.scheme_for(name, class_name)
+    return scheme.quantized and scheme.checkpoint_format == "int-quantized"
+
+
 #: The first compressed-tensors version that packs 3/5/6/7-bit codes densely.
 _CT_DENSE_SINCE = (0, 18)
 

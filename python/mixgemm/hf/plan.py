@@ -20,6 +20,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ShardError, UnsupportedLayerError
 from ..formats import Format, ImportedLayer, import_layer
+from ..formats.compressed_tensors import stores_int_codes
 from ..formats.dequant import dequantize_layer
 from ..nn import blocks as _blocks
 from ..nn.blocks import find_attentions, find_gated_mlps
@@ -357,7 +358,8 @@ def _plan_linears(plan: Plan, qconfig: QuantizationConfig, children: Dict[str, D
         kids = children.get(name, {})
         quantized = primary in kids and (qconfig.method is not Format.MIXGEMM
                                          or shards.is_packed(kids[primary]))
-        codes = not quantized and _int_codes_layer(qconfig, name, lin, kids)
+        codes = (not quantized and "weight" in kids and "weight_scale" in kids
+                 and stores_int_codes(qconfig, name, type(lin).__name__))
         if not (quantized or codes):
             continue   # a plain (or tied) weight: _plan_rest loads it
         if qconfig.method is not Format.MIXGEMM and "weight" in kids and not codes:
@@ -383,15 +385,6 @@ def _plan_linears(plan: Plan, qconfig: QuantizationConfig, children: Dict[str, D
         _log.info("mixgemm.hf: %s: %s not fused: %s not quantized in the checkpoint", module, what,
                   " and ".join(plain) + (" is" if len(plain) == 1 else " are"))
         _pack_apart(plan, module, parts)
-
-
-def _int_codes_layer(qconfig: QuantizationConfig, name: str, lin: nn.Linear, kids: Dict[str, str]) -> bool:
-    """Whether a layer's tensors are a compressed-tensors ``"int-quantized"`` layer: its config
-    group says that layout, and it has a ``weight`` (the int8 codes) and a ``weight_scale``."""
-    if qconfig.method is not Format.COMPRESSED_TENSORS or "weight" not in kids or "weight_scale" not in kids:
-        return False
-    scheme = qconfig.scheme_for(name, type(lin).__name__)
-    return scheme.quantized and scheme.checkpoint_format == "int-quantized"
 
 
 def _maybe_fuse(plan: Plan, mlp: str, pending: Dict[Tuple[str, str], Dict[str, object]]) -> None:
