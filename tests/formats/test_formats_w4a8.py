@@ -15,6 +15,10 @@ mixgemm reads it back from the files and is checked against the library:
   ``compute_dynamic_scales_and_zp`` derives (``amax / 448``, equal to mixgemm's), both evaluated
   in float32. compressed-tensors' own fake quantization in the model's dtype (bf16) rounds the
   quotient to bf16 first: the last test measures how far that is.
+
+``import_checkpoint`` (the state-dict import behind ``mixgemm prepack --from``) reads the
+``"int-quantized"`` layout too: the same weights, bit for bit, and each layer's ``input_scale``
+kept as a plain tensor, as for ``"pack-quantized"``.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from safetensors.torch import load_file
 
 import mixgemm
 from mixgemm.errors import FormatError, ShardError, UnsupportedLayerError
-from mixgemm.formats import Format, from_compressed_tensors, import_layer
+from mixgemm.formats import Format, detect_format, from_compressed_tensors, import_checkpoint, import_layer
 from mixgemm.formats.compressed_tensors import ACTIVATION_SCHEMES, activation_scheme
 from mixgemm.formats.config import parse_quantization_config
 from mixgemm.nn import QuantLinear
@@ -270,3 +274,97 @@ def test_weights_alone_are_unchanged(ct, tmp_path):
         layer = import_layer(Format.COMPRESSED_TENSORS, tensors, "proj")
     assert layer.act_format == "bf16" and layer.input_scale is None
     assert torch.equal(dequantize_reference(layer.qweight), reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# import_checkpoint (mixgemm prepack --from): the int-quantized layout
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("activations", ["token", "tensor"])
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (4, False), (2, True), (2, False)],
+                         ids=["s4", "u4", "s2", "u2"])
+def test_import_checkpoint_reads_int_quantized(ct, tmp_path, activations, bits, symmetric):
+    """An int-quantized state dict, with the bits from its config or from the argument, gives the
+    weights compressed-tensors' own decompression gives, and the pack-quantized import of the
+    same weights, bit for bit; its input_scale stays a plain tensor, as a pack-quantized one's
+    does; a plain bf16 weight is copied through."""
+    _, packer = ct
+    w = _weight(seed=10 + bits)
+    reference, _ = packer.w4a8_checkpoint(tmp_path / "int", w, bits, symmetric, activations, 64, None)
+    packer.w4a8_checkpoint(tmp_path / "packed", w, bits, symmetric, activations, 64, "pack-quantized")
+    raw, tensors = _read(tmp_path / "int")
+    _, packed = _read(tmp_path / "packed")
+    assert raw["format"] == "int-quantized" and tensors["proj.weight"].dtype == torch.int8
+    assert detect_format(tensors, "proj") is Format.COMPRESSED_TENSORS
+    tensors["head.weight"] = _weight(16, 256, seed=3)
+    from_packed = import_checkpoint("compressed-tensors", packed)
+    with pytest.warns(UserWarning, match="from_pretrained computes with bf16/fp16 activations"):
+        parsed = parse_quantization_config(raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                       # the activations are not read here: no warning
+        runs = {"config": import_checkpoint("compressed-tensors", tensors, quantization_config=raw),
+                "bits": import_checkpoint("compressed-tensors", tensors, bits=bits),
+                "auto": import_checkpoint("auto", tensors, quantization_config=parsed)}
+    for how, out in runs.items():
+        assert sorted(out) == sorted([*from_packed, "head.weight"]), how
+        qw = out["proj.weight"]
+        assert isinstance(qw, mixgemm.PackedWeight) and (qw.bits, qw.symmetric) == (bits, symmetric), how
+        assert torch.equal(dequantize_reference(qw), reference), how
+        assert torch.equal(dequantize_reference(qw), dequantize_reference(from_packed["proj.weight"])), how
+        assert out["head.weight"] is tensors["head.weight"]
+        if activations == "tensor":
+            assert out["proj.input_scale"] is tensors["proj.input_scale"]
+            assert torch.equal(out["proj.input_scale"], from_packed["proj.input_scale"])
+        else:
+            assert "proj.input_scale" not in out
+
+
+def _edited(tensors, raw, change):
+    tensors, raw = dict(tensors), json.loads(json.dumps(raw))
+    weights = raw["config_groups"]["group_0"]["weights"]
+    if change == "drop_scale":
+        del tensors["proj.weight_scale"]
+    elif change == "short_scale":
+        tensors["proj.weight_scale"] = tensors["proj.weight_scale"][:16]
+    elif change == "bf16_weight":
+        tensors["proj.weight"] = tensors["proj.weight"].to(torch.bfloat16)
+    elif change == "both_layouts":
+        tensors["proj.weight_packed"] = torch.zeros(32, 16, dtype=torch.int32)
+    elif change == "config_2bit":
+        weights["num_bits"] = 2
+    elif change == "config_no_bits":
+        del weights["num_bits"]
+    elif change == "config_ignores":
+        raw["ignore"] = ["proj"]
+    return tensors, raw
+
+
+@pytest.mark.parametrize("change,kw,msg", [
+    (None, dict(), "layer 'proj': an int-quantized layer's int8 codes do not say their width, and no "
+                   "quantization_config gives its num_bits: pass bits (mixgemm prepack: --bits)"),
+    ("config_no_bits", dict(config=True), "layer 'proj': an int-quantized layer's int8 codes do not say their width"),
+    (None, dict(bits=2), "layer 'proj': int8 codes in [-8, 7] are not 2-bit ones ([-2, 1])"),
+    ("config_2bit", dict(config=True), "layer 'proj': int8 codes in [-8, 7] are not 2-bit ones ([-2, 1])"),
+    ("drop_scale", dict(config=True), "layer 'proj': the quantization_config stores it int-quantized (int8 codes "
+                                      "in 'proj.weight'), but 'proj.weight_scale' is missing"),
+    ("drop_scale", dict(bits=4), "layer 'proj': 'proj.weight_zero_point' belongs to a compressed-tensors layer, "
+                                 "but there is no 'proj.weight_packed' or int8 'proj.weight'"),
+    ("short_scale", dict(bits=4), "layer 'proj': weight_scale [16, 2] does not match N=32"),
+    ("bf16_weight", dict(bits=4), "layer 'proj': 'proj.weight_scale' belongs to a compressed-tensors layer, "
+                                  "but there is no 'proj.weight_packed' or int8 'proj.weight'"),
+    ("both_layouts", dict(bits=4), "layer 'proj': has both a compressed-tensors quantized weight and a plain "
+                                   "tensor 'proj.weight'"),
+    ("config_ignores", dict(config=True), "layer 'proj': holds quantized tensors, but the quantization_config says "
+                                          "it is not quantized"),
+])
+def test_import_checkpoint_int_quantized_refusals(ct, tmp_path, change, kw, msg):
+    _, packer = ct
+    packer.w4a8_checkpoint(tmp_path, _weight(32, 128), 4, False, "tensor", 64, None)
+    raw, tensors = _read(tmp_path)
+    assert import_checkpoint("compressed-tensors", tensors, quantization_config=raw)["proj.weight"].bits == 4
+    tensors, raw = _edited(tensors, raw, change)
+    if kw.pop("config", False):
+        kw["quantization_config"] = raw
+    with pytest.raises(FormatError) as excinfo:
+        import_checkpoint("auto", tensors, **kw)
+    assert str(excinfo.value).startswith(msg), str(excinfo.value)
+    assert "\n" not in str(excinfo.value)

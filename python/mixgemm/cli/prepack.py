@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Optional, Sequence
@@ -61,10 +62,12 @@ def add_prepack(subparsers) -> None:
                    help="replace an existing OUT (atomically: readers see the old or the new file)")
     p.add_argument("--from", dest="from_format", metavar="FORMAT", default=None,
                    choices=("awq", "gptq", "compressed-tensors", "hqq", "auto", "gguf"),
-                   help="convert an already quantized checkpoint (awq, gptq, compressed-tensors, "
-                        "hqq, or auto-detect per layer) without re-quantizing; --bits/--group-size "
-                        "then come from the checkpoint. 'gguf': one llama.cpp FILE.gguf (Q8_0, "
-                        "Q4_0, Q4_1 tensors; needs the gguf package); its token embedding and "
+                   help="convert an already quantized checkpoint (awq, gptq, compressed-tensors "
+                        "pack-quantized or int-quantized, hqq, or auto-detect per layer) without "
+                        "re-quantizing; --bits/--group-size then come from the checkpoint (and, for "
+                        "compressed-tensors, the quantization_config of a config.json next to it); "
+                        "a layer's input_scale is copied as a plain tensor. 'gguf': one llama.cpp "
+                        "FILE.gguf (Q8_0, Q4_0, Q4_1 tensors; needs the gguf package); its token embedding and "
                         "the quantized tensors matching --exclude are written dense (dequantized "
                         "to --dtype, default fp16) instead of packed")
     p.add_argument("--hf-names", action="store_true",
@@ -75,7 +78,9 @@ def add_prepack(subparsers) -> None:
                    help="GPTQ zero-point convention (v1 'gptq' stores z-1); default: the "
                         "checkpoint_format of a quantize_config.json/config.json next to IN")
     p.add_argument("--bits", type=int, choices=(8, 4, 2), default=None,
-                   help="bits per weight code (required unless --from)")
+                   help="bits per weight code (required unless --from); with --from compressed-tensors "
+                        "or auto, the width of int-quantized layers' int8 codes where no config.json "
+                        "next to the checkpoint gives their num_bits (checked against every layer)")
     p.add_argument("--group-size", type=group_size_arg, default=None, metavar="N",
                    help="K elements per scale: 32, 64, 128, 256, or 'channel' (one per row); "
                         "required unless --from")
@@ -134,6 +139,35 @@ def _gptq_checkpoint_format(src) -> Optional[str]:
     return None
 
 
+def _compressed_tensors_config(src):
+    """The compressed-tensors ``quantization_config`` of a config.json / quantize_config.json
+    beside (or in) the input, parsed (:func:`mixgemm.formats.config.parse_quantization_config`,
+    without its warnings about ``from_pretrained``'s activations); None when none is
+    compressed-tensors'. One the parser refuses is a CliError naming the file."""
+    from ..formats.config import parse_quantization_config   # deferred: loads torch: only when the command runs
+
+    root = Path(src) if Path(src).is_dir() else Path(src).parent
+    for name in ("config.json", "quantize_config.json", "quant_config.json"):
+        cfg = root / name
+        if not cfg.is_file():
+            continue
+        try:
+            data = json.loads(cfg.read_text())
+        except (OSError, ValueError):
+            continue
+        qc = data.get("quantization_config", data) if isinstance(data, dict) else None
+        if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower().replace("_", "-") \
+                != "compressed-tensors":
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return parse_quantization_config(qc, str(cfg))
+        except ValueError as e:
+            raise CliError(str(e)) from None
+    return None
+
+
 def _run_prepack_from(args: argparse.Namespace) -> int:
     """`prepack --from FORMAT`: convert a quantized checkpoint (file or shard directory)."""
     from safetensors.torch import load_file   # deferred: loads torch: only when the command runs (`mixgemm --help` stays fast)
@@ -143,8 +177,10 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
     from ..weights import io as mio   # deferred: loads torch: only when the command runs
 
     src, dst = Path(args.input), args.output
-    if args.bits is not None or args.group_size is not None or args.symmetric:
-        raise UsageError("--bits, --group-size and --symmetric come from the checkpoint with --from")
+    takes_bits = args.from_format in ("compressed-tensors", "auto")
+    if (args.bits is not None and not takes_bits) or args.group_size is not None or args.symmetric:
+        raise UsageError("--bits, --group-size and --symmetric come from the checkpoint with --from (--from "
+                         "compressed-tensors and auto take --bits: the width of int-quantized layers' int8 codes)")
     if args.from_format == "gguf":
         return _run_prepack_gguf(args)
     if src.is_dir():
@@ -156,6 +192,7 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
     else:
         raise CliError(f"{src}: no such file or directory")
     _check_output(dst, files, args.force)
+    qconfig = _compressed_tensors_config(src) if takes_bits else None
     tensors: dict = {}
     for f in files:
         _refuse_gguf(f, "--from gguf instead")
@@ -177,8 +214,9 @@ def _run_prepack_from(args: argparse.Namespace) -> int:
     gptq_format = args.gptq_format or _gptq_checkpoint_format(src)
     dtype = {"bf16": "bfloat16", "fp16": "float16", None: None}[args.dtype]
     try:
-        out = formats.import_checkpoint(args.from_format, tensors, dtype=dtype,
-                                        checkpoint_format=gptq_format, progress=True)
+        out = formats.import_checkpoint(args.from_format, tensors, dtype=dtype, bits=args.bits,
+                                        checkpoint_format=gptq_format, progress=True,
+                                        quantization_config=qconfig)
     except (formats.FormatError, ValueError, TypeError) as e:
         raise CliError(str(e)) from None
     packed = [k for k, v in out.items() if hasattr(v, "qdata")]

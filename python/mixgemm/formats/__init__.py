@@ -8,7 +8,8 @@ its own dequantization formula (``dequantize``) and its safetensors header rule
 
 * ``formats.awq``: :func:`from_awq` (AutoAWQ ``version="GEMM"``);
 * ``formats.gptq``: :func:`from_gptq`, :class:`GPTQCheckpointFormat`;
-* ``formats.compressed_tensors``: :func:`from_compressed_tensors` (``pack-quantized``);
+* ``formats.compressed_tensors``: :func:`from_compressed_tensors` (``pack-quantized`` and
+  ``int-quantized``);
 * ``formats.hqq``: :func:`from_hqq` (fractional zero points included);
 * ``formats.gguf``: :func:`from_gguf` (a whole ``.gguf`` file: Q8_0, Q4_0, Q4_1 tensors),
   :func:`gguf_name_to_hf`, :func:`undo_llama_rope_permutation` (its accuracy is documented

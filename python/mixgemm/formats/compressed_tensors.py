@@ -356,6 +356,27 @@ def stores_int_codes(qconfig: QuantizationConfig, name: str, class_name: str = "
     return scheme.quantized and scheme.checkpoint_format == "int-quantized"
 
 
+def holds_int_codes(tensors: Mapping, prefix: str) -> bool:
+    """Whether the layer ``prefix`` of a state dict is a compressed-tensors ``"int-quantized"``
+    one by its tensors alone: an int8 ``weight`` beside a ``weight_scale``, and no
+    ``weight_packed`` (a bf16 ``weight`` is a plain one, whatever is beside it).
+
+    Parameters
+    ----------
+    tensors : Mapping
+        A state dict (names as in the checkpoint).
+    prefix : str
+        The layer's name (``""`` for none).
+
+    Returns
+    -------
+    bool
+    """
+    codes = tensors.get(tensor_key(prefix, "weight"))
+    return (isinstance(codes, torch.Tensor) and codes.dtype == torch.int8
+            and tensor_key(prefix, "weight_scale") in tensors and tensor_key(prefix, "weight_packed") not in tensors)
+
+
 #: The first compressed-tensors version that packs 3/5/6/7-bit codes densely.
 _CT_DENSE_SINCE = (0, 18)
 

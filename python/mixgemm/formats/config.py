@@ -14,7 +14,8 @@ stored; the bits and group size it gives are checked against each layer's tensor
   GPTQModel's ``format``): ``"gptq"`` (v1, the default) or ``"gptq_v2"``; ``desc_act``
   checkpoints carry their ``g_idx``; GPTQModel's ``dynamic`` per-module overrides
   (``"+:regex"`` / ``"regex"``: other bits or group size; ``"-:regex"``: not quantized).
-* ``"compressed-tensors"`` with ``format="pack-quantized"``: each ``config_groups`` entry's
+* ``"compressed-tensors"`` with ``format="pack-quantized"`` or ``"int-quantized"`` (a group's own
+  ``format`` first): each ``config_groups`` entry's
   ``targets`` (``"Linear"``, a module name or ``"re:regex"``) and ``weights``
   (``num_bits``, ``strategy`` "group" / "channel", ``group_size``), and ``ignore``; ``version``
   (the writer's compressed-tensors version) says how 3/5/6/7-bit codes are packed. A group's
@@ -64,7 +65,7 @@ def parse_quantization_config(qc: Mapping, where: str = "config.json") -> Quanti
     CheckpointError
         Not a mapping, an unknown ``quant_method``, or a variant mixgemm does not read (AWQ
         GEMV/Marlin packing, GPTQ Marlin/BitBLAS formats, compressed-tensors formats other than
-        pack-quantized, float weights, a mixgemm format version from the future).
+        pack-quantized and int-quantized, float weights, a mixgemm format version from the future).
     """
     if not isinstance(qc, Mapping):
         raise CheckpointError(f"{where}: quantization_config must be a JSON object, got {type(qc).__name__}")

@@ -29,7 +29,9 @@ class Format(str, enum.Enum):
     #: ``qzeros``, ``scales``, ``g_idx``.
     GPTQ = "gptq"
     #: compressed-tensors ``format="pack-quantized"``: ``weight_packed``, ``weight_scale``,
-    #: ``weight_shape``, optional ``weight_zero_point`` and ``weight_g_idx``.
+    #: ``weight_shape``, optional ``weight_zero_point`` and ``weight_g_idx``; or
+    #: ``"int-quantized"``: an int8 ``weight`` (the codes unpacked) in place of ``weight_packed``
+    #: and ``weight_shape``.
     COMPRESSED_TENSORS = "compressed-tensors"
     #: HQQ ``HQQLinear`` state dicts: ``W_q``, ``scale``, ``zero`` and the meta entries.
     HQQ = "hqq"
