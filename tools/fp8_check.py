@@ -2,7 +2,7 @@
 and ``torch._scaled_mm`` e4m3 x e4m3 (GPU), each result checked against float64.
 
     python tools/fp8_check.py [OUT.json] [--shapes 4096x4096,4096x14336] [--m 256,1024,4096]
-        [--weights u4] [--group 128] [--iters 100] [--eager]
+        [--weights u4] [--group 128] [--iters 100] [--eager] [--tiles]
     python tools/fp8_check.py --list             the kernels this tool and tests/ops/test_gpu_fp8.py launch
     python tools/fp8_check.py --build [-j 14]    build them into mixgemm's kernel cache (no GPU needed)
 
@@ -15,7 +15,12 @@ replay unless ``--eager``:
   (the W8A8-FP8 GEMM; its quantization of x is not timed);
 * ``mixgemm-<wt>``: mixgemm's bf16-activation path (``mixgemm.gemm(x, w)``);
 * ``mixgemm-<wt>-fp8``: ``mixgemm.gemm(x, w, act_format="fp8")``: the quantizer and the e4m3 GEMM;
-* ``mixgemm-<wt>-fp8-gemm``: the e4m3 GEMM alone on pre-quantized x (``gemm_quantized``).
+* ``mixgemm-<wt>-fp8-gemm``: the e4m3 GEMM alone on pre-quantized x (``gemm_quantized``), with the
+  token tile that :func:`mixgemm.dispatch.heuristic.fp8_token_tile` picks;
+* with ``--tiles``, ``mixgemm-<wt>-fp8-gemm@t<T>`` for every token tile T
+  (:data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`), and for gate/up-sized layers (N >= 16384) the
+  gated (swiglu) kernel's ``mixgemm-<wt>-fp8-swiglu@t<T>``: what ``fp8_token_tile`` was fitted to
+  (docs/fp8.md, "Token tiles").
 
 Each row's ``err`` is ||y - ref|| / ||ref|| against float64 on the exact operands of that
 implementation's own inputs (the e4m3 rows against their e4m3-rounded x).
@@ -29,38 +34,41 @@ import sys
 import torch
 
 
-def _specs(weights, shapes, ms, group):
+def _specs(weights, shapes, ms, group, tiles=False):
     """The kernels the timed rows and tests/ops/test_gpu_fp8.py launch."""
     import mixgemm
     from mixgemm.dispatch import heuristic
     from mixgemm.dtypes import ActType, WeightType
-    from mixgemm.jit.specs import Epilogue, Fp8GemmSpec, QuantFp8Spec
+    from mixgemm.jit.specs import QuantFp8Spec
     from mixgemm.ops import fp8
 
     specs = {}
     for act in ActType:
         specs[QuantFp8Spec(act).name] = QuantFp8Spec(act)
     for wt in ("u4", "s4", "u2", "s2"):                                # tests/ops/test_gpu_fp8.py
-        s = Fp8GemmSpec(ActType.BF16, WeightType(wt), *fp8.FP8_TILE)
-        specs[s.name] = s
+        specs.update((s.name, s) for s in fp8.fp8_gemm_specs(ActType.BF16, WeightType(wt)))
     for wt in ("u4", "s2"):
-        s = Fp8GemmSpec(ActType.FP16, WeightType(wt), *fp8.FP8_TILE)
-        specs[s.name] = s
+        specs.update((s.name, s) for s in fp8.fp8_gemm_specs(ActType.FP16, WeightType(wt)))
     for act in ActType:                                                # the gated (swiglu) test
         for wt in ("u4", "s4", "u2", "s2"):
-            s = Fp8GemmSpec(act, WeightType(wt), *fp8.FP8_TILE, epilogue=Epilogue.SWIGLU)
-            specs[s.name] = s
+            specs.update((s.name, s) for s in fp8.fp8_gemm_specs(act, WeightType(wt), "swiglu"))
     for wt in weights:                                                 # the timed rows
         wtype = WeightType(wt)
         for n, k in shapes:
             qw = mixgemm.quantize(torch.zeros(n, k), wtype.bits, group, symmetric=wtype.signed, dtype=torch.bfloat16)
             packed = mixgemm.prepack(qw)
-            s = Fp8GemmSpec(ActType.BF16, wtype, *fp8.FP8_TILE)
-            specs[s.name] = s
             for m in ms:
-                s = heuristic.select_spec(m, packed, None, 132)
-                specs[s.name] = s
+                for s in (fp8.select_fp8_spec(m, packed, None, 132), heuristic.select_spec(m, packed, None, 132)):
+                    specs[s.name] = s
+            if tiles:
+                specs.update((s.name, s) for s in fp8.fp8_gemm_specs(ActType.BF16, wtype))
+                if n >= _GATED_ROWS:
+                    specs.update((s.name, s) for s in fp8.fp8_gemm_specs(ActType.BF16, wtype, "swiglu"))
     return [specs[k] for k in sorted(specs)]
+
+
+#: --tiles times the gated (swiglu) kernels too on layers of at least this many rows (gate/up)
+_GATED_ROWS = 16384
 
 
 def _graphed(fn):
@@ -94,6 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA graph replays")
+    ap.add_argument("--tiles", action="store_true", help="also time the e4m3 GEMM at every token tile")
     ap.add_argument("--list", action="store_true", help="print the kernels' names and exit")
     ap.add_argument("--build", action="store_true", help="build the kernels and exit (no GPU needed)")
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel nvcc builds for --build")
@@ -105,7 +114,7 @@ def main(argv=None) -> int:
     ms = bench.parse_int_list(a.m)
     weights = [w for w in a.weights.split(",") if w]
     if a.list or a.build:
-        specs = _specs(weights, shapes, ms, a.group)
+        specs = _specs(weights, shapes, ms, a.group, a.tiles)
         if a.list:
             print("\n".join(s.name for s in specs))
             return 0
@@ -117,6 +126,7 @@ def main(argv=None) -> int:
 
     import mixgemm
     from mixgemm.dtypes import WeightType
+    from mixgemm.jit.catalog import FP8_TOKEN_TILES
     from mixgemm.ops import fp8
 
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)):
@@ -152,10 +162,18 @@ def main(argv=None) -> int:
                     f"mixgemm-{wt}-fp8": (lambda: mixgemm.gemm(x, packed, act_format="fp8"), ref_fp8),
                     f"mixgemm-{wt}-fp8-gemm": (lambda: fp8.gemm_quantized(xq, xs, packed), ref_fp8),
                 }
+                for t in FP8_TOKEN_TILES if a.tiles else ():
+                    spec = fp8.fp8_gemm_spec(packed.act_type, wtype, None, t)
+                    impls[f"mixgemm-{wt}-fp8-gemm@t{t}"] = (
+                        lambda spec=spec: fp8.gemm_quantized(xq, xs, packed, spec=spec), ref_fp8)
+                    if n >= _GATED_ROWS:
+                        gated = fp8.fp8_gemm_spec(packed.act_type, wtype, "swiglu", t)
+                        impls[f"mixgemm-{wt}-fp8-swiglu@t{t}"] = (
+                            lambda spec=gated: fp8.gemm_quantized(xq, xs, packed, activation="swiglu", spec=spec), None)
                 point = {}
                 for name, (fn, ref) in impls.items():
                     try:
-                        err = _rel(fn(), ref)
+                        err = None if ref is None else _rel(fn(), ref)
                         run = fn if a.eager else _graphed(fn)
                         t = bench.time_cuda(run, a.iters, a.warmup, flush).median_us
                     except Exception as e:   # a peer this torch cannot run: reported, not fatal

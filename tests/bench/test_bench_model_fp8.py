@@ -149,15 +149,14 @@ def test_kernel_specs_of_the_e4m3_variants(monkeypatch, capsys):
     act = ActType.BF16
     layer = [s.name for s in layer_specs([act])]
     names = [s.name for s in V.kernel_specs(SMALL, U4_FP8, [1, 2048])]
-    assert names == [quant_spec(torch.bfloat16).name, "mixgemm_f8gemm_bf16_u4_t128x128x128_s0",
-                     "mixgemm_f8gemm_bf16_u4_t128x128x128_swiglu_s0", *layer]
+    tiled = [f"mixgemm_f8gemm_bf16_{{wt}}_t128x{t}x128{g}_s0" for g in ("", "_swiglu") for t in (128, 64, 32)]
+    assert names == [quant_spec(torch.bfloat16).name, *(n.format(wt="u4") for n in tiled), *layer]
     assert [s.name for s in V.kernel_specs(SMALL, V.SCALED_MM, [1])] == [quant_spec(torch.bfloat16).name, *layer]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--model", "llama3-8b", "--batch", "1,64", "--variants", "int2-fp8,scaled-mm",
                        "--list-kernels"]) == 0
     assert capsys.readouterr().out.split() == sorted(
-        {quant_spec(torch.bfloat16).name, "mixgemm_f8gemm_bf16_u2_t128x128x128_s0",
-         "mixgemm_f8gemm_bf16_u2_t128x128x128_swiglu_s0", *layer})
+        {quant_spec(torch.bfloat16).name, *(n.format(wt="u2") for n in tiled), *layer})
 
 
 def test_why_the_e4m3_variants_do_not_run_here(monkeypatch):

@@ -19,8 +19,10 @@ import fake_driver
 from fake_gpu import FakeGpu, function_handle
 
 import mixgemm
+from mixgemm.dispatch import heuristic
 from mixgemm.dtypes import ActType, WeightType
 from mixgemm.jit import driver
+from mixgemm.jit.catalog import FP8_TOKEN_TILES
 from mixgemm.jit.render import render
 from mixgemm.jit.specs import (HELPER_KINDS, Epilogue, Fp8GemmSpec, GemmSpec, QuantFp8Spec, Schedule, Scheduler,
                                parse_name)
@@ -419,7 +421,7 @@ def test_gemm_launches_on_a_faked_gpu(tmp_path, wt):
         gpu.driver.reset(params_size=ctypes.sizeof(driver.Fp8GemmArgs))
         y = mixgemm.gemm(x, w, bias=bias, activation="gelu", act_format="fp8")
         launches = gpu.launches()
-    spec = Fp8GemmSpec(ActType.BF16, wt, *fp8.FP8_TILE)
+    spec = Fp8GemmSpec(ActType.BF16, wt, 128, 32, 128)   # 5 tokens: the narrowest token tile
     assert [L["function"] for L in launches] == [function_handle(QuantFp8Spec(ActType.BF16)), function_handle(spec)]
     (a,) = helpers[spec.name].given
     g = a.gemm
@@ -491,12 +493,55 @@ def test_swiglu_takes_the_gated_e4m3_kernel():
         {(s.act, s.weight) for s in specs if s.epilogue is Epilogue.BIAS_ACT}
 
 
-def test_fp8_gemm_spec_is_the_kernel_select_fp8_spec_picks():
-    """The kernel list without a weight (a benchmark's prebuild) names the kernels the calls launch."""
+def test_fp8_gemm_specs_are_the_kernels_select_fp8_spec_picks():
+    """The kernel list without a weight (a benchmark's prebuild) names every kernel the calls
+    launch, at any token count and SM count, and nothing they never launch."""
     for wt in ("u4", "s4", "u2", "s2"):
         w = mixgemm.prepack(mixgemm.quantize(torch.zeros(128, 256), int(wt[1]), 128, symmetric=wt[0] == "s",
                                              dtype=torch.bfloat16))
         for activation in (None, "silu", "swiglu"):
-            assert fp8.fp8_gemm_spec(ActType.BF16, WeightType(wt), activation) == fp8.select_fp8_spec(1, w, activation)
+            listed = fp8.fp8_gemm_specs(ActType.BF16, WeightType(wt), activation)
+            picked = {fp8.select_fp8_spec(m, w, activation, sms) for m in (1, 40, 70, 130, 300, 5000) for sms in (1, 2, 132)}
+            assert picked == set(listed)
+            assert fp8.fp8_gemm_spec(ActType.BF16, WeightType(wt), activation) == listed[0]   # the widest
     with pytest.raises(ValueError, match="e4m3"):
         fp8.fp8_gemm_spec(ActType.BF16, WeightType.S8)
+
+
+@pytest.mark.parametrize("m, n, tile_n", [
+    (64, 4096, 32), (128, 4096, 32), (256, 4096, 64), (512, 4096, 128), (4096, 4096, 128),
+    (64, 6144, 32), (128, 6144, 64), (256, 6144, 128),
+    (64, 28672, 64), (128, 28672, 128), (1, 28672, 32),
+])
+def test_the_e4m3_token_tile_is_the_one_measured_fastest(m, n, tile_n):
+    """fp8_token_tile picks, on 132 SMs, the token tile that was fastest on an H200 at these
+    LLaMA-3-8B points (docs/fp8.md, "Token tiles"): a narrower one only where the widest leaves
+    SMs idle."""
+    assert heuristic.fp8_token_tile(m, n, 132) == tile_n
+
+
+def test_the_e4m3_token_tile_weighs_waves_against_the_time_per_tile():
+    """A narrower token tile costs less per tile (fewer wgmmas for the same conversion of the
+    weight's codes) and makes more tiles: it is taken where it adds no wave, never where it adds one."""
+    for sms in (78, 114, 132, 264):
+        for n in (128, 1024, 4096, 6144, 14336, 28672, 57344):
+            row_tiles = -(-n // 128)
+            waves = {t: -(-row_tiles * -(-100 // t) // sms) for t in FP8_TOKEN_TILES}
+            t = heuristic.fp8_token_tile(100, n, sms)
+            assert t in FP8_TOKEN_TILES
+            if waves[32] == waves[128]:
+                assert t == 32, (n, sms)               # as many waves: the cheapest tile
+            elif waves[32] >= 2 * waves[128]:
+                assert t != 32, (n, sms)               # twice the waves never pay
+            assert heuristic.fp8_token_tile(16, n, sms) == 32   # one token tile in any case
+    assert heuristic.fp8_token_tile(256, 4096, 264) == 32      # twice the SMs: the 32-token tiles fill them
+
+
+def test_select_fp8_spec_takes_the_token_tile_and_every_tile_is_built():
+    w = _packed(4, False, group=32, n=64, k=256)
+    assert fp8.select_fp8_spec(5, w).tile_n == 32 and fp8.select_fp8_spec(5000, w, sm_count=2).tile_n == 128
+    assert fp8.select_fp8_spec(300, w, "swiglu", sm_count=2).epilogue is Epilogue.SWIGLU
+    names = {s.name for s in fp8.fp8_gemm_specs(ActType.BF16, WeightType.U4, "swiglu")}
+    for m in (1, 50, 100, 200, 400, 5000):
+        for sms in (2, 132):
+            assert fp8.select_fp8_spec(m, w, "swiglu", sm_count=sms).name in names

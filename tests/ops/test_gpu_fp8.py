@@ -11,9 +11,10 @@
   per-channel; M from 1 to 1000; bias, silu / gelu, out=, fp16, CUDA graphs; static input scales.
 
 The kernels these tests build (``python tools/fp8_check.py --list``; ``--build -j 14`` builds them):
-mixgemm_quant_fp8_{bf16,fp16}, mixgemm_f8gemm_bf16_{u4,s4,u2,s2}_t128x128x128_s0,
-mixgemm_f8gemm_fp16_{u4,s2}_t128x128x128_s0 and the gated
-mixgemm_f8gemm_{bf16,fp16}_{u4,s4,u2,s2}_t128x128x128_swiglu_s0.
+mixgemm_quant_fp8_{bf16,fp16}, mixgemm_f8gemm_bf16_{u4,s4,u2,s2}_t128x{128,64,32}x128_s0,
+mixgemm_f8gemm_fp16_{u4,s2}_t128x{128,64,32}x128_s0 and the gated
+mixgemm_f8gemm_{bf16,fp16}_{u4,s4,u2,s2}_t128x{128,64,32}x128_swiglu_s0 (each call takes its token
+tile by its token count: mixgemm.dispatch.heuristic.fp8_token_tile).
 
 With MIXGEMM_FP8_REPORT=path, every GEMM check (weight type, group, shape, M, error, bound) is
 written there as JSON.
@@ -31,6 +32,7 @@ import torch
 import mixgemm
 from mixgemm.dtypes import WeightType
 from mixgemm.jit import loader as runtime
+from mixgemm.jit.catalog import FP8_TOKEN_TILES
 from mixgemm.nn import QuantLinear
 from mixgemm.ops import fp8
 
@@ -325,13 +327,33 @@ def test_gemm_fp8_is_deterministic():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("wt", [WeightType.U4, WeightType.S2], ids=lambda w: w.value)
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_every_token_tile_computes_the_same_sums(wt, activation):
+    """The e4m3 GEMM's token tiles (32, 64, 128 tokens) give the same output bit for bit, at token
+    counts that fill some tiles partly, and the one a call picks is among them."""
+    _dev()
+    w, w64 = _weights(wt, 64, 1024, 2048)
+    for m in (1, 37, 130, 300):
+        x = _activations(m, 2048, torch.bfloat16, seed=m)
+        xq, xs = fp8.quantize_fp8(x)
+        ys = [fp8.gemm_quantized(xq, xs, w, activation=activation,
+                                 spec=fp8.fp8_gemm_spec(w.act_type, wt, activation, t)) for t in FP8_TOKEN_TILES]
+        for y in ys[1:]:
+            assert torch.equal(y, ys[0]), (m, activation)
+        assert torch.equal(mixgemm.gemm(x, w, activation=activation, act_format="fp8"), ys[0])
+        if activation is None:
+            _check(ys[0], reference(x, w64), 2048, torch.bfloat16,
+                   {"weight": wt.value, "group": "64", "n": 1024, "k": 2048, "m": m, "dtype": "bf16"})
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.compile (every mode) and act_format="auto"
 # ---------------------------------------------------------------------------------------------
 class _Fp8Layers(torch.nn.Module):
     """QuantLinear layers with e4m3 activations: u4 with a bias, a gated (swiglu) s4
     gate/up, and u2 4096x4096 with act_format='auto' (a layer shape the H200's table lists: the
-    e4m3 path from 256 tokens there, exact activations below); each output returned."""
+    e4m3 path from 128 to 1023 tokens there, exact activations below); each output returned."""
 
     def __init__(self, dev):
         super().__init__()

@@ -28,7 +28,7 @@ from ..jit.specs import Fp8GemmSpec
 from ..nn.linear import act_format_problem
 from ..ops import dense as ops
 from ..ops.dense import tile_labels
-from ..ops.fp8 import BLOCK, fp8_gemm_spec, fp8_problem, quant_spec, quantize_fp8
+from ..ops.fp8 import BLOCK, fp8_gemm_specs, fp8_problem, quant_spec, quantize_fp8
 from ..weights import quantize
 from ..weights.layout import prepack
 from ..weights.quantize import dequantize_reference
@@ -462,7 +462,8 @@ class MixgemmImpl(Impl):
         if act_format not in ("bf16", "fp8"):
             raise ValueError(f"act_format must be bf16 or fp8, got {act_format!r}")
         if act_format == "fp8" and tile_label is not None:
-            raise ValueError("the e4m3 GEMM has one tile config: no @<config> rows")
+            raise ValueError("the e4m3 GEMM chooses its token tile per call (mixgemm.dispatch.heuristic.fp8_token_tile): "
+                             "no @<config> rows")
         self.weight_type = weight_type
         self.group_size = group_size
         self.tile_label = tile_label
@@ -492,10 +493,10 @@ class MixgemmImpl(Impl):
     def kernel_specs(self, x_dtype: torch.dtype, ms: Optional[Sequence[int]] = None) -> list:
         """The GEMM kernel specs this implementation may launch for ``ms`` tokens (all token
         counts if None), to build them up front (with e4m3 activations: the quantizer and the
-        e4m3 GEMM, one tile at every M)."""
+        e4m3 GEMM of every token tile)."""
         act = ActType.from_torch(x_dtype)
         if self.act_format == "fp8":
-            return [quant_spec(x_dtype), fp8_gemm_spec(act, self.weight_type)]
+            return [quant_spec(x_dtype), *fp8_gemm_specs(act, self.weight_type)]
         if self.tile_label is None and ms is not None:
             labels = set().union(*(tile_labels(m) for m in ms))   # the choice also depends on the layer's size
         else:

@@ -49,7 +49,7 @@ from ..dtypes import ActType, WeightType
 from ..jit.catalog import layer_specs
 from ..jit.specs import Activation, Fp8GemmSpec
 from ..nn.linear import QuantLinear
-from ..ops.fp8 import ACT_FORMATS, fp8_gemm_spec, fp8_problem, k_permutation, quant_spec, quantize_fp8
+from ..ops.fp8 import ACT_FORMATS, fp8_gemm_specs, fp8_problem, k_permutation, quant_spec, quantize_fp8
 from ..weights import quantize
 from ..weights.quantize import deinterleave_rows, dequantize_reference
 from ..weights.types import QuantizedWeight
@@ -519,7 +519,7 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
     (the heuristic's choices on any GPU, :func:`mixgemm.dispatch.heuristic.configs_any_gpu`, per linear;
     the gate/up linear with the swiglu epilogue), and the RMSNorm and rotary / KV-cache kernels of the layer (every
     variant's layer launches them on an sm_90 GPU; built with the mixgemm variants'). With e4m3
-    activations: the activation quantizer and the e4m3 GEMM (one tile at every M; gate/up with the
+    activations: the activation quantizer and the e4m3 GEMM (every token tile; gate/up with the
     gated epilogue); scaled-mm: the quantizer (mixgemm's kernel on an sm_90 GPU) and the layer's
     kernels. Empty for the other variants."""
 
@@ -530,8 +530,7 @@ def kernel_specs(preset: ModelPreset, variant: Variant, ms: Sequence[int], act: 
     if variant.act_format == "fp8":
         specs = {quant_spec(act.torch_dtype).name: quant_spec(act.torch_dtype)}
         for activation in (None, "swiglu"):
-            spec = fp8_gemm_spec(act, variant.weight_type, activation)
-            specs[spec.name] = spec
+            specs.update((spec.name, spec) for spec in fp8_gemm_specs(act, variant.weight_type, activation))
         specs.update((s.name, s) for s in layer_specs([act]))
         return list(specs.values())
     specs = {}

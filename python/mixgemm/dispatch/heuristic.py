@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..jit.catalog import TILE_CONFIGS
+from ..jit.catalog import FP8_TILE, FP8_TOKEN_TILES, TILE_CONFIGS
 from ..jit.specs import Activation
 
 if TYPE_CHECKING:  # codegen and specs are imported lazily: `import mixgemm` stays cheap
@@ -196,6 +196,33 @@ def sm_count(device_index: int) -> int:
         return DEFAULT_SM_COUNT
 
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+#: The e4m3 GEMM's time per output tile for each token tile, relative to the widest's (the
+#: conversion of the weight's codes, the same for every token tile, is most of it). Measured on
+#: an H200 (docs/fp8.md, "Token tiles"): 0.66-0.75 (32) and 0.77-0.84 (64) over 4096x4096,
+#: 6144x4096, 4096x14336 and 28672x4096, u4 and u2, at M = 16, where every token tile runs the
+#: same waves; the upper ends are kept, so that a tie in waves goes to the wider tile.
+_FP8_TILE_TIME = {128: 1.0, 64: 0.83, 32: 0.75}
+
+
+def fp8_token_tile(m: int, n: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """The token tile (``tile_n``, one of :data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`) of the e4m3
+    GEMM for ``m`` tokens on a weight of ``n`` rows: the one whose waves (its output tiles over
+    the SMs, rounded up: the persistent scheduler's) times its time per tile (``_FP8_TILE_TIME``)
+    is least, the widest of equals. A narrower tile costs less per tile (fewer wgmmas for the
+    same conversion of the weight's codes) but makes more tiles, so it wins where that adds no
+    wave: few tokens, or a widest tile that leaves SMs idle. On an H200 (132 SMs) this picked
+    the fastest of 32, 64 and 128 at each of 70 measured points (4 LLaMA-3-8B layers and the
+    gated gate/up, M = 64 to 4096, u4 and u2)."""
+    row_tiles = -(-n // FP8_TILE[0])
+    best, best_cost = FP8_TOKEN_TILES[0], None
+    for tile_n in FP8_TOKEN_TILES:
+        waves = -(-(row_tiles * -(-max(m, 1) // tile_n)) // max(sm_count, 1))
+        cost = waves * _FP8_TILE_TIME[tile_n]
+        if best_cost is None or cost < best_cost:
+            best, best_cost = tile_n, cost
+    return best
 
 
 def select_spec(m: int, w: "PackedWeight", activation: Optional[str] = None,

@@ -152,10 +152,16 @@ def default_specs(acts: Iterable[ActType] = ALL_ACTS,
     return specs
 
 
-#: The tile (weight rows, tokens, k) of every e4m3 GEMM launch in this first form: one kernel
-#: per (output dtype, weight type); docs/fp8.md says what is left (smaller tiles for few tokens,
-#: wider ones, clusters, stream-K).
+#: The e4m3 GEMM's widest tile (weight rows, tokens, k): 128 weight rows (two consumer warp
+#: groups of 64) and 128 of k in every kernel; docs/fp8.md says what is left (wider token tiles,
+#: clusters, stream-K).
 FP8_TILE = (128, 128, 128)
+
+#: The e4m3 GEMM's token tiles (its ``tile_n``), widest first: one kernel each per (output
+#: dtype, weight type, epilogue); a call takes the one
+#: :func:`mixgemm.dispatch.heuristic.fp8_token_tile` picks for its token count and layer. Wider
+#: ones (192, 256) make ptxas serialize the wgmmas (the group accumulator doubles the registers).
+FP8_TOKEN_TILES = (128, 64, 32)
 
 
 #: The e4m3 GEMM's epilogues: bias + activation (none / silu / gelu) and the gated swiglu.
@@ -165,10 +171,12 @@ FP8_EPILOGUES = (Epilogue.BIAS_ACT, Epilogue.SWIGLU)
 def fp8_specs(acts: Iterable[ActType] = ALL_ACTS,
               weights: Iterable[WeightType] = ALL_WEIGHTS) -> list[Union[QuantFp8Spec, Fp8GemmSpec]]:
     """The kernels of ``gemm(..., act_format="fp8")``: the activation quantizer of each activation
-    type, and the e4m3 GEMM (:data:`FP8_TILE`) of each epilogue (:data:`FP8_EPILOGUES`), activation
-    type and weight type whose codes e4m3 holds exactly (:attr:`Fp8GemmSpec.WEIGHTS`). Part of :func:`default_specs`."""
+    type, and the e4m3 GEMM of each token tile (:data:`FP8_TOKEN_TILES`), epilogue
+    (:data:`FP8_EPILOGUES`), activation type and weight type whose codes e4m3 holds exactly
+    (:attr:`Fp8GemmSpec.WEIGHTS`). Part of :func:`default_specs`."""
     acts, weights = list(acts), list(weights)
-    return [QuantFp8Spec(a) for a in acts] + [Fp8GemmSpec(a, w, *FP8_TILE, epilogue=e) for e in FP8_EPILOGUES
+    return [QuantFp8Spec(a) for a in acts] + [Fp8GemmSpec(a, w, FP8_TILE[0], tile_n, FP8_TILE[2], epilogue=e)
+                                              for e in FP8_EPILOGUES for tile_n in FP8_TOKEN_TILES
                                               for a in acts for w in weights if w.value in Fp8GemmSpec.WEIGHTS]
 
 

@@ -28,8 +28,8 @@ from ..dtypes import WeightType
 from ..errors import UnsupportedLayerError
 from ..jit.specs import Fp8GemmSpec
 from ..ops.dense import TOKEN_BUCKETS, gemm, gemm_op, gemm_tensors_full
-from ..ops.fp8 import (ACT_FORMATS, check_input_scale_value, fp8_problem, layer_prefers_fp8, quant_spec,
-                       select_fp8_spec)
+from ..ops.fp8 import (ACT_FORMATS, check_input_scale_value, fp8_gemm_specs, fp8_problem, layer_prefers_fp8,
+                       quant_spec)
 from ..weights.layout import ATOM_K, ATOM_N, prepack, unpack
 from ..weights.quantize import GATE_UP_STRIPE, deinterleave_rows, interleave_gate_up, interleave_rows, quantize
 from ..weights.types import LAYOUT_VERSION, PackedWeight, QuantizedWeight, check_group_size
@@ -145,7 +145,8 @@ class QuantLinear(nn.Module):
         uses = [] if self.act_format == "fp8" else [WeightUse.of_packed(packed, self.activation)]
         if fp8:   # ("auto": the calls that the tuning table sends to the e4m3 path)
             uses += [quant_spec(self.scales.dtype),
-                     select_fp8_spec(1, packed, None if self.activation == "none" else self.activation)]
+                     *fp8_gemm_specs(packed.act_type, packed.weight_type,
+                                     None if self.activation == "none" else self.activation)]
         return uses
 
     @property

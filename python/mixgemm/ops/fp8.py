@@ -24,7 +24,7 @@ import torch
 from ..dispatch import checks, heuristic, tuning
 from ..dtypes import ActType, WeightType
 from ..jit import driver, loader
-from ..jit.catalog import FP8_TILE
+from ..jit.catalog import FP8_TILE, FP8_TOKEN_TILES
 from ..jit.specs import Activation, Epilogue, Fp8GemmSpec, QuantFp8Spec
 from . import args
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["E4M3_MAX", "ACT_FORMATS", "unknown_act_format", "prefers_fp8", "layer_prefers_fp8", "resolve_act_format", "quantize_fp8", "quantize_fp8_reference", "dequantize_fp8", "k_permutation",
            "input_scale_problem", "check_input_scale_value",
            "mma_to_weight_col", "weight_to_mma_col", "quant_spec", "gemm_fp8", "gemm_quantized", "fp8_problem",
-           "fp8_gemm_spec", "select_fp8_spec", "FP8_TILE"]
+           "fp8_gemm_spec", "fp8_gemm_specs", "select_fp8_spec", "FP8_TILE"]
 
 #: ``mixgemm.gemm``'s ``act_format`` values: exact bf16/fp16 activations, e4m3 ones, or per call
 #: the one measured faster for the layer, its token count and the GPU (:func:`resolve_act_format`)
@@ -299,18 +299,29 @@ def fp8_problem(w: "PackedWeight") -> Optional[str]:
     return None
 
 
-def fp8_gemm_spec(act: ActType, weight_type: WeightType, activation: Optional[str] = None) -> Fp8GemmSpec:
-    """The e4m3 GEMM kernel for ``act`` outputs (and scales) and ``weight_type`` codes, without a
-    weight at hand (a benchmark's or a prebuild's kernel list): one tile for now
-    (:data:`FP8_TILE`), the gated epilogue for ``activation="swiglu"``, else bias + activation."""
+def fp8_gemm_spec(act: ActType, weight_type: WeightType, activation: Optional[str] = None,
+                  tile_n: int = FP8_TILE[1]) -> Fp8GemmSpec:
+    """The e4m3 GEMM kernel for ``act`` outputs (and scales), ``weight_type`` codes and a token
+    tile of ``tile_n`` (:data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`; default the widest), without
+    a weight at hand (a benchmark's or a prebuild's kernel list): the gated epilogue for
+    ``activation="swiglu"``, else bias + activation."""
     epilogue = Epilogue.SWIGLU if activation == "swiglu" else Epilogue.BIAS_ACT
-    return Fp8GemmSpec(act, weight_type, *FP8_TILE, epilogue=epilogue)
+    return Fp8GemmSpec(act, weight_type, FP8_TILE[0], tile_n, FP8_TILE[2], epilogue=epilogue)
 
 
-def select_fp8_spec(m: int, w: "PackedWeight", activation: Optional[str] = None) -> Fp8GemmSpec:
-    """The e4m3 GEMM kernel :func:`gemm_fp8` runs for ``m`` tokens (one tile for now: :data:`FP8_TILE`);
-    the gated epilogue for ``activation="swiglu"`` (:func:`fp8_gemm_spec`)."""
-    return fp8_gemm_spec(w.act_type, w.weight_type, activation)
+def fp8_gemm_specs(act: ActType, weight_type: WeightType, activation: Optional[str] = None) -> list[Fp8GemmSpec]:
+    """Every e4m3 GEMM kernel :func:`select_fp8_spec` may pick for these types and ``activation``,
+    at any token count and on any GPU: one per token tile (what a prebuild builds)."""
+    return [fp8_gemm_spec(act, weight_type, activation, tile_n) for tile_n in FP8_TOKEN_TILES]
+
+
+def select_fp8_spec(m: int, w: "PackedWeight", activation: Optional[str] = None,
+                    sm_count: int = heuristic.DEFAULT_SM_COUNT) -> Fp8GemmSpec:
+    """The e4m3 GEMM kernel :func:`gemm_fp8` runs for ``m`` tokens on a GPU of ``sm_count`` SMs:
+    the token tile of :func:`mixgemm.dispatch.heuristic.fp8_token_tile` (narrower tiles where the
+    widest would leave SMs idle), the gated epilogue for ``activation="swiglu"``
+    (:func:`fp8_gemm_spec`)."""
+    return fp8_gemm_spec(w.act_type, w.weight_type, activation, heuristic.fp8_token_tile(m, w.n, sm_count))
 
 
 def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = None,
@@ -344,9 +355,9 @@ def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = 
         raise ValueError(why)
     if activation not in _FP8_ACTIVATIONS:
         raise ValueError(f"act_format='fp8' fuses activation None, 'silu', 'gelu' or 'swiglu', not {activation!r}")
-    spec = _checked_spec(spec, w, activation)
     lead = x.shape[:-1]
     m = math.prod(lead)
+    spec = _checked_spec(spec, w, activation, m, x.get_device())
     y = out if out is not None else torch.empty((*lead, _n_out(w, activation)), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -396,7 +407,7 @@ def gemm_quantized(xq: torch.Tensor, x_scales: torch.Tensor, w: "PackedWeight", 
                               or t.device != w.device or not t.is_contiguous() or t.data_ptr() % 16):
             raise ValueError(f"{name} must be a contiguous, 16-byte aligned {w.dtype} tensor of shape "
                              f"{list(shape)} on {w.device}")
-    spec = _checked_spec(spec, w, activation)
+    spec = _checked_spec(spec, w, activation, m, xq.get_device())
     y = out if out is not None else torch.empty((m, _n_out(w, activation)), dtype=w.dtype, device=xq.device)
     if m:
         _launch_gemm(spec, w, xq, x_scales, bias, y, activation)
@@ -407,9 +418,10 @@ def _n_out(w: "PackedWeight", activation: Optional[str]) -> int:
     return w.n // 2 if activation == "swiglu" else w.n
 
 
-def _checked_spec(spec: Optional[Fp8GemmSpec], w: "PackedWeight", activation: Optional[str]) -> Fp8GemmSpec:
+def _checked_spec(spec: Optional[Fp8GemmSpec], w: "PackedWeight", activation: Optional[str], m: int,
+                  device_index: int) -> Fp8GemmSpec:
     if spec is None:
-        return select_fp8_spec(0, w, activation)
+        return select_fp8_spec(m, w, activation, heuristic.sm_count(device_index))
     if not isinstance(spec, Fp8GemmSpec):
         raise TypeError(f"spec must be an Fp8GemmSpec, got {type(spec).__name__}")
     if spec.act is not w.act_type or spec.weight is not w.weight_type:
