@@ -268,3 +268,16 @@ def test_act_format_table_is_the_committed_grids(tmp_path):
     doc["machine"]["gpu_name"] = "NVIDIA Other"
     other.write_text(json.dumps(doc))
     assert tool.main([str(RESULTS / "nvidia-h200" / grids[0]), str(other), "--table", str(out)]) == 2
+
+
+def test_fp8_accuracy_refuses_bad_options_and_a_machine_without_hopper(monkeypatch, capsys):
+    """`python tools/fp8_accuracy.py`: a weight type without an e4m3 kernel or a count below one
+    is a usage error; without an sm_90 GPU it says so and exits 2, before building any model."""
+    mod = _tool("fp8_accuracy")
+    for bad in (["--types", "u8"], ["--layers", "0"], ["--new-tokens", "0"], ["--bogus"]):
+        with pytest.raises(SystemExit) as e:
+            mod.main(bad)
+        assert e.value.code == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert mod.main(["--layers", "1"]) == 2
+    assert "needs an sm_90 (Hopper) GPU" in capsys.readouterr().err
