@@ -25,6 +25,10 @@ exact path's regime, where ``"auto"`` keeps exact activations):
 * ``greedy_agree``: the fraction of generated tokens equal to the reference's at the same position;
 * ``first_divergence``: the median number of tokens generated before the first that differs.
 
+The first row, ``bf16 bf16``, is the bf16 model run again: generate()'s own run-to-run variation
+(a forward of the same input is bit for bit the same; the decode steps of two generate() calls
+need not be), the floor of every greedy figure.
+
 Random weights (transformers' initialization) make a model whose next-token distribution is flat
 and whose layers amplify any perturbation with depth: at 32 layers the quantization alone
 decorrelates the logits from bf16's, so the figures that say what e4m3 costs are those against
@@ -95,6 +99,10 @@ def main(argv=None) -> int:
     rows = []
     with torch.no_grad():
         ref = {"logits": base(ids).logits.float(), "tokens": _greedy(base, ids, a.new_tokens)}
+        again = {"logits": base(ids).logits.float(), "tokens": _greedy(base, ids, a.new_tokens)}
+        rows.append({"weight": "bf16", "act_format": "bf16", "vs_bf16": _row(again, ref)})
+        print(f"bf16 again: greedy {rows[0]['vs_bf16']['greedy_agree']:.3f}, logits rel. err "
+              f"{rows[0]['vs_bf16']['logits_rel_err']:.4f}", flush=True)
         for wt in types:
             exact = None
             for fmt in FORMATS:
