@@ -34,6 +34,10 @@ import sys
 import torch
 
 
+#: --tiles times the gated (swiglu) kernels too on layers of at least this many rows (gate/up)
+_GATED_ROWS = 16384
+
+
 def _specs(weights, shapes, ms, group, tiles=False):
     """The kernels the timed rows and tests/ops/test_gpu_fp8.py launch."""
     import mixgemm
@@ -65,10 +69,6 @@ def _specs(weights, shapes, ms, group, tiles=False):
                 if n >= _GATED_ROWS:
                     specs.update((s.name, s) for s in fp8.fp8_gemm_specs(ActType.BF16, wtype, "swiglu"))
     return [specs[k] for k in sorted(specs)]
-
-
-#: --tiles times the gated (swiglu) kernels too on layers of at least this many rows (gate/up)
-_GATED_ROWS = 16384
 
 
 def _graphed(fn):

@@ -166,6 +166,8 @@ def test_from_compressed_tensors_int_quantized_bits_from_the_command_line(tmp_pa
     ("bits-too-few", ["--bits", "2"], "layer 'model.layers.0.mlp.down_proj': int8 codes in [-8, 7] are not "
                                       "2-bit ones ([-2, 1])", 1),
     ("config-too-few", [], "int8 codes in [-8, 7] are not 2-bit ones ([-2, 1])", 1),
+    ("bits-disagree", ["--bits", "2"], "layer 'model.layers.0.mlp.down_proj': bits=2 was given, but the "
+                                       "quantization_config gives this layer num_bits=4", 1),
     ("no-scale", [], "layer 'model.layers.0.self_attn.q_proj': the quantization_config stores it int-quantized "
                      "(int8 codes in 'model.layers.0.self_attn.q_proj.weight'), but "
                      "'model.layers.0.self_attn.q_proj.weight_scale' is missing", 1),
@@ -181,7 +183,7 @@ def test_from_compressed_tensors_int_quantized_refusals_leave_no_output(tmp_path
     hc.write_compressed_tensors(src, layout="int-quantized")
     q = "model.layers.0.self_attn.q_proj"
     config = json.loads((src / "config.json").read_text())["quantization_config"]
-    if case == "no-bits":
+    if case in ("no-bits", "bits-too-few"):
         del config["config_groups"]["group_0"]["weights"]["num_bits"]
         hc.edit_config(src, quantization_config=config)
     elif case == "config-too-few":

@@ -355,6 +355,8 @@ def _edited(tensors, raw, change):
                                    "tensor 'proj.weight'"),
     ("config_ignores", dict(config=True), "layer 'proj': holds quantized tensors, but the quantization_config says "
                                           "it is not quantized"),
+    (None, dict(config=True, bits=8), "layer 'proj': bits=8 was given, but the quantization_config gives this "
+                                      "layer num_bits=4"),
 ])
 def test_import_checkpoint_int_quantized_refusals(ct, tmp_path, change, kw, msg):
     _, packer = ct

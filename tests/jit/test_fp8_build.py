@@ -16,7 +16,8 @@ from mixgemm.dtypes import ActType, WeightType
 from mixgemm.errors import KernelError
 from mixgemm.jit import build, driver
 from mixgemm.jit import env as paths
-from mixgemm.jit.specs import Activation, Fp8GemmSpec, QuantFp8Spec
+from mixgemm.jit.catalog import FP8_TOKEN_TILES
+from mixgemm.jit.specs import Activation, Epilogue, Fp8GemmSpec, QuantFp8Spec
 
 pytestmark = pytest.mark.nvcc
 
@@ -94,3 +95,17 @@ def test_fp8_gemm_kernel_and_helper_build(nvcc):
     assert helper.check(_args().gemm) is None        # the plain check: all but the token scales
     with pytest.raises(KernelError, match="mixgemm_fp8_gemm_prepare"):
         helper.prepare(_args().gemm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tile_n", [t for t in FP8_TOKEN_TILES if t != 128])
+def test_the_narrower_token_tiles_build(nvcc, tile_n):
+    """The e4m3 GEMM's narrower token tiles (gated, 2-bit: the other epilogue and code width than
+    the test above) compile with an asynchronous wgmma pipeline (the build refuses ptxas's
+    serialization notes) and their helpers take the same arguments."""
+    spec = Fp8GemmSpec(ActType.BF16, WeightType.S2, 128, tile_n, 128, epilogue=Epilogue.SWIGLU)
+    art = build.build(spec)
+    assert spec.name.encode() in art.read_cubin()
+    helper = driver.HostHelper(str(art.helper_path), spec.name)
+    assert helper.check_fp8(_args(activation=Activation.SWIGLU.abi)) is None
+    assert helper.check_fp8(_args()) == "this kernel's gated epilogue computes swiglu only"

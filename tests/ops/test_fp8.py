@@ -529,6 +529,7 @@ def test_the_e4m3_token_tile_weighs_waves_against_the_time_per_tile():
             waves = {t: -(-row_tiles * -(-100 // t) // sms) for t in FP8_TOKEN_TILES}
             t = heuristic.fp8_token_tile(100, n, sms)
             assert t in FP8_TOKEN_TILES
+            assert waves[t] <= waves[128], (n, sms)    # never more waves than the widest tile
             if waves[32] == waves[128]:
                 assert t == 32, (n, sms)               # as many waves: the cheapest tile
             elif waves[32] >= 2 * waves[128]:

@@ -80,7 +80,8 @@ def add_prepack(subparsers) -> None:
     p.add_argument("--bits", type=int, choices=(8, 4, 2), default=None,
                    help="bits per weight code (required unless --from); with --from compressed-tensors "
                         "or auto, the width of int-quantized layers' int8 codes where no config.json "
-                        "next to the checkpoint gives their num_bits (checked against every layer)")
+                        "next to the checkpoint gives their num_bits (checked against every layer, "
+                        "and refused where the config gives another)")
     p.add_argument("--group-size", type=group_size_arg, default=None, metavar="N",
                    help="K elements per scale: 32, 64, 128, 256, or 'channel' (one per row); "
                         "required unless --from")

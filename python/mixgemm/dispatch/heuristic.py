@@ -182,7 +182,6 @@ def large_bucket(m: int, n: int, k: int, device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def gpu_name(device_index: int) -> str:
     """CUDA device ``device_index``'s name (the tuning tables' key; fixed for the process)."""
     return torch.cuda.get_device_name(device_index)
@@ -202,7 +201,7 @@ def sm_count(device_index: int) -> int:
 #: conversion of the weight's codes, the same for every token tile, is most of it). Measured on
 #: an H200 (docs/fp8.md, "Token tiles"): 0.66-0.75 (32) and 0.77-0.84 (64) over 4096x4096,
 #: 6144x4096, 4096x14336 and 28672x4096, u4 and u2, at M = 16, where every token tile runs the
-#: same waves; the upper ends are kept, so that a tie in waves goes to the wider tile.
+#: same waves; the upper ends are kept, so that where the waves differ the wider tile wins in doubt.
 _FP8_TILE_TIME = {128: 1.0, 64: 0.83, 32: 0.75}
 
 
@@ -214,7 +213,7 @@ def fp8_token_tile(m: int, n: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
     same conversion of the weight's codes) but makes more tiles, so it wins where that adds no
     wave: few tokens, or a widest tile that leaves SMs idle. On an H200 (132 SMs) this picked
     the fastest of 32, 64 and 128 at each of 70 measured points (4 LLaMA-3-8B layers and the
-    gated gate/up, M = 64 to 4096, u4 and u2)."""
+    gated gate/up, M = 16 to 4096, u4 and u2)."""
     row_tiles = -(-n // FP8_TILE[0])
     best, best_cost = FP8_TOKEN_TILES[0], None
     for tile_n in FP8_TOKEN_TILES:

@@ -198,6 +198,9 @@ def _layer_options(prefix: str, fmt: Format, codes: bool, qconfig: Optional[Quan
         if not scheme.quantized:
             raise layer_error(prefix, "holds quantized tensors, but the quantization_config says it is not "
                                       "quantized")
+        if bits is not None and scheme.bits is not None and bits != scheme.bits:
+            raise layer_error(prefix, f"bits={bits} was given, but the quantization_config gives this layer "
+                                      f"num_bits={scheme.bits}")
         bits = scheme.bits if bits is None else bits
         group_size = scheme.group_size if group_size is None else group_size
         checkpoint_format = scheme.checkpoint_format if checkpoint_format is None else checkpoint_format

@@ -300,7 +300,7 @@ def fp8_problem(w: "PackedWeight") -> Optional[str]:
 
 
 def fp8_gemm_spec(act: ActType, weight_type: WeightType, activation: Optional[str] = None,
-                  tile_n: int = FP8_TILE[1]) -> Fp8GemmSpec:
+                  tile_n: int = FP8_TOKEN_TILES[0]) -> Fp8GemmSpec:
     """The e4m3 GEMM kernel for ``act`` outputs (and scales), ``weight_type`` codes and a token
     tile of ``tile_n`` (:data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`; default the widest), without
     a weight at hand (a benchmark's or a prebuild's kernel list): the gated epilogue for
