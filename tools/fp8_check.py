@@ -38,7 +38,7 @@ import torch
 _GATED_ROWS = 16384
 
 
-def _specs(weights, shapes, ms, group, tiles=False):
+def _specs(weights, shapes, ms, group):
     """The kernels the timed rows and tests/ops/test_gpu_fp8.py launch."""
     import mixgemm
     from mixgemm.dispatch import heuristic
@@ -61,13 +61,9 @@ def _specs(weights, shapes, ms, group, tiles=False):
         for n, k in shapes:
             qw = mixgemm.quantize(torch.zeros(n, k), wtype.bits, group, symmetric=wtype.signed, dtype=torch.bfloat16)
             packed = mixgemm.prepack(qw)
-            for m in ms:
-                for s in (fp8.select_fp8_spec(m, packed, None, 132), heuristic.select_spec(m, packed, None, 132)):
-                    specs[s.name] = s
-            if tiles:
-                specs.update((s.name, s) for s in fp8.fp8_gemm_specs(ActType.BF16, wtype))
-                if n >= _GATED_ROWS:
-                    specs.update((s.name, s) for s in fp8.fp8_gemm_specs(ActType.BF16, wtype, "swiglu"))
+            for m in ms:   # (the e4m3 rows' kernels, every token tile and the gated ones, are listed above)
+                s = heuristic.select_spec(m, packed, None, 132)
+                specs[s.name] = s
     return [specs[k] for k in sorted(specs)]
 
 
@@ -114,7 +110,7 @@ def main(argv=None) -> int:
     ms = bench.parse_int_list(a.m)
     weights = [w for w in a.weights.split(",") if w]
     if a.list or a.build:
-        specs = _specs(weights, shapes, ms, a.group, a.tiles)
+        specs = _specs(weights, shapes, ms, a.group)
         if a.list:
             print("\n".join(s.name for s in specs))
             return 0

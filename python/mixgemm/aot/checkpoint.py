@@ -366,8 +366,8 @@ def _hf_layers(files: list, qconfig, act: ActType) -> Dict[str, _Layer]:
     layers: Dict[str, _Layer] = {}
     for key in sorted(tensors):
         prefix, _, last = key.rpartition(".")
-        if last != method.primary and not (last == "weight" and f"{prefix}.weight_scale" in tensors
-                                            and stores_int_codes(qconfig, prefix)):
+        if last != method.primary and not (last == "weight" and stores_int_codes(
+                qconfig, prefix, has=lambda suffix: f"{prefix}.{suffix}" in tensors)):
             continue
         scheme = qconfig.scheme_for(prefix)
         if not scheme.quantized:

@@ -11,7 +11,7 @@ import sys
 import warnings
 from collections import Counter
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from .._version import __version__
 from ..errors import CliError, OutputPathError, OverflowQuantizeError, UsageError
@@ -121,22 +121,31 @@ def _refuse_gguf(path, remedy: str) -> None:
         raise CliError(f"{path} is a GGUF file, not safetensors; convert it with {remedy}")
 
 
+def _quantization_configs(src, names: Sequence[str]) -> Iterator[tuple[Path, dict]]:
+    """``(file, quantization_config)`` of each of ``names`` beside (or in) the input that holds
+    one (its ``quantization_config``, or the file itself), in that order; unreadable files are
+    skipped."""
+    root = Path(src) if Path(src).is_dir() else Path(src).parent
+    for name in names:
+        cfg = root / name
+        if not cfg.is_file():
+            continue
+        try:
+            data = json.loads(cfg.read_text())
+        except (OSError, ValueError):
+            continue
+        qc = data.get("quantization_config", data) if isinstance(data, dict) else None
+        if isinstance(qc, dict):
+            yield cfg, qc
+
+
 def _gptq_checkpoint_format(src) -> Optional[str]:
     """checkpoint_format from a quantize_config.json / config.json beside (or in) the input."""
-
-    root = Path(src) if Path(src).is_dir() else Path(src).parent
-    for name in ("quantize_config.json", "quant_config.json", "config.json"):
-        cfg = root / name
-        if cfg.is_file():
-            try:
-                data = json.loads(cfg.read_text())
-            except (OSError, ValueError):
-                continue
-            qc = data.get("quantization_config", data) if isinstance(data, dict) else {}
-            if isinstance(qc, dict) and qc.get("checkpoint_format"):
-                return str(qc["checkpoint_format"])
-            if isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "gptq":
-                return "gptq"   # configs without the field are GPTQ v1
+    for _, qc in _quantization_configs(src, ("quantize_config.json", "quant_config.json", "config.json")):
+        if qc.get("checkpoint_format"):
+            return str(qc["checkpoint_format"])
+        if str(qc.get("quant_method", "")).lower() == "gptq":
+            return "gptq"   # configs without the field are GPTQ v1
     return None
 
 
@@ -147,18 +156,8 @@ def _compressed_tensors_config(src):
     compressed-tensors'. One the parser refuses is a CliError naming the file."""
     from ..formats.config import parse_quantization_config   # deferred: loads torch: only when the command runs
 
-    root = Path(src) if Path(src).is_dir() else Path(src).parent
-    for name in ("config.json", "quantize_config.json", "quant_config.json"):
-        cfg = root / name
-        if not cfg.is_file():
-            continue
-        try:
-            data = json.loads(cfg.read_text())
-        except (OSError, ValueError):
-            continue
-        qc = data.get("quantization_config", data) if isinstance(data, dict) else None
-        if not isinstance(qc, dict) or str(qc.get("quant_method", "")).lower().replace("_", "-") \
-                != "compressed-tensors":
+    for cfg, qc in _quantization_configs(src, ("config.json", "quantize_config.json", "quant_config.json")):
+        if str(qc.get("quant_method", "")).lower().replace("_", "-") != "compressed-tensors":
             continue
         try:
             with warnings.catch_warnings():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from typing import List, Mapping, Optional, Tuple, Union
+from typing import Callable, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -346,11 +346,15 @@ def _ct_rules(targets, scheme: LayerScheme) -> List[Rule]:
 #: writes for integer weights with quantized activations unless told otherwise)
 LAYOUTS = ("pack-quantized", "int-quantized")
 
-def stores_int_codes(qconfig: QuantizationConfig, name: str, class_name: str = "Linear") -> bool:
+def stores_int_codes(qconfig: QuantizationConfig, name: str, class_name: str = "Linear",
+                     has: Optional[Callable[[str], bool]] = None) -> bool:
     """Whether ``qconfig`` stores the layer ``name`` as compressed-tensors ``"int-quantized"``
     codes (an int8 ``weight`` beside its ``weight_scale``, where another format's primary tensor
-    would be): a compressed-tensors config whose group for the layer has that layout."""
+    would be): a compressed-tensors config whose group for the layer has that layout and, with
+    ``has`` (the checkpoint holds the layer's tensor of a suffix), both tensors there."""
     if qconfig.method is not Format.COMPRESSED_TENSORS:
+        return False
+    if has is not None and not (has("weight") and has("weight_scale")):
         return False
     scheme = qconfig.scheme_for(name, class_name)
     return scheme.quantized and scheme.checkpoint_format == "int-quantized"

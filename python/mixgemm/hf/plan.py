@@ -358,8 +358,7 @@ def _plan_linears(plan: Plan, qconfig: QuantizationConfig, children: Dict[str, D
         kids = children.get(name, {})
         quantized = primary in kids and (qconfig.method is not Format.MIXGEMM
                                          or shards.is_packed(kids[primary]))
-        codes = (not quantized and "weight" in kids and "weight_scale" in kids
-                 and stores_int_codes(qconfig, name, type(lin).__name__))
+        codes = not quantized and stores_int_codes(qconfig, name, type(lin).__name__, has=kids.__contains__)
         if not (quantized or codes):
             continue   # a plain (or tied) weight: _plan_rest loads it
         if qconfig.method is not Format.MIXGEMM and "weight" in kids and not codes:
