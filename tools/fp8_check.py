@@ -2,7 +2,7 @@
 and ``torch._scaled_mm`` e4m3 x e4m3 (GPU), each result checked against float64.
 
     python tools/fp8_check.py [OUT.json] [--shapes 4096x4096,4096x14336] [--m 256,1024,4096]
-        [--weights u4] [--group 128] [--iters 100] [--eager] [--tiles]
+        [--weights u4] [--group 128] [--iters 100] [--eager] [--tiles] [--splits 1,2,4,8]
     python tools/fp8_check.py --list             the kernels this tool and tests/ops/test_gpu_fp8.py launch
     python tools/fp8_check.py --build [-j 14]    build them into mixgemm's kernel cache (no GPU needed)
 
@@ -16,11 +16,12 @@ replay unless ``--eager``:
 * ``mixgemm-<wt>``: mixgemm's bf16-activation path (``mixgemm.gemm(x, w)``);
 * ``mixgemm-<wt>-fp8``: ``mixgemm.gemm(x, w, act_format="fp8")``: the quantizer and the e4m3 GEMM;
 * ``mixgemm-<wt>-fp8-gemm``: the e4m3 GEMM alone on pre-quantized x (``gemm_quantized``), with the
-  token tile that :func:`mixgemm.dispatch.heuristic.fp8_token_tile` picks;
-* with ``--tiles``, ``mixgemm-<wt>-fp8-gemm@t<T>`` for every token tile T
-  (:data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`), and for gate/up-sized layers (N >= 16384) the
-  gated (swiglu) kernel's ``mixgemm-<wt>-fp8-swiglu@t<T>``: what ``fp8_token_tile`` was fitted to
-  (docs/fp8.md, "Token tiles").
+  token tile and split-K factor that :func:`mixgemm.dispatch.heuristic.fp8_launch` picks;
+* with ``--tiles``, ``mixgemm-<wt>-fp8-gemm@t<T>s<S>`` for every token tile T
+  (:data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`) and split factor S of ``--splits`` (S = 1: the
+  persistent kernel; more: the stream-K one), and for
+  gate/up-sized layers (N >= 16384) the gated (swiglu) kernel's ``mixgemm-<wt>-fp8-swiglu@t<T>s<S>``:
+  what ``fp8_launch`` was fitted to (docs/fp8.md, "Token tiles and split-K").
 
 Each row's ``err`` is ||y - ref|| / ||ref|| against float64 on the exact operands of that
 implementation's own inputs (the e4m3 rows against their e4m3-rounded x).
@@ -98,7 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--eager", action="store_true", help="time eager calls instead of CUDA graph replays")
-    ap.add_argument("--tiles", action="store_true", help="also time the e4m3 GEMM at every token tile")
+    ap.add_argument("--tiles", action="store_true",
+                    help="also time the e4m3 GEMM at every token tile and split factor of --splits")
+    ap.add_argument("--splits", default="1", help="split-K factors for --tiles (comma list)")
     ap.add_argument("--list", action="store_true", help="print the kernels' names and exit")
     ap.add_argument("--build", action="store_true", help="build the kernels and exit (no GPU needed)")
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel nvcc builds for --build")
@@ -109,6 +112,7 @@ def main(argv=None) -> int:
     shapes = bench.parse_shapes(a.shapes)
     ms = bench.parse_int_list(a.m)
     weights = [w for w in a.weights.split(",") if w]
+    splits = bench.parse_int_list(a.splits)
     if a.list or a.build:
         specs = _specs(weights, shapes, ms, a.group)
         if a.list:
@@ -159,13 +163,15 @@ def main(argv=None) -> int:
                     f"mixgemm-{wt}-fp8-gemm": (lambda: fp8.gemm_quantized(xq, xs, packed), ref_fp8),
                 }
                 for t in FP8_TOKEN_TILES if a.tiles else ():
-                    spec = fp8.fp8_gemm_spec(packed.act_type, wtype, None, t)
-                    impls[f"mixgemm-{wt}-fp8-gemm@t{t}"] = (
-                        lambda spec=spec: fp8.gemm_quantized(xq, xs, packed, spec=spec), ref_fp8)
-                    if n >= _GATED_ROWS:
-                        gated = fp8.fp8_gemm_spec(packed.act_type, wtype, "swiglu", t)
-                        impls[f"mixgemm-{wt}-fp8-swiglu@t{t}"] = (
-                            lambda spec=gated: fp8.gemm_quantized(xq, xs, packed, activation="swiglu", spec=spec), None)
+                    for sp in splits:   # (whole tiles on the persistent kernel, splits on the stream-K one)
+                        spec = fp8.fp8_gemm_spec(packed.act_type, wtype, None, t, sp)
+                        gated = fp8.fp8_gemm_spec(packed.act_type, wtype, "swiglu", t, sp)
+                        impls[f"mixgemm-{wt}-fp8-gemm@t{t}s{sp}"] = (
+                            lambda spec=spec, sp=sp: fp8.gemm_quantized(xq, xs, packed, spec=spec, splits=sp), ref_fp8)
+                        if n >= _GATED_ROWS:
+                            impls[f"mixgemm-{wt}-fp8-swiglu@t{t}s{sp}"] = (
+                                lambda spec=gated, sp=sp: fp8.gemm_quantized(xq, xs, packed, activation="swiglu",
+                                                                              spec=spec, splits=sp), None)
                 point = {}
                 for name, (fn, ref) in impls.items():
                     try:

@@ -23,6 +23,10 @@
 // blocks stay in registers between the max and the quantization (K <= 32 * kQuantThreads *
 // kQuantCached = 16384 reads x once); a longer row reads its other blocks twice (the second time
 // from L2). The max is reduced with warp shuffles and one shared-memory round.
+//
+// Programmatic dependent launch: it waits for the previous grid before its first global access,
+// and lets the next one (the e4m3 GEMM, whose producer waits for this grid before its first load)
+// launch as each CTA starts, so that the GEMM's set-up overlaps this kernel.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +34,8 @@
 #include "cutlass/bfloat16.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/half.h"
+
+#include "mixgemm/pdl.hpp"
 
 #if defined(__CUDACC__)
 #include <cuda_fp8.h>
@@ -115,6 +121,8 @@ CUTLASS_DEVICE void quantize_row(uint4 const* __restrict__ x, uint4* __restrict_
   uint4 const* row = x + m * ldx_vecs;      // 8 values per uint4
   uint4* out = xq + m * ldq_vecs;           // 16 bytes per uint4
   int const tid = threadIdx.x;
+  pdl::launch_next_grid();
+  pdl::wait_previous_grid();
   Block cache[kQuantCached];
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kQuantCached; ++i) {   // every load in flight before any is used

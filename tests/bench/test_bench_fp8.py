@@ -198,7 +198,8 @@ def test_mixgemm_fp8_adapter_on_the_cpu(wt):
     assert torch.equal(plain.dequantized, dequantize_reference(qw))
     specs = impl.kernel_specs(torch.bfloat16, [1, 4096])
     assert [s.name for s in specs] == [quant_spec(torch.bfloat16).name] + [
-        f"mixgemm_f8gemm_bf16_{wt}_t128x{t}x128_s0" for t in (128, 64, 32)]     # every token tile
+        f"mixgemm_f8gemm_bf16_{wt}_t128x{t}x128{sk}_s0"
+        for sk in ("", "_streamk") for t in (128, 64, 32)]     # every token tile, whole-tile and split-K
     if not torch.cuda.is_available():
         assert impl.available() == (False, "needs a CUDA GPU")
     impl.release()
@@ -326,6 +327,7 @@ def test_list_kernels_of_the_e4m3_rows(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--m", "1,4096", "--impls", "mixgemm-u4-fp8,scaled_mm", "--list-kernels"]) == 0
     assert capsys.readouterr().out.split() == sorted([
-        *(f"mixgemm_f8gemm_bf16_u4_t128x{t}x128_s0" for t in (128, 64, 32)), quant_spec(torch.bfloat16).name])
+        *(f"mixgemm_f8gemm_bf16_u4_t128x{t}x128{sk}_s0" for t in (128, 64, 32) for sk in ("", "_streamk")),
+        quant_spec(torch.bfloat16).name])
     assert bench.main(["--m", "1", "--impls", "scaled_mm", "--list-kernels"]) == 0
     assert capsys.readouterr().out.split() == [quant_spec(torch.bfloat16).name]

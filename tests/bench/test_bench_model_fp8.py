@@ -149,7 +149,8 @@ def test_kernel_specs_of_the_e4m3_variants(monkeypatch, capsys):
     act = ActType.BF16
     layer = [s.name for s in layer_specs([act])]
     names = [s.name for s in V.kernel_specs(SMALL, U4_FP8, [1, 2048])]
-    tiled = [f"mixgemm_f8gemm_bf16_{{wt}}_t128x{t}x128{g}_s0" for g in ("", "_swiglu") for t in (128, 64, 32)]
+    tiled = [f"mixgemm_f8gemm_bf16_{{wt}}_t128x{t}x128{sk}{g}_s0" for g in ("", "_swiglu")
+             for sk in ("", "_streamk") for t in (128, 64, 32)]
     assert names == [quant_spec(torch.bfloat16).name, *(n.format(wt="u4") for n in tiled), *layer]
     assert [s.name for s in V.kernel_specs(SMALL, V.SCALED_MM, [1])] == [quant_spec(torch.bfloat16).name, *layer]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

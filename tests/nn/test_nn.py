@@ -280,8 +280,9 @@ def test_prebuild_lists_the_e4m3_kernels_of_an_fp8_layer():
 
     model = torch.nn.Sequential(QuantLinear(256, 128, bits=4, group_size=64, act_format="fp8"))
     names = [s.name for s in specs_for(model)]
-    assert names == sorted(["mixgemm_quant_fp8_bf16"] + [f"mixgemm_f8gemm_bf16_u4_t128x{t}x128_s0"
-                                                         for t in (128, 64, 32)]), names   # every token tile
+    assert names == sorted(["mixgemm_quant_fp8_bf16"] + [f"mixgemm_f8gemm_bf16_u4_t128x{t}x128{sk}_s0"
+                                                         for t in (128, 64, 32) for sk in ("", "_streamk")]), names
+    # (every token tile, whole-tile and split-K)
     model[0].set_act_format("bf16")
     names = [s.name for s in specs_for(model)]
     assert names and not any("fp8" in n or "f8gemm" in n for n in names), names

@@ -85,9 +85,9 @@ def test_quant_linear_auto(table, monkeypatch):
     assert seen == [("bf16", 16), ("fp8", 64)]
     names = {u.name if hasattr(u, "name") else type(u).__name__ for u in layer.kernel_uses()}
     assert any(n.startswith("mixgemm_f8gemm_") for n in names) and any(n.startswith("mixgemm_quant_fp8") for n in names)
-    assert len(layer.kernel_uses()) == 2 + 3       # the weight, the quantizer, the e4m3 GEMM's token tiles
+    assert len(layer.kernel_uses()) == 2 + 6       # the weight, the quantizer, the e4m3 GEMM's token tiles x 2
     assert {n for n in names if n.startswith("mixgemm_f8gemm_")} == {
-        f"mixgemm_f8gemm_bf16_u2_t128x{t}x128_s0" for t in (128, 64, 32)}
+        f"mixgemm_f8gemm_bf16_u2_t128x{t}x128{sk}_s0" for t in (128, 64, 32) for sk in ("", "_streamk")}
     assert len(QuantLinear(128, 256, bits=8, act_format="auto").kernel_uses()) == 1
     assert layer.state_dict()["_extra_state"]["act_format"] == "auto"
     QuantLinear(128, 256, bits=2, group_size=64, act_format="auto").load_state_dict(layer.state_dict())

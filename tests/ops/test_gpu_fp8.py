@@ -14,7 +14,7 @@ The kernels these tests build (``python tools/fp8_check.py --list``; ``--build -
 mixgemm_quant_fp8_{bf16,fp16}, mixgemm_f8gemm_bf16_{u4,s4,u2,s2}_t128x{128,64,32}x128_s0,
 mixgemm_f8gemm_fp16_{u4,s2}_t128x{128,64,32}x128_s0 and the gated
 mixgemm_f8gemm_{bf16,fp16}_{u4,s4,u2,s2}_t128x{128,64,32}x128_swiglu_s0 (each call takes its token
-tile by its token count: mixgemm.dispatch.heuristic.fp8_token_tile).
+tile and split-K factor by its token count and layer: mixgemm.dispatch.heuristic.fp8_launch).
 
 With MIXGEMM_FP8_REPORT=path, every GEMM check (weight type, group, shape, M, error, bound) is
 written there as JSON.
@@ -337,14 +337,82 @@ def test_every_token_tile_computes_the_same_sums(wt, activation):
     for m in (1, 37, 130, 300):
         x = _activations(m, 2048, torch.bfloat16, seed=m)
         xq, xs = fp8.quantize_fp8(x)
-        ys = [fp8.gemm_quantized(xq, xs, w, activation=activation,
+        ys = [fp8.gemm_quantized(xq, xs, w, activation=activation, splits=1,
                                  spec=fp8.fp8_gemm_spec(w.act_type, wt, activation, t)) for t in FP8_TOKEN_TILES]
         for y in ys[1:]:
             assert torch.equal(y, ys[0]), (m, activation)
-        assert torch.equal(mixgemm.gemm(x, w, activation=activation, act_format="fp8"), ys[0])
+        spec, splits = fp8.select_fp8_launch(m, w, activation, torch.cuda.get_device_properties(0).multi_processor_count)
+        assert torch.equal(mixgemm.gemm(x, w, activation=activation, act_format="fp8"),
+                           fp8.gemm_quantized(xq, xs, w, activation=activation, spec=spec, splits=splits))
         if activation is None:
             _check(ys[0], reference(x, w64), 2048, torch.bfloat16,
                    {"weight": wt.value, "group": "64", "n": 1024, "k": 2048, "m": m, "dtype": "bf16"})
+
+
+@pytest.mark.parametrize("wt,group,n,k", [
+    (WeightType.U4, 128, 4096, 4096),    # one group per k-tile
+    (WeightType.U4, "K", 1024, 2304),    # one group of 18 k-tiles: splits start inside it
+    (WeightType.U2, 256, 1552, 2560),    # 2-bit zero points; a partial weight tile
+    (WeightType.S4, "K", 1024, 2048),    # per-channel
+    (WeightType.S2, 32, 1024, 1152),     # 4 groups per k-tile, 9 k-tiles
+])
+def test_split_k_matches_float64_and_each_split_factor_is_deterministic(wt, group, n, k):
+    """Every split-K factor (the k-tiles of each output tile cut into 2 to 8 runs whose partial
+    sums are added in k order, on the stream-K kernel) gives the float64 result within the GEMM
+    tolerance, the same output on every launch, and the whole-tile result to float32 rounding;
+    the stream-K kernel launched whole gives the persistent kernel's output bit for bit. Units
+    that start inside a zero-point group are covered (groups of 18 and 2 k-tiles)."""
+    _dev()
+    w, w64 = _weights(wt, group, n, k)
+    for m in (16, 100, 300):
+        x = _activations(m, k, torch.bfloat16, seed=m + n)
+        xq, xs = fp8.quantize_fp8(x)
+        ref = reference(x, w64)
+        whole = fp8.gemm_quantized(xq, xs, w, splits=1).double()
+        for tile_n in FP8_TOKEN_TILES:
+            spec = fp8.fp8_gemm_spec(w.act_type, wt, None, tile_n, splits=2)     # the stream-K kernel
+            # launched whole, it computes what the persistent kernel does, bit for bit
+            assert torch.equal(fp8.gemm_quantized(xq, xs, w, spec=spec, splits=1),
+                               fp8.gemm_quantized(xq, xs, w, spec=fp8.fp8_gemm_spec(w.act_type, wt, None, tile_n)))
+            for splits in (2, 3, 5, 8):
+                y = fp8.gemm_quantized(xq, xs, w, spec=spec, splits=splits)
+                assert torch.equal(y, fp8.gemm_quantized(xq, xs, w, spec=spec, splits=splits)), (m, tile_n, splits)
+                _check(y, ref, k, torch.bfloat16, {"weight": wt.value, "group": str(group), "n": n, "k": k, "m": m,
+                                                   "dtype": "bf16", "tile_n": tile_n, "splits": splits})
+                # float32 partial sums added in another order, then one rounding to bf16
+                assert ((y.double() - whole).norm() / whole.norm()).item() < 2.0 ** -7, (m, tile_n, splits)
+
+
+def test_split_k_gated_and_in_a_cuda_graph():
+    """A split launch of the gated (swiglu) kernel equals float64; captured in a CUDA graph it
+    replays the eager result on new data; and the stream-K locks are all zero when the GPU is
+    idle (each launch leaves them zeroed)."""
+    from mixgemm.dispatch import plans
+
+    dev = _dev()
+    w, w64 = _weights(WeightType.U4, 128, 2048, 4096)            # gate/up interleaved in 8-row stripes
+    x = _activations(48, 4096, torch.bfloat16, seed=3, top=0)
+    xq, xs = fp8.quantize_fp8(x)
+    for splits in (1, 4):
+        y = fp8.gemm_quantized(xq, xs, w, activation="swiglu", splits=splits).double()
+        h = reference(x, w64).view(48, -1, 2, 8)
+        ref = (torch.nn.functional.silu(h[:, :, 0]) * h[:, :, 1]).reshape(48, -1)
+        err = ((y - ref).norm() / ref.norm()).item()
+        assert err <= 2 * tolerance(4096, torch.bfloat16), (splits, err)
+    spec = fp8.fp8_gemm_spec(w.act_type, WeightType.U4, None, 64, splits=4)
+    eager = fp8.gemm_quantized(xq, xs, w, spec=spec, splits=4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp8.gemm_quantized(xq, xs, w, spec=spec, splits=4)
+    new_q, new_s = fp8.quantize_fp8(_activations(48, 4096, torch.bfloat16, seed=4, top=0))
+    xq.copy_(new_q)
+    xs.copy_(new_s)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, fp8.gemm_quantized(xq, xs, w, spec=spec, splits=4))
+    assert not torch.equal(y, eager)
+    torch.cuda.synchronize(dev)
+    assert plans.LOCKS.buffers() and all(not any(b.read()) for b in plans.LOCKS.buffers())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -163,8 +163,10 @@ def test_fp8_check_lists_its_kernels(capsys):
             "mixgemm_f8gemm_bf16_s2_t128x128x128_s0", "mixgemm_f8gemm_fp16_u4_t128x128x128_s0",
             "mixgemm_f8gemm_fp16_u2_t128x128x128_swiglu_s0", "mixgemm_f8gemm_bf16_u4_t128x32x128_s0",
             "mixgemm_f8gemm_fp16_s4_t128x64x128_swiglu_s0"} <= set(names)
-    # 2 quantizers, 3 token tiles x (4 bf16 + 2 fp16 plain + 8 gated) e4m3 GEMMs, the timed row's bf16 GEMM
-    assert len(names) == len(set(names)) == 45 and any(n.startswith("mixgemm_gemm_bf16_u4_") for n in names)
+    # 2 quantizers, 3 token tiles x 2 schedulers x (4 bf16 + 2 fp16 plain + 8 gated) e4m3 GEMMs, the
+    # timed row's bf16 GEMM
+    assert "mixgemm_f8gemm_bf16_u4_t128x32x128_streamk_s0" in names
+    assert len(names) == len(set(names)) == 87 and any(n.startswith("mixgemm_gemm_bf16_u4_") for n in names)
     with pytest.raises(SystemExit) as e:
         mod.main(["--bogus"])
     assert e.value.code == 2

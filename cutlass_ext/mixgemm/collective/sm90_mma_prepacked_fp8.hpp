@@ -32,12 +32,15 @@
 // TMA per stage), the conversion, the wgmma schedule and the promotions.
 //
 // The collective implements the interface of CUTLASS's sm90 warp-specialized cooperative
-// GemmUniversal kernel with the persistent tile scheduler (a work unit is a whole output tile:
-// the consumer counts k-tiles from 0 to find its groups). No clusters, no grouped form yet.
+// GemmUniversal kernel; the kernels run it on the stream-K scheduler (streamk_scheduler.hpp), so a
+// work unit is a whole output tile or, split-K, a run of its k-tiles: the per-token scales are
+// applied to each unit's partial sums (they are linear), and a partial unit finds no group
+// boundaries by counting. No clusters, no grouped form yet.
 #pragma once
 
 #include "mixgemm/collective/sm90_prepacked_common.hpp"
 #include "mixgemm/e4m3.hpp"
+#include "mixgemm/pdl.hpp"
 
 // Ablation switches, for measuring what the conversion and the promotion cost (docs/fp8.md,
 // "Where the time goes"): built with -DMIXGEMM_FP8_ABLATE=N (MIXGEMM_NVCC_FLAGS, which is part of
@@ -167,6 +170,11 @@ struct CollectiveMmaPrepackedFp8
     if (!cute::elect_one_sync()) {
       return;
     }
+    // Launched with programmatic stream serialization: wait here for the previous grid (the
+    // quantizer that wrote the activations and their scales) before the first load. Nothing in
+    // the kernel reads memory an earlier kernel writes before this load has landed (the consumers
+    // wait on its stages, the epilogue and the split-K reduction come after them).
+    pdl::wait_previous_grid();
     Tensor mX = params.tma_load_token.get_tma_tensor(make_shape(params.tokens, 1));
     Tensor gX = local_tile(mX, shape(SmemLayoutTokenRow{}), make_coord(get<1>(blk_coord), _));  // (BLK_N,1,1)
     Tensor sX = make_tensor(make_smem_ptr(shared_tensors.smem_token.data()),
@@ -229,6 +237,7 @@ struct CollectiveMmaPrepackedFp8
     float const* smem_T = shared_tensors.smem_token.data();
     int const gpt = params.group_rows_per_tile;
     int const group_size = params.group_size;
+    int const k_tiles_total = (params.k_atoms * kAtomCols + BLK_K - 1) / BLK_K;
 
     PipelineState smem_pipe_release = smem_pipe_read;
     clear(accum);
@@ -253,8 +262,11 @@ struct CollectiveMmaPrepackedFp8
 
       // With one group row per k-tile, a group spans tiles_per_group whole k-tiles (a group of K
       // that is not a multiple of BLK_K: every k-tile), so a countdown finds the k-tiles that
-      // start one, where (t * BLK_K) % group_size would be a runtime division per k-tile.
-      int const tiles_per_group = (group_size + BLK_K - 1) / BLK_K;
+      // start one, where (t * BLK_K) % group_size would be a runtime division per k-tile. A
+      // split-K or stream-K unit that is not the whole tile may start inside a group, so it
+      // takes each of its k-tiles as the start of one (the zero-point tables read again; the
+      // scales are read per k-tile anyway).
+      int const tiles_per_group = k_tile_count == k_tiles_total ? (group_size + BLK_K - 1) / BLK_K : 1;
       int group_tiles_left = 0;
 
       // Wait for the next k-tile's stage and convert its A fragments into `frag` (called once

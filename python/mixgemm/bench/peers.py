@@ -462,7 +462,7 @@ class MixgemmImpl(Impl):
         if act_format not in ("bf16", "fp8"):
             raise ValueError(f"act_format must be bf16 or fp8, got {act_format!r}")
         if act_format == "fp8" and tile_label is not None:
-            raise ValueError("the e4m3 GEMM chooses its token tile per call (mixgemm.dispatch.heuristic.fp8_token_tile): "
+            raise ValueError("the e4m3 GEMM chooses its token tile and split per call (mixgemm.dispatch.heuristic.fp8_launch): "
                              "no @<config> rows")
         self.weight_type = weight_type
         self.group_size = group_size

@@ -197,30 +197,53 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-#: The e4m3 GEMM's time per output tile for each token tile, relative to the widest's (the
-#: conversion of the weight's codes, the same for every token tile, is most of it). Measured on
-#: an H200 (docs/fp8.md, "Token tiles"): 0.66-0.75 (32) and 0.77-0.84 (64) over 4096x4096,
-#: 6144x4096, 4096x14336 and 28672x4096, u4 and u2, at M = 16, where every token tile runs the
-#: same waves; the upper ends are kept, so that where the waves differ the wider tile wins in doubt.
-_FP8_TILE_TIME = {128: 1.0, 64: 0.83, 32: 0.75}
+#: The e4m3 GEMM's time per k-tile for each token tile, relative to the widest's (the conversion
+#: of the weight's codes, the same for every token tile, is most of it), and what a split launch
+#: adds, in k-tiles of the 128-token tile's time, for a 128-token tile (a narrower one in
+#: proportion to its width): per wave, the partial sums that every split stores or adds in the
+#: workspace, and the stream-K kernel's own cost over the persistent one's
+#: (``_FP8_SPLIT_WAVE_COST``), and per split beyond the first a link of the chain in which the
+#: splits of a tile add their sums one after another, in k order (``_FP8_SPLIT_LINK_COST``:
+#: CUTLASS's deterministic reduction). Fitted on an H200 to 70 points (4 LLaMA-3-8B layers and
+#: the gated gate/up, u4 and u2, M = 16 to 4096, every token tile x 1 to 8 splits; docs/fp8.md,
+#: "Token tiles and split-K"), where the rule's pick ran within 6.2% of the fastest everywhere.
+_FP8_TILE_TIME = {128: 1.0, 64: 0.83, 32: 0.65}
+_FP8_SPLIT_WAVE_COST = 12.0
+_FP8_SPLIT_LINK_COST = 4.0
+#: The most splits of an output tile's k-tiles, and the fewest k-tiles a split may hold.
+FP8_MAX_SPLITS = 8
+_FP8_MIN_SPLIT_KTILES = 2
 
 
-def fp8_token_tile(m: int, n: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
-    """The token tile (``tile_n``, one of :data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`) of the e4m3
-    GEMM for ``m`` tokens on a weight of ``n`` rows: the one whose waves (its output tiles over
-    the SMs, rounded up: the persistent scheduler's) times its time per tile (``_FP8_TILE_TIME``)
-    is least, the widest of equals. A narrower tile costs less per tile (fewer wgmmas for the
-    same conversion of the weight's codes) but makes more tiles, so it wins where that adds no
-    wave: few tokens, or a widest tile that leaves SMs idle. On an H200 (132 SMs) this picked
-    the fastest of 32, 64 and 128 at each of 70 measured points (4 LLaMA-3-8B layers and the
-    gated gate/up, M = 16 to 4096, u4 and u2)."""
+def fp8_launch(m: int, n: int, k: int, sm_count: int = DEFAULT_SM_COUNT,
+               token_tiles: tuple = FP8_TOKEN_TILES) -> tuple[int, int]:
+    """The token tile (``tile_n``, one of :data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`) and the
+    split-K factor of the e4m3 GEMM for ``m`` tokens on an ``n`` x ``k`` weight, on a GPU of
+    ``sm_count`` SMs.
+
+    Each output tile's k-loop runs at about the same time per k-tile whatever the token tile
+    (``_FP8_TILE_TIME``), so the launch that runs fewest k-tiles one after another on an SM wins:
+    its waves (output tiles x splits over the SMs, rounded up) times the k-tiles of a split,
+    plus what the splits' reduction adds (``_FP8_SPLIT_WAVE_COST`` per wave and
+    ``_FP8_SPLIT_LINK_COST`` per link of the chain). Few
+    tokens on few weight rows leave most SMs idle without splits; many tokens fill them with
+    whole tiles. The least estimate wins; of equals, fewer splits, then the wider tile.
+    ``token_tiles``: the tiles to choose from (one: the best split for that tile)."""
     row_tiles = -(-n // FP8_TILE[0])
-    best, best_cost = FP8_TOKEN_TILES[0], None
-    for tile_n in FP8_TOKEN_TILES:
-        waves = -(-(row_tiles * -(-max(m, 1) // tile_n)) // max(sm_count, 1))
-        cost = waves * _FP8_TILE_TIME[tile_n]
-        if best_cost is None or cost < best_cost:
-            best, best_cost = tile_n, cost
+    k_tiles = -(-k // FP8_TILE[2])
+    sms = max(sm_count, 1)
+    best, best_cost = (token_tiles[0], 1), None
+    for tile_n in token_tiles:
+        tiles = row_tiles * -(-max(m, 1) // tile_n)
+        for splits in range(1, FP8_MAX_SPLITS + 1):
+            if splits > 1 and k_tiles < splits * _FP8_MIN_SPLIT_KTILES:
+                break
+            waves = -(-(tiles * splits) // sms)
+            cost = _FP8_TILE_TIME[tile_n] * waves * -(-k_tiles // splits)
+            if splits > 1:
+                cost += (waves * _FP8_SPLIT_WAVE_COST + (splits - 1) * _FP8_SPLIT_LINK_COST) * tile_n / FP8_TOKEN_TILES[0]
+            if best_cost is None or cost < best_cost - 1e-9:
+                best, best_cost = (tile_n, splits), cost
     return best
 
 

@@ -573,6 +573,23 @@ def execute(plan: LaunchPlan, x: torch.Tensor, m: int, y_shape: tuple, bias: Opt
     return y
 
 
+def launch_memory(arenas: StreamArenas, device: torch.device, device_index: int, stream: int, need: int,
+                  capturing: bool, held: list) -> tuple[int, int]:
+    """(pointer, bytes) of at least ``need`` bytes of ``arenas``' kind for one launch on ``stream``:
+    the stream's buffer, grown if it is smaller, outside a capture; under a capture, the stream's
+    buffer if it is large enough, else memory from torch's allocator in the graph's pool (zeroed
+    by a memset queued before the launch, for the locks), appended to ``held``, which the caller
+    keeps until the launch is queued."""
+    if not capturing:
+        return arenas.grow(device, device_index, stream, need)[1:]
+    ptr, size = arenas.offer(device_index, stream)
+    if size >= need:
+        return ptr, size
+    make = torch.zeros if arenas.zeroed else torch.empty
+    held.append(make(need, dtype=torch.uint8, device=device))
+    return held[-1].data_ptr(), need
+
+
 def _launch_with_memory(plan: LaunchPlan, rc: int, m: int, x_ptr: int, y_ptr: int, bias_ptr: int, stream: int,
                         ws_ptr: int, ws_size: int, lk_ptr: int, lk_size: int) -> None:
     """A launch that answered NEED_WORKSPACE or NEED_LOCKS, again with what it asked for: the
@@ -580,14 +597,10 @@ def _launch_with_memory(plan: LaunchPlan, rc: int, m: int, x_ptr: int, y_ptr: in
     allocator in the graph's pool (the locks zeroed by a memset queued before the launch), held
     only until the launch is queued. Any other answer raises its error."""
 
-    held = []
+    held: list = []
 
     def memory(arenas: StreamArenas, need: int) -> tuple[int, int]:
-        if not plan.capturing:
-            return arenas.grow(plan.device, plan.device_index, stream, need)[1:]
-        make = torch.zeros if arenas.zeroed else torch.empty
-        held.append(make(need, dtype=torch.uint8, device=plan.device))
-        return held[-1].data_ptr(), need
+        return launch_memory(arenas, plan.device, plan.device_index, stream, need, plan.capturing, held)
 
     for _ in range(3):   # at most one answer of each kind, then the launch
         if rc == launcher.LaunchResult.NEED_WORKSPACE:

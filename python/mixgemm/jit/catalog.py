@@ -159,7 +159,7 @@ FP8_TILE = (128, 128, 128)
 
 #: The e4m3 GEMM's token tiles (its ``tile_n``), widest first: one kernel each per (output
 #: dtype, weight type, epilogue); a call takes the one
-#: :func:`mixgemm.dispatch.heuristic.fp8_token_tile` picks for its token count and layer. Wider
+#: :func:`mixgemm.dispatch.heuristic.fp8_launch` picks for its token count and layer. Wider
 #: ones (192, 256) make ptxas serialize the wgmmas (the group accumulator doubles the registers).
 FP8_TOKEN_TILES = (128, 64, 32)
 

@@ -175,6 +175,8 @@ class HostHelper:
         if fn.argtypes is None:
             if name == "mixgemm_fp8_gemm_check":
                 fn.argtypes = [ctypes.POINTER(Fp8GemmArgs), ctypes.c_char_p, ctypes.c_int]
+            elif name == "mixgemm_fp8_gemm_memory":
+                fn.argtypes = [ctypes.POINTER(Fp8GemmArgs), ctypes.POINTER(ctypes.c_uint64)]
             else:
                 fn.argtypes = [ctypes.POINTER(Fp8GemmArgs), ctypes.c_void_p, ctypes.c_uint32,
                                ctypes.POINTER(Launch), ctypes.c_char_p, ctypes.c_int]
@@ -184,6 +186,14 @@ class HostHelper:
     def check_fp8(self, args: Fp8GemmArgs) -> Optional[str]:
         """An e4m3 GEMM kernel's check of ``args`` (None: it can run them)."""
         return _checked(self._fp8("mixgemm_fp8_gemm_check"), args)
+
+    def memory_fp8(self, args: Fp8GemmArgs) -> tuple[int, int]:
+        """(workspace bytes, zeroed lock bytes) an e4m3 GEMM launch of ``args`` needs (its split
+        factor decides them; (0, 0) for a launch of whole tiles)."""
+        out = (ctypes.c_uint64 * 2)()
+        if self._fp8("mixgemm_fp8_gemm_memory")(ctypes.byref(args), out):
+            raise KernelError(f"{self.name}: null arguments to mixgemm_fp8_gemm_memory")
+        return int(out[0]), int(out[1])
 
     def prepare_fp8(self, args: Fp8GemmArgs) -> tuple[ctypes.Array, Launch]:
         """An e4m3 GEMM kernel's params and launch shape for ``args`` (:meth:`prepare`'s)."""

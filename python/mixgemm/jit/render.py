@@ -167,6 +167,10 @@ def _render_fp8_gemm(spec: Fp8GemmSpec) -> str:
               f"cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename "
               f"{n}_epilogue::SharedStorage))>")
     include = '#include "mixgemm/gemm_prelude_fp8.hpp"'
+    scheduler = "cutlass::gemm::PersistentScheduler"
+    if spec.scheduler is Scheduler.STREAMK:
+        include += '\n#include "mixgemm/streamk_scheduler.hpp"'
+        scheduler = "mixgemm::StreamKSelfResetting"
     if spec.epilogue is Epilogue.SWIGLU:   # the bf16 kernels' gated epilogue
         include += '\n#include "mixgemm/epilogue_gated.hpp"'
         schedule, functor = "mixgemm::EpilogueGatedNoSmem", f"mixgemm::epilogue::Swiglu<{act}, float, void, float>"
@@ -201,7 +205,7 @@ using {n}_mainloop =
   >::CollectiveOp;
 
 struct {n}_op : cutlass::gemm::kernel::GemmUniversal<
-    cute::Shape<int, int, int, int>, {n}_mainloop, {n}_epilogue, cutlass::gemm::PersistentScheduler> {{}};
+    cute::Shape<int, int, int, int>, {n}_mainloop, {n}_epilogue, {scheduler}> {{}};
 
 static_assert(mixgemm::uses_prepacked_fp8_mainloop_v<{n}_op>,
               "{n}: the builder did not select mixgemm's e4m3 prepacked mainloop");

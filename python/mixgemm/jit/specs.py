@@ -453,8 +453,10 @@ class Fp8GemmSpec:
 
     ``act`` is the type of the weight's scales and zero points and of the output (bf16 or fp16);
     ``tile_m`` tiles the weight rows N (the MMA's M mode), ``tile_n`` the tokens, ``tile_k`` the
-    reduction (64 or 128). Cooperative schedule, persistent tile scheduler, no cluster: the
-    first form of these kernels (docs/fp8.md says what is left). ``stages = 0`` lets the builder
+    reduction (64 or 128). Cooperative schedule, no cluster (docs/fp8.md says what is left).
+    ``scheduler``: the persistent one (whole output tiles), or the stream-K one with
+    self-resetting locks, launched split-K with the factor the call chooses (a few us more per
+    launch of whole tiles, so only split launches take it). ``stages = 0`` lets the builder
     fill shared memory. ``epilogue``: the bf16 kernels' bias + runtime activation (none / silu /
     gelu, ``BIAS_ACT``), or their gated epilogue (``SWIGLU``: gate/up interleaved in 8-row
     stripes, ``N/2`` outputs), which reads the float32 accumulator after the per-token scales.
@@ -467,12 +469,15 @@ class Fp8GemmSpec:
     tile_k: int = 128
     stages: int = 0
     epilogue: Epilogue = Epilogue.BIAS_ACT
+    scheduler: Scheduler = Scheduler.PERSISTENT
 
     kind = KernelKind.FP8_GEMM
     schedule = Schedule.COOPERATIVE
-    scheduler = Scheduler.PERSISTENT
     cluster_m = 1
-    programmatic_launch = False   # as GemmSpec
+    #: the producer waits for the previous grid (griddepcontrol.wait) before its first load, and
+    #: nothing else reads what an earlier kernel writes before that load has landed: the launch
+    #: and the set-up overlap the quantizer before it
+    programmatic_launch = True
     #: the weight types whose codes (and codes minus zero points) e4m3 holds exactly
     WEIGHTS = ("s4", "u4", "s2", "u2")
 
@@ -484,6 +489,8 @@ class Fp8GemmSpec:
             raise ValueError(f"tile_m must be 128 or 256 (two consumer warp groups), got {self.tile_m}")
         if self.epilogue not in (Epilogue.BIAS_ACT, Epilogue.SWIGLU):
             raise ValueError(f"the e4m3 GEMM's epilogue is bias + activation or swiglu, got {self.epilogue.value}")
+        if self.scheduler not in (Scheduler.PERSISTENT, Scheduler.STREAMK):
+            raise ValueError(f"the e4m3 GEMM's scheduler is persistent or streamk, got {self.scheduler!r}")
         _check_sm90_tile(self.tile_n, self.tile_k, self.stages)
 
     @property
@@ -491,14 +498,18 @@ class Fp8GemmSpec:
         """Swiglu for the gated epilogue; None: the call chooses none / silu / gelu."""
         return Activation.SWIGLU if self.epilogue is Epilogue.SWIGLU else None
 
-    #: no stream-K locks
-    self_resetting_locks = False
+    @property
+    def self_resetting_locks(self) -> bool:
+        """Whether a launch takes zeroed locks apart from its workspace and leaves them zeroed
+        (the stream-K kernels)."""
+        return self.scheduler is Scheduler.STREAMK
 
     @functools.cached_property
     def name(self) -> str:
         gated = "_swiglu" if self.epilogue is Epilogue.SWIGLU else ""
+        split = "_streamk" if self.scheduler is Scheduler.STREAMK else ""
         return (f"mixgemm_f8gemm_{self.act.value}_{self.weight.value}_"
-                f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{gated}_s{self.stages}")
+                f"t{self.tile_m}x{self.tile_n}x{self.tile_k}{split}{gated}_s{self.stages}")
 
     #: any number of tokens
     max_tokens = None
@@ -513,7 +524,7 @@ class QuantFp8Spec:
     act: ActType
 
     kind = KernelKind.QUANT_FP8
-    programmatic_launch = False
+    programmatic_launch = True   # griddepcontrol.wait precedes every global access
 
     @functools.cached_property
     def name(self) -> str:
@@ -547,7 +558,7 @@ _NORM_NAME = re.compile(r"^mixgemm_(?P<add>add_)?rmsnorm_(?P<act>bf16|fp16)$")
 _ROPE_NAME = re.compile(r"^mixgemm_rope_kv_(?P<act>bf16|fp16)$")
 _FP8_GEMM_NAME = re.compile(
     r"^mixgemm_f8gemm_(?P<act>bf16|fp16)_(?P<weight>[su][248])_t(?P<m>\d+)x(?P<n>\d+)x(?P<k>\d+)"
-    r"(?P<gated>_swiglu)?_s(?P<stages>\d+)$")
+    r"(?P<streamk>_streamk)?(?P<gated>_swiglu)?_s(?P<stages>\d+)$")
 _QUANT_FP8_NAME = re.compile(r"^mixgemm_quant_fp8_(?P<act>bf16|fp16)$")
 
 
@@ -592,7 +603,8 @@ def parse_name(name: str) -> KernelSpec:
     m = _FP8_GEMM_NAME.match(name)
     if m:
         return Fp8GemmSpec(ActType(m["act"]), WeightType(m["weight"]), int(m["m"]), int(m["n"]), int(m["k"]),
-                           int(m["stages"]), Epilogue.SWIGLU if m["gated"] else Epilogue.BIAS_ACT)
+                           int(m["stages"]), Epilogue.SWIGLU if m["gated"] else Epilogue.BIAS_ACT,
+                           Scheduler.STREAMK if m["streamk"] else Scheduler.PERSISTENT)
     m = _QUANT_FP8_NAME.match(name)
     if m:
         return QuantFp8Spec(ActType(m["act"]))

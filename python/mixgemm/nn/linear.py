@@ -140,7 +140,7 @@ class QuantLinear(nn.Module):
         """The GEMM's weight as its kernels see it (:class:`~mixgemm.dispatch.uses.LaunchesKernels`);
         with ``act_format="fp8"``, instead, the activation quantizer and the e4m3 GEMM of every
         token tile (each call launches the one its token count picks:
-        :func:`mixgemm.ops.fp8.select_fp8_spec`); with ``"auto"``, both."""
+        :func:`mixgemm.ops.fp8.select_fp8_launch`); with ``"auto"``, both."""
         packed = self.packed
         fp8 = self.act_format == "fp8" or (self.act_format == "auto" and fp8_problem(packed) is None)
         uses = [] if self.act_format == "fp8" else [WeightUse.of_packed(packed, self.activation)]

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..dispatch import checks, heuristic, tuning
+from ..dispatch import checks, heuristic, plans, tuning
 from ..dtypes import ActType, WeightType
 from ..jit import driver, loader
 from ..jit.catalog import FP8_TILE, FP8_TOKEN_TILES
-from ..jit.specs import Activation, Epilogue, Fp8GemmSpec, QuantFp8Spec
+from ..jit.specs import Activation, Epilogue, Fp8GemmSpec, QuantFp8Spec, Scheduler
 from . import args
 
 if TYPE_CHECKING:
@@ -300,28 +300,39 @@ def fp8_problem(w: "PackedWeight") -> Optional[str]:
 
 
 def fp8_gemm_spec(act: ActType, weight_type: WeightType, activation: Optional[str] = None,
-                  tile_n: int = FP8_TOKEN_TILES[0]) -> Fp8GemmSpec:
-    """The e4m3 GEMM kernel for ``act`` outputs (and scales), ``weight_type`` codes and a token
-    tile of ``tile_n`` (:data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`; default the widest), without
-    a weight at hand (a benchmark's or a prebuild's kernel list): the gated epilogue for
-    ``activation="swiglu"``, else bias + activation."""
+                  tile_n: int = FP8_TOKEN_TILES[0], splits: int = 1) -> Fp8GemmSpec:
+    """The e4m3 GEMM kernel for ``act`` outputs (and scales), ``weight_type`` codes, a token
+    tile of ``tile_n`` (:data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`; default the widest) and a
+    launch of ``splits`` split-K units per output tile, without a weight at hand (a benchmark's
+    or a prebuild's kernel list): the gated epilogue for ``activation="swiglu"``, else bias +
+    activation; the stream-K scheduler for split launches, else the persistent one."""
     epilogue = Epilogue.SWIGLU if activation == "swiglu" else Epilogue.BIAS_ACT
-    return Fp8GemmSpec(act, weight_type, FP8_TILE[0], tile_n, FP8_TILE[2], epilogue=epilogue)
+    scheduler = Scheduler.STREAMK if splits > 1 else Scheduler.PERSISTENT
+    return Fp8GemmSpec(act, weight_type, FP8_TILE[0], tile_n, FP8_TILE[2], epilogue=epilogue, scheduler=scheduler)
 
 
 def fp8_gemm_specs(act: ActType, weight_type: WeightType, activation: Optional[str] = None) -> list[Fp8GemmSpec]:
-    """Every e4m3 GEMM kernel :func:`select_fp8_spec` may pick for these types and ``activation``,
-    at any token count and on any GPU: one per token tile (what a prebuild builds)."""
-    return [fp8_gemm_spec(act, weight_type, activation, tile_n) for tile_n in FP8_TOKEN_TILES]
+    """Every e4m3 GEMM kernel :func:`select_fp8_launch` may pick for these types and ``activation``,
+    at any token count and on any GPU: per token tile, the whole-tile and the split-K kernel
+    (what a prebuild builds)."""
+    return [fp8_gemm_spec(act, weight_type, activation, tile_n, splits)
+            for splits in (1, 2) for tile_n in FP8_TOKEN_TILES]
+
+
+def select_fp8_launch(m: int, w: "PackedWeight", activation: Optional[str] = None,
+                      sm_count: int = heuristic.DEFAULT_SM_COUNT) -> tuple[Fp8GemmSpec, int]:
+    """The e4m3 GEMM kernel :func:`gemm_fp8` runs for ``m`` tokens on a GPU of ``sm_count`` SMs,
+    and its split-K factor: the token tile and splits of :func:`mixgemm.dispatch.heuristic.fp8_launch`
+    (narrower tiles or splits of the k-loop where whole tiles would leave SMs idle), the gated
+    epilogue for ``activation="swiglu"`` (:func:`fp8_gemm_spec`)."""
+    tile_n, splits = heuristic.fp8_launch(m, w.n, w.k, sm_count)
+    return fp8_gemm_spec(w.act_type, w.weight_type, activation, tile_n, splits), splits
 
 
 def select_fp8_spec(m: int, w: "PackedWeight", activation: Optional[str] = None,
                     sm_count: int = heuristic.DEFAULT_SM_COUNT) -> Fp8GemmSpec:
-    """The e4m3 GEMM kernel :func:`gemm_fp8` runs for ``m`` tokens on a GPU of ``sm_count`` SMs:
-    the token tile of :func:`mixgemm.dispatch.heuristic.fp8_token_tile` (narrower tiles where the
-    widest would leave SMs idle), the gated epilogue for ``activation="swiglu"``
-    (:func:`fp8_gemm_spec`)."""
-    return fp8_gemm_spec(w.act_type, w.weight_type, activation, heuristic.fp8_token_tile(m, w.n, sm_count))
+    """The kernel of :func:`select_fp8_launch`."""
+    return select_fp8_launch(m, w, activation, sm_count)[0]
 
 
 def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = None,
@@ -357,19 +368,19 @@ def gemm_fp8(x: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = 
         raise ValueError(f"act_format='fp8' fuses activation None, 'silu', 'gelu' or 'swiglu', not {activation!r}")
     lead = x.shape[:-1]
     m = math.prod(lead)
-    spec = _checked_spec(spec, w, activation, m, x.get_device())
+    spec, splits = _checked_launch(spec, None, w, activation, m, x.get_device())
     y = out if out is not None else torch.empty((*lead, _n_out(w, activation)), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
     xq, xs = _launch(x.reshape(m, w.k), input_scale=input_scale)
-    _launch_gemm(spec, w, xq, xs, bias, y, activation)
+    _launch_gemm(spec, splits, w, xq, xs, bias, y, activation)
     # xq and xs go back to torch's allocator, which reuses them only after this stream's work
     return y
 
 
 def gemm_quantized(xq: torch.Tensor, x_scales: torch.Tensor, w: "PackedWeight", bias: Optional[torch.Tensor] = None,
                    out: Optional[torch.Tensor] = None, activation: Optional[str] = None,
-                   spec: Optional[Fp8GemmSpec] = None) -> torch.Tensor:
+                   spec: Optional[Fp8GemmSpec] = None, splits: Optional[int] = None) -> torch.Tensor:
     """The e4m3 GEMM alone, on activations already quantized by :func:`quantize_fp8` (a producer
     that writes them itself, or a benchmark that times the GEMM apart).
 
@@ -381,6 +392,13 @@ def gemm_quantized(xq: torch.Tensor, x_scales: torch.Tensor, w: "PackedWeight", 
         float32 ``[M]``, contiguous.
     w, bias, out, activation, spec
         As :func:`gemm_fp8`; the output is in w's dtype.
+    splits : int, optional
+        The split-K factor, 1 to :data:`mixgemm.dispatch.heuristic.FP8_MAX_SPLITS` (1: whole
+        output tiles); more than 1 needs a stream-K kernel (``fp8_gemm_spec(..., splits=...)``).
+        Default: the heuristic's (:func:`mixgemm.dispatch.heuristic.fp8_launch`) with ``spec``
+        None; 1 for a persistent ``spec``; for a stream-K one, the heuristic's split for its token
+        tile. The splits' partial sums are added in k order, so a given launch gives the same
+        result every time; another split factor may round differently.
 
     Returns
     -------
@@ -407,10 +425,10 @@ def gemm_quantized(xq: torch.Tensor, x_scales: torch.Tensor, w: "PackedWeight", 
                               or t.device != w.device or not t.is_contiguous() or t.data_ptr() % 16):
             raise ValueError(f"{name} must be a contiguous, 16-byte aligned {w.dtype} tensor of shape "
                              f"{list(shape)} on {w.device}")
-    spec = _checked_spec(spec, w, activation, m, xq.get_device())
+    spec, splits = _checked_launch(spec, splits, w, activation, m, xq.get_device())
     y = out if out is not None else torch.empty((m, _n_out(w, activation)), dtype=w.dtype, device=xq.device)
     if m:
-        _launch_gemm(spec, w, xq, x_scales, bias, y, activation)
+        _launch_gemm(spec, splits, w, xq, x_scales, bias, y, activation)
     return y
 
 
@@ -418,10 +436,29 @@ def _n_out(w: "PackedWeight", activation: Optional[str]) -> int:
     return w.n // 2 if activation == "swiglu" else w.n
 
 
-def _checked_spec(spec: Optional[Fp8GemmSpec], w: "PackedWeight", activation: Optional[str], m: int,
-                  device_index: int) -> Fp8GemmSpec:
+def _checked_launch(spec: Optional[Fp8GemmSpec], splits: Optional[int], w: "PackedWeight",
+                    activation: Optional[str], m: int, device_index: int) -> tuple[Fp8GemmSpec, int]:
+    """The kernel and split factor of a call: the ones given, checked, or the heuristic's."""
+    if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
+                               or not 1 <= splits <= heuristic.FP8_MAX_SPLITS):
+        raise ValueError(f"splits must be an int from 1 to {heuristic.FP8_MAX_SPLITS}, got {splits!r}")
     if spec is None:
-        return select_fp8_spec(m, w, activation, heuristic.sm_count(device_index))
+        picked, best = select_fp8_launch(m, w, activation, heuristic.sm_count(device_index))
+        if splits is None:
+            return picked, best
+        return fp8_gemm_spec(w.act_type, w.weight_type, activation, picked.tile_n, splits), splits
+    spec = _checked_spec(spec, w, activation)
+    if spec.scheduler is not Scheduler.STREAMK:
+        if splits is not None and splits > 1:
+            raise ValueError(f"kernel {spec.name} launches whole output tiles; splits={splits} takes the "
+                             f"stream-K kernel (fp8_gemm_spec(..., splits={splits}))")
+        return spec, 1
+    if splits is None:
+        splits = heuristic.fp8_launch(m, w.n, w.k, heuristic.sm_count(device_index), (spec.tile_n,))[1]
+    return spec, splits
+
+
+def _checked_spec(spec: Fp8GemmSpec, w: "PackedWeight", activation: Optional[str]) -> Fp8GemmSpec:
     if not isinstance(spec, Fp8GemmSpec):
         raise TypeError(f"spec must be an Fp8GemmSpec, got {type(spec).__name__}")
     if spec.act is not w.act_type or spec.weight is not w.weight_type:
@@ -433,16 +470,20 @@ def _checked_spec(spec: Optional[Fp8GemmSpec], w: "PackedWeight", activation: Op
     return spec
 
 
-def _launch_gemm(spec: Fp8GemmSpec, w: "PackedWeight", xq: torch.Tensor, xs: torch.Tensor,
+def _launch_gemm(spec: Fp8GemmSpec, splits: int, w: "PackedWeight", xq: torch.Tensor, xs: torch.Tensor,
                  bias: Optional[torch.Tensor], y: torch.Tensor, activation: Optional[str]) -> None:
+    """One launch of ``spec`` with ``splits``: a split launch takes its workspace and zeroed locks
+    from the stream's buffers (:data:`mixgemm.dispatch.plans.WORKSPACES`, :data:`~mixgemm.dispatch.plans.LOCKS`),
+    or under a CUDA-graph capture from the graph's pool for this launch only."""
     m = xq.shape[0]
     kernel = loader.KERNELS.get(spec, xq.device)
     args = driver.Fp8GemmArgs()
     a = args.gemm
     a.abi_version = driver.ABI_VERSION
     a.m, a.n, a.k, a.group_size = m, w.n, w.k, w.group_size
-    a.sm_count = heuristic.sm_count(xq.get_device())
-    a.splits, a.raster, a.swizzle = 0, 0, 1
+    index = xq.get_device()
+    a.sm_count = heuristic.sm_count(index)
+    a.splits, a.raster, a.swizzle = splits, 0, 1
     a.activation = Activation(activation or "none").abi
     a.weight, a.scales = w.qdata.data_ptr(), w.scales.data_ptr()
     a.zeros = 0 if w.zeros is None else w.zeros.data_ptr()
@@ -450,5 +491,14 @@ def _launch_gemm(spec: Fp8GemmSpec, w: "PackedWeight", xq: torch.Tensor, xs: tor
     a.bias = 0 if bias is None else bias.data_ptr()
     a.y, a.ldy = y.data_ptr(), _n_out(w, activation)
     args.x_scales = xs.data_ptr()
+    stream = driver.current_stream(index)
+    held: list = []
+    ws_bytes, lock_bytes = kernel.helper.memory_fp8(args)
+    capturing = driver.capturing()
+    if ws_bytes:
+        a.workspace = plans.launch_memory(plans.WORKSPACES, xq.device, index, stream, ws_bytes, capturing, held)[0]
+    if lock_bytes:
+        a.locks = plans.launch_memory(plans.LOCKS, xq.device, index, stream, lock_bytes, capturing, held)[0]
     params, launch = kernel.helper.prepare_fp8(args)
-    loader.launch_prepared(kernel, params, launch)
+    loader.launch_prepared(kernel, params, launch, stream)
+    # `held` may go now: torch's allocator reuses its memory only in stream order
