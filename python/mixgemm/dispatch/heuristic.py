@@ -225,9 +225,10 @@ def fp8_launch(m: int, n: int, k: int, sm_count: int = DEFAULT_SM_COUNT,
     (``_FP8_TILE_TIME``), so the launch that runs fewest k-tiles one after another on an SM wins:
     its waves (output tiles x splits over the SMs, rounded up) times the k-tiles of a split,
     plus what the splits' reduction adds (``_FP8_SPLIT_WAVE_COST`` per wave and
-    ``_FP8_SPLIT_LINK_COST`` per link of the chain). Few
-    tokens on few weight rows leave most SMs idle without splits; many tokens fill them with
-    whole tiles. The least estimate wins; of equals, fewer splits, then the wider tile.
+    ``_FP8_SPLIT_LINK_COST`` per link of the chain). Few tokens on few weight rows leave most SMs
+    idle without splits, and a long K gives the splits k-tiles enough to pay for their reduction;
+    many tokens fill the SMs with whole tiles. The least estimate wins; of equals, fewer splits,
+    then the wider tile.
     ``token_tiles``: the tiles to choose from (one: the best split for that tile)."""
     row_tiles = -(-n // FP8_TILE[0])
     k_tiles = -(-k // FP8_TILE[2])
