@@ -523,32 +523,67 @@ at::Tensor rotary_kv_cache_cuda(at::Tensor const& qkv, at::Tensor const& cos, at
 
 
 // aten::_flash_attention_forward through its schema, by argument name (its C++ signature differs
-// between torch versions; the arguments used here are in every version that has seqused_k).
+// between torch versions; the arguments used here are in every version that has seqused_k). The
+// schema's arguments are matched to what each one takes once, on the first call.
+namespace flash {
+
+enum class Arg : uint8_t { kQuery, kKey, kValue, kCumQ, kCumK, kMaxQ, kMaxK, kDropout, kFalse, kScale, kSeqUsedK,
+                           kDefault };
+
+struct Plan {
+  c10::OperatorHandle op;
+  std::vector<Arg> args;             // what each schema argument takes, in order
+  std::vector<c10::IValue> defaults; // the schema's default where args[i] is kDefault
+};
+
+inline Plan make_plan() {
+  Plan plan{c10::Dispatcher::singleton().findSchemaOrThrow("aten::_flash_attention_forward", ""), {}, {}};
+  for (auto const& a : plan.op.schema().arguments()) {
+    std::string const& name = a.name();
+    Arg kind = Arg::kDefault;
+    if (name == "query") kind = Arg::kQuery;
+    else if (name == "key") kind = Arg::kKey;
+    else if (name == "value") kind = Arg::kValue;
+    else if (name == "cum_seq_q") kind = Arg::kCumQ;
+    else if (name == "cum_seq_k") kind = Arg::kCumK;
+    else if (name == "max_q") kind = Arg::kMaxQ;
+    else if (name == "max_k") kind = Arg::kMaxK;
+    else if (name == "dropout_p") kind = Arg::kDropout;
+    else if (name == "is_causal" || name == "return_debug_mask") kind = Arg::kFalse;
+    else if (name == "scale") kind = Arg::kScale;
+    else if (name == "seqused_k") kind = Arg::kSeqUsedK;
+    else TORCH_CHECK(a.default_value().has_value(), "mixgemm::decode_layer: aten::_flash_attention_forward has an "
+                     "argument '", name, "' without a default");
+    plan.args.push_back(kind);
+    plan.defaults.push_back(kind == Arg::kDefault ? *a.default_value() : c10::IValue());
+  }
+  return plan;
+}
+
+}  // namespace flash
+
 at::Tensor flash_by_length(at::Tensor const& q, at::Tensor const& k, at::Tensor const& v, at::Tensor const& q_offsets,
                            at::Tensor const& k_offsets, int64_t slots, double scale, at::Tensor const& lengths) {
-  static c10::OperatorHandle const op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("aten::_flash_attention_forward", "");
+  static flash::Plan const plan = flash::make_plan();
   std::vector<c10::IValue> stack;
-  auto const& arguments = op.schema().arguments();
-  stack.reserve(arguments.size());
-  for (auto const& a : arguments) {
-    std::string const& name = a.name();
-    if (name == "query") stack.emplace_back(q);
-    else if (name == "key") stack.emplace_back(k);
-    else if (name == "value") stack.emplace_back(v);
-    else if (name == "cum_seq_q") stack.emplace_back(q_offsets);
-    else if (name == "cum_seq_k") stack.emplace_back(k_offsets);
-    else if (name == "max_q") stack.emplace_back(int64_t(1));
-    else if (name == "max_k") stack.emplace_back(slots);
-    else if (name == "dropout_p") stack.emplace_back(0.0);
-    else if (name == "is_causal" || name == "return_debug_mask") stack.emplace_back(false);
-    else if (name == "scale") stack.emplace_back(scale);
-    else if (name == "seqused_k") stack.emplace_back(lengths);
-    else if (a.default_value().has_value()) stack.push_back(*a.default_value());
-    else TORCH_CHECK(false, "mixgemm::decode_layer: aten::_flash_attention_forward has an argument '", name,
-                     "' without a default");
+  stack.reserve(plan.args.size());
+  for (size_t i = 0; i < plan.args.size(); ++i) {
+    switch (plan.args[i]) {
+      case flash::Arg::kQuery: stack.emplace_back(q); break;
+      case flash::Arg::kKey: stack.emplace_back(k); break;
+      case flash::Arg::kValue: stack.emplace_back(v); break;
+      case flash::Arg::kCumQ: stack.emplace_back(q_offsets); break;
+      case flash::Arg::kCumK: stack.emplace_back(k_offsets); break;
+      case flash::Arg::kMaxQ: stack.emplace_back(int64_t(1)); break;
+      case flash::Arg::kMaxK: stack.emplace_back(slots); break;
+      case flash::Arg::kDropout: stack.emplace_back(0.0); break;
+      case flash::Arg::kFalse: stack.emplace_back(false); break;
+      case flash::Arg::kScale: stack.emplace_back(scale); break;
+      case flash::Arg::kSeqUsedK: stack.emplace_back(lengths); break;
+      case flash::Arg::kDefault: stack.push_back(plan.defaults[i]); break;
+    }
   }
-  op.callBoxed(&stack);
+  plan.op.callBoxed(&stack);
   return stack[0].toTensor();
 }
 
