@@ -350,8 +350,9 @@ class _Fp8Helper:
         self.given = []
 
     def memory_fp8(self, args):
-        """A split launch's workspace and lock bytes (whole tiles: none)."""
-        return (4096 * args.gemm.splits, 64) if args.gemm.splits > 1 else (0, 0)
+        """A split launch's workspace and lock bytes; a whole-tile kernel is never asked."""
+        assert "_streamk" in self.name, f"{self.name} launches whole tiles: no workspace to ask for"
+        return 4096 * args.gemm.splits, 64
 
     def prepare_fp8(self, args):
         self.given.append(driver.Fp8GemmArgs.from_buffer_copy(args))

@@ -493,12 +493,13 @@ def _launch_gemm(spec: Fp8GemmSpec, splits: int, w: "PackedWeight", xq: torch.Te
     args.x_scales = xs.data_ptr()
     stream = driver.current_stream(index)
     held: list = []
-    ws_bytes, lock_bytes = kernel.helper.memory_fp8(args)
-    capturing = driver.capturing()
-    if ws_bytes:
-        a.workspace = plans.launch_memory(plans.WORKSPACES, xq.device, index, stream, ws_bytes, capturing, held)[0]
-    if lock_bytes:
-        a.locks = plans.launch_memory(plans.LOCKS, xq.device, index, stream, lock_bytes, capturing, held)[0]
+    if spec.scheduler is Scheduler.STREAMK:   # (a whole-tile kernel needs neither)
+        ws_bytes, lock_bytes = kernel.helper.memory_fp8(args)
+        capturing = driver.capturing()
+        if ws_bytes:
+            a.workspace = plans.launch_memory(plans.WORKSPACES, xq.device, index, stream, ws_bytes, capturing, held)[0]
+        if lock_bytes:
+            a.locks = plans.launch_memory(plans.LOCKS, xq.device, index, stream, lock_bytes, capturing, held)[0]
     params, launch = kernel.helper.prepare_fp8(args)
     loader.launch_prepared(kernel, params, launch, stream)
     # `held` may go now: torch's allocator reuses its memory only in stream order
