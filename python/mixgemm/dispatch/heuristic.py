@@ -215,6 +215,7 @@ FP8_MAX_SPLITS = 8
 _FP8_MIN_SPLIT_KTILES = 2
 
 
+@functools.lru_cache(maxsize=4096)   # (a pure function of its arguments, asked on every e4m3 call)
 def fp8_launch(m: int, n: int, k: int, sm_count: int = DEFAULT_SM_COUNT,
                token_tiles: tuple = FP8_TOKEN_TILES) -> tuple[int, int]:
     """The token tile (``tile_n``, one of :data:`mixgemm.jit.catalog.FP8_TOKEN_TILES`) and the

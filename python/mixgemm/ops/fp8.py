@@ -299,6 +299,7 @@ def fp8_problem(w: "PackedWeight") -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)   # (few kernels; asked on every e4m3 call)
 def fp8_gemm_spec(act: ActType, weight_type: WeightType, activation: Optional[str] = None,
                   tile_n: int = FP8_TOKEN_TILES[0], splits: int = 1) -> Fp8GemmSpec:
     """The e4m3 GEMM kernel for ``act`` outputs (and scales), ``weight_type`` codes, a token
